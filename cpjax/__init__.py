@@ -1,0 +1,1 @@
+"""cpjax: calibration-aware training and calibration-guided sample prioritization in JAX."""

@@ -1,0 +1,69 @@
+"""Config validation: bad values are named with the valid choices, before any work."""
+
+import time
+
+import pytest
+
+from configs import cifar10, cifar100, default, fashion_mnist
+from cpjax import config_validation
+from tests.helpers import tiny_config
+
+
+@pytest.mark.parametrize("module", [default, cifar10, cifar100, fashion_mnist])
+def test_shipped_configs_are_valid(module):
+  config_validation.validate(module.get_config())
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("model.name", "resnet19", "valid choices: resnet110, resnet18"),
+    ("dataset.name", "imagenet", "valid choices: cifar10, cifar100, digits"),
+    ("loss.name", "focal_typo", "config.loss.name: got 'focal_typo'"),
+    ("loss.reduction", "median", "valid choices: mean, sum"),
+    ("optimizer.schedule", "linear", "valid choices: constant, cosine, multistep"),
+    ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate: must be in (0.0"),
+    ("optimizer.learning_rate", float("nan"), "must be finite"),
+    ("optimizer.momentum", 1.5, "config.optimizer.momentum: must be in [0.0, 1.0], got 1.5"),
+    ("num_epochs", 0, "config.num_epochs: must be in [1, None], got 0"),
+    ("batch_size", "64", "config.batch_size: must be an int, got '64'"),
+    ("dataset.flip", 1, "config.dataset.flip: must be True or False"),
+    ("optimizer.milestones", (250, 150), "must be increasing ints"),
+    ("dataset.val_size", 5000, "config.dataset.val_size=5000 must be below the train split size 1437"),
+    ("batch_size", 60, "config.batch_size=60 must be divisible by the device count 8"),
+])
+def test_bad_value_names_field_and_choices(field, value, expected):
+  with pytest.raises(config_validation.ConfigError) as info:
+    config_validation.validate(tiny_config(**{field: value}))
+  assert expected in str(info.value)
+
+
+def test_unknown_and_missing_fields_are_reported():
+  config = tiny_config()
+  config.unlock()
+  config.optimizer.lr = 0.1  # A typo of learning_rate.
+  del config.loss["reduction"]
+  with pytest.raises(config_validation.ConfigError) as info:
+    config_validation.validate(config)
+  message = str(info.value)
+  assert "config.optimizer.lr: unknown field" in message
+  assert "optimizer.learning_rate" in message  # The known fields are listed.
+  assert "config.loss.reduction: missing" in message
+
+
+def test_every_problem_is_reported_at_once():
+  config = tiny_config(**{"model.name": "nope", "num_epochs": -1})
+  with pytest.raises(config_validation.ConfigError) as info:
+    config_validation.validate(config)
+  assert "config.model.name" in str(info.value) and "config.num_epochs" in str(info.value)
+
+
+def test_validation_fails_before_data_load(tmp_path):
+  from cpjax import train
+  # A dataset that cannot load (not prepared, no download) AND a bad model name:
+  # the config error must come first, fast, and leave no files behind.
+  config = tiny_config(**{"dataset.name": "cifar10", "dataset.data_dir": str(tmp_path / "none"),
+                          "model.name": "nope"})
+  start = time.time()
+  with pytest.raises(config_validation.ConfigError, match="model.name"):
+    train.train_and_evaluate(config, str(tmp_path / "workdir"))
+  assert time.time() - start < 5
+  assert not (tmp_path / "workdir").exists()
