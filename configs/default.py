@@ -29,6 +29,22 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss = ml_collections.ConfigDict()
   config.loss.name = "cross_entropy"  # One of cpjax.losses.LOSSES.
   config.loss.reduction = "mean"  # Batch reduction of the per-example loss: mean or sum.
+  config.loss.mixup_alpha = 0.0  # Mixup Beta(alpha, alpha) per batch; 0 = off (seed: 0.15).
+  config.loss.label_smoothing = 0.05  # label_smoothing: alpha.
+  config.loss.ls_convention = "uniform"  # label_smoothing: uniform (alpha/K) or off_target (alpha/(K-1)).
+  config.loss.focal_gamma = 3.0  # focal: fixed gamma (FL-3).
+  config.loss.gamma_boundaries = (100, 250)  # flsc531/flsc532: epochs where gamma steps down.
+  config.loss.mmce_lambda = 2.0  # mmce: weight of the MMCE penalty (focal-loss code).
+  config.loss.mmce_form = "code"  # mmce: code (reference normalisation) or nominal (paper).
+  config.loss.mmce_kernel_width = 0.4  # mmce: Laplacian kernel width.
+  config.loss.mbls_margin = 10.0  # mbls: logit-distance margin m.
+  config.loss.mbls_lambda = 0.1  # mbls: penalty weight.
+  config.loss.ecp_alpha = 0.1  # ecp: entropy-penalty weight.
+  config.loss.surrogate_lambda = 0.5  # ce_dece/ce_sece: weight of the surrogate.
+  config.loss.dece_bins = 15  # ce_dece: soft bins M.
+  config.loss.dece_t_a = 100.0  # ce_dece: soft-rank temperature.
+  config.loss.dece_t_b = 0.01  # ce_dece: soft-binning temperature.
+  config.loss.sece_bandwidth = 0.05  # ce_sece: Gaussian kernel bandwidth h.
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = 0.05  # Peak (initial) learning rate.

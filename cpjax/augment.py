@@ -45,3 +45,27 @@ def random_crop_flip(key: jax.Array, images: jax.Array, padding: int,
     do_flip = jax.random.bernoulli(flip_key, 0.5, (batch, 1, 1, 1))
     images = jnp.where(do_flip, images[:, :, ::-1], images)
   return images
+
+
+def mixup(key: jax.Array, images: jax.Array, targets: jax.Array,
+          alpha: float) -> tuple[jax.Array, jax.Array]:
+  """Mixup with one lambda and one permutation per batch (spec §2.3; Zhang et al. 2018).
+
+  lambda ~ Beta(alpha, alpha) (lambda = 1 if alpha <= 0), pi a random
+  permutation: x~ = lambda x + (1 - lambda) x[pi], t~ = lambda t + (1 - lambda) t[pi].
+  CE against t~ equals lambda CE(y) + (1 - lambda) CE(y[pi]) of the reference.
+
+  Args:
+    key: PRNG key for this batch.
+    images: float [B, H, W, C], normalised (mixing follows augmentation).
+    targets: probability targets [B, K] (one-hot for hard labels).
+    alpha: Beta concentration.
+
+  Returns:
+    (mixed images, mixed targets).
+  """
+  lam_key, perm_key = jax.random.split(key)
+  lam = jax.random.beta(lam_key, alpha, alpha) if alpha > 0 else jnp.float32(1.0)
+  perm = jax.random.permutation(perm_key, images.shape[0])
+  mix = lambda x: lam.astype(x.dtype) * x + (1 - lam).astype(x.dtype) * x[perm]
+  return mix(images), mix(targets)

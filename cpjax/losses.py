@@ -1,13 +1,19 @@
 """Per-example training losses with an optax-style signature, and their registry.
 
-Every loss is `loss(logits [B, K], labels [B] int or [B, K] probabilities,
-**hyper) -> [B]`, a pure function. `get_loss(config.loss)` binds the config's
-hyper-parameters; hyper-parameters that change during training (a scheduled
-focal gamma) are passed per call by the train step.
+Every loss is `loss(logits [B, K], labels, **hyper) -> [B]`, a pure function;
+`labels` are integer class ids [B], or probability targets [B, K] where the
+loss allows them (mixup). Batch-level penalties (MMCE, DECE, s-ECE) are
+computed over the whole global batch and added to every example's loss, so
+the mean (or sum) over the batch is the sources' objective. Formulas, defaults
+and check values: ../shared/methods-spec.md §2. `get_loss(config.loss)` binds
+the config's hyper-parameters; epoch-dependent ones (a scheduled focal gamma)
+come from `scheduled_hparams` and are passed per call by the train step.
 """
 
 from collections.abc import Callable
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -15,10 +21,13 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from cpjax import calibration_surrogates as surrogates
+
 LossFn = Callable[..., jax.Array]
+sg = jax.lax.stop_gradient
 
 
-def _as_targets(labels: jax.Array, num_classes: int) -> jax.Array:
+def _targets(labels: jax.Array, num_classes: int) -> jax.Array:
   """Integer class ids [B] -> one-hot [B, K]; probability targets pass through."""
   if labels.ndim == 1:
     return jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
@@ -26,28 +35,219 @@ def _as_targets(labels: jax.Array, num_classes: int) -> jax.Array:
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """CE_i = -sum_k t_ik log softmax(z_i)_k (spec §2.1); labels int or soft."""
+  """CE_i = -sum_k t_ik log softmax(z_i)_k (spec §2.1), from optax."""
   if labels.ndim == 1:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   return optax.softmax_cross_entropy(logits, labels)
 
 
-LOSSES: dict[str, LossFn] = {
-    "cross_entropy": cross_entropy,
+def label_smoothing(logits: jax.Array, labels: jax.Array, alpha: float,
+                    convention: str = "uniform") -> jax.Array:
+  """CE against smoothed targets (spec §2.2; Szegedy et al. 2016).
+
+  uniform (PyTorch, seed, MbLS): t = (1 - alpha) onehot(y) + alpha / K.
+  off_target (focal-loss paper): t_y = 1 - alpha, t_k = alpha / (K - 1), k != y.
+  """
+  num_classes = logits.shape[-1]
+  onehot = _targets(labels, num_classes)
+  if convention == "uniform":
+    targets = (1.0 - alpha) * onehot + alpha / num_classes
+  else:
+    targets = (1.0 - alpha) * onehot + alpha / (num_classes - 1) * (1.0 - onehot)
+  return optax.softmax_cross_entropy(logits, targets)
+
+
+def _power(x: jax.Array, gamma: jax.Array) -> jax.Array:
+  """x ** gamma for x in [0, 1], with finite gradients for every gamma >= 0.
+
+  d/dx x^g is infinite at x = 0 for g < 1 (and 0 * inf = NaN for g = 0), so
+  x = 0 takes the masked branch: 0 ** g = 0 for g > 0, 1 for g = 0.
+  """
+  safe = jnp.where(x > 0, x, 1.0)
+  return jnp.where(x > 0, safe ** gamma, jnp.where(gamma == 0, 1.0, 0.0))
+
+
+def focal_loss(logits: jax.Array, labels: jax.Array, gamma: float | jax.Array) -> jax.Array:
+  """FL_i = -(1 - p_iy)^gamma log p_iy (spec §2.4; Lin et al. 2017, Mukhoti et al. 2020).
+
+  1 - p is computed as -expm1(log p), exact where p rounds to 1 in float32.
+  The weight is not detached (as in the reference). gamma: scalar or [B].
+  gamma = 0 gives cross-entropy exactly.
+  """
+  log_pt = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], -1)[:, 0]
+  return -_power(-jnp.expm1(log_pt), jnp.asarray(gamma, log_pt.dtype)) * log_pt
+
+
+def focal_gradient_bound(p: float, gamma: float) -> float:
+  """g(p, gamma) = (1-p)^gamma - gamma p (1-p)^(gamma-1) log p (spec §2.4).
+
+  ||dFL/dw|| <= g(p, gamma) ||dCE/dw|| for last-layer weights (Mukhoti et al.
+  2020, Prop. 1): focal loss shrinks the gradient where g < 1.
+  """
+  return (1 - p) ** gamma - gamma * p * (1 - p) ** (gamma - 1) * math.log(p)
+
+
+def focal_gamma_threshold(p0: float) -> float:
+  """gamma*(p0): g(p, gamma) <= 1 for all p >= p0 once gamma >= gamma*(p0).
+
+  Proposition 2 of Mukhoti et al. 2020 (spec §2.6), with a = 1 - p0,
+  b = p0 log p0: gamma* = a/b + W_{-1}(-(a^(1 - a/b) / b) log a) / log a, W_{-1}
+  the lower branch of Lambert W (SciPy; never on the training path). The
+  1e-12 keeps the argument >= -1/e under round-off, as in the reference.
+  gamma*(0.2) = 4.8506 and gamma*(0.25) = 3.0702: hence FLSD's 5 and 3.
+  """
+  from scipy.special import lambertw
+  a, b = 1.0 - p0, p0 * math.log(p0)
+  arg = -(a ** (1.0 - a / b) / b) * math.log(a) + 1e-12
+  return a / b + float(lambertw(arg, k=-1).real) / math.log(a)
+
+
+def flsd_gamma(logits: jax.Array, labels: jax.Array, high_p_gamma: float) -> jax.Array:
+  """Sample-dependent focal gamma (spec §2.6; FLSD-53 / FLSD-532 of Mukhoti et al.).
+
+  gamma_i = 5 if p_iy < 0.2, 3 if p_iy < 0.5, else `high_p_gamma` (3 for
+  FLSD-53, 2 for FLSD-532); chosen from stop_gradient(p_iy), strict "<".
+  """
+  pt = sg(jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], -1)[:, 0]))
+  return jnp.where(pt < 0.2, 5.0, jnp.where(pt < 0.5, 3.0, high_p_gamma))
+
+
+def flsd_loss(logits: jax.Array, labels: jax.Array, high_p_gamma: float) -> jax.Array:
+  """Focal loss with the FLSD sample-dependent gamma (`flsd_gamma`)."""
+  return focal_loss(logits, labels, flsd_gamma(logits, labels, high_p_gamma))
+
+
+def brier_score(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Brier_i = sum_k (p_ik - t_ik)^2 (spec §2.7; Brier 1950)."""
+  probs = jax.nn.softmax(logits)
+  return jnp.sum((probs - _targets(labels, logits.shape[-1])) ** 2, axis=-1)
+
+
+def mbls_penalty(logits: jax.Array, margin: float) -> jax.Array:
+  """mean_k ReLU(max_j z_ij - z_ik - margin) per example (spec §2.9; Liu et al. 2022)."""
+  distances = jnp.max(logits, axis=-1, keepdims=True) - logits
+  return jnp.mean(jax.nn.relu(distances - margin), axis=-1)
+
+
+def mbls_loss(logits: jax.Array, labels: jax.Array, margin: float, lam: float) -> jax.Array:
+  """Margin-based label smoothing: CE_i + lam * mean_k ReLU(d_ik - m) (spec §2.9)."""
+  return cross_entropy(logits, labels) + lam * mbls_penalty(logits, margin)
+
+
+def ecp_loss(logits: jax.Array, labels: jax.Array, alpha: float) -> jax.Array:
+  """Explicit confidence penalty: CE_i - alpha * mean_k(-p_ik log p_ik) (Pereyra et al. 2017).
+
+  As the MbLS code's baseline: p clamped to [1e-10, 1 - 1e-10] inside the log.
+  """
+  probs = jax.nn.softmax(logits)
+  clamped = jnp.clip(probs, 1e-10, 1.0 - 1e-10)
+  return cross_entropy(logits, labels) - alpha * jnp.mean(-probs * jnp.log(clamped), axis=-1)
+
+
+def _with_batch_penalty(logits: jax.Array, labels: jax.Array, penalty: jax.Array,
+                        lam: float) -> jax.Array:
+  """CE_i + lam * (one batch-level penalty), so mean_i = mean CE + lam * penalty."""
+  return cross_entropy(logits, labels) + lam * penalty
+
+
+def mmce_loss(logits: jax.Array, labels: jax.Array, lam: float, form: str,
+              kernel_width: float) -> jax.Array:
+  """CE + lam * weighted MMCE (spec §2.8; Kumar et al. 2018)."""
+  penalty = surrogates.mmce_weighted(logits, labels, kernel_width, form)
+  return _with_batch_penalty(logits, labels, penalty, lam)
+
+
+def ce_dece_loss(logits, labels, lam: float, num_bins: int, t_a: float, t_b: float):
+  """CE + lam * DECE (spec §2.10, §9.19: our reading of [MR]'s "CE-DECE")."""
+  return _with_batch_penalty(logits, labels, surrogates.dece(logits, labels, num_bins, t_a, t_b), lam)
+
+
+def ce_sece_loss(logits, labels, lam: float, bandwidth: float):
+  """CE + lam * s-ECE (spec §2.11, §9.19: "our SECE", our reading of "CE-SECE")."""
+  return _with_batch_penalty(logits, labels, surrogates.sece(logits, labels, bandwidth), lam)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """How a registered loss is built from `config.loss`."""
+  fn: LossFn
+  hparams: Callable[[ml_collections.ConfigDict], dict[str, Any]]  # Fixed hyper-parameters.
+  soft_targets: bool  # Accepts [B, K] probability targets (mixup).
+  gamma_schedule: tuple[float, ...] | None = None  # FLSc: gamma per schedule phase.
+
+
+LOSSES: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(cross_entropy, lambda c: {}, True),
+    "label_smoothing": LossSpec(label_smoothing, lambda c: {
+        "alpha": c.label_smoothing, "convention": c.ls_convention}, True),
+    "focal": LossSpec(focal_loss, lambda c: {"gamma": c.focal_gamma}, False),
+    "flsc531": LossSpec(focal_loss, lambda c: {}, False, gamma_schedule=(5.0, 3.0, 1.0)),
+    "flsc532": LossSpec(focal_loss, lambda c: {}, False, gamma_schedule=(5.0, 3.0, 2.0)),
+    "flsd53": LossSpec(flsd_loss, lambda c: {"high_p_gamma": 3.0}, False),
+    "flsd532": LossSpec(flsd_loss, lambda c: {"high_p_gamma": 2.0}, False),
+    "brier": LossSpec(brier_score, lambda c: {}, True),
+    "mmce": LossSpec(mmce_loss, lambda c: {"lam": c.mmce_lambda, "form": c.mmce_form,
+                                           "kernel_width": c.mmce_kernel_width}, False),
+    "mbls": LossSpec(mbls_loss, lambda c: {"margin": c.mbls_margin, "lam": c.mbls_lambda}, True),
+    "ecp": LossSpec(ecp_loss, lambda c: {"alpha": c.ecp_alpha}, True),
+    "ce_dece": LossSpec(ce_dece_loss, lambda c: {"lam": c.surrogate_lambda, "num_bins": c.dece_bins,
+                                                 "t_a": c.dece_t_a, "t_b": c.dece_t_b}, False),
+    "ce_sece": LossSpec(ce_sece_loss, lambda c: {"lam": c.surrogate_lambda,
+                                                 "bandwidth": c.sece_bandwidth}, False),
 }
+
+
+def scheduled_hparams(config: ml_collections.ConfigDict, epoch: int) -> dict[str, float]:
+  """Epoch-dependent loss hyper-parameters (FLSc gamma, spec §2.5), else {}.
+
+  gamma = g1 for epoch < b1, g2 for b1 <= epoch < b2, g3 after
+  (`config.gamma_boundaries`, (100, 250) for the 350-epoch CIFAR recipe).
+  """
+  schedule = LOSSES[config.name].gamma_schedule
+  if schedule is None:
+    return {}
+  phase = sum(epoch >= b for b in config.gamma_boundaries)
+  return {"gamma": schedule[phase]}
+
+
+def get_loss(config: ml_collections.ConfigDict) -> LossFn:
+  """Binds `config.loss`'s fixed hyper-parameters: fn(logits, labels, **scheduled) -> [B]."""
+  spec = LOSSES[config.name]
+  return functools.partial(spec.fn, **spec.hparams(config))
 
 
 def loss_schema() -> dict[str, Any]:
   """Config checks of the loss hyper-parameter fields (`loss.*`)."""
-  return {}
+  from cpjax import config_validation as cv
+  return {
+      "loss.label_smoothing": cv.number(0.0, 1.0),
+      "loss.ls_convention": cv.choice(["uniform", "off_target"]),
+      "loss.focal_gamma": cv.number(0.0, 20.0),
+      "loss.gamma_boundaries": cv.int_sequence(1),
+      "loss.mmce_lambda": cv.number(0.0),
+      "loss.mmce_form": cv.choice(["code", "nominal"]),
+      "loss.mmce_kernel_width": cv.number(0.0, low_open=True),
+      "loss.mbls_margin": cv.number(0.0),
+      "loss.mbls_lambda": cv.number(0.0),
+      "loss.ecp_alpha": cv.number(0.0),
+      "loss.surrogate_lambda": cv.number(0.0),
+      "loss.dece_bins": cv.integer(1, 1000),
+      "loss.dece_t_a": cv.number(0.0, low_open=True),
+      "loss.dece_t_b": cv.number(0.0, low_open=True),
+      "loss.sece_bandwidth": cv.number(0.0, low_open=True),
+      "loss.mixup_alpha": cv.number(0.0),
+  }
 
 
 def cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Problems that involve the loss and other config fields."""
-  del config
-  return []
-
-
-def get_loss(config: ml_collections.ConfigDict) -> LossFn:
-  """Binds `config.loss` hyper-parameters: returns fn(logits, labels, **scheduled)."""
-  return functools.partial(LOSSES[config.name])
+  spec = LOSSES[config.loss.name]
+  problems = []
+  if config.loss.mixup_alpha > 0 and not spec.soft_targets:
+    soft = sorted(name for name, s in LOSSES.items() if s.soft_targets)
+    problems.append(f"config.loss.mixup_alpha={config.loss.mixup_alpha} needs a loss that takes "
+                    f"probability targets, not {config.loss.name!r}; valid: {', '.join(soft)}")
+  if spec.gamma_schedule and len(config.loss.gamma_boundaries) != len(spec.gamma_schedule) - 1:
+    problems.append(f"config.loss.gamma_boundaries={config.loss.gamma_boundaries} must hold "
+                    f"{len(spec.gamma_schedule) - 1} epochs for {config.loss.name}")
+  return problems

@@ -48,27 +48,37 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
   return jax.jit(init, out_shardings=sharding.replicated(mesh))()
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: jax.Array, *,
-               model: nn.Module, tx: optax.GradientTransformation, loss_fn: losses.LossFn,
+def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: jax.Array,
+               loss_hparams: dict[str, jax.Array], *, model: nn.Module,
+               tx: optax.GradientTransformation, loss_fn: losses.LossFn,
                config: ml_collections.ConfigDict) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One SGD step on a global batch: augment, forward, loss, backward, update.
+  """One SGD step on a global batch: augment, (mixup,) forward, loss, backward, update.
+
+  Args:
+    state: the replicated train state (donated).
+    batch: global batch of image, label, id, mask.
+    learning_rate: this epoch's learning rate.
+    loss_hparams: this epoch's scheduled loss hyper-parameters (may be empty).
 
   Returns:
     The new state and summable metrics of this batch (loss and correct sums,
     example count, and the step if its loss was not finite).
   """
   spec = input_pipeline.DATASETS[config.dataset.name]
-  key = jax.random.fold_in(state.rng, state.step)
-  images = augment.random_crop_flip(key, batch["image"], config.dataset.crop_padding,
+  crop_key, mix_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
+  images = augment.random_crop_flip(crop_key, batch["image"], config.dataset.crop_padding,
                                     config.dataset.flip)
   images = augment.normalize(images, spec.mean, spec.std)
-  mask = batch["mask"]
+  targets, mask = batch["label"], batch["mask"]
+  if config.loss.mixup_alpha > 0:
+    targets = jax.nn.one_hot(targets, spec.num_classes)
+    images, targets = augment.mixup(mix_key, images, targets, config.loss.mixup_alpha)
 
   def objective(params):
     (logits, _), updates = model.apply(
         {"params": params, "batch_stats": state.batch_stats}, images, train=True,
         mutable=["batch_stats"])
-    per_example = loss_fn(logits, batch["label"])
+    per_example = loss_fn(logits, targets, **loss_hparams)
     total = jnp.sum(per_example * mask)
     loss = total if config.loss.reduction == "sum" else total / jnp.sum(mask)
     return loss, (logits, per_example, updates["batch_stats"])
@@ -147,12 +157,13 @@ def train_epoch(train_fn, state, split, epoch, config, mesh, report, checkpoint_
   order = input_pipeline.epoch_order(config.seed, epoch, np.arange(len(split)), config.batch_size)
   rows = sharding.process_rows(mesh, config.batch_size)
   learning_rate = np.float32(optim.learning_rate_at(config.optimizer, epoch, config.num_epochs))
+  loss_hparams = {k: np.float32(v) for k, v in losses.scheduled_hparams(config.loss, epoch).items()}
   epoch_start_step = int(jax.device_get(state.step))
   totals = None
   for i, batch_rows in enumerate(order):
     batch = sharding.to_global(mesh, input_pipeline.batch_at(split, batch_rows[rows]),
                                config.batch_size)
-    state, batch_metrics = train_fn(state, batch, learning_rate)
+    state, batch_metrics = train_fn(state, batch, learning_rate, loss_hparams)
     totals = batch_metrics if totals is None else _accumulate(totals, batch_metrics)
     report(epoch_start_step + i + 1)
     if (i + 1) % config.log_every_steps == 0:
@@ -161,7 +172,8 @@ def train_epoch(train_fn, state, split, epoch, config, mesh, report, checkpoint_
   totals = jax.device_get(totals)
   return state, {"train_loss": float(totals["loss_sum"] / totals["count"]),
                  "train_accuracy": float(totals["correct"] / totals["count"]),
-                 "learning_rate": float(learning_rate)}
+                 "learning_rate": float(learning_rate),
+                 **{k: float(v) for k, v in loss_hparams.items()}}
 
 
 def _check_workdir(workdir: str) -> None:

@@ -39,7 +39,7 @@ def test_train_step_lowers_the_loss_on_a_fixed_batch(digits):
   batch = sharding.to_global(mesh, input_pipeline.batch_at(digits["train"], np.arange(64)), 64)
   losses_seen = []
   for _ in range(60):
-    state, m = step(state, batch, np.float32(0.2))
+    state, m = step(state, batch, np.float32(0.2), {})
     losses_seen.append(float(m["loss_sum"] / m["count"]))
   assert np.mean(losses_seen[-5:]) < 0.6 * losses_seen[0]
   assert int(state.step) == 60
@@ -76,7 +76,7 @@ def test_full_train_step_matches_across_device_counts(digits):
     for i in range(3):
       rows = np.arange(64 * i, 64 * (i + 1))
       batch = sharding.to_global(mesh, input_pipeline.batch_at(digits["train"], rows), 64)
-      state, _ = step(state, batch, np.float32(0.05))
+      state, _ = step(state, batch, np.float32(0.05), {})
     params.append(jax.device_get(state.params))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), *params)
 

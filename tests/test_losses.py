@@ -1,0 +1,238 @@
+"""Losses against the spec's hand-worked values, NumPy references, finite differences."""
+
+import functools
+
+from hypothesis import given, settings, strategies as st
+import jax
+import jax.numpy as jnp
+from jax.test_util import check_grads
+import numpy as np
+import pytest
+from scipy.special import lambertw, log_softmax as np_log_softmax, softmax as np_softmax
+
+from cpjax import augment, calibration_surrogates as surr, config_validation, losses
+from tests.helpers import tiny_config
+
+Z = jnp.array([[2.0, 1.0, 0.0]])
+Y = jnp.array([0])
+MMCE_LOGITS = jnp.array([[3.0, 0, 0], [0, 2.0, 0], [1.0, 0, 0.5], [0, 0, 4.0]])
+MMCE_LABELS = jnp.array([0, 0, 0, 2])
+
+
+def test_spec_check_values_cross_entropy_and_label_smoothing():
+  assert losses.cross_entropy(Z, Y)[0] == pytest.approx(0.407606, abs=1e-5)
+  assert losses.label_smoothing(Z, Y, 0.1, "uniform")[0] == pytest.approx(0.507606, abs=1e-5)
+  assert losses.label_smoothing(Z, Y, 0.1, "off_target")[0] == pytest.approx(0.557606, abs=1e-5)
+
+
+@pytest.mark.parametrize("gamma, expected", [(0, 0.407606), (1, 0.136450), (2, 0.045678),
+                                             (3, 0.015291), (5, 0.001714)])
+def test_spec_check_values_focal(gamma, expected):
+  assert losses.focal_loss(Z, Y, gamma)[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_spec_check_values_brier_mbls_mmce_dece():
+  assert losses.brier_score(Z, Y)[0] == pytest.approx(0.180061, abs=1e-5)
+  z = jnp.array([[12.0, 0.0, 1.0]])
+  assert losses.mbls_penalty(z, 10.0)[0] == pytest.approx(1.0, abs=1e-6)
+  assert losses.mbls_loss(z, Y, 10.0, 0.1)[0] == pytest.approx(0.1000228, abs=1e-6)
+  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "code") == pytest.approx(0.751428, abs=1e-5)
+  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "nominal") == pytest.approx(0.691121, abs=1e-5)
+  assert surr.mmce_unweighted(MMCE_LOGITS, MMCE_LABELS, 0.4) == pytest.approx(0.024737, abs=1e-5)
+  assert surr.dece(MMCE_LOGITS, MMCE_LABELS) == pytest.approx(0.350997, abs=1e-5)
+
+
+def g_bound(p, gamma):
+  """Spec §2.4: g(p, gamma) = (1-p)^g - g p (1-p)^(g-1) log p."""
+  return (1 - p) ** gamma - gamma * p * (1 - p) ** (gamma - 1) * np.log(p)
+
+
+def gamma_star(p0):
+  """Spec §2.6 / Proposition 2 of Mukhoti et al., through Lambert W_{-1} (SciPy)."""
+  a, b = 1 - p0, p0 * np.log(p0)
+  return a / b + lambertw(-(a ** (1 - a / b) / b) * np.log(a) + 1e-12, k=-1).real / np.log(a)
+
+
+def test_focal_theory_values_and_lambert_w_thresholds():
+  for (p, g), want in {(0.2, 5): 0.98691, (0.2, 3): 1.13002, (0.5, 3): 0.38493,
+                       (0.5, 2): 0.59657}.items():
+    assert losses.focal_gradient_bound(p, g) == pytest.approx(want, abs=1e-5)
+    assert g_bound(p, g) == pytest.approx(want, abs=1e-5)
+  assert losses.focal_gamma_threshold(0.2) == pytest.approx(4.8506, abs=1e-4)
+  assert losses.focal_gamma_threshold(0.25) == pytest.approx(3.0702, abs=1e-4)
+  assert gamma_star(0.1) == pytest.approx(losses.focal_gamma_threshold(0.1), rel=1e-6)
+
+
+def test_flsd_gamma_thresholds_are_strict_and_detached():
+  pts = np.array([0.1, 0.19, 0.21, 0.49, 0.51, 0.9])  # Two classes: p_t as given.
+  logits = jnp.array(np.stack([np.log(pts), np.log(1 - pts)], -1), jnp.float32)
+  labels = jnp.zeros(6, jnp.int32)
+  np.testing.assert_array_equal(losses.flsd_gamma(logits, labels, 3.0), [5, 5, 3, 3, 3, 3])
+  np.testing.assert_array_equal(losses.flsd_gamma(logits, labels, 2.0), [5, 5, 3, 3, 2, 2])
+  # FLSD equals fixed-gamma focal with the chosen per-example gamma, in value and
+  # gradient: the gamma choice carries no gradient, the focal weight does.
+  gammas = losses.flsd_gamma(logits, labels, 3.0)
+  flsd = lambda z: jnp.sum(losses.flsd_loss(z, labels, 3.0))
+  fixed = lambda z: jnp.sum(losses.focal_loss(z, labels, gammas))
+  np.testing.assert_allclose(jax.grad(flsd)(logits), jax.grad(fixed)(logits), rtol=1e-6)
+
+
+def np_reference_losses(z, y, k):
+  """Plainly written NumPy versions (float64) of several losses."""
+  logp = np_log_softmax(z, -1)
+  p = np.exp(logp)
+  onehot = np.eye(k)[y]
+  ce = -logp[np.arange(len(y)), y]
+  ecp = ce - 0.1 * np.mean(-p * np.log(np.clip(p, 1e-10, 1 - 1e-10)), -1)
+  conf, correct = p.max(-1), (p.argmax(-1) == y).astype(float)
+  kern = np.exp(-(conf[:, None] - conf[None]) ** 2 / (2 * 0.05**2))
+  sece = np.mean(np.abs(kern @ correct / kern.sum(-1) - conf))
+  return {"ce": ce, "brier": ((p - onehot) ** 2).sum(-1), "ecp": ecp, "sece": sece}
+
+
+def test_losses_match_numpy_references():
+  rng = np.random.default_rng(0)
+  z = rng.normal(0, 3, (32, 5))
+  y = rng.integers(0, 5, 32)
+  ref = np_reference_losses(z, y, 5)
+  zj, yj = jnp.array(z, jnp.float32), jnp.array(y)
+  np.testing.assert_allclose(losses.cross_entropy(zj, yj), ref["ce"], rtol=1e-5)
+  np.testing.assert_allclose(losses.brier_score(zj, yj), ref["brier"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(losses.ecp_loss(zj, yj, 0.1), ref["ecp"], rtol=1e-5)
+  assert float(surr.sece(zj, yj, 0.05)) == pytest.approx(ref["sece"], rel=1e-4)
+
+
+LOSS_FNS = {
+    "cross_entropy": losses.cross_entropy,
+    "label_smoothing": functools.partial(losses.label_smoothing, alpha=0.1),
+    "focal_0.5": functools.partial(losses.focal_loss, gamma=0.5),
+    "focal_3": functools.partial(losses.focal_loss, gamma=3.0),
+    "flsd53": functools.partial(losses.flsd_loss, high_p_gamma=3.0),
+    "brier": losses.brier_score,
+    "mmce": functools.partial(losses.mmce_loss, lam=2.0, form="code", kernel_width=0.4),
+    "mmce_nominal": functools.partial(losses.mmce_loss, lam=2.0, form="nominal", kernel_width=0.4),
+    "mbls": functools.partial(losses.mbls_loss, margin=1.0, lam=0.1),
+    "ecp": functools.partial(losses.ecp_loss, alpha=0.1),
+    "ce_dece": functools.partial(losses.ce_dece_loss, lam=0.5, num_bins=15, t_a=100.0, t_b=0.01),
+    "ce_sece": functools.partial(losses.ce_sece_loss, lam=0.5, bandwidth=0.05),
+    # A wider kernel for the finite-difference test: at h = 0.05 float32 steps are too coarse.
+    "ce_sece_wide": functools.partial(losses.ce_sece_loss, lam=0.5, bandwidth=0.3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(LOSS_FNS) - {"ce_sece"}))
+def test_gradients_match_finite_differences(name):
+  z = jnp.array(np.random.default_rng(1).normal(0, 1, (6, 4)), jnp.float32)
+  y = jnp.array([0, 1, 2, 3, 0, 1])
+  fn = lambda logits: jnp.sum(LOSS_FNS[name](logits, y))
+  # DECE's sigmoid(100 x) and soft bins are steep: a small step and loose tolerance.
+  eps, tol = (1e-3, 5e-2) if name == "ce_dece" else (1e-2, 2e-2)
+  check_grads(fn, (z,), order=1, modes=["rev"], eps=eps, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_FNS))
+@pytest.mark.parametrize("margin", [50.0, 100.0])
+def test_extreme_margins_are_finite(name, margin):
+  z = jnp.array([[margin, 0.0, 0.0], [0.0, margin, 0.0], [0.0, 0.0, -margin]])
+  y = jnp.array([0, 0, 2])  # Confidently right, confidently wrong, uniform-ish.
+  value, grad = jax.value_and_grad(lambda l: jnp.sum(LOSS_FNS[name](l, y)))(z)
+  assert np.isfinite(value) and np.all(np.isfinite(grad))
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0, 3.0, 5.0])
+def test_focal_is_finite_at_probability_exactly_one(gamma):
+  z = jnp.array([[200.0, 0.0, 0.0]], jnp.float32)
+  assert float(jax.nn.softmax(z)[0, 0]) == 1.0  # p_t is exactly 1 in float32.
+  value, grad = jax.value_and_grad(lambda l: jnp.sum(losses.focal_loss(l, Y, gamma)))(z)
+  assert np.isfinite(value) and np.all(np.isfinite(grad))
+  assert float(value) == pytest.approx(0.0, abs=1e-30)
+
+
+def test_identities():
+  rng = np.random.default_rng(2)
+  z = jnp.array(rng.normal(0, 2, (16, 10)), jnp.float32)
+  y = jnp.array(rng.integers(0, 10, 16))
+  ce = losses.cross_entropy(z, y)
+  np.testing.assert_allclose(losses.label_smoothing(z, y, 0.0), ce, rtol=1e-6)
+  np.testing.assert_allclose(losses.focal_loss(z, y, 0.0), ce, rtol=1e-6)
+  np.testing.assert_allclose(losses.mbls_loss(z, y, 1e6, 0.1), ce, rtol=1e-6)
+  np.testing.assert_allclose(losses.cross_entropy(z, jax.nn.one_hot(y, 10)), ce, rtol=1e-6)
+  np.testing.assert_allclose(losses.brier_score(z, jax.nn.one_hot(y, 10)),
+                             losses.brier_score(z, y), rtol=1e-6)
+  images = jnp.array(rng.normal(0, 1, (16, 4, 4, 1)), jnp.float32)
+  targets = jax.nn.one_hot(y, 10)
+  mixed, mixed_t = augment.mixup(jax.random.PRNGKey(0), images, targets, 0.0)  # lambda = 1.
+  np.testing.assert_array_equal(mixed, images)
+  np.testing.assert_array_equal(mixed_t, targets)
+
+
+def test_mixup_mixes_pairs_with_one_lambda():
+  images = jax.random.normal(jax.random.PRNGKey(5), (8, 2, 2, 1))
+  targets = jnp.eye(8)  # Example i has its own class i: the targets reveal the pairing.
+  mixed, mixed_t = augment.mixup(jax.random.PRNGKey(3), images, targets, 0.4)
+  mixed_t = np.asarray(mixed_t)
+  lam = float(np.min(np.diag(mixed_t)))  # lam on the diagonal (1 where pi(i) = i).
+  assert 0 < lam < 1
+  partner = np.array([np.argmax(np.where(np.arange(8) == i, -1, row)) if row[i] < 1 else i
+                      for i, row in enumerate(mixed_t)])
+  np.testing.assert_array_equal(np.sort(partner), np.arange(8))  # One permutation.
+  np.testing.assert_allclose(mixed, lam * images + (1 - lam) * images[partner], atol=1e-6)
+  np.testing.assert_allclose(mixed_t.sum(-1), 1.0, rtol=1e-6)
+  # CE against the mixed targets = lam CE(y) + (1 - lam) CE(y_pi): the reference form.
+  z = jax.random.normal(jax.random.PRNGKey(4), (8, 8))
+  y = jnp.arange(8)
+  np.testing.assert_allclose(
+      losses.cross_entropy(z, jnp.asarray(mixed_t)),
+      lam * losses.cross_entropy(z, y) + (1 - lam) * losses.cross_entropy(z, y[partner]), rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.integers(2, 7), st.integers(0, 2**31 - 1), st.floats(0.1, 30.0))
+def test_property_non_negative_and_shape(batch, classes, seed, scale):
+  rng = np.random.default_rng(seed)
+  z = jnp.array(rng.normal(0, scale, (batch, classes)), jnp.float32)
+  y = jnp.array(rng.integers(0, classes, batch))
+  for name, fn in LOSS_FNS.items():
+    out = fn(z, y)
+    assert out.shape == (batch,), name
+    # ECP subtracts an entropy bonus: CE - 0.1 mean_k(-p log p) >= -0.1 log K / K.
+    floor = -0.1 * np.log(classes) / classes - 1e-6 if name == "ecp" else -1e-6
+    assert np.all(np.asarray(out) >= floor), name
+
+
+def test_flsc_gamma_schedule_by_epoch():
+  config = tiny_config(**{"loss.name": "flsc531"}).loss
+  assert [losses.scheduled_hparams(config, e)["gamma"] for e in (0, 99, 100, 249, 250, 349)] == \
+      [5.0, 5.0, 3.0, 3.0, 1.0, 1.0]
+  config.name = "flsc532"
+  assert losses.scheduled_hparams(config, 300)["gamma"] == 2.0
+  config.name = "focal"
+  assert losses.scheduled_hparams(config, 0) == {}
+
+
+def test_loss_config_errors_name_the_field():
+  with pytest.raises(config_validation.ConfigError, match="mixup_alpha=0.2 needs a loss that takes "
+                     "probability targets, not 'focal'; valid: brier, cross_entropy"):
+    config_validation.validate(tiny_config(**{"loss.name": "focal", "loss.mixup_alpha": 0.2}))
+  with pytest.raises(config_validation.ConfigError, match="config.loss.mmce_form: got 'paper'"):
+    config_validation.validate(tiny_config(**{"loss.mmce_form": "paper"}))
+  with pytest.raises(config_validation.ConfigError, match="must hold 2 epochs for flsc531"):
+    config_validation.validate(tiny_config(**{"loss.name": "flsc531", "loss.gamma_boundaries": (5,)}))
+
+
+@pytest.mark.parametrize("name", sorted(losses.LOSSES))
+def test_every_registered_loss_trains_the_test_config(name, tmp_path):
+  from cpjax import train
+  record = train.train_and_evaluate(tiny_config(**{"loss.name": name, "num_epochs": 1}),
+                                    str(tmp_path))
+  assert np.isfinite(record["train_loss"]) and np.isfinite(record["val_nll"])
+
+
+def test_mixup_trains_and_main_accepts_losses_by_name(tmp_path):
+  from cpjax import train
+  from tests.helpers import run_main
+  record = train.train_and_evaluate(
+      tiny_config(**{"loss.mixup_alpha": 0.15, "num_epochs": 1}), str(tmp_path / "mixup"))
+  assert np.isfinite(record["train_loss"])
+  result = run_main(str(tmp_path / "main"), "--config.loss.name=flsd53", "--config.num_epochs=1")
+  assert result.returncode == 0, result.stderr[-2000:]
