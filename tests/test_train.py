@@ -181,5 +181,5 @@ def test_main_end_to_end(tmp_path):
 def test_main_rejects_a_bad_override_before_any_work(tmp_path):
   result = run_main(str(tmp_path / "wd"), "--config.loss.name=bogus", timeout=60)
   assert result.returncode != 0
-  assert "config.loss.name: got 'bogus'; valid choices: cross_entropy" in result.stderr
+  assert "config.loss.name: got 'bogus'; valid choices: brier, ce_dece" in result.stderr
   assert not (tmp_path / "wd" / "checkpoints").exists()
