@@ -180,8 +180,7 @@ def _check_workdir(workdir: str) -> None:
   """Fails early, before any data load or compile, if `workdir` is unusable."""
   try:
     os.makedirs(workdir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir):
-      pass
+    tempfile.NamedTemporaryFile(dir=workdir).close()  # Can we create files here?
   except OSError as err:
     raise PermissionError(f"--workdir {workdir!r} is not a writable directory: {err}") from err
 
