@@ -13,7 +13,6 @@ tensorflow_datasets is imported lazily here: the rest of cpjax runs without it.
 
 import dataclasses
 import logging
-import os
 
 import ml_collections
 import numpy as np

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.test_util import check_grads
 import numpy as np
 import pytest
-from scipy.special import lambertw, log_softmax as np_log_softmax, softmax as np_softmax
+from scipy.special import lambertw, log_softmax as np_log_softmax
 
 from cpjax import augment, calibration_surrogates as surr, config_validation, losses
 from tests.helpers import tiny_config
