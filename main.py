@@ -3,6 +3,7 @@
   python main.py --config=configs/default.py --workdir=/tmp/cpjax
   python main.py --config=configs/default.py --workdir=/tmp/cpjax \
       --config.loss.name=cross_entropy --config.num_epochs=5
+  python main.py --config=configs/default.py --workdir=/tmp/cpjax --mode=evaluate
 
 Rerunning the same command resumes from the latest checkpoint in --workdir.
 On a cluster, jax.distributed is started first (see cpjax/distributed.py).
@@ -25,6 +26,9 @@ from cpjax import train
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and metrics.")
+flags.DEFINE_enum("mode", "train", ["train", "evaluate"],
+                  "train (resumes if --workdir has checkpoints), or evaluate: write "
+                  "--workdir/report for the latest checkpoint without training.")
 flags.DEFINE_string("coordinator_address", None,
                     "host:port of process 0, for clusters jax cannot auto-detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -41,7 +45,10 @@ def main(argv):
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
-  train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  if FLAGS.mode == "train":
+    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  else:
+    train.evaluate_only(FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":

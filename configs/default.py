@@ -56,6 +56,30 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.milestones = (150, 250)  # multistep: epochs at which the LR is decayed.
   config.optimizer.decay_factor = 0.1  # multistep: LR multiplier at each milestone.
 
+  config.selection = ml_collections.ConfigDict()
+  config.selection.method = "full"  # full, top_k, uniform_sorted, random (per epoch) or static_random.
+  config.selection.score = "entropy"  # Priority score (cpjax.scoring.SCORES); entropy = the seed paper's.
+  config.selection.fraction = 0.1  # Share k/N of training examples per selected epoch.
+  config.selection.count = 0  # k as a count; > 0 overrides fraction.
+  config.selection.warmup_epochs = 2  # Epochs on all data before selection starts (seed: 10).
+  config.selection.scoring = "train_pass"  # train_pass (reference: scores from training) or fresh.
+  config.selection.rescore_every = 1  # fresh/target: epochs between scoring passes; 0 = once.
+  config.selection.score_dtype = "float32"  # Compute dtype of scoring passes: float32 or bfloat16.
+  config.selection.score_batch_size = 512  # Global batch of scoring passes (forward only: large).
+  config.selection.target_workdir = ""  # Another cpjax run whose model scores instead ("" = none).
+  config.selection.target_per_epoch = False  # Use the target's recorded scores of the same epoch.
+  config.selection.record_scores = False  # Write train-pass scores per epoch to workdir/scores/.
+
+  config.evaluation = ml_collections.ConfigDict()
+  config.evaluation.num_bins = 15  # Bins of ECE, MCE, AdaECE, classwise ECE, reliability diagrams.
+  config.evaluation.temperature_method = "grid_ece"  # grid_ece, grid_nll or lbfgs_nll (cpjax.temperature).
+  config.evaluation.bootstrap_resamples = 1000  # Bootstrap resamples B of the report's intervals.
+  config.evaluation.bootstrap_level = 0.9  # Coverage of the bootstrap intervals.
+  config.evaluation.bootstrap_kind = "basic"  # basic (pivotal; focal-loss code) or percentile.
+  config.evaluation.bootstrap_seed = 0  # Seed of the bootstrap resampling.
+  config.evaluation.ood = "gaussian_noise"  # OOD set: "", gaussian_noise (corrupted test) or a dataset name.
+  config.evaluation.ood_severity = 5  # gaussian_noise severity 1..5 (CIFAR-10-C scales).
+
   config.num_epochs = 8  # Training epochs.
   config.batch_size = 64  # Global batch size (all devices and processes together).
   config.eval_batch_size = 256  # Global batch size of evaluation passes.

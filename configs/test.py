@@ -13,4 +13,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_size = 64  # Divides every forced CPU device count used in tests.
   config.eval_batch_size = 128  # Several eval batches, the last one padded.
   config.log_every_steps = 5  # Exercise the periodic progress report.
+  config.evaluation.bootstrap_resamples = 100  # Enough to test intervals, fast.
   return config

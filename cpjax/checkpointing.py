@@ -78,6 +78,13 @@ class Checkpointer:
       return restored["state"], restored["meta"]
     return None
 
+  def latest_meta(self) -> dict[str, Any] | None:
+    """The JSON metadata of the newest checkpoint, or None if there is none."""
+    step = self._manager.latest_step()
+    if step is None:
+      return None
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
   def _check_shapes(self, step: int, abstract_state: Any) -> None:
     saved = _leaves_by_name(self._manager.item_metadata(step)["state"])
     target = _leaves_by_name(abstract_state)

@@ -7,6 +7,7 @@ registries of the modules that own them (datasets, models, losses).
 
 from collections.abc import Callable, Sequence
 import math
+import os
 from typing import Any
 
 import jax
@@ -79,7 +80,8 @@ def int_sequence(low: int = 0) -> Check:
 
 def spine_schema() -> dict[str, Check]:
   """Checks of the trainer's own fields (loss hyper-parameters: cpjax.losses)."""
-  from cpjax import input_pipeline, losses, models  # Registries own their names.
+  # Registries own their names.
+  from cpjax import bootstrap, input_pipeline, losses, models, scoring, selection, temperature
   return {
       "seed": integer(0, 2**31 - 1),
       "dataset.name": choice(list(input_pipeline.DATASETS)),
@@ -102,6 +104,26 @@ def spine_schema() -> dict[str, Check]:
       "optimizer.schedule": choice(["cosine", "multistep", "constant"]),
       "optimizer.milestones": int_sequence(1),
       "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
+      "selection.method": choice(list(selection.METHODS)),
+      "selection.score": choice(list(scoring.SCORES)),
+      "selection.fraction": number(0.0, 1.0, low_open=True),
+      "selection.count": integer(0),
+      "selection.warmup_epochs": integer(0),
+      "selection.scoring": choice(["train_pass", "fresh"]),
+      "selection.rescore_every": integer(0),
+      "selection.score_dtype": choice(["float32", "bfloat16"]),
+      "selection.score_batch_size": integer(1),
+      "selection.target_workdir": string(),
+      "selection.target_per_epoch": boolean(),
+      "selection.record_scores": boolean(),
+      "evaluation.num_bins": integer(1, 1000),
+      "evaluation.temperature_method": choice(list(temperature.METHODS)),
+      "evaluation.bootstrap_resamples": integer(1),
+      "evaluation.bootstrap_level": number(0.0, 1.0, low_open=True),
+      "evaluation.bootstrap_kind": choice(list(bootstrap.KINDS)),
+      "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
+      "evaluation.ood": choice(["", "gaussian_noise", *input_pipeline.DATASETS]),
+      "evaluation.ood_severity": integer(1, 5),
       "num_epochs": integer(1),
       "batch_size": integer(1),
       "eval_batch_size": integer(1),
@@ -153,12 +175,36 @@ def _cross_field_problems(config, input_pipeline, losses) -> list[str]:
   """Constraints that involve several fields or the runtime (device count)."""
   problems = losses.cross_field_problems(config)
   devices = jax.device_count()
-  for name in ("batch_size", "eval_batch_size"):
-    if config[name] % devices:
-      problems.append(f"config.{name}={config[name]} must be divisible by the "
+  for name in ("batch_size", "eval_batch_size", "selection.score_batch_size"):
+    value = config[name] if "." not in name else config.selection.score_batch_size
+    if value % devices:
+      problems.append(f"config.{name}={value} must be divisible by the "
                       f"device count {devices} (every device gets an equal share)")
   num_train = input_pipeline.DATASETS[config.dataset.name].num_train
   if config.dataset.val_size >= num_train:
     problems.append(f"config.dataset.val_size={config.dataset.val_size} must be "
                     f"below the train split size {num_train} of {config.dataset.name}")
+  if config.evaluation.bootstrap_level >= 1.0:
+    problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
+                    "must be below 1 (e.g. 0.9 for a 90 % interval)")
+  num_rows = num_train - config.dataset.val_size
+  if config.selection.count > num_rows:
+    problems.append(f"config.selection.count={config.selection.count} exceeds the "
+                    f"{num_rows} training examples")
+  target = config.selection.target_workdir
+  if config.selection.target_per_epoch and not target:
+    problems.append("config.selection.target_per_epoch=True needs "
+                    "config.selection.target_workdir")
+  if target and config.selection.method not in ("top_k", "uniform_sorted"):
+    problems.append(f"config.selection.target_workdir is set but selection.method="
+                    f"{config.selection.method!r} uses no scores; use top_k or uniform_sorted")
+  if target and not os.path.isdir(os.path.join(target, "checkpoints")):
+    problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
+                    "(it must be the --workdir of a finished cpjax run)")
+  ood = config.evaluation.ood
+  if ood in input_pipeline.DATASETS and (
+      ood == config.dataset.name or input_pipeline.DATASETS[ood].image_shape
+      != input_pipeline.DATASETS[config.dataset.name].image_shape):
+    problems.append(f"config.evaluation.ood={ood!r} must be another dataset with the image "
+                    f"shape of {config.dataset.name!r}, gaussian_noise, or '' (none)")
   return problems

@@ -123,6 +123,12 @@ def _read_split(builder, split: str) -> Split:
                ids=ids[order].astype(np.int32))
 
 
+def get_test_split(config: ml_collections.ConfigDict, name: str) -> Split:
+  """The test split of dataset `name` (e.g. an OOD set), read like `config.dataset`'s."""
+  spec = DATASETS[name]
+  return _read_split(_builder(spec, config), spec.test_split)
+
+
 def carve_validation(num_train: int, val_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
   """Seeded split of ids 0..num_train-1 into (train ids, val ids), each sorted.
 

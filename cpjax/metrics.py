@@ -1,23 +1,270 @@
-"""Evaluation metrics on host arrays: pure NumPy functions, float64 inside.
+"""Accuracy and calibration metrics: pure NumPy functions, float64 inside.
 
-Inputs are logits [N, K] and integer labels [N]; results are fractions.
+Confidence metrics take probabilities `probs [N, K]` (rows of a softmax; use
+`softmax(logits / T)` for a temperature) and integer `labels [N]`; `nll` and
+the OOD scores take logits because logs of saturated probabilities underflow.
+Every result is a fraction, not a percentage. All binned metrics share one
+binning core, `bin_statistics`, so ECE, MCE, classwise ECE and the
+reliability diagram can never disagree about which sample is in which bin.
+Definitions follow ../shared/methods-spec.md §3 (Guo et al. 2017; Mukhoti et
+al. 2020 for AdaECE, classwise ECE and S99; Błasiok & Nakkiran 2023 for the
+smooth ECE).
 """
 
+from typing import NamedTuple
+
 import numpy as np
+import scipy.special
+import scipy.stats
+
+CONVENTIONS = ("right_closed", "left_closed")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
   """Row-wise log-softmax in float64."""
-  z = np.asarray(logits, np.float64)
-  z = z - z.max(axis=-1, keepdims=True)
-  return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+  return scipy.special.log_softmax(np.asarray(logits, np.float64), axis=-1)
 
 
-def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
-  """Top-1 accuracy: mean of 1[argmax_k z_ik = y_i]."""
-  return float(np.mean(np.argmax(logits, axis=-1) == labels))
+def softmax(logits: np.ndarray) -> np.ndarray:
+  """Row-wise softmax in float64."""
+  return np.exp(log_softmax(logits))
+
+
+class BinStatistics(NamedTuple):
+  """Per-bin sums of a binned calibration measure."""
+  edges: np.ndarray  # [M + 1] bin edges.
+  count: np.ndarray  # [M] samples in each bin.
+  confidence_sum: np.ndarray  # [M] sum of confidences in each bin.
+  correct_sum: np.ndarray  # [M] sum of the 0/1 outcomes in each bin.
+  total: float  # Denominator of the bin weights |B_m| / total.
+
+
+def bin_index(values: np.ndarray, edges: np.ndarray, convention: str) -> np.ndarray:
+  """Bin of each value; -1 or len(edges) - 1 for values in no bin.
+
+  right_closed: bin m holds e_m < c <= e_{m+1} (focal-loss / MbLS code; a
+  confidence of exactly 1.0 is in the last bin). left_closed: e_m <= c <
+  e_{m+1} (the seed repository; a confidence of exactly 1.0 is in no bin).
+  """
+  if convention not in CONVENTIONS:
+    raise ValueError(f"convention={convention!r}; valid choices: {', '.join(CONVENTIONS)}")
+  side = "left" if convention == "right_closed" else "right"
+  return np.searchsorted(edges, values, side=side) - 1
+
+
+def bin_statistics(confidences: np.ndarray, correct: np.ndarray, edges: np.ndarray,
+                   convention: str = "right_closed") -> BinStatistics:
+  """Counts and sums of confidences and outcomes per bin (the shared core).
+
+  Args:
+    confidences: [N] predicted probabilities of the event.
+    correct: [N] 0/1 outcomes of the event.
+    edges: [M + 1] increasing bin edges.
+    convention: "right_closed" (weights divide by N) or "left_closed"
+      (weights divide by the number of binned samples: samples in no bin leave
+      numerator and denominator, as in the seed repository).
+  """
+  num_bins = len(edges) - 1
+  index = bin_index(np.asarray(confidences, np.float64), edges, convention)
+  inside = (index >= 0) & (index < num_bins)
+  index, conf = index[inside], np.asarray(confidences, np.float64)[inside]
+  count = np.bincount(index, minlength=num_bins).astype(np.float64)
+  total = float(len(confidences)) if convention == "right_closed" else float(count.sum())
+  return BinStatistics(edges, count, np.bincount(index, conf, num_bins),
+                       np.bincount(index, np.asarray(correct, np.float64)[inside], num_bins),
+                       total)
+
+
+def _gaps(stats: BinStatistics) -> np.ndarray:
+  """|acc(B_m) - conf(B_m)| per bin, 0 for empty bins."""
+  safe = np.maximum(stats.count, 1)
+  return np.abs(stats.correct_sum / safe - stats.confidence_sum / safe)
+
+
+def _weighted_gap(stats: BinStatistics) -> float:
+  """sum_m |B_m| / total * |acc - conf|; 0 when no sample is binned."""
+  return float(np.sum(stats.count * _gaps(stats)) / stats.total) if stats.total else 0.0
+
+
+def top_label(probs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Confidence max_k p_ik and correctness 1[argmax_k p_ik = y_i]."""
+  probs = np.asarray(probs)
+  return probs.max(axis=-1), (probs.argmax(axis=-1) == labels).astype(np.float64)
+
+
+def equal_width_edges(num_bins: int) -> np.ndarray:
+  return np.linspace(0.0, 1.0, num_bins + 1)
+
+
+def ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
+        convention: str = "right_closed") -> float:
+  """Expected calibration error with equal-width bins (spec §3.1).
+
+  ECE = sum_m |B_m| / N |acc(B_m) - conf(B_m)| over bins of the top-label
+  confidence (Guo et al. 2017). Hand-worked: c = (.95, .95, .55, 1.0),
+  correct = (1, 0, 1, 1) gives 0.3375 right_closed and 0.45 left_closed.
+  """
+  return ece_from_confidences(*top_label(probs, labels), num_bins, convention)
+
+
+def ece_from_confidences(confidences: np.ndarray, correct: np.ndarray, num_bins: int = 15,
+                         convention: str = "right_closed") -> float:
+  """`ece` from top-label confidences [N] and 0/1 correctness [N]."""
+  return _weighted_gap(bin_statistics(confidences, correct, equal_width_edges(num_bins),
+                                      convention))
+
+
+def mce(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
+        convention: str = "right_closed") -> float:
+  """Maximum calibration error: max_m |acc(B_m) - conf(B_m)|, empty bins 0 (spec §3.2)."""
+  conf, correct = top_label(probs, labels)
+  return float(_gaps(bin_statistics(conf, correct, equal_width_edges(num_bins), convention)).max())
+
+
+def adaptive_ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
+  """AdaECE: ECE with equal-mass bins (spec §3.3, Mukhoti et al. 2020 code).
+
+  Edges interpolate the sorted confidences at positions linspace(0, N, M+1)
+  (np.interp over 0..N-1, so e_0 = min c and e_M = max c); bins are (e_m,
+  e_{m+1}] with weights |B_m| / N. As in the reference, the sample(s) at the
+  minimum confidence fall in no bin, and tied confidences can merge edges.
+  """
+  conf, correct = top_label(probs, labels)
+  edges = np.interp(np.linspace(0, len(conf), num_bins + 1), np.arange(len(conf)), np.sort(conf))
+  return _weighted_gap(bin_statistics(conf, correct, edges, "right_closed"))
+
+
+def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
+                  num_bins: int = 15) -> float:
+  """Classwise ECE: mean over classes k of the ECE of the event y = k (spec §3.4).
+
+  For class k, every sample is binned on p_ik (right-closed bins), accuracy
+  is the share of the bin whose label is k, weights are |B_mk| / N.
+  """
+  probs = np.asarray(probs, np.float64)
+  if probs.shape[-1] != num_classes:
+    raise ValueError(f"probs have {probs.shape[-1]} classes, num_classes={num_classes}")
+  edges = equal_width_edges(num_bins)
+  index = bin_index(probs, edges, "right_closed")  # [N, K]
+  inside = (index >= 0) & (index < num_bins)
+  flat = (index + num_bins * np.arange(num_classes))[inside]  # Bin id per (class, bin).
+  events = (np.asarray(labels)[:, None] == np.arange(num_classes)).astype(np.float64)
+  size = num_classes * num_bins
+  stats = BinStatistics(edges, np.bincount(flat, minlength=size).astype(np.float64),
+                        np.bincount(flat, probs[inside], size),
+                        np.bincount(flat, events[inside], size), float(len(probs)))
+  return _weighted_gap(stats) / num_classes
+
+
+class ReliabilityBins(NamedTuple):
+  """Reliability-diagram data (spec §3.7); NaN confidence/accuracy in empty bins."""
+  edges: np.ndarray
+  count: np.ndarray
+  confidence: np.ndarray
+  accuracy: np.ndarray
+
+
+def reliability_bins(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
+                     convention: str = "right_closed") -> ReliabilityBins:
+  """Per bin: sample count, mean confidence and accuracy of the top label."""
+  conf, correct = top_label(probs, labels)
+  stats = bin_statistics(conf, correct, equal_width_edges(num_bins), convention)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return ReliabilityBins(stats.edges, stats.count, stats.confidence_sum / stats.count,
+                           stats.correct_sum / stats.count)
+
+
+def accuracy(probs: np.ndarray, labels: np.ndarray) -> float:
+  """Top-1 accuracy: mean of 1[argmax_k p_ik = y_i] (logits work too)."""
+  return float(np.mean(np.argmax(probs, axis=-1) == labels))
+
+
+def top_k_accuracy(probs: np.ndarray, labels: np.ndarray, k: int) -> float:
+  """Share of samples whose label is among the k highest scores (logits work too).
+
+  Ties are counted in the label's favour only if fewer than k scores are
+  strictly higher than the label's.
+  """
+  probs = np.asarray(probs)
+  label_score = probs[np.arange(len(labels)), labels]
+  return float(np.mean((probs > label_score[:, None]).sum(axis=-1) < k))
 
 
 def nll(logits: np.ndarray, labels: np.ndarray) -> float:
   """Mean negative log-likelihood: mean_i -log softmax(z_i)[y_i] (spec §3.5)."""
   return float(-np.mean(log_softmax(logits)[np.arange(len(labels)), labels]))
+
+
+def brier(probs: np.ndarray, labels: np.ndarray) -> float:
+  """Brier score: mean_i sum_k (p_ik - 1[y_i = k])^2 (Brier 1950)."""
+  probs = np.asarray(probs, np.float64)
+  onehot = np.arange(probs.shape[-1]) == np.asarray(labels)[:, None]
+  return float(np.mean(np.sum((probs - onehot) ** 2, axis=-1)))
+
+
+def s99(probs: np.ndarray, labels: np.ndarray, threshold: float = 0.99) -> tuple[float, float]:
+  """Share of samples with confidence >= threshold, and their accuracy (NaN if none).
+
+  Mukhoti et al. 2020 App. H (spec §3.6, ">= 0.99" by §9.13).
+  """
+  conf, correct = top_label(probs, labels)
+  confident = conf >= threshold
+  share = float(np.mean(confident))
+  return share, float(np.mean(correct[confident])) if confident.any() else float("nan")
+
+
+def _reflected_gaussian(grid: np.ndarray, centres: np.ndarray, bandwidth: float) -> np.ndarray:
+  """Gaussian kernel on [0, 1] reflected at both ends, so it integrates to 1 there."""
+  kernel = np.zeros((len(grid), len(centres)))
+  for image in (centres, -centres, 2.0 - centres):
+    kernel += scipy.stats.norm.pdf(grid[:, None], loc=image[None, :], scale=bandwidth)
+  return kernel
+
+
+def smooth_ece(probs: np.ndarray, labels: np.ndarray, resolution: int = 200) -> float:
+  """Smooth ECE (Błasiok & Nakkiran 2023): a binning-free calibration error.
+
+  smECE_s = integral over t in [0, 1] of |(1/N) sum_i K_s(t, c_i)(a_i - c_i)|
+  with K_s a Gaussian kernel of width s reflected at 0 and 1, and the result
+  is smECE_s* at the fixed point smECE_s* = s* (found by bisection; smECE_s
+  falls as s grows). Confidences are first binned onto `resolution` points,
+  as the authors' relplot package does, to keep the cost O(resolution^2).
+  """
+  conf, correct = top_label(probs, labels)
+  centres = (np.arange(resolution) + 0.5) / resolution
+  cell = np.minimum((conf * resolution).astype(int), resolution - 1)
+  residual = np.bincount(cell, correct - conf, resolution) / len(conf)
+
+  def smece_at(bandwidth):
+    return float(np.mean(np.abs(_reflected_gaussian(centres, centres, bandwidth) @ residual)))
+
+  low, high = 1e-4, 1.0
+  for _ in range(30):
+    mid = 0.5 * (low + high)
+    low, high = (mid, high) if smece_at(mid) > mid else (low, mid)
+  return smece_at(0.5 * (low + high))
+
+
+def ood_scores(logits: np.ndarray) -> dict[str, np.ndarray]:
+  """Per-sample out-of-distribution scores, higher = more likely OOD (spec §3.8).
+
+  entropy: -sum_k p_k log p_k; max_softmax: -max_k p_k (Hendrycks & Gimpel
+  2017); max_logit: -max_k z_k (Hendrycks et al. 2022); energy: the free
+  energy -logsumexp_k z_k (Liu et al. 2020).
+  """
+  logp = log_softmax(logits)
+  return {"entropy": -np.sum(np.exp(logp) * logp, axis=-1),
+          "max_softmax": -np.exp(logp.max(axis=-1)),
+          "max_logit": -np.asarray(logits, np.float64).max(axis=-1),
+          "energy": -scipy.special.logsumexp(np.asarray(logits, np.float64), axis=-1)}
+
+
+def auroc(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
+  """Area under the ROC curve for "out" = positive: P(s_out > s_in) + P(tie)/2.
+
+  The Mann-Whitney U statistic from average ranks (ties count 1/2).
+  """
+  ranks = scipy.stats.rankdata(np.concatenate([in_scores, out_scores]))
+  n_in, n_out = len(in_scores), len(out_scores)
+  u = ranks[n_in:].sum() - n_out * (n_out + 1) / 2
+  return float(u / (n_in * n_out))

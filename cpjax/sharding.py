@@ -52,3 +52,11 @@ def to_host(tree):
   if jax.process_count() == 1:
     return jax.device_get(tree)
   return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def replicate(mesh: jax.sharding.Mesh, tree):
+  """Host arrays (identical on every process) -> global arrays replicated on `mesh`."""
+  def put(value):
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, replicated(mesh), lambda index: value[index])
+  return jax.tree.map(put, tree)

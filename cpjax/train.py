@@ -6,6 +6,7 @@ epoch by epoch, evaluates, logs and checkpoints. The steps are pure functions
 of pytrees, jitted once over a 1-D `data` mesh with the state donated.
 """
 
+import dataclasses
 import functools
 import logging
 import os
@@ -21,8 +22,9 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import augment, checkpointing, config_validation, input_pipeline
-from cpjax import losses, metrics, models, optim, run_logging, sharding
+from cpjax import augment, checkpointing, config_validation, corruptions, input_pipeline
+from cpjax import losses, models, optim, prioritization, report, run_logging, scoring
+from cpjax import sharding
 
 
 @flax.struct.dataclass
@@ -51,7 +53,8 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
 def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: jax.Array,
                loss_hparams: dict[str, jax.Array], *, model: nn.Module,
                tx: optax.GradientTransformation, loss_fn: losses.LossFn,
-               config: ml_collections.ConfigDict) -> tuple[TrainState, dict[str, jax.Array]]:
+               score_fn: scoring.ScoreFn, config: ml_collections.ConfigDict
+               ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
   """One SGD step on a global batch: augment, (mixup,) forward, loss, backward, update.
 
   Args:
@@ -61,8 +64,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
     loss_hparams: this epoch's scheduled loss hyper-parameters (may be empty).
 
   Returns:
-    The new state and summable metrics of this batch (loss and correct sums,
-    example count, and the step if its loss was not finite).
+    The new state, summable metrics of this batch (loss and correct sums,
+    example count, and the step if its loss was not finite), and per-example
+    [B] priority score, confidence and correctness of the pre-update pass.
   """
   spec = input_pipeline.DATASETS[config.dataset.name]
   crop_key, mix_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
@@ -90,13 +94,18 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
   updates, opt_state = tx.update(grads, opt_state, state.params)
   new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                             batch_stats=batch_stats, opt_state=opt_state)
+  correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
   batch_metrics = {
       "loss_sum": jnp.sum(per_example * mask),
-      "correct": jnp.sum((jnp.argmax(logits, -1) == batch["label"]) * mask),
+      "correct": jnp.sum(correct * mask),
       "count": jnp.sum(mask),
       "first_bad_step": jnp.where(jnp.isfinite(loss), jnp.iinfo(jnp.int32).max, state.step),
   }
-  return new_state, batch_metrics
+  # Per example, from this same pre-update forward pass (the reference's train-pass scores).
+  per_example_out = {"score": score_fn(logits, batch["label"]),
+                     "confidence": jnp.max(jax.nn.softmax(logits.astype(jnp.float32)), -1),
+                     "correct": correct}
+  return new_state, batch_metrics, per_example_out
 
 
 @jax.jit
@@ -128,14 +137,45 @@ def predict(eval_fn, state: TrainState, split: input_pipeline.Split, mesh,
   return logits[:len(split)]
 
 
-def evaluate(eval_fn, state, splits, mesh, batch_size: int) -> dict[str, float]:
-  """Accuracy and NLL of the validation and test splits."""
+def evaluate(eval_fn, state, splits, mesh, config) -> dict[str, float]:
+  """Accuracy, NLL and the ECE family of the validation and test splits."""
+  num_classes = input_pipeline.DATASETS[config.dataset.name].num_classes
   results = {}
   for name in ("val", "test"):
-    logits = predict(eval_fn, state, splits[name], mesh, batch_size)
-    labels = splits[name].labels
-    results[f"{name}_accuracy"] = metrics.accuracy(logits, labels)
-    results[f"{name}_nll"] = metrics.nll(logits, labels)
+    logits = predict(eval_fn, state, splits[name], mesh, config.eval_batch_size)
+    values = report.calibration_metrics(logits, splits[name].labels, num_classes,
+                                        config.evaluation.num_bins)
+    results.update({f"{name}_{metric}": value for metric, value in values.items()})
+  return results
+
+
+def _ood_split(config, splits) -> input_pipeline.Split | None:
+  """The OOD set of the report: a corrupted test set, another dataset, or none."""
+  if not config.evaluation.ood:
+    return None
+  test = splits["test"]
+  if config.evaluation.ood == "gaussian_noise":
+    return dataclasses.replace(test, images=corruptions.gaussian_noise(
+        test.images, config.evaluation.ood_severity))
+  return input_pipeline.get_test_split(config.dataset, config.evaluation.ood)
+
+
+def write_final_report(eval_fn, state, splits, mesh, config, workdir: str,
+                       epoch: int) -> dict[str, Any]:
+  """Builds the calibration report of `state` and writes it to workdir/report."""
+  def logits_of(split):
+    return predict(eval_fn, state, split, mesh, config.eval_batch_size)
+  ood = _ood_split(config, splits)
+  results = report.build_report(
+      (logits_of(splits["val"]), splits["val"].labels),
+      (logits_of(splits["test"]), splits["test"].labels),
+      input_pipeline.DATASETS[config.dataset.name].num_classes, config.evaluation,
+      None if ood is None else logits_of(ood))
+  results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
+                       f"after epoch {epoch}", epoch=epoch)
+  if jax.process_index() == 0:
+    paths = report.write_report(os.path.join(workdir, "report"), results)
+    logging.info("Wrote the calibration report: %s", ", ".join(paths))
   return results
 
 
@@ -152,28 +192,38 @@ def _raise_if_bad(totals, epoch: int, epoch_start_step: int, checkpoint_dir: str
         f"{checkpoint_dir} is intact. Lower the learning rate or enable gradient clipping.")
 
 
-def train_epoch(train_fn, state, split, epoch, config, mesh, report, checkpoint_dir):
-  """Trains one epoch over `split` in the epoch's deterministic order."""
-  order = input_pipeline.epoch_order(config.seed, epoch, np.arange(len(split)), config.batch_size)
-  rows = sharding.process_rows(mesh, config.batch_size)
+def train_epoch(train_fn, state, split, rows, epoch, config, mesh, report_progress,
+                checkpoint_dir):
+  """Trains one epoch over `rows` of `split` in the epoch's deterministic order.
+
+  Returns:
+    (state, epoch record, order [steps, B] of the rows trained, per-example
+    train-pass outputs flattened in that order).
+  """
+  order = input_pipeline.epoch_order(config.seed, epoch, rows, config.batch_size)
+  local_rows = sharding.process_rows(mesh, config.batch_size)
   learning_rate = np.float32(optim.learning_rate_at(config.optimizer, epoch, config.num_epochs))
   loss_hparams = {k: np.float32(v) for k, v in losses.scheduled_hparams(config.loss, epoch).items()}
   epoch_start_step = int(jax.device_get(state.step))
-  totals = None
+  totals, outputs = None, []
   for i, batch_rows in enumerate(order):
-    batch = sharding.to_global(mesh, input_pipeline.batch_at(split, batch_rows[rows]),
+    batch = sharding.to_global(mesh, input_pipeline.batch_at(split, batch_rows[local_rows]),
                                config.batch_size)
-    state, batch_metrics = train_fn(state, batch, learning_rate, loss_hparams)
+    state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
     totals = batch_metrics if totals is None else _accumulate(totals, batch_metrics)
-    report(epoch_start_step + i + 1)
+    outputs.append(per_example)
+    report_progress(epoch_start_step + i + 1)
     if (i + 1) % config.log_every_steps == 0:
       _raise_if_bad(totals, epoch, epoch_start_step, checkpoint_dir)
   _raise_if_bad(totals, epoch, epoch_start_step, checkpoint_dir)
   totals = jax.device_get(totals)
-  return state, {"train_loss": float(totals["loss_sum"] / totals["count"]),
-                 "train_accuracy": float(totals["correct"] / totals["count"]),
-                 "learning_rate": float(learning_rate),
-                 **{k: float(v) for k, v in loss_hparams.items()}}
+  per_example = {k: np.concatenate([np.asarray(v) for v in sharding.to_host([o[k] for o in outputs])])
+                 for k in outputs[0]}
+  record = {"train_loss": float(totals["loss_sum"] / totals["count"]),
+            "train_accuracy": float(totals["correct"] / totals["count"]),
+            "learning_rate": float(learning_rate),
+            **{k: float(v) for k, v in loss_hparams.items()}}
+  return state, record, order, per_example
 
 
 def _check_workdir(workdir: str) -> None:
@@ -185,22 +235,62 @@ def _check_workdir(workdir: str) -> None:
     raise PermissionError(f"--workdir {workdir!r} is not a writable directory: {err}") from err
 
 
-def _resume(checkpointer, state, config) -> tuple[TrainState, int]:
-  """Restores the latest checkpoint if any: returns (state, first epoch to run)."""
+def _resume(checkpointer, saved, config) -> tuple[dict[str, Any], int]:
+  """Restores the latest checkpoint if any: returns (saved tree, first epoch to run)."""
   abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), saved)
   restored = checkpointer.restore_latest(abstract)
   if restored is None:
-    return state, 0
-  state, meta = restored
+    return saved, 0
+  saved, meta = restored
   if meta["config"] != config.to_json_best_effort(sort_keys=True):
     logging.warning("Resuming with a config that differs from the checkpoint's.")
   logging.info("Resumed from %s after epoch %d.", checkpointer.directory, meta["epoch"])
-  return state, meta["epoch"]
+  return saved, meta["epoch"]
+
+
+@dataclasses.dataclass
+class _Run:
+  """What training and evaluate-only share: mesh, model, jitted eval, state."""
+  mesh: jax.sharding.Mesh
+  model: nn.Module
+  tx: optax.GradientTransformation
+  state: TrainState
+  selection: dict[str, np.ndarray]  # Host copy of the prioritization state.
+  start_epoch: int
+  checkpointer: checkpointing.Checkpointer
+  splits: dict[str, input_pipeline.Split]
+  eval_fn: Any
+
+
+def _start(config: ml_collections.ConfigDict, workdir: str) -> _Run:
+  """Validates, builds the model and state, resumes, and reads the data."""
+  config_validation.validate(config)
+  if config.selection.target_workdir:
+    prioritization.check_target(config)
+  _check_workdir(workdir)
+  mesh = sharding.create_mesh()
+  spec = input_pipeline.DATASETS[config.dataset.name]
+  model = models.create_model(config.model.name, spec.num_classes, config.model.dtype)
+  tx = optim.create_optimizer(config.optimizer)
+  saved = {"train": create_train_state(jax.random.PRNGKey(config.seed), model, tx,
+                                       spec.image_shape, mesh),
+           "selection": sharding.replicate(mesh, prioritization.initial_state(
+               spec.num_train - config.dataset.val_size))}
+  checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
+  saved, start_epoch = _resume(checkpointer, saved, config)
+  eval_fn = jax.jit(functools.partial(eval_step, model=model, config=config))
+  return _Run(mesh, model, tx, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
+              start_epoch, checkpointer, input_pipeline.get_datasets(config.dataset), eval_fn)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains and evaluates `config`, resuming from `workdir` if it has checkpoints.
+
+  With `config.selection.method` other than "full", epochs after the warm-up
+  train on a prioritized subset (cpjax.prioritization). At the end, the
+  calibration report (before/after temperature scaling, bootstrap intervals,
+  OOD AUROC, reliability diagrams) goes to `workdir/report`.
 
   Args:
     config: run configuration (see configs/default.py); validated first.
@@ -209,53 +299,74 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns:
     The last epoch's metrics record.
   """
-  config_validation.validate(config)
-  _check_workdir(workdir)
-  mesh = sharding.create_mesh()
-  spec = input_pipeline.DATASETS[config.dataset.name]
-  model = models.create_model(config.model.name, spec.num_classes, config.model.dtype)
-  tx = optim.create_optimizer(config.optimizer)
-  state = create_train_state(jax.random.PRNGKey(config.seed), model, tx, spec.image_shape, mesh)
-  checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
-  state, start_epoch = _resume(checkpointer, state, config)
-  splits = input_pipeline.get_datasets(config.dataset)
-
-  train_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, config=config,
-                                       loss_fn=losses.get_loss(config.loss)),
+  run = _start(config, workdir)
+  train_fn = jax.jit(functools.partial(train_step, model=run.model, tx=run.tx, config=config,
+                                       loss_fn=losses.get_loss(config.loss),
+                                       score_fn=scoring.SCORES[config.selection.score]),
                      donate_argnums=0)
-  eval_fn = jax.jit(functools.partial(eval_step, model=model, config=config))
+  prioritizer = prioritization.Prioritizer(config, run.splits["train"], run.mesh, run.model,
+                                           create_train_state)
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
-  epoch_log.keep_epochs_before(start_epoch)
-  steps_per_epoch = -(-len(splits["train"]) // config.batch_size)
-  report = run_logging.create_progress_reporter(config.num_epochs * steps_per_epoch, writer)
-  if start_epoch == 0:
+  epoch_log.keep_epochs_before(run.start_epoch)
+  total_steps = sum(prioritizer.steps_in_epoch(e) for e in range(config.num_epochs))
+  report_progress = run_logging.create_progress_reporter(total_steps, writer)
+  if run.start_epoch == 0:
     writer.write_hparams({"config": config.to_json_best_effort()})
-
   try:
-    return _run_epochs(state, start_epoch, config, splits, mesh, train_fn, eval_fn, writer,
-                       epoch_log, report, checkpointer)
+    state, record = _run_epochs(run, config, train_fn, prioritizer, writer, epoch_log,
+                                report_progress, workdir)
+    write_final_report(run.eval_fn, state, run.splits, run.mesh, config, workdir,
+                       config.num_epochs)
+    return record
   finally:  # Also on errors: the last good checkpoint must finish writing.
-    checkpointer.wait_until_finished()
+    run.checkpointer.wait_until_finished()
     writer.flush()
 
 
-def _run_epochs(state, start_epoch, config, splits, mesh, train_fn, eval_fn, writer,
-                epoch_log, report, checkpointer) -> dict[str, Any]:
-  """The epoch loop: train, evaluate when due, log, checkpoint when due."""
-  record = {}
-  for epoch in range(start_epoch, config.num_epochs):
+def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Restores the latest checkpoint in `workdir` and writes its report, no training.
+
+  Returns:
+    The report (also written to workdir/report).
+
+  Raises:
+    FileNotFoundError: `workdir` has no checkpoint.
+  """
+  run = _start(config, workdir)
+  if run.start_epoch == 0:
+    raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
+                            "train first or point --workdir at a trained run")
+  return write_final_report(run.eval_fn, run.state, run.splits, run.mesh, config, workdir,
+                            run.start_epoch)
+
+
+def _run_epochs(run: _Run, config, train_fn, prioritizer, writer, epoch_log, report_progress,
+                workdir):
+  """The epoch loop: select, train, evaluate when due, log, checkpoint when due."""
+  state, sel, record = run.state, run.selection, {}
+  for epoch in range(run.start_epoch, config.num_epochs):
     start = time.time()
-    with report.timed("train", wait_jax_async_dispatch=False):
-      state, record = train_epoch(train_fn, state, splits["train"], epoch, config, mesh,
-                                  report, checkpointer.directory)
+    rows, sel, timings = prioritizer.epoch_rows(epoch, state, sel)
+    train_start = time.perf_counter()
+    with report_progress.timed("train", wait_jax_async_dispatch=False):
+      state, record, order, per_example = train_epoch(
+          train_fn, state, run.splits["train"], rows, epoch, config, run.mesh,
+          report_progress, run.checkpointer.directory)
+    timings["training_seconds"] = time.perf_counter() - train_start
+    sel, selection_record = prioritizer.after_epoch(epoch, sel, order, per_example, timings,
+                                                    workdir)
+    record.update(selection_record)
     last = epoch + 1 == config.num_epochs
     if (epoch + 1) % config.eval_every_epochs == 0 or last:
-      record.update(evaluate(eval_fn, state, splits, mesh, config.eval_batch_size))
+      record.update(evaluate(run.eval_fn, state, run.splits, run.mesh, config))
     record.update(epoch=epoch, epoch_seconds=time.time() - start)
-    writer.write_scalars(int(jax.device_get(state.step)), record)
+    writer.write_scalars(int(jax.device_get(state.step)), {
+        k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
     epoch_log.write(record)
     if (epoch + 1) % config.checkpoint_every_epochs == 0 or last:
-      checkpointer.save(epoch + 1, state, {
-          "epoch": epoch + 1, "config": config.to_json_best_effort(sort_keys=True)})
-  return record
+      run.checkpointer.save(epoch + 1, {"train": state,
+                                        "selection": sharding.replicate(run.mesh, sel)},
+                            {"epoch": epoch + 1,
+                             "config": config.to_json_best_effort(sort_keys=True)})
+  return state, record

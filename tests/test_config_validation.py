@@ -29,6 +29,13 @@ def test_shipped_configs_are_valid(module):
     ("optimizer.milestones", (250, 150), "must be increasing ints"),
     ("dataset.val_size", 5000, "config.dataset.val_size=5000 must be below the train split size 1437"),
     ("batch_size", 60, "config.batch_size=60 must be divisible by the device count 8"),
+    ("evaluation.temperature_method", "platt", "valid choices: grid_ece, grid_nll, lbfgs_nll"),
+    ("evaluation.bootstrap_kind", "bca", "valid choices: basic, percentile"),
+    ("evaluation.bootstrap_level", 1.0, "bootstrap_level=1.0 must be below 1"),
+    ("evaluation.ood", "svhn", "config.evaluation.ood='svhn' must be another dataset with the "
+                               "image shape of 'digits'"),
+    ("evaluation.ood", "noise", "valid choices: , cifar10"),
+    ("evaluation.ood_severity", 6, "config.evaluation.ood_severity: must be in [1, 5], got 6"),
 ])
 def test_bad_value_names_field_and_choices(field, value, expected):
   with pytest.raises(config_validation.ConfigError) as info:

@@ -1,6 +1,7 @@
 """Train/eval steps: learning, device-count invariance, faults, resume, end to end."""
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from cpjax import input_pipeline, losses, models, optim, sharding, train
+from cpjax import input_pipeline, losses, models, optim, scoring, sharding, train
 from tests.helpers import main_command, read_metrics, run_main, tiny_config, REPO
 
 
@@ -24,7 +25,8 @@ def _setup(config, devices):
   tx = optim.create_optimizer(config.optimizer)
   state = train.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
   step = jax.jit(functools.partial(train.train_step, model=model, tx=tx, config=config,
-                                   loss_fn=losses.get_loss(config.loss)))
+                                   loss_fn=losses.get_loss(config.loss),
+                                   score_fn=scoring.normalized_entropy))
   return mesh, model, state, step
 
 
@@ -39,7 +41,7 @@ def test_train_step_lowers_the_loss_on_a_fixed_batch(digits):
   batch = sharding.to_global(mesh, input_pipeline.batch_at(digits["train"], np.arange(64)), 64)
   losses_seen = []
   for _ in range(60):
-    state, m = step(state, batch, np.float32(0.2), {})
+    state, m, _ = step(state, batch, np.float32(0.2), {})
     losses_seen.append(float(m["loss_sum"] / m["count"]))
   assert np.mean(losses_seen[-5:]) < 0.6 * losses_seen[0]
   assert int(state.step) == 60
@@ -76,7 +78,7 @@ def test_full_train_step_matches_across_device_counts(digits):
     for i in range(3):
       rows = np.arange(64 * i, 64 * (i + 1))
       batch = sharding.to_global(mesh, input_pipeline.batch_at(digits["train"], rows), 64)
-      state, _ = step(state, batch, np.float32(0.05), {})
+      state, _, _ = step(state, batch, np.float32(0.05), {})
     params.append(jax.device_get(state.params))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), *params)
 
@@ -137,11 +139,13 @@ def _final_params(workdir):
   manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
   restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
       state=ocp.args.StandardRestore()))
-  return restored["state"]
+  state = restored["state"]
+  del state["selection"]["seconds"]  # Wall-clock totals differ between any two runs.
+  return state
 
 
 def _without_timing(records):
-  return [{k: v for k, v in r.items() if k != "epoch_seconds"} for r in records]
+  return [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in records]
 
 
 def test_sigkill_and_rerun_reproduces_the_uninterrupted_run(tmp_path):
@@ -176,6 +180,43 @@ def test_main_end_to_end(tmp_path):
   assert all(0 <= r[k] <= 1 for r in records for k in ("val_accuracy", "test_accuracy"))
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+  for key in ("ece", "adaptive_ece", "classwise_ece", "mce"):
+    assert all(0 <= r[f"test_{key}"] <= 1 for r in records), key
+  report = _check_report(tmp_path / "report")
+  # The report's before-TS test numbers are the last epoch's, from the same logits.
+  for key in ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce"):
+    assert report["metrics"]["test"]["before_ts"][key] == pytest.approx(records[-1][f"test_{key}"])
+
+  # Evaluate-only rewrites the same report from the latest checkpoint, without training.
+  for name in os.listdir(tmp_path / "report"):
+    os.remove(tmp_path / "report" / name)
+  evaluated = run_main(str(tmp_path), "--config.num_epochs=2", "--mode=evaluate")
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  again = _check_report(tmp_path / "report")
+  assert again["metrics"] == report["metrics"] and again["intervals"] == report["intervals"]
+  assert len(read_metrics(str(tmp_path))) == 2  # No epoch was trained.
+
+
+def _check_report(report_dir):
+  """The report's files exist, the PNGs decode to non-blank images; returns results.json."""
+  from PIL import Image
+  for name in ("reliability_before_ts.png", "reliability_after_ts.png",
+               "confidence_histogram.png"):
+    with Image.open(report_dir / name) as image:
+      pixels = np.asarray(image.convert("L"))
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 10, name
+  assert "Temperature (grid_ece" in (report_dir / "results.md").read_text()
+  with open(report_dir / "results.json") as f:
+    report = json.load(f)
+  fit = report["temperature"]
+  assert 0.1 <= fit["temperature"] <= 10.0
+  for tag in ("before_ts", "after_ts"):
+    assert report["metrics"]["test"][tag]["accuracy"] == report["metrics"]["test"]["before_ts"]["accuracy"]
+    for name, interval in report["intervals"][tag].items():
+      assert interval["low"] <= interval["high"] and interval["num_resamples"] == 100, name
+    assert set(report["ood"][tag]) == {"entropy", "max_softmax", "max_logit", "energy"}
+  assert sum(report["reliability"]["before_ts"]["count"]) == 360  # Every test image binned.
+  return report
 
 
 def test_main_rejects_a_bad_override_before_any_work(tmp_path):

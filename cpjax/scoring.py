@@ -1,0 +1,60 @@
+"""Per-example priority scores from logits: pure jnp, higher = more worth training on.
+
+Every score is `score(logits [B, K], labels [B]) -> [B]` in float32 (labels
+are ignored by the label-free scores). The default, normalised predictive
+entropy, is the seed paper's ("Can Calibration Improve Sample
+Prioritization?", spec §5.2) exactly: H = -sum_k p_k log(p_k + 1e-6) / log K,
+on probabilities that carry no gradient.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+ScoreFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _probs(logits: jax.Array) -> jax.Array:
+  return jax.nn.softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+
+
+def normalized_entropy(logits: jax.Array, labels: jax.Array | None = None) -> jax.Array:
+  """H(p) / log K with the seed code's +1e-6 inside the log (ranking unaffected)."""
+  del labels
+  p = _probs(logits)
+  return -jnp.sum(p * jnp.log(p + 1e-6), axis=-1) / jnp.log(p.shape[-1])
+
+
+def least_confidence(logits: jax.Array, labels: jax.Array | None = None) -> jax.Array:
+  """1 - max_k p_k (Settles 2009, uncertainty sampling)."""
+  del labels
+  return 1.0 - jnp.max(_probs(logits), axis=-1)
+
+
+def margin(logits: jax.Array, labels: jax.Array | None = None) -> jax.Array:
+  """-(p_(1) - p_(2)): a small gap between the two top classes scores high."""
+  del labels
+  top2 = jax.lax.top_k(_probs(logits), 2)[0]
+  return top2[:, 1] - top2[:, 0]
+
+
+def loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Cross-entropy of the true label (Loshchilov & Hutter 2015, online batch selection)."""
+  logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+
+
+def el2n(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """||softmax(z) - onehot(y)||_2 (Paul et al. 2021, "Deep learning on a data diet")."""
+  p = _probs(logits)
+  return jnp.linalg.norm(p - jax.nn.one_hot(labels, p.shape[-1]), axis=-1)
+
+
+SCORES: dict[str, ScoreFn] = {
+    "entropy": normalized_entropy,
+    "least_confidence": least_confidence,
+    "margin": margin,
+    "loss": loss,
+    "el2n": el2n,
+}

@@ -1,0 +1,190 @@
+"""Metrics, bootstrap, OOD and corruption against hand-worked cases and slow loop references."""
+
+import time
+
+import numpy as np
+import pytest
+import scipy.stats
+from sklearn import metrics as sk_metrics
+
+from cpjax import bootstrap, corruptions, metrics
+
+
+def _two_class(confidences, correct):
+  """probs/labels whose top-label confidence and correctness are as given."""
+  c = np.asarray(confidences, np.float64)
+  probs = np.stack([c, 1 - c], axis=1)
+  labels = np.where(np.asarray(correct) == 1, 0, 1)
+  return probs, labels
+
+
+def test_ece_hand_worked_case_both_conventions():
+  # Spec §3.1: bins (13/15, 14/15] holds .95,.95 (acc 1/2), (8/15, 9/15] holds .55,
+  # and 1.0 is in the last bin (right-closed) or in no bin (left-closed).
+  probs, labels = _two_class([0.95, 0.95, 0.55, 1.0], [1, 0, 1, 1])
+  assert metrics.ece(probs, labels) == pytest.approx((2 * 0.45 + 0.45 + 0.0) / 4, abs=1e-12)
+  assert metrics.ece(probs, labels) == pytest.approx(0.3375, abs=1e-12)
+  assert metrics.ece(probs, labels, convention="left_closed") == pytest.approx(0.45, abs=1e-12)
+
+
+def test_saturated_confidence_and_empty_bins():
+  probs, labels = _two_class([1.0, 1.0, 1.0], [1, 1, 0])
+  assert metrics.ece(probs, labels) == pytest.approx(1 / 3)  # One bin, gap 1/3, 14 empty.
+  assert metrics.ece(probs, labels, convention="left_closed") == 0.0  # Nothing binned.
+  assert metrics.mce(probs, labels) == pytest.approx(1 / 3)
+  bins = metrics.reliability_bins(probs, labels)
+  assert bins.count.tolist() == [0.0] * 14 + [3.0]
+  assert np.isnan(bins.accuracy[:14]).all() and bins.accuracy[14] == pytest.approx(2 / 3)
+
+
+def test_unknown_convention_is_named():
+  with pytest.raises(ValueError, match="left_closed, right_closed|right_closed, left_closed"):
+    metrics.ece(*_two_class([0.9], [1]), convention="closed")
+
+
+def _loop_ece(conf, correct, lowers, uppers, denominator):
+  total = 0.0
+  for lo, hi in zip(lowers, uppers):
+    inside = [i for i in range(len(conf)) if lo < conf[i] <= hi]
+    if inside:
+      gap = abs(np.mean([correct[i] for i in inside]) - np.mean([conf[i] for i in inside]))
+      total += len(inside) / denominator * gap
+  return total
+
+
+def _random_probs(rng, n, k, scale=3.0):
+  z = rng.normal(size=(n, k)) * scale
+  return np.exp(z) / np.exp(z).sum(1, keepdims=True), rng.integers(0, k, n)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ece_and_adaptive_ece_match_loops(seed):
+  rng = np.random.default_rng(seed)
+  probs, labels = _random_probs(rng, 300, 5)
+  conf = probs.max(1)
+  correct = (probs.argmax(1) == labels).astype(float)
+  edges = [m / 15 for m in range(16)]
+  assert metrics.ece(probs, labels) == pytest.approx(
+      _loop_ece(conf, correct, edges[:-1], edges[1:], len(conf)), abs=1e-12)
+  # AdaECE edges as in the focal-loss code: np.interp of the sorted confidences.
+  ada = np.interp(np.linspace(0, len(conf), 16), np.arange(len(conf)), np.sort(conf))
+  assert metrics.adaptive_ece(probs, labels) == pytest.approx(
+      _loop_ece(conf, correct, ada[:-1], ada[1:], len(conf)), abs=1e-12)
+
+
+def test_adaptive_ece_with_ties_leaves_the_minimum_out():
+  # 10 samples at 0.6 (all wrong) and 10 at 0.9 (all right): edges coincide at
+  # the ties; the samples at the minimum (0.6) are in no (lo, hi] bin.
+  probs, labels = _two_class([0.6] * 10 + [0.9] * 10, [0] * 10 + [1] * 10)
+  assert metrics.adaptive_ece(probs, labels) == pytest.approx(10 / 20 * 0.1)
+
+
+def _loop_classwise(probs, labels, num_classes):
+  n = len(labels)
+  per_class = []
+  for k in range(num_classes):
+    total = 0.0
+    for m in range(15):
+      lo, hi = m / 15, (m + 1) / 15
+      inside = [i for i in range(n) if lo < probs[i, k] <= hi]
+      if inside:
+        acc = np.mean([labels[i] == k for i in inside])
+        conf = np.mean([probs[i, k] for i in inside])
+        total += len(inside) / n * abs(acc - conf)
+    per_class.append(total)
+  return np.mean(per_class)
+
+
+def test_classwise_ece_matches_loop_with_a_class_absent():
+  rng = np.random.default_rng(3)
+  probs, labels = _random_probs(rng, 200, 4)
+  labels = np.where(labels == 3, 0, labels)  # Class 3 never appears.
+  assert metrics.classwise_ece(probs, labels, 4) == pytest.approx(
+      _loop_classwise(probs, labels, 4), abs=1e-12)
+
+
+def test_nll_brier_top_k_s99_by_hand():
+  logits = np.array([[2.0, 1.0, 0.0], [0.0, 0.0, 5.0]])
+  labels = np.array([1, 2])
+  logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+  assert metrics.nll(logits, labels) == pytest.approx(-(logp[0, 1] + logp[1, 2]) / 2)
+  p = np.exp(logp)
+  expected_brier = ((p[0] - [0, 1, 0]) ** 2).sum() / 2 + ((p[1] - [0, 0, 1]) ** 2).sum() / 2
+  assert metrics.brier(p, labels) == pytest.approx(expected_brier)
+  assert metrics.top_k_accuracy(p, labels, 1) == 0.5
+  assert metrics.top_k_accuracy(p, labels, 2) == 1.0
+  probs, labels = _two_class([0.995, 0.99, 0.5, 0.999], [1, 0, 1, 1])
+  assert metrics.s99(probs, labels) == (0.75, pytest.approx(2 / 3))
+  share, acc = metrics.s99(*_two_class([0.6], [1]))
+  assert share == 0.0 and np.isnan(acc)
+
+
+def test_smooth_ece_constant_confidence_and_calibrated_data():
+  # All confidences 0.9, accuracy 0.6: the smoothed residual integrates to
+  # |0.6 - 0.9| for every bandwidth, so smECE = 0.3 at the fixed point.
+  probs, labels = _two_class([0.9] * 10, [1] * 6 + [0] * 4)
+  assert metrics.smooth_ece(probs, labels) == pytest.approx(0.3, abs=1e-3)
+  rng = np.random.default_rng(0)
+  conf = rng.uniform(0.5, 1.0, 20000)
+  calibrated = metrics.smooth_ece(*_two_class(conf, rng.uniform(size=conf.size) < conf))
+  overconfident = metrics.smooth_ece(*_two_class(conf, rng.uniform(size=conf.size) < conf - 0.1))
+  assert calibrated < 0.02 and overconfident == pytest.approx(0.1, abs=0.02)
+
+
+def test_auroc_matches_sklearn_with_ties():
+  rng = np.random.default_rng(0)
+  inside = rng.integers(0, 5, 300).astype(float)  # Many ties.
+  outside = rng.integers(1, 7, 200).astype(float)
+  expected = sk_metrics.roc_auc_score(np.r_[np.zeros(300), np.ones(200)], np.r_[inside, outside])
+  assert metrics.auroc(inside, outside) == pytest.approx(expected, abs=1e-12)
+
+
+def test_ood_scores_by_hand():
+  logits = np.array([[0.0, np.log(3.0)]])  # p = (1/4, 3/4)
+  scores = metrics.ood_scores(logits)
+  assert scores["entropy"][0] == pytest.approx(scipy.stats.entropy([0.25, 0.75]))
+  assert scores["max_softmax"][0] == pytest.approx(-0.75)
+  assert scores["max_logit"][0] == pytest.approx(-np.log(3.0))
+  assert scores["energy"][0] == pytest.approx(-np.log(4.0))
+
+
+def test_gaussian_noise_scale_and_seed():
+  images = np.full((200, 8, 8, 1), 128, np.uint8)
+  noisy = corruptions.gaussian_noise(images, 5, seed=1)
+  assert noisy.dtype == np.uint8
+  assert np.std(noisy / 255.0) == pytest.approx(0.10, rel=0.05)  # Severity 5: c = 0.10.
+  assert np.array_equal(noisy, corruptions.gaussian_noise(images, 5, seed=1))
+  with pytest.raises(ValueError, match="severity=6"):
+    corruptions.gaussian_noise(images, 6)
+
+
+def test_bootstrap_contains_point_and_shrinks_with_n():
+  rng = np.random.default_rng(0)
+  widths = []
+  for n in (500, 8000):
+    probs, labels = _random_probs(rng, n, 10, scale=1.0)
+    for kind in bootstrap.KINDS:
+      iv = bootstrap.bootstrap_interval(metrics.ece, (probs, labels), num_resamples=200,
+                                        kind=kind, seed=0)
+      assert iv.low <= iv.point <= iv.high
+    widths.append(iv.high - iv.low)
+  assert widths[1] < widths[0] / 2  # ~1/sqrt(n): 4x narrower expected.
+
+
+def test_bootstrap_basic_interval_reflects_percentiles():
+  values = np.arange(10.0)
+  iv = bootstrap.bootstrap_interval(np.mean, (values,), num_resamples=500, kind="basic", seed=3)
+  pct = bootstrap.bootstrap_interval(np.mean, (values,), num_resamples=500, kind="percentile",
+                                     seed=3)
+  assert iv.low == pytest.approx(2 * 4.5 - pct.high) and iv.high == pytest.approx(2 * 4.5 - pct.low)
+
+
+def test_metrics_are_fast_on_10000_by_100():
+  rng = np.random.default_rng(0)
+  probs, labels = _random_probs(rng, 10000, 100)
+  start = time.perf_counter()
+  for f in (metrics.ece, metrics.adaptive_ece, metrics.mce, metrics.smooth_ece):
+    f(probs, labels)
+  metrics.classwise_ece(probs, labels, 100)
+  # Generous bound (a CI box can be slow); typical is ~0.15 s, see the issue note.
+  assert time.perf_counter() - start < 5.0
