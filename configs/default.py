@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.download = False  # Let tfds download missing built-in data (needs network).
   config.dataset.val_size = 180  # Examples carved out of the train split for validation.
   config.dataset.split_seed = 42  # Seed of the train/validation carve-out (fixed per study).
+  config.dataset.train_examples = 0  # Train on a seeded subset of this many examples; 0 = all.
   config.dataset.crop_padding = 1  # Random-crop zero padding in pixels (0 = no crop).
   config.dataset.flip = False  # Random horizontal flips (off: digits are not mirror-symmetric).
 

@@ -90,6 +90,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.download": boolean(),
       "dataset.val_size": integer(1),
       "dataset.split_seed": integer(0, 2**31 - 1),
+      "dataset.train_examples": integer(0),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
       "model.name": choice(list(models.MODELS)),
@@ -188,6 +189,10 @@ def _cross_field_problems(config, input_pipeline, losses) -> list[str]:
     problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
                     "must be below 1 (e.g. 0.9 for a 90 % interval)")
   num_rows = num_train - config.dataset.val_size
+  if config.dataset.train_examples > num_rows:
+    problems.append(f"config.dataset.train_examples={config.dataset.train_examples} exceeds "
+                    f"the {num_rows} training examples left after validation")
+  num_rows = min(config.dataset.train_examples or num_rows, num_rows)
   if config.selection.count > num_rows:
     problems.append(f"config.selection.count={config.selection.count} exceeds the "
                     f"{num_rows} training examples")

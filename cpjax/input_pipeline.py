@@ -139,6 +139,11 @@ def carve_validation(num_train: int, val_size: int, seed: int) -> tuple[np.ndarr
   return np.sort(perm[:-val_size]), np.sort(perm[-val_size:])
 
 
+def num_train_examples(config: ml_collections.ConfigDict) -> int:
+  """Training examples after the validation carve-out and any `train_examples` cap."""
+  return config.train_examples or DATASETS[config.name].num_train - config.val_size
+
+
 def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   """Returns {"train", "val", "test"} host splits for `config.dataset`."""
   spec = DATASETS[config.name]
@@ -148,6 +153,9 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
     raise ValueError(f"{spec.tfds_name}: expected train ids 0..{spec.num_train - 1}, "
                      f"got {len(full_train)} examples")
   train_ids, val_ids = carve_validation(spec.num_train, config.val_size, config.split_seed)
+  if config.train_examples:  # A seeded subset of the training ids, for quick studies.
+    train_ids = np.sort(np.random.default_rng([config.split_seed, 1]).choice(
+        train_ids, config.train_examples, replace=False))
   splits = {"train": full_train.take(train_ids), "val": full_train.take(val_ids),
             "test": _read_split(builder, spec.test_split)}
   logging.info("Dataset %s: %s", config.name, {k: len(v) for k, v in splits.items()})
@@ -187,7 +195,7 @@ def eval_batches(split: Split, batch_size: int):
 def _print_stats(name: str) -> None:
   """Prints the per-channel mean/std of a dataset's training images."""
   config = ml_collections.ConfigDict(dict(name=name, data_dir="", manual_dir="", download=False,
-                                          val_size=1, split_seed=0))
+                                          val_size=1, split_seed=0, train_examples=0))
   images = get_datasets(config)["train"].images.astype(np.float64) / 255.0
   axes = tuple(range(images.ndim - 1))
   print(name, "mean", images.mean(axes).round(4), "std", images.std(axes).round(4))

@@ -11,7 +11,6 @@ them needs checkpointing.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cpjax import sharding

@@ -276,7 +276,7 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Run:
   saved = {"train": create_train_state(jax.random.PRNGKey(config.seed), model, tx,
                                        spec.image_shape, mesh),
            "selection": sharding.replicate(mesh, prioritization.initial_state(
-               spec.num_train - config.dataset.val_size))}
+               input_pipeline.num_train_examples(config.dataset)))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, start_epoch = _resume(checkpointer, saved, config)
   eval_fn = jax.jit(functools.partial(eval_step, model=model, config=config))

@@ -4,12 +4,14 @@ import time
 
 import pytest
 
-from configs import cifar10, cifar100, default, fashion_mnist
+from configs import cifar10, cifar10_target, cifar100, cifar100_target, default
+from configs import fashion_mnist, fashion_mnist_study
 from cpjax import config_validation
 from tests.helpers import tiny_config
 
 
-@pytest.mark.parametrize("module", [default, cifar10, cifar100, fashion_mnist])
+@pytest.mark.parametrize("module", [default, cifar10, cifar100, cifar10_target, cifar100_target,
+                                    fashion_mnist, fashion_mnist_study])
 def test_shipped_configs_are_valid(module):
   config_validation.validate(module.get_config())
 

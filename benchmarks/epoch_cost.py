@@ -1,0 +1,120 @@
+"""Wall time of one training epoch, split into scoring / selection / training.
+
+  python -m benchmarks.epoch_cost --data=cifar_sized --model=tiny
+  python -m benchmarks.epoch_cost --data=fashion_mnist --model=resnet20
+
+Runs the trainer's own epoch code (`Prioritizer.epoch_rows`, `train.train_epoch`,
+`Prioritizer.after_epoch`) for full data and for 10 % / 30 % subsets in
+`train_pass` and `fresh` scoring modes, after one untimed epoch that compiles
+every step. `cifar_sized` is 50,000 random 32x32x3 uint8 images (timing only,
+not a dataset); `fashion_mnist` is the real 60,000-image training split from
+Debian's dataset-fashion-mnist package. The ratio column is the epoch's total
+time over the full-data epoch's.
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import throughput
+from configs import default
+from cpjax import input_pipeline, losses, models, optim, prioritization, scoring, sharding
+from cpjax import train
+
+
+def _data(name: str, num_examples: int) -> tuple[str, input_pipeline.Split]:
+  if name == "cifar_sized":
+    rng = np.random.default_rng(0)
+    return "cifar10", input_pipeline.Split(
+        rng.integers(0, 256, (num_examples, 32, 32, 3), np.uint8),
+        rng.integers(0, 10, num_examples).astype(np.int32), np.arange(num_examples, dtype=np.int32))
+  config = default.get_config().dataset
+  config.name, config.val_size = "fashion_mnist", 1
+  splits = input_pipeline.get_datasets(config)
+  full = input_pipeline.Split(*(np.concatenate([getattr(splits["train"], f), getattr(splits["val"], f)])
+                                for f in ("images", "labels", "ids")))
+  order = np.argsort(full.ids)
+  return "fashion_mnist", full.take(order[:num_examples])
+
+
+def _config(dataset: str, model: str, batch_size: int, method: str, fraction: float,
+            scoring_mode: str, score_batch_size: int):
+  config = default.get_config()
+  config.dataset.name = dataset
+  config.model.name, config.batch_size = model, batch_size
+  config.selection.method, config.selection.fraction = method, fraction
+  config.selection.scoring, config.selection.warmup_epochs = scoring_mode, 1
+  config.selection.score_batch_size = score_batch_size
+  config.log_every_steps = 10**6
+  return config
+
+
+def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scoring_mode,
+                  score_batch_size) -> dict[str, float]:
+  """Seconds per phase of epoch 1 (epoch 0 compiles and fills the score buffer)."""
+  config = _config(dataset, model_name, batch_size, method, fraction, scoring_mode,
+                   score_batch_size)
+  spec = input_pipeline.DATASETS[dataset]
+  mesh = sharding.create_mesh()
+  model = models.create_model(model_name, spec.num_classes, "float32")
+  tx = optim.create_optimizer(config.optimizer)
+  state = train.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
+  train_fn = jax.jit(lambda s, b, lr, h: train.train_step(
+      s, b, lr, h, model=model, tx=tx, config=config, loss_fn=losses.get_loss(config.loss),
+      score_fn=scoring.normalized_entropy), donate_argnums=0)
+  prioritizer = prioritization.Prioritizer(config, split, mesh, model, train.create_train_state)
+  sel = prioritization.initial_state(len(split))
+  result = {}
+  for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
+    if epoch == 1 and scoring_mode == "fresh" and method != "full":
+      prioritizer.epoch_rows(1, state, sel)  # Compile the scoring pass, untimed.
+    rows, sel, timings = prioritizer.epoch_rows(epoch, state, sel)
+    start = time.perf_counter()
+    state, _, order, per_example = train.train_epoch(train_fn, state, split, rows, epoch,
+                                                     config, mesh, lambda step: None, "")
+    jax.block_until_ready(state.step)
+    timings["training_seconds"] = time.perf_counter() - start
+    sel, _ = prioritizer.after_epoch(epoch, sel, order, per_example, timings, "")
+    result = {"k": len(rows), **timings}
+  result["total_seconds"] = sum(result[f"{p}_seconds"] for p in prioritization.PHASES)
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--data", default="cifar_sized", choices=["cifar_sized", "fashion_mnist"])
+  parser.add_argument("--num-examples", type=int, default=0, help="0 = 50,000 / 60,000.")
+  parser.add_argument("--model", default="tiny", choices=sorted(models.MODELS))
+  parser.add_argument("--batch-size", type=int, default=128)
+  parser.add_argument("--score-batch-size", type=int, default=1024)
+  parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3])
+  parser.add_argument("--json", default="")
+  args = parser.parse_args()
+  num = args.num_examples or (50000 if args.data == "cifar_sized" else 60000)
+  dataset, split = _data(args.data, num)
+  cases = [("full", "full", 1.0, "train_pass")]
+  cases += [(f"top_k {f:.0%} {mode}", "top_k", f, mode)
+            for mode in ("train_pass", "fresh") for f in args.fractions]
+  rows = {}
+  for name, method, fraction, mode in cases:
+    rows[name] = measure_epoch(split, dataset, args.model, args.batch_size, method, fraction,
+                               mode, args.score_batch_size)
+    rows[name]["ratio_to_full"] = rows[name]["total_seconds"] / rows["full"]["total_seconds"]
+  machine = throughput.machine()
+  print(json.dumps(machine), f"data={args.data} n={len(split)} model={args.model} "
+        f"batch={args.batch_size}")
+  print(f"{'case':<24}{'k':>8}{'scoring s':>11}{'select s':>10}{'train s':>10}{'total s':>10}"
+        f"{'x full':>8}")
+  for name, r in rows.items():
+    print(f"{name:<24}{r['k']:>8}{r['scoring_seconds']:>11.3f}{r['selection_seconds']:>10.3f}"
+          f"{r['training_seconds']:>10.3f}{r['total_seconds']:>10.3f}{r['ratio_to_full']:>8.3f}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"machine": machine, "args": vars(args), "epochs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

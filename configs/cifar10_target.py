@@ -1,0 +1,20 @@
+"""The seed paper's CIFAR-10 target model: ResNet-50 + mixup (alpha 0.3) on full data.
+
+Records every training image's train-pass entropy each epoch in
+workdir/scores/, which a run with --config.selection.target_workdir=THIS_WORKDIR
+--config.selection.target_per_epoch=True uses to choose its subsets (spec §5.3).
+"""
+
+import ml_collections
+
+from configs import cifar10
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """Returns the CIFAR-10 target configuration."""
+  config = cifar10.get_config()
+  config.model.name = "resnet50"  # The seed's target architecture.
+  config.loss.mixup_alpha = 0.3  # Seed target: mixup alpha 0.3 on CIFAR-10.
+  config.selection.method = "full"  # The target trains on all data...
+  config.selection.record_scores = True  # ...and records its scores every epoch.
+  return config

@@ -1,0 +1,38 @@
+"""CI smoke runs of both benchmarks at tiny sizes, so they never rot (no timing asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import REPO
+
+
+def _run(module, *args, tmp_path):
+  out = os.path.join(tmp_path, "result.json")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, "-m", module, *args, f"--json={out}"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(out) as f:
+    return json.load(f), result.stdout
+
+
+def test_throughput_smoke(tmp_path):
+  results, stdout = _run("benchmarks.throughput", "--model=tiny", "--batch-size=16",
+                         "--score-batch-size=32", "--windows=1", "--steps=1", tmp_path=tmp_path)
+  for key in ("compile_seconds", "train_images_per_s", "score_float32_images_per_s",
+              "score_bfloat16_images_per_s"):
+    assert results["jax"][key] > 0, key
+  assert "jax.train_images_per_s" in stdout and results["machine"]["backend"] == "cpu"
+
+
+def test_epoch_cost_smoke_on_real_fashion_mnist(tmp_path):
+  results, stdout = _run("benchmarks.epoch_cost", "--data=fashion_mnist", "--num-examples=600",
+                         "--batch-size=32", "--score-batch-size=64", tmp_path=tmp_path)
+  epochs = results["epochs"]
+  assert epochs["full"]["k"] == 600 and epochs["top_k 10% train_pass"]["k"] == 60
+  assert epochs["top_k 30% fresh"]["k"] == 180 and epochs["top_k 30% fresh"]["scoring_seconds"] > 0
+  # train_pass: the scores come from training; no scoring pass runs.
+  assert epochs["top_k 10% train_pass"]["scoring_seconds"] < 0.01
+  assert "x full" in stdout
