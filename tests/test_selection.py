@@ -20,6 +20,14 @@ def _numpy_top_k(scores, ids, k):
   return ids[np.lexsort((ids, -key))[:k]]
 
 
+def _numpy_entropy(logits):
+  """The seed code's normalised entropy, -sum p log(p + 1e-6) / log K, in float64."""
+  z = np.asarray(logits, np.float64)
+  p = np.exp(z - z.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  return -(p * np.log(p + 1e-6)).sum(1) / np.log(z.shape[1])
+
+
 @pytest.mark.parametrize("num_devices", [1, 8])
 @pytest.mark.parametrize("n, k", [(1000, 100), (997, 333), (13, 13), (50, 1)])
 def test_top_k_matches_numpy_with_ties(num_devices, n, k):
@@ -98,10 +106,8 @@ def test_fresh_pass_scores_every_id_once_and_matches_numpy_entropy(digits, tmp_p
   score_fn = jax.jit(functools.partial(prioritization.score_step, model=run.model,
                                        config=config, score_fn=scoring.normalized_entropy))
   scores = train.predict(score_fn, run.state, split, run.mesh, 104)
-  logits = train.predict(run.eval_fn, run.state, split, run.mesh, 128).astype(np.float64)
-  p = np.exp(logits - logits.max(1, keepdims=True))
-  p /= p.sum(1, keepdims=True)
-  np.testing.assert_allclose(scores, -(p * np.log(p + 1e-6)).sum(1) / np.log(10), rtol=1e-4)
+  logits = train.predict(run.eval_fn, run.state, split, run.mesh, 128)
+  np.testing.assert_allclose(scores, _numpy_entropy(logits), rtol=1e-4)
 
 
 def _restore(workdir, step=None):
@@ -176,11 +182,8 @@ def test_target_of_another_architecture_scores_once(tmp_path):
   train.train_and_evaluate(config, str(tmp_path / "current"))
   # Independently: the target's eval-mode entropies over the training split.
   target = train._start(prioritization.read_run_config(target_dir), target_dir)
-  logits = train.predict(target.eval_fn, target.state, target.splits["train"], target.mesh,
-                         128).astype(np.float64)
-  p = np.exp(logits - logits.max(1, keepdims=True))
-  p /= p.sum(1, keepdims=True)
-  expected = -(p * np.log(p + 1e-6)).sum(1) / np.log(10)
+  expected = _numpy_entropy(train.predict(target.eval_fn, target.state, target.splits["train"],
+                                          target.mesh, 128))
   buffer = np.asarray(_restore(str(tmp_path / "current"))["selection"]["scores"])
   np.testing.assert_allclose(buffer, expected, rtol=1e-4, atol=1e-6)
   records = read_metrics(str(tmp_path / "current"))
