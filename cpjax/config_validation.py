@@ -176,9 +176,9 @@ def _cross_field_problems(config, input_pipeline, losses) -> list[str]:
   """Constraints that involve several fields or the runtime (device count)."""
   problems = losses.cross_field_problems(config)
   devices = jax.device_count()
+  leaves = _leaves(config)
   for name in ("batch_size", "eval_batch_size", "selection.score_batch_size"):
-    value = config[name] if "." not in name else config.selection.score_batch_size
-    if value % devices:
+    if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "
                       f"device count {devices} (every device gets an equal share)")
   num_train = input_pipeline.DATASETS[config.dataset.name].num_train

@@ -90,7 +90,7 @@ def check_target(config: ml_collections.ConfigDict) -> None:
           "train the target with --config.selection.record_scores=True")
     return
   target = read_run_config(config.selection.target_workdir)
-  for field in ("name", "val_size", "split_seed"):
+  for field in ("name", "val_size", "split_seed", "train_examples"):
     if target.dataset[field] != config.dataset[field]:
       raise ValueError(
           f"target run {config.selection.target_workdir} has dataset.{field}="
@@ -182,8 +182,7 @@ class Prioritizer:
     if last >= 0 and (cfg.rescore_every == 0 or epoch - last < cfg.rescore_every):
       return sel
     state = self._scorer.target_state() if self._scorer.checkpointer else train_state
-    from cpjax import train  # The batched, sharded forward pass over a split.
-    sel["scores"] = train.predict(self._scorer.score_fn, state, self.split, self.mesh,
+    sel["scores"] = sharding.predict(self._scorer.score_fn, state, self.split, self.mesh,
                                   cfg.score_batch_size).astype(np.float32)
     sel["scored_epoch"] = np.array(epoch, np.int32)
     return sel

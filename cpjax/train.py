@@ -125,24 +125,12 @@ def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modul
   return logits.astype(jnp.float32)
 
 
-def predict(eval_fn, state: TrainState, split: input_pipeline.Split, mesh,
-            batch_size: int) -> np.ndarray:
-  """Logits [N, K] of every example of `split`, in row order, on every host."""
-  rows = sharding.process_rows(mesh, batch_size)
-  outputs = []
-  for batch in input_pipeline.eval_batches(split, batch_size):
-    local = {k: v[rows] for k, v in batch.items()}
-    outputs.append(eval_fn(state, sharding.to_global(mesh, local, batch_size)))
-  logits = np.concatenate(sharding.to_host(outputs))
-  return logits[:len(split)]
-
-
 def evaluate(eval_fn, state, splits, mesh, config) -> dict[str, float]:
   """Accuracy, NLL and the ECE family of the validation and test splits."""
   num_classes = input_pipeline.DATASETS[config.dataset.name].num_classes
   results = {}
   for name in ("val", "test"):
-    logits = predict(eval_fn, state, splits[name], mesh, config.eval_batch_size)
+    logits = sharding.predict(eval_fn, state, splits[name], mesh, config.eval_batch_size)
     values = report.calibration_metrics(logits, splits[name].labels, num_classes,
                                         config.evaluation.num_bins)
     results.update({f"{name}_{metric}": value for metric, value in values.items()})
@@ -164,7 +152,7 @@ def write_final_report(eval_fn, state, splits, mesh, config, workdir: str,
                        epoch: int) -> dict[str, Any]:
   """Builds the calibration report of `state` and writes it to workdir/report."""
   def logits_of(split):
-    return predict(eval_fn, state, split, mesh, config.eval_batch_size)
+    return sharding.predict(eval_fn, state, split, mesh, config.eval_batch_size)
   ood = _ood_split(config, splits)
   results = report.build_report(
       (logits_of(splits["val"]), splits["val"].labels),
@@ -314,11 +302,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if run.start_epoch == 0:
     writer.write_hparams({"config": config.to_json_best_effort()})
   try:
-    state, record = _run_epochs(run, config, train_fn, prioritizer, writer, epoch_log,
-                                report_progress, workdir)
-    write_final_report(run.eval_fn, state, run.splits, run.mesh, config, workdir,
-                       config.num_epochs)
-    return record
+    return _run_epochs(run, config, train_fn, prioritizer, writer, epoch_log, report_progress,
+                       workdir)
   finally:  # Also on errors: the last good checkpoint must finish writing.
     run.checkpointer.wait_until_finished()
     writer.flush()
@@ -343,7 +328,10 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
 
 def _run_epochs(run: _Run, config, train_fn, prioritizer, writer, epoch_log, report_progress,
                 workdir):
-  """The epoch loop: select, train, evaluate when due, log, checkpoint when due."""
+  """The epoch loop: select, train, evaluate when due, log, checkpoint when due.
+
+  The last epoch writes the calibration report; returns its metrics record.
+  """
   state, sel, record = run.state, run.selection, {}
   for epoch in range(run.start_epoch, config.num_epochs):
     start = time.time()
@@ -357,16 +345,20 @@ def _run_epochs(run: _Run, config, train_fn, prioritizer, writer, epoch_log, rep
     sel, selection_record = prioritizer.after_epoch(epoch, sel, order, per_example, timings,
                                                     workdir)
     record.update(selection_record)
-    last = epoch + 1 == config.num_epochs
-    if (epoch + 1) % config.eval_every_epochs == 0 or last:
+    if epoch + 1 == config.num_epochs:  # The report's before-TS numbers are the last eval.
+      results = write_final_report(run.eval_fn, state, run.splits, run.mesh, config, workdir,
+                                   epoch + 1)
+      record.update({f"{split}_{name}": results["metrics"][split]["before_ts"][name]
+                     for split in ("val", "test") for name in report.EPOCH_METRICS})
+    elif (epoch + 1) % config.eval_every_epochs == 0:
       record.update(evaluate(run.eval_fn, state, run.splits, run.mesh, config))
     record.update(epoch=epoch, epoch_seconds=time.time() - start)
     writer.write_scalars(int(jax.device_get(state.step)), {
         k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
     epoch_log.write(record)
-    if (epoch + 1) % config.checkpoint_every_epochs == 0 or last:
+    if (epoch + 1) % config.checkpoint_every_epochs == 0 or epoch + 1 == config.num_epochs:
       run.checkpointer.save(epoch + 1, {"train": state,
                                         "selection": sharding.replicate(run.mesh, sel)},
                             {"epoch": epoch + 1,
                              "config": config.to_json_best_effort(sort_keys=True)})
-  return state, record
+  return record

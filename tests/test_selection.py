@@ -100,13 +100,13 @@ def test_fresh_pass_scores_every_id_once_and_matches_numpy_entropy(digits, tmp_p
   def id_step(state, batch):
     del state
     return batch["id"].astype(jnp.float32)
-  seen = train.predict(jax.jit(id_step), run.state, split, run.mesh, 104)
+  seen = sharding.predict(jax.jit(id_step), run.state, split, run.mesh, 104)
   np.testing.assert_array_equal(seen, split.ids)  # Every id once, in row order.
 
   score_fn = jax.jit(functools.partial(prioritization.score_step, model=run.model,
                                        config=config, score_fn=scoring.normalized_entropy))
-  scores = train.predict(score_fn, run.state, split, run.mesh, 104)
-  logits = train.predict(run.eval_fn, run.state, split, run.mesh, 128)
+  scores = sharding.predict(score_fn, run.state, split, run.mesh, 104)
+  logits = sharding.predict(run.eval_fn, run.state, split, run.mesh, 128)
   np.testing.assert_allclose(scores, _numpy_entropy(logits), rtol=1e-4)
 
 
@@ -182,7 +182,7 @@ def test_target_of_another_architecture_scores_once(tmp_path):
   train.train_and_evaluate(config, str(tmp_path / "current"))
   # Independently: the target's eval-mode entropies over the training split.
   target = train._start(prioritization.read_run_config(target_dir), target_dir)
-  expected = _numpy_entropy(train.predict(target.eval_fn, target.state, target.splits["train"],
+  expected = _numpy_entropy(sharding.predict(target.eval_fn, target.state, target.splits["train"],
                                           target.mesh, 128))
   buffer = np.asarray(_restore(str(tmp_path / "current"))["selection"]["scores"])
   np.testing.assert_allclose(buffer, expected, rtol=1e-4, atol=1e-6)
