@@ -21,8 +21,8 @@ import numpy as np
 
 from benchmarks import throughput
 from configs import default
-from cpjax import input_pipeline, losses, models, optim, prioritization, scoring, sharding
-from cpjax import train
+from cpjax import compiler_options, input_pipeline, losses, models, optim, prioritization
+from cpjax import scoring, sharding, train
 
 
 def _data(name: str, num_examples: int) -> tuple[str, input_pipeline.Split]:
@@ -41,8 +41,9 @@ def _data(name: str, num_examples: int) -> tuple[str, input_pipeline.Split]:
 
 
 def _config(dataset: str, model: str, batch_size: int, method: str, fraction: float,
-            scoring_mode: str, score_batch_size: int):
+            scoring_mode: str, score_batch_size: int, xla_cpu_options: str):
   config = default.get_config()
+  config.xla_cpu_options = xla_cpu_options
   config.dataset.name = dataset
   config.model.name, config.batch_size = model, batch_size
   config.selection.method, config.selection.fraction = method, fraction
@@ -53,10 +54,10 @@ def _config(dataset: str, model: str, batch_size: int, method: str, fraction: fl
 
 
 def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scoring_mode,
-                  score_batch_size) -> dict[str, float]:
+                  score_batch_size, xla_cpu_options="tuned") -> dict[str, float]:
   """Seconds per phase of epoch 1 (epoch 0 compiles and fills the score buffer)."""
   config = _config(dataset, model_name, batch_size, method, fraction, scoring_mode,
-                   score_batch_size)
+                   score_batch_size, xla_cpu_options)
   spec = input_pipeline.DATASETS[dataset]
   mesh = sharding.create_mesh()
   model = models.create_model(model_name, spec.num_classes, "float32")
@@ -64,7 +65,8 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
   state = train.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
   train_fn = jax.jit(lambda s, b, lr, h: train.train_step(
       s, b, lr, h, model=model, tx=tx, config=config, loss_fn=losses.get_loss(config.loss),
-      score_fn=scoring.normalized_entropy), donate_argnums=0)
+      score_fn=scoring.normalized_entropy), donate_argnums=0,
+      compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
   prioritizer = prioritization.Prioritizer(config, split, mesh, model, train.create_train_state)
   sel = prioritization.initial_state(len(split))
   result = {}
@@ -91,6 +93,7 @@ def main():
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--score-batch-size", type=int, default=1024)
   parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3])
+  parser.add_argument("--xla-cpu-options", default="tuned", choices=compiler_options.PRESETS)
   parser.add_argument("--json", default="")
   args = parser.parse_args()
   num = args.num_examples or (50000 if args.data == "cifar_sized" else 60000)
@@ -101,7 +104,7 @@ def main():
   rows = {}
   for name, method, fraction, mode in cases:
     rows[name] = measure_epoch(split, dataset, args.model, args.batch_size, method, fraction,
-                               mode, args.score_batch_size)
+                               mode, args.score_batch_size, args.xla_cpu_options)
     rows[name]["ratio_to_full"] = rows[name]["total_seconds"] / rows["full"]["total_seconds"]
   machine = throughput.machine()
   print(json.dumps(machine), f"data={args.data} n={len(split)} model={args.model} "

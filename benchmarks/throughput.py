@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from configs import default
-from cpjax import input_pipeline, losses, models, optim, prioritization, scoring, sharding
-from cpjax import train
+from cpjax import compiler_options, input_pipeline, losses, models, optim, prioritization
+from cpjax import scoring, sharding, train
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # Dense, per device.
 
@@ -61,10 +61,10 @@ def _batch(mesh, size: int, image_size: int, num_classes: int) -> dict[str, jax.
                                    for k, v in host.items()}, size)
 
 
-def measure(model_name: str, batch_size: int, score_batch_size: int, image_size: int,
-            windows: int, steps: int) -> dict[str, float]:
-  """Compile time, train images/s, scoring images/s (float32, bfloat16), MFU on GPU."""
+def train_setup(model_name: str, batch_size: int, image_size: int, xla_cpu_options: str):
+  """(config, mesh, train state, jitted donated train step, batch, lr) on random inputs."""
   config = _config(model_name, batch_size)
+  config.xla_cpu_options = xla_cpu_options
   spec = input_pipeline.DATASETS["cifar10"]
   mesh = sharding.create_mesh()
   model = models.create_model(model_name, spec.num_classes, "float32")
@@ -73,9 +73,18 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
                                    (image_size, image_size, 3), mesh)
   step = jax.jit(functools.partial(train.train_step, model=model, tx=tx, config=config,
                                    loss_fn=losses.get_loss(config.loss),
-                                   score_fn=scoring.normalized_entropy), donate_argnums=0)
+                                   score_fn=scoring.normalized_entropy), donate_argnums=0,
+                 compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
   batch = _batch(mesh, batch_size, image_size, spec.num_classes)
-  lr = np.float32(0.01)
+  return config, mesh, state, step, batch, np.float32(0.01)
+
+
+def measure(model_name: str, batch_size: int, score_batch_size: int, image_size: int,
+            windows: int, steps: int, xla_cpu_options: str = "tuned") -> dict[str, float]:
+  """Compile time, train images/s, scoring images/s (float32, bfloat16), MFU on GPU."""
+  config, mesh, state, step, batch, lr = train_setup(model_name, batch_size, image_size,
+                                                     xla_cpu_options)
+  spec = input_pipeline.DATASETS["cifar10"]
   start = time.perf_counter()
   compiled = step.lower(state, batch, lr, {}).compile()
   results = {"compile_seconds": time.perf_counter() - start}
@@ -91,7 +100,8 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
   for dtype in ("float32", "bfloat16"):
     scorer = jax.jit(functools.partial(
         prioritization.score_step, config=config, score_fn=scoring.normalized_entropy,
-        model=models.create_model(model_name, spec.num_classes, dtype)))
+        model=models.create_model(model_name, spec.num_classes, dtype)),
+        compiler_options=compiler_options.compiler_options("inference", xla_cpu_options))
     results[f"score_{dtype}_images_per_s"] = _rate(
         lambda s=scorer: s(holder[0], score_batch), score_batch_size, windows, steps)
   kind = jax.devices()[0].device_kind
@@ -122,6 +132,8 @@ def main():
   parser.add_argument("--windows", type=int, default=5)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--compare-torch", action="store_true")
+  parser.add_argument("--xla-cpu-options", default="tuned", choices=compiler_options.PRESETS,
+                      help="cpjax.compiler_options preset of the JAX steps.")
   parser.add_argument("--json", default="", help="Also write the results to this file.")
   args = parser.parse_args()
   if args.compare_torch and args.model not in ("resnet18", "resnet34"):
@@ -129,7 +141,7 @@ def main():
                  f"not --model={args.model}")
   results = {"machine": machine(), "args": vars(args),
              "jax": measure(args.model, args.batch_size, args.score_batch_size, args.image_size,
-                            args.windows, args.steps)}
+                            args.windows, args.steps, args.xla_cpu_options)}
   if args.compare_torch:
     from benchmarks import torch_reference
     import torch

@@ -88,4 +88,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_epochs = 1  # Save a checkpoint every this many epochs.
   config.keep_checkpoints = 2  # Checkpoints kept on disk (the newest ones).
   config.log_every_steps = 10  # Report progress and check the loss every this many steps.
+  config.xla_cpu_options = "tuned"  # tuned (cpjax.compiler_options) or xla_default.
   return config

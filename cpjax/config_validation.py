@@ -81,7 +81,8 @@ def int_sequence(low: int = 0) -> Check:
 def spine_schema() -> dict[str, Check]:
   """Checks of the trainer's own fields (loss hyper-parameters: cpjax.losses)."""
   # Registries own their names.
-  from cpjax import bootstrap, input_pipeline, losses, models, scoring, selection, temperature
+  from cpjax import bootstrap, compiler_options, input_pipeline, losses, models, scoring
+  from cpjax import selection, temperature
   return {
       "seed": integer(0, 2**31 - 1),
       "dataset.name": choice(list(input_pipeline.DATASETS)),
@@ -132,6 +133,7 @@ def spine_schema() -> dict[str, Check]:
       "checkpoint_every_epochs": integer(1),
       "keep_checkpoints": integer(1),
       "log_every_steps": integer(1),
+      "xla_cpu_options": choice(compiler_options.PRESETS),
   }
 
 

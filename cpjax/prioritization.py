@@ -32,8 +32,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from cpjax import augment, checkpointing, input_pipeline, metrics, models, optim, scoring
-from cpjax import selection, sharding
+from cpjax import augment, checkpointing, compiler_options, input_pipeline, metrics, models
+from cpjax import optim, scoring, selection, sharding
 
 SCORE_FILE = "scores/epoch_{epoch:04d}.npy"  # Recorded train-pass scores, by full-split id.
 PHASES = ("scoring", "selection", "training")
@@ -114,11 +114,13 @@ class Prioritizer:
         cfg.scoring == "train_pass" and not cfg.target_workdir):
       return None
     score_fn = scoring.SCORES[cfg.score]
+    options = compiler_options.compiler_options("inference", self.config.xla_cpu_options)
     if not cfg.target_workdir:  # Fresh passes with the current model, maybe in bf16.
       scoring_model = models.create_model(self.config.model.name, self.num_classes,
                                           cfg.score_dtype)
       return _Scorer(jax.jit(functools.partial(score_step, model=scoring_model,
-                                               config=self.config, score_fn=score_fn)))
+                                               config=self.config, score_fn=score_fn),
+                             compiler_options=options))
     target_config = read_run_config(cfg.target_workdir)
     target_model = models.create_model(target_config.model.name, self.num_classes,
                                        cfg.score_dtype)
@@ -133,7 +135,8 @@ class Prioritizer:
     logging.info("Scoring with target run %s (%s).", cfg.target_workdir,
                  target_config.model.name)
     return _Scorer(jax.jit(functools.partial(score_step, model=target_model,
-                                             config=target_config, score_fn=score_fn)),
+                                             config=target_config, score_fn=score_fn),
+                           compiler_options=options),
                    checkpointing.Checkpointer(cfg.target_workdir, max_to_keep=1000), abstract)
 
   def selecting(self, epoch: int) -> bool:

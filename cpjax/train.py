@@ -22,7 +22,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import augment, checkpointing, config_validation, corruptions, input_pipeline
+from cpjax import augment, checkpointing, compiler_options, config_validation, corruptions
+from cpjax import input_pipeline
 from cpjax import losses, models, optim, prioritization, report, run_logging, scoring
 from cpjax import sharding
 
@@ -267,7 +268,9 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Run:
                input_pipeline.num_train_examples(config.dataset)))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, start_epoch = _resume(checkpointer, saved, config)
-  eval_fn = jax.jit(functools.partial(eval_step, model=model, config=config))
+  eval_fn = jax.jit(functools.partial(eval_step, model=model, config=config),
+                    compiler_options=compiler_options.compiler_options(
+                        "inference", config.xla_cpu_options))
   return _Run(mesh, model, tx, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
               start_epoch, checkpointer, input_pipeline.get_datasets(config.dataset), eval_fn)
 
@@ -291,7 +294,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   train_fn = jax.jit(functools.partial(train_step, model=run.model, tx=run.tx, config=config,
                                        loss_fn=losses.get_loss(config.loss),
                                        score_fn=scoring.SCORES[config.selection.score]),
-                     donate_argnums=0)
+                     donate_argnums=0, compiler_options=compiler_options.compiler_options(
+                         "train", config.xla_cpu_options))
   prioritizer = prioritization.Prioritizer(config, run.splits["train"], run.mesh, run.model,
                                            create_train_state)
   writer = run_logging.create_writer(workdir)

@@ -38,6 +38,7 @@ def test_shipped_configs_are_valid(module):
                                "image shape of 'digits'"),
     ("evaluation.ood", "noise", "valid choices: , cifar10"),
     ("evaluation.ood_severity", 6, "config.evaluation.ood_severity: must be in [1, 5], got 6"),
+    ("xla_cpu_options", "fast", "valid choices: tuned, xla_default"),
 ])
 def test_bad_value_names_field_and_choices(field, value, expected):
   with pytest.raises(config_validation.ConfigError) as info:

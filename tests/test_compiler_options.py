@@ -1,0 +1,66 @@
+"""The tuned XLA:CPU compiler options change how steps compile, not what they compute."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from cpjax import compiler_options, losses, models, optim, scoring, sharding, train
+from tests.helpers import tiny_config
+
+
+def test_presets_per_kind_and_backend():
+  tuned_train = compiler_options.compiler_options("train", "tuned", backend="cpu")
+  tuned_inference = compiler_options.compiler_options("inference", "tuned", backend="cpu")
+  assert "CONVOLUTION" not in tuned_train["xla_cpu_experimental_ynn_fusion_type"]
+  assert tuned_inference == {"xla_cpu_experimental_ynn_fusion_type": ""}
+  for backend in ("gpu", "tpu"):
+    assert compiler_options.compiler_options("train", "tuned", backend=backend) == {}
+  assert compiler_options.compiler_options("inference", "xla_default", backend="cpu") == {}
+  with pytest.raises(ValueError, match="one of \\('train', 'inference'\\), got 'eval'"):
+    compiler_options.compiler_options("eval")
+  with pytest.raises(ValueError, match="one of \\('tuned', 'xla_default'\\), got 'fast'"):
+    compiler_options.compiler_options("train", "fast")
+
+
+def _compiled_steps(preset: str, config, model, tx, state, batch):
+  train_fn = jax.jit(functools.partial(
+      train.train_step, model=model, tx=tx, config=config, loss_fn=losses.get_loss(config.loss),
+      score_fn=scoring.normalized_entropy),
+      compiler_options=compiler_options.compiler_options("train", preset))
+  eval_fn = jax.jit(functools.partial(train.eval_step, model=model, config=config),
+                    compiler_options=compiler_options.compiler_options("inference", preset))
+  return (train_fn.lower(state, batch, np.float32(0.1), {}).compile(),
+          eval_fn.lower(state, batch).compile())
+
+
+def test_tuned_steps_match_xla_defaults_on_a_resnet():
+  """One SGD step and one eval pass of ResNet-20 (strided convs, BN) under both presets."""
+  config = tiny_config(**{"model.name": "resnet20", "dataset.crop_padding": 0})
+  mesh = sharding.create_mesh()
+  model = models.create_model("resnet20", 10)
+  tx = optim.create_optimizer(config.optimizer)
+  state = train.create_train_state(jax.random.PRNGKey(0), model, tx, (8, 8, 1), mesh)
+  rng = np.random.default_rng(0)
+  host = {"image": rng.integers(0, 17, (16, 8, 8, 1)).astype(np.uint8),
+          "label": rng.integers(0, 10, 16).astype(np.int32),
+          "id": np.arange(16, dtype=np.int32), "mask": np.ones(16, np.float32)}
+  batch = sharding.to_global(mesh, host, 16)
+  outputs = {}
+  for preset in ("xla_default", "tuned"):
+    train_step, eval_step = _compiled_steps(preset, config, model, tx, state, batch)
+    # Both compiles see the same (non-donated) state.
+    new_state, metrics, _ = train_step(state, batch, np.float32(0.1), {})
+    outputs[preset] = (jax.device_get(new_state.params), jax.device_get(metrics),
+                       np.asarray(eval_step(state, batch)))
+    if preset == "tuned":  # The option takes effect: no YNNPACK fusion in the eval step.
+      assert "__ynn_fusion" not in eval_step.as_text()
+  (p0, m0, l0), (p1, m1, l1) = outputs["xla_default"], outputs["tuned"]
+  np.testing.assert_allclose(l1, l0, rtol=1e-4, atol=1e-4)
+  assert float(m1["loss_sum"]) == pytest.approx(float(m0["loss_sum"]), rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), p1, p0)
+  # The step did move the parameters, so agreement is not that of two no-ops.
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), p0,
+                                       jax.device_get(state.params)))
+  assert max(moved) > 1e-3
