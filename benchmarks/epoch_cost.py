@@ -114,9 +114,7 @@ def main():
   for name, r in rows.items():
     print(f"{name:<24}{r['k']:>8}{r['scoring_seconds']:>11.3f}{r['selection_seconds']:>10.3f}"
           f"{r['training_seconds']:>10.3f}{r['total_seconds']:>10.3f}{r['ratio_to_full']:>8.3f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"machine": machine, "args": vars(args), "epochs": rows}, f, indent=1)
+  throughput.write_json(args.json, {"machine": machine, "args": vars(args), "epochs": rows})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import time
 import jax
 
 from benchmarks import throughput
-from cpjax import compiler_options
+from cpjax import compiler_options, models
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? ([a-z][a-z0-9-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) ")
@@ -149,7 +149,7 @@ def profile(model_name: str, batch_size: int, image_size: int, steps: int,
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="resnet18")
+  parser.add_argument("--model", default="resnet18", choices=sorted(models.MODELS))
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--image-size", type=int, default=32)
   parser.add_argument("--steps", type=int, default=3)
@@ -169,9 +169,7 @@ def main():
   print(f"\n{'top op':<40}{'category':<32}{'ms/step':>10}")
   for op in results["top_ops"]:
     print(f"{op['name']:<40}{op['category']:<32}{1e3 * op['seconds']:>10.1f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+  throughput.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,13 @@ def machine() -> dict[str, str]:
           "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
+def write_json(path: str, results: dict) -> None:
+  """Writes `results` to `path` for scripts; no-op when `path` is empty."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(results, f, indent=1)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default="resnet18", choices=sorted(models.MODELS))
@@ -158,9 +165,7 @@ def main():
   for side in ("jax", "torch", "ratio_jax_over_torch"):
     for key, value in results.get(side, {}).items():
       print(f"{side + '.' + key:<34}{value:>14.3f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+  write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""CI smoke runs of both benchmarks at tiny sizes, so they never rot (no timing asserted)."""
+"""CI smoke runs of the benchmarks at tiny sizes, so they never rot (no timing asserted)."""
 
 import json
 import os
@@ -36,3 +36,13 @@ def test_epoch_cost_smoke_on_real_fashion_mnist(tmp_path):
   # train_pass: the scores come from training; no scoring pass runs.
   assert epochs["top_k 10% train_pass"]["scoring_seconds"] < 0.01
   assert "x full" in stdout
+
+
+def test_profile_step_smoke(tmp_path):
+  """The trace is read back and the tiny net's ops land in named categories."""
+  results, stdout = _run("benchmarks.profile_step", "--model=tiny", "--batch-size=16",
+                         "--steps=1", "--xla-cpu-options=xla_default", tmp_path=tmp_path)
+  assert results["wall_seconds_per_step"] > 0 and results["op_seconds_per_step"] > 0
+  assert abs(sum(results["by_category"].values()) - results["op_seconds_per_step"]) < 1e-9
+  assert any(c.startswith("conv ") for c in results["by_category"]), results["by_category"]
+  assert "summed op time" in stdout
