@@ -20,7 +20,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from cpjax import distributed
+from cpjax.runtime import distributed
 from cpjax import train
 
 FLAGS = flags.FLAGS

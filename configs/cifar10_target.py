@@ -2,7 +2,7 @@
 
 Records every training image's train-pass entropy each epoch in
 workdir/scores/, which a run with --config.selection.target_workdir=THIS_WORKDIR
---config.selection.target_per_epoch=True uses to choose its subsets (spec §5.3).
+--config.selection.scoring=target_recorded uses to choose its subsets (spec §5.3).
 """
 
 import ml_collections

@@ -63,12 +63,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection.fraction = 0.1  # Share k/N of training examples per selected epoch.
   config.selection.count = 0  # k as a count; > 0 overrides fraction.
   config.selection.warmup_epochs = 2  # Epochs on all data before selection starts (seed: 10).
-  config.selection.scoring = "train_pass"  # train_pass (reference: scores from training) or fresh.
+  config.selection.scoring = "train_pass"  # train_pass (reference), fresh, target or target_recorded.
   config.selection.rescore_every = 1  # fresh/target: epochs between scoring passes; 0 = once.
   config.selection.score_dtype = "float32"  # Compute dtype of scoring passes: float32 or bfloat16.
   config.selection.score_batch_size = 512  # Global batch of scoring passes (forward only: large).
-  config.selection.target_workdir = ""  # Another cpjax run whose model scores instead ("" = none).
-  config.selection.target_per_epoch = False  # Use the target's recorded scores of the same epoch.
+  config.selection.target_workdir = ""  # target/target_recorded: the scoring run's --workdir.
   config.selection.record_scores = False  # Write train-pass scores per epoch to workdir/scores/.
 
   config.evaluation = ml_collections.ConfigDict()
@@ -87,6 +86,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_epochs = 1  # Evaluate validation and test every this many epochs.
   config.checkpoint_every_epochs = 1  # Save a checkpoint every this many epochs.
   config.keep_checkpoints = 2  # Checkpoints kept on disk (the newest ones).
-  config.log_every_steps = 10  # Report progress and check the loss every this many steps.
+  config.log_every_steps = 10  # Log train metrics and progress, check the loss, every N steps.
   config.xla_cpu_options = "tuned"  # tuned (cpjax.compiler_options) or xla_default.
   return config

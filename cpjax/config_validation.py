@@ -13,6 +13,12 @@ from typing import Any
 import jax
 import ml_collections
 
+from cpjax import models
+from cpjax.calibration import bootstrap, losses, temperature
+from cpjax.data import specs
+from cpjax.runtime import compiler_options
+from cpjax.selection import policies, scores, sources
+
 Check = Callable[[Any], str | None]  # Returns a problem description, or None.
 
 
@@ -78,14 +84,18 @@ def int_sequence(low: int = 0) -> Check:
   return check
 
 
+# Fields that were replaced: an old config or override gets a pointer to the new one.
+RENAMED_FIELDS = {
+    "selection.target_per_epoch": "selection.scoring='target_recorded' (with "
+                                  "selection.target_workdir)",
+}
+
+
 def spine_schema() -> dict[str, Check]:
-  """Checks of the trainer's own fields (loss hyper-parameters: cpjax.losses)."""
-  # Registries own their names.
-  from cpjax import bootstrap, compiler_options, input_pipeline, losses, models, scoring
-  from cpjax import selection, temperature
+  """Checks of every field; the registries of the modules that own them give the choices."""
   return {
       "seed": integer(0, 2**31 - 1),
-      "dataset.name": choice(list(input_pipeline.DATASETS)),
+      "dataset.name": choice(list(specs.DATASETS)),
       "dataset.data_dir": string(),
       "dataset.manual_dir": string(),
       "dataset.download": boolean(),
@@ -106,17 +116,16 @@ def spine_schema() -> dict[str, Check]:
       "optimizer.schedule": choice(["cosine", "multistep", "constant"]),
       "optimizer.milestones": int_sequence(1),
       "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
-      "selection.method": choice(list(selection.METHODS)),
-      "selection.score": choice(list(scoring.SCORES)),
+      "selection.method": choice(list(policies.METHODS)),
+      "selection.score": choice(list(scores.SCORES)),
       "selection.fraction": number(0.0, 1.0, low_open=True),
       "selection.count": integer(0),
       "selection.warmup_epochs": integer(0),
-      "selection.scoring": choice(["train_pass", "fresh"]),
+      "selection.scoring": choice(list(sources.SOURCES)),
       "selection.rescore_every": integer(0),
       "selection.score_dtype": choice(["float32", "bfloat16"]),
       "selection.score_batch_size": integer(1),
       "selection.target_workdir": string(),
-      "selection.target_per_epoch": boolean(),
       "selection.record_scores": boolean(),
       "evaluation.num_bins": integer(1, 1000),
       "evaluation.temperature_method": choice(list(temperature.METHODS)),
@@ -124,7 +133,7 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.bootstrap_level": number(0.0, 1.0, low_open=True),
       "evaluation.bootstrap_kind": choice(list(bootstrap.KINDS)),
       "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
-      "evaluation.ood": choice(["", "gaussian_noise", *input_pipeline.DATASETS]),
+      "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),
       "evaluation.ood_severity": integer(1, 5),
       "num_epochs": integer(1),
       "batch_size": integer(1),
@@ -134,6 +143,29 @@ def spine_schema() -> dict[str, Check]:
       "keep_checkpoints": integer(1),
       "log_every_steps": integer(1),
       "xla_cpu_options": choice(compiler_options.PRESETS),
+      **_loss_schema(),
+  }
+
+
+def _loss_schema() -> dict[str, Check]:
+  """Checks of the loss hyper-parameter fields (`loss.*`)."""
+  return {
+      "loss.label_smoothing": number(0.0, 1.0),
+      "loss.ls_convention": choice(["uniform", "off_target"]),
+      "loss.focal_gamma": number(0.0, 20.0),
+      "loss.gamma_boundaries": int_sequence(1),
+      "loss.mmce_lambda": number(0.0),
+      "loss.mmce_form": choice(["code", "nominal"]),
+      "loss.mmce_kernel_width": number(0.0, low_open=True),
+      "loss.mbls_margin": number(0.0),
+      "loss.mbls_lambda": number(0.0),
+      "loss.ecp_alpha": number(0.0),
+      "loss.surrogate_lambda": number(0.0),
+      "loss.dece_bins": integer(1, 1000),
+      "loss.dece_t_a": number(0.0, low_open=True),
+      "loss.dece_t_b": number(0.0, low_open=True),
+      "loss.sece_bandwidth": number(0.0, low_open=True),
+      "loss.mixup_alpha": number(0.0),
   }
 
 
@@ -156,34 +188,71 @@ def validate(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: one line per bad, unknown or missing field.
   """
-  from cpjax import input_pipeline, losses
-
   schema = spine_schema()
-  schema.update(losses.loss_schema())
   leaves = _leaves(config)
-  problems = [f"config.{name}: unknown field; known fields: "
-              f"{', '.join(sorted(schema))}" for name in leaves if name not in schema]
+  problems = [_unknown_field(name, schema) for name in leaves if name not in schema]
   problems += [f"config.{name}: missing (every config needs it; see configs/default.py)"
                for name in schema if name not in leaves]
   for name, check in schema.items():
     if name in leaves and (problem := check(leaves[name])):
       problems.append(f"config.{name}: {problem}")
   if not problems:
-    problems = _cross_field_problems(config, input_pipeline, losses)
+    problems = _cross_field_problems(config)
   if problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
-def _cross_field_problems(config, input_pipeline, losses) -> list[str]:
+def _unknown_field(name: str, schema: dict[str, Check]) -> str:
+  if name in RENAMED_FIELDS:
+    return f"config.{name}: no longer exists; use {RENAMED_FIELDS[name]}"
+  return f"config.{name}: unknown field; known fields: {', '.join(sorted(schema))}"
+
+
+def _loss_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Problems that involve the loss and other config fields."""
+  spec = losses.LOSSES[config.loss.name]
+  problems = []
+  if config.loss.mixup_alpha > 0 and not spec.soft_targets:
+    soft = sorted(name for name, s in losses.LOSSES.items() if s.soft_targets)
+    problems.append(f"config.loss.mixup_alpha={config.loss.mixup_alpha} needs a loss that takes "
+                    f"probability targets, not {config.loss.name!r}; valid: {', '.join(soft)}")
+  if spec.gamma_schedule and len(config.loss.gamma_boundaries) != len(spec.gamma_schedule) - 1:
+    problems.append(f"config.loss.gamma_boundaries={config.loss.gamma_boundaries} must hold "
+                    f"{len(spec.gamma_schedule) - 1} epochs for {config.loss.name}")
+  return problems
+
+
+def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Score sources, targets and subset sizes."""
+  selection, problems = config.selection, []
+  target, scoring = selection.target_workdir, selection.scoring
+  uses_target = scoring in ("target", "target_recorded")
+  if uses_target and not target:
+    problems.append(f"config.selection.scoring={scoring!r} needs config.selection.target_workdir")
+  if target and not uses_target:
+    problems.append(f"config.selection.target_workdir is set but selection.scoring={scoring!r}: "
+                    "to score with the target run use selection.scoring='target' (its model "
+                    "scores) or 'target_recorded' (its recorded scores of each epoch)")
+  if target and selection.method not in policies.SCORED_METHODS:
+    problems.append(f"config.selection.target_workdir is set but selection.method="
+                    f"{selection.method!r} uses no scores; use "
+                    f"{' or '.join(policies.SCORED_METHODS)}")
+  if target and not os.path.isdir(os.path.join(target, "checkpoints")) and scoring == "target":
+    problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
+                    "(it must be the --workdir of a finished cpjax run)")
+  return problems
+
+
+def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Constraints that involve several fields or the runtime (device count)."""
-  problems = losses.cross_field_problems(config)
+  problems = _loss_problems(config) + _selection_problems(config)
   devices = jax.device_count()
   leaves = _leaves(config)
   for name in ("batch_size", "eval_batch_size", "selection.score_batch_size"):
     if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "
                       f"device count {devices} (every device gets an equal share)")
-  num_train = input_pipeline.DATASETS[config.dataset.name].num_train
+  num_train = specs.DATASETS[config.dataset.name].num_train
   if config.dataset.val_size >= num_train:
     problems.append(f"config.dataset.val_size={config.dataset.val_size} must be "
                     f"below the train split size {num_train} of {config.dataset.name}")
@@ -198,20 +267,10 @@ def _cross_field_problems(config, input_pipeline, losses) -> list[str]:
   if config.selection.count > num_rows:
     problems.append(f"config.selection.count={config.selection.count} exceeds the "
                     f"{num_rows} training examples")
-  target = config.selection.target_workdir
-  if config.selection.target_per_epoch and not target:
-    problems.append("config.selection.target_per_epoch=True needs "
-                    "config.selection.target_workdir")
-  if target and config.selection.method not in ("top_k", "uniform_sorted"):
-    problems.append(f"config.selection.target_workdir is set but selection.method="
-                    f"{config.selection.method!r} uses no scores; use top_k or uniform_sorted")
-  if target and not os.path.isdir(os.path.join(target, "checkpoints")):
-    problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
-                    "(it must be the --workdir of a finished cpjax run)")
   ood = config.evaluation.ood
-  if ood in input_pipeline.DATASETS and (
-      ood == config.dataset.name or input_pipeline.DATASETS[ood].image_shape
-      != input_pipeline.DATASETS[config.dataset.name].image_shape):
+  if ood in specs.DATASETS and (
+      ood == config.dataset.name or specs.DATASETS[ood].image_shape
+      != specs.DATASETS[config.dataset.name].image_shape):
     problems.append(f"config.evaluation.ood={ood!r} must be another dataset with the image "
                     f"shape of {config.dataset.name!r}, gaussian_noise, or '' (none)")
   return problems

@@ -1,4 +1,4 @@
-"""Which training examples an epoch trains on: global top-k and the baselines.
+"""Subset policies: which training examples an epoch trains on (pure: scores, ids -> ids).
 
 `select_top_k` is a global top-k over the scores of every training example,
 computed by `jax.lax.top_k` on a score array sharded over the device mesh
@@ -13,9 +13,10 @@ them needs checkpointing.
 import jax
 import numpy as np
 
-from cpjax import sharding
+from cpjax.runtime import sharding
 
 METHODS = ("full", "top_k", "uniform_sorted", "random", "static_random")
+SCORED_METHODS = ("top_k", "uniform_sorted")  # The methods that read scores.
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:
@@ -83,3 +84,26 @@ def _check(scores: np.ndarray, ids: np.ndarray, k: int) -> None:
     raise ValueError(f"k={k} must be in [1, {len(scores)}]")
   if np.any(np.diff(ids) <= 0):
     raise ValueError("ids must be strictly increasing (the tie-break is by id)")
+
+
+def choose_subset(method: str, scores: np.ndarray, ids: np.ndarray, k: int, seed: int,
+                  epoch: int, mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
+  """The ids of `method`'s subset of size k for `epoch` (any method but "full").
+
+  Args:
+    method: one of METHODS other than "full".
+    scores: [N] the score buffer, in the order of `ids` (unused by the random ones).
+    ids: [N] the training examples' ids, increasing.
+    k: subset size.
+    seed: the run's root seed (the random baselines' draws).
+    epoch: the 0-indexed epoch (per-epoch random draws).
+    mesh: the device mesh of the global top-k.
+  """
+  if method == "top_k":
+    return select_top_k(scores, ids, k, mesh)
+  if method == "uniform_sorted":
+    return select_uniform_sorted(scores, ids, k, mesh)
+  if method in ("random", "static_random"):
+    return random_subset(ids, k, seed, None if method == "static_random" else epoch)
+  raise ValueError(f"selection method {method!r} has no subset; valid: "
+                   f"{', '.join(m for m in METHODS if m != 'full')}")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from cpjax import calibration_surrogates as surrogates
+from cpjax.calibration import surrogates
 
 LossFn = Callable[..., jax.Array]
 sg = jax.lax.stop_gradient
@@ -214,40 +214,3 @@ def get_loss(config: ml_collections.ConfigDict) -> LossFn:
   """Binds `config.loss`'s fixed hyper-parameters: fn(logits, labels, **scheduled) -> [B]."""
   spec = LOSSES[config.name]
   return functools.partial(spec.fn, **spec.hparams(config))
-
-
-def loss_schema() -> dict[str, Any]:
-  """Config checks of the loss hyper-parameter fields (`loss.*`)."""
-  from cpjax import config_validation as cv
-  return {
-      "loss.label_smoothing": cv.number(0.0, 1.0),
-      "loss.ls_convention": cv.choice(["uniform", "off_target"]),
-      "loss.focal_gamma": cv.number(0.0, 20.0),
-      "loss.gamma_boundaries": cv.int_sequence(1),
-      "loss.mmce_lambda": cv.number(0.0),
-      "loss.mmce_form": cv.choice(["code", "nominal"]),
-      "loss.mmce_kernel_width": cv.number(0.0, low_open=True),
-      "loss.mbls_margin": cv.number(0.0),
-      "loss.mbls_lambda": cv.number(0.0),
-      "loss.ecp_alpha": cv.number(0.0),
-      "loss.surrogate_lambda": cv.number(0.0),
-      "loss.dece_bins": cv.integer(1, 1000),
-      "loss.dece_t_a": cv.number(0.0, low_open=True),
-      "loss.dece_t_b": cv.number(0.0, low_open=True),
-      "loss.sece_bandwidth": cv.number(0.0, low_open=True),
-      "loss.mixup_alpha": cv.number(0.0),
-  }
-
-
-def cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Problems that involve the loss and other config fields."""
-  spec = LOSSES[config.loss.name]
-  problems = []
-  if config.loss.mixup_alpha > 0 and not spec.soft_targets:
-    soft = sorted(name for name, s in LOSSES.items() if s.soft_targets)
-    problems.append(f"config.loss.mixup_alpha={config.loss.mixup_alpha} needs a loss that takes "
-                    f"probability targets, not {config.loss.name!r}; valid: {', '.join(soft)}")
-  if spec.gamma_schedule and len(config.loss.gamma_boundaries) != len(spec.gamma_schedule) - 1:
-    problems.append(f"config.loss.gamma_boundaries={config.loss.gamma_boundaries} must hold "
-                    f"{len(spec.gamma_schedule) - 1} epochs for {config.loss.name}")
-  return problems

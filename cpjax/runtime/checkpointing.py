@@ -2,8 +2,8 @@
 
 A checkpoint is taken at the end of an epoch and named by the number of
 completed epochs. It holds `state` (a pytree of arrays: train state, RNG key
-and, with selection, the score buffer and subset) and `meta` (JSON: epoch,
-global step, a hash of the shape-relevant config). Restoring goes into an
+and, with selection, the score buffer and subset) and `meta` (JSON: epoch and
+the run's config as JSON). Restoring goes into an
 abstract target carrying the current shardings; a shape mismatch is reported
 by path before orbax is asked, and an unreadable latest checkpoint falls back
 to the previous one with a warning.

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cpjax import metrics
+from cpjax.calibration import metrics
 
 METHODS = ("grid_ece", "grid_nll", "lbfgs_nll")
 GRID = np.arange(1, 101) / 10.0

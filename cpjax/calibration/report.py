@@ -13,7 +13,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cpjax import bootstrap, metrics, temperature
+from cpjax.calibration import bootstrap, metrics, temperature
+from cpjax.runtime import files
 
 EPOCH_METRICS = ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce")
 REPORT_METRICS = EPOCH_METRICS + ("ece_left_closed", "smooth_ece", "brier", "top5_accuracy",
@@ -109,13 +110,6 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
   return report
 
 
-def _atomic_write(path: str, write) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    write(f)
-  os.replace(tmp, path)
-
-
 def _markdown(report: dict[str, Any]) -> str:
   fit = report["temperature"]
   lines = [f"# Calibration report: {report.get('title', '')}", "",
@@ -138,13 +132,14 @@ def _markdown(report: dict[str, Any]) -> str:
               "| score | before TS | after TS |", "|---|---|---|"]
     lines += [f"| {name} | {report['ood']['before_ts'][name]:.4f} | "
               f"{report['ood']['after_ts'][name]:.4f} |" for name in report["ood"]["before_ts"]]
-  lines += ["", "Fractions, not percent. ECE family: 15 right-closed equal-width bins unless "
-            "named otherwise; ece_left_closed is the seed repository's convention."]
+  num_bins = len(report["reliability"]["before_ts"]["edges"]) - 1
+  lines += ["", f"Fractions, not percent. ECE family: {num_bins} right-closed equal-width bins "
+            "unless named otherwise; ece_left_closed is the seed repository's convention."]
   return "\n".join(lines) + "\n"
 
 
 def _reliability_figure(path: str, bins: dict[str, list], title: str) -> None:
-  import matplotlib
+  import matplotlib  # Heavy; only the drawing functions need it.
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
   edges = np.asarray(bins["edges"])
@@ -158,12 +153,12 @@ def _reliability_figure(path: str, bins: dict[str, list], title: str) -> None:
   ax.set(xlabel="confidence", ylabel="accuracy", title=title, xlim=(0, 1), ylim=(0, 1))
   ax.legend(loc="upper left")
   fig.tight_layout()
-  _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+  files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
   plt.close(fig)
 
 
 def _histogram_figure(path: str, reliability: dict[str, dict[str, list]]) -> None:
-  import matplotlib
+  import matplotlib  # Heavy; only the drawing functions need it.
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
   fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -173,7 +168,7 @@ def _histogram_figure(path: str, reliability: dict[str, dict[str, list]]) -> Non
   ax.set(xlabel="top-label confidence", ylabel="share of test samples", xlim=(0, 1))
   ax.legend()
   fig.tight_layout()
-  _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+  files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
   plt.close(fig)
 
 
@@ -183,8 +178,8 @@ def write_report(report_dir: str, report: dict[str, Any]) -> list[str]:
   paths = [os.path.join(report_dir, name) for name in (
       "results.json", "results.md", "reliability_before_ts.png", "reliability_after_ts.png",
       "confidence_histogram.png")]
-  _atomic_write(paths[0], lambda f: f.write(json.dumps(report, indent=1, default=float).encode()))
-  _atomic_write(paths[1], lambda f: f.write(_markdown(report).encode()))
+  files.atomic_write(paths[0], json.dumps(report, indent=1, default=float))
+  files.atomic_write(paths[1], _markdown(report))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
     _reliability_figure(path, report["reliability"][tag], f"test, {tag.replace('_', ' ')}")
   _histogram_figure(paths[4], report["reliability"])

@@ -12,8 +12,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from cpjax import input_pipeline
-
 
 def create_mesh(devices: list[jax.Device] | None = None) -> jax.sharding.Mesh:
   """A 1-D mesh named `data` over `devices` (default: all), with Auto axes."""
@@ -62,19 +60,3 @@ def replicate(mesh: jax.sharding.Mesh, tree):
     value = np.asarray(value)
     return jax.make_array_from_callback(value.shape, replicated(mesh), lambda index: value[index])
   return jax.tree.map(put, tree)
-
-
-def predict(fn, state, split: input_pipeline.Split, mesh: jax.sharding.Mesh,
-            batch_size: int) -> np.ndarray:
-  """`fn(state, batch)` over every example of `split` once, in row order, on every host.
-
-  The sharded batched forward pass of evaluation and scoring: padded batches
-  (mask 0 on padding) go to the mesh, and the per-example outputs (logits
-  [N, K], or scores [N]) are gathered; padding rows are dropped.
-  """
-  rows = process_rows(mesh, batch_size)
-  outputs = []
-  for batch in input_pipeline.eval_batches(split, batch_size):
-    local = {k: v[rows] for k, v in batch.items()}
-    outputs.append(fn(state, to_global(mesh, local, batch_size)))
-  return np.concatenate(to_host(outputs))[:len(split)]

@@ -1,0 +1,1 @@
+"""Data: dataset facts, tfds reading, splits with stable ids, batches, augmentation."""

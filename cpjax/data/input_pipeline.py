@@ -1,0 +1,108 @@
+"""The tfds edge of the input pipeline: datasets read once into host arrays.
+
+Data is read once through tfds into host memory (CIFAR-size sets are a few
+hundred MB at most) as uint8 images, sorted by example id; normalisation and
+augmentation happen on the device inside the jitted step (cpjax.data.augment).
+cpjax's own builders (cpjax.data.datasets) read local files and never download;
+tfds's built-in ones download only when asked.
+"""
+
+import logging
+
+import ml_collections
+import numpy as np
+import tensorflow_datasets as tfds
+
+from cpjax.data import datasets, specs, splits
+from cpjax.data.splits import Split
+
+
+class DataNotFoundError(FileNotFoundError):
+  """The dataset is not prepared locally and may not be downloaded."""
+
+
+def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
+  """Returns a prepared tfds builder, or raises DataNotFoundError at once."""
+  data_dir = config.data_dir or None
+  if spec.local:  # Our builders read local files; array_record reads without TF.
+    builder = tfds.builder(spec.tfds_name, data_dir=data_dir, file_format="array_record")
+    manual_dir = config.manual_dir or (datasets.fashion_mnist_local.DEFAULT_DIR
+                                       if spec.tfds_name == "fashion_mnist_local" else None)
+    if not builder.is_prepared():
+      builder.download_and_prepare(
+          download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    return builder
+  builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
+  if builder.is_prepared():
+    return builder
+  if config.download or config.manual_dir:
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=config.manual_dir or None))
+    return builder
+  raise DataNotFoundError(
+      f"tfds dataset {spec.tfds_name!r} is not prepared in {builder.data_dir!r} and "
+      "cpjax does not download unless asked. Either (a) on a machine with network run "
+      f"`python -c \"import tensorflow_datasets as tfds; tfds.builder('{spec.tfds_name}', "
+      "data_dir='DIR').download_and_prepare()\"` and copy DIR here, passing "
+      "--config.dataset.data_dir=DIR; (b) put the original archive in a folder and pass "
+      "--config.dataset.manual_dir=FOLDER; or (c) with network, pass "
+      "--config.dataset.download=True.")
+
+
+def _parse_ids(raw: np.ndarray) -> np.ndarray:
+  """tfds ids: ints already, or strings like b'train_16399' (CIFAR)."""
+  if raw.dtype.kind in "iu":
+    return raw.astype(np.int64)
+  return np.array([int(s.rsplit(b"_", 1)[-1]) for s in raw], dtype=np.int64)
+
+
+def _read_split(builder, split: str) -> Split:
+  """Reads a whole split into host arrays sorted by id."""
+  if builder.info.file_format.value == "array_record":
+    source = builder.as_data_source(split)
+    rows = source.__getitems__(list(range(len(source))))
+    data = {key: np.stack([row[key] for row in rows]) for key in rows[0]}
+  else:  # tfrecord (tfds's default for its built-in datasets) needs TF to read.
+    chunks = list(tfds.as_numpy(builder.as_dataset(split=split, batch_size=10_000)))
+    data = {key: np.concatenate([c[key] for c in chunks]) for key in chunks[0]}
+  # Without an id feature, the (deterministic) read order is the id.
+  ids = _parse_ids(data["id"]) if "id" in data else np.arange(len(data["label"]))
+  order = np.argsort(ids, kind="stable")
+  return Split(images=np.asarray(data["image"], np.uint8)[order],
+               labels=np.asarray(data["label"], np.int32)[order],
+               ids=ids[order].astype(np.int32))
+
+
+def get_test_split(config: ml_collections.ConfigDict, name: str) -> Split:
+  """The test split of dataset `name` (e.g. an OOD set), read like `config.dataset`'s."""
+  spec = specs.DATASETS[name]
+  return _read_split(_builder(spec, config), spec.test_split)
+
+
+def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
+  """Returns {"train", "val", "test"} host splits for `config.dataset`."""
+  spec = specs.DATASETS[config.name]
+  builder = _builder(spec, config)
+  full_train = _read_split(builder, "train")
+  if len(full_train) != spec.num_train or not np.array_equal(full_train.ids, np.arange(spec.num_train)):
+    raise ValueError(f"{spec.tfds_name}: expected train ids 0..{spec.num_train - 1}, "
+                     f"got {len(full_train)} examples")
+  train_ids, val_ids = splits.split_train_ids(config)
+  result = {"train": full_train.take(train_ids), "val": full_train.take(val_ids),
+            "test": _read_split(builder, spec.test_split)}
+  logging.info("Dataset %s: %s", config.name, {k: len(v) for k, v in result.items()})
+  return result
+
+
+def _print_stats(name: str) -> None:
+  """Prints the per-channel mean/std of a dataset's training images."""
+  config = ml_collections.ConfigDict(dict(name=name, data_dir="", manual_dir="", download=False,
+                                          val_size=1, split_seed=0, train_examples=0))
+  images = get_datasets(config)["train"].images.astype(np.float64) / 255.0
+  axes = tuple(range(images.ndim - 1))
+  print(name, "mean", images.mean(axes).round(4), "std", images.std(axes).round(4))
+
+
+if __name__ == "__main__":
+  import sys
+  _print_stats(sys.argv[1])

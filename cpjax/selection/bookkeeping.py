@@ -1,0 +1,88 @@
+"""The selection state and the per-epoch accounting: pure NumPy, no I/O.
+
+The selection state is a dict of arrays checkpointed with the train state:
+the score buffer (one score per training row), the last subset as a 0/1 mask,
+the epoch of the last scoring pass, and the cumulative seconds per phase.
+Every function returns new arrays and leaves its inputs untouched.
+"""
+
+import numpy as np
+
+from cpjax.calibration import metrics
+
+PHASES = ("scoring", "selection", "training")
+SelectionState = dict[str, np.ndarray]
+
+
+def initial_state(num_train: int) -> SelectionState:
+  """The selection state before any epoch: zero scores (as the reference), no subset."""
+  return {"scores": np.zeros(num_train, np.float32),
+          "subset": np.zeros(num_train, np.int32),  # 1 = in the last selected subset.
+          "scored_epoch": np.array(-1, np.int32),  # Last scoring pass (fresh/target).
+          "seconds": np.zeros(len(PHASES), np.float32)}  # Cumulative time per phase.
+
+
+def first_pass(order: np.ndarray, per_example: dict[str, np.ndarray]
+               ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """The rows trained in an epoch and each row's outputs from its first pass.
+
+  Args:
+    order: [steps, B] rows in training order (the last batch cycles rows).
+    per_example: arrays [steps * B] in that order.
+
+  Returns:
+    (sorted unique rows, per_example restricted to each row's first occurrence).
+  """
+  rows, first = np.unique(order.ravel(), return_index=True)
+  return rows, {k: v[first] for k, v in per_example.items()}
+
+
+def with_scores(state: SelectionState, rows: np.ndarray, scores: np.ndarray) -> SelectionState:
+  """The state with the score buffer's `rows` set to `scores` (train-pass scoring)."""
+  buffer = state["scores"].copy()
+  buffer[rows] = scores
+  return {**state, "scores": buffer}
+
+
+def subset_record(state: SelectionState, rows: np.ndarray, labels: np.ndarray,
+                  num_classes: int) -> tuple[SelectionState, dict]:
+  """Accounting of a selected epoch's subset, and the state with it as the last subset.
+
+  Args:
+    state: the selection state before this epoch's subset is recorded.
+    rows: the rows trained this epoch.
+    labels: [N] labels of every training row.
+    num_classes: K.
+
+  Returns:
+    (new state, record): overlap with the previous subset (None for the
+    first), class counts and the smallest class share, mean score of the
+    subset and of all rows.
+  """
+  previous = state["subset"].astype(bool)
+  current = np.zeros(len(previous), bool)
+  current[rows] = True
+  counts = np.bincount(labels[rows], minlength=num_classes)
+  record = {
+      "subset_overlap": (float(np.sum(previous & current)) / len(rows)
+                         if previous.any() else None),
+      "subset_class_counts": counts.tolist(),
+      "subset_min_class_share": float(counts.min() / len(rows)),
+      "score_mean_selected": float(np.mean(state["scores"][rows])),
+      "score_mean_all": float(np.mean(state["scores"])),
+  }
+  return {**state, "subset": current.astype(np.int32)}, record
+
+
+def train_pass_record(confidence: np.ndarray, correct: np.ndarray, num_bins: int) -> dict:
+  """Size and ECE of what an epoch trained on, from its own train-pass outputs."""
+  return {"selected_k": len(confidence),
+          "train_ece": metrics.ece_from_confidences(confidence, correct, num_bins)}
+
+
+def add_seconds(state: SelectionState, timings: dict[str, float]
+                ) -> tuple[SelectionState, dict[str, float]]:
+  """Adds an epoch's `{phase}_seconds` to the totals; returns the state and both as a record."""
+  seconds = state["seconds"] + np.array([timings[f"{p}_seconds"] for p in PHASES], np.float32)
+  record = {**timings, **{f"total_{p}_seconds": float(s) for p, s in zip(PHASES, seconds)}}
+  return {**state, "seconds": seconds}, record

@@ -1,0 +1,174 @@
+"""Where the scores of a selected epoch come from: one object per `selection.scoring`.
+
+  train_pass       the reference: the train step's own forward pass (train-mode
+                   BatchNorm, augmented, before the update, mixed inputs under
+                   mixup) scores each example it trains on; examples not trained
+                   since keep stale scores in the buffer.
+  fresh            an eval-mode, unaugmented, sharded forward pass of the current
+                   model over every training example every `rescore_every` epochs.
+  target           the same pass with another cpjax run's latest checkpoint
+                   (`target_workdir`, any architecture, read from its saved
+                   config), once (`rescore_every=0`) or every R epochs.
+  target_recorded  the target run's recorded train-pass scores of the same epoch.
+
+Each source has one job, `refresh(epoch, train_state, state) -> state`: update
+the score buffer of the selection state if a pass is due. `learns_from_training`
+says whether the loop writes the train pass's own scores into the buffer.
+"""
+
+import functools
+import json
+import logging
+import os
+from typing import Any, Protocol
+
+import jax
+import ml_collections
+import numpy as np
+
+from cpjax import models, optim, steps
+from cpjax.data import specs, splits
+from cpjax.runtime import checkpointing, compiler_options, sharding
+from cpjax.selection import bookkeeping, score_files, scores
+
+SOURCES = ("train_pass", "fresh", "target", "target_recorded")
+
+
+class ScoreSource(Protocol):
+  learns_from_training: bool
+
+  def refresh(self, epoch: int, train_state: steps.TrainState,
+              state: bookkeeping.SelectionState) -> bookkeeping.SelectionState:
+    """The selection state with the buffer rescored for `epoch` if a pass is due."""
+
+
+class TrainPass:
+  """Scores come from training itself: nothing to do before an epoch."""
+  learns_from_training = True
+
+  def refresh(self, epoch, train_state, state):
+    del epoch, train_state
+    return state
+
+
+class ScoringPass:
+  """A sharded eval-mode pass over the whole training split, every `rescore_every` epochs.
+
+  With `target=None` it scores with the current train state (fresh); otherwise
+  it restores the target run's latest checkpoint at each pass.
+  """
+  learns_from_training = False
+
+  def __init__(self, score_fn, split: splits.Split, mesh: jax.sharding.Mesh, batch_size: int,
+               rescore_every: int, target: "Target | None" = None):
+    self._score_fn, self._split, self._mesh = score_fn, split, mesh
+    self._batch_size, self._rescore_every, self._target = batch_size, rescore_every, target
+
+  def _due(self, epoch: int, state: bookkeeping.SelectionState) -> bool:
+    last = int(state["scored_epoch"])
+    return last < 0 or (self._rescore_every > 0 and epoch - last >= self._rescore_every)
+
+  def refresh(self, epoch, train_state, state):
+    if not self._due(epoch, state):
+      return state
+    model_state = self._target.restore() if self._target else train_state
+    buffer = steps.predict(self._score_fn, model_state, self._split, self._mesh,
+                           self._batch_size).astype(np.float32)
+    return {**state, "scores": buffer, "scored_epoch": np.array(epoch, np.int32)}
+
+
+class TargetRecorded:
+  """The target run's recorded train-pass scores of each epoch (score_files)."""
+  learns_from_training = False
+
+  def __init__(self, target_workdir: str, ids: np.ndarray):
+    self._workdir, self._ids = target_workdir, ids
+
+  def refresh(self, epoch, train_state, state):
+    del train_state
+    return {**state, "scores": score_files.read_epoch_scores(self._workdir, epoch, self._ids)}
+
+
+class Target:
+  """Another cpjax run's latest checkpoint, restored on demand."""
+
+  def __init__(self, workdir: str, abstract_state: Any):
+    self._checkpointer = checkpointing.Checkpointer(workdir, max_to_keep=1000)
+    self._abstract = abstract_state
+
+  def restore(self) -> steps.TrainState:
+    restored = self._checkpointer.restore_latest(self._abstract)
+    if restored is None:
+      raise FileNotFoundError(f"target run has no checkpoint in {self._checkpointer.directory}")
+    return restored[0]["train"]
+
+
+def read_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config saved with the latest checkpoint of another run's `workdir`."""
+  meta = checkpointing.Checkpointer(workdir, max_to_keep=1000).latest_meta()
+  if meta is None:
+    raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
+  return ml_collections.ConfigDict(json.loads(meta["config"]))
+
+
+def check_target(config: ml_collections.ConfigDict) -> None:
+  """Raises if the target run cannot serve this run (before any data load or compile).
+
+  Raises:
+    FileNotFoundError: no recorded scores (target_recorded) or no checkpoint (target).
+    ValueError: the target run did not train on the same train/validation split.
+  """
+  selection = config.selection
+  if selection.scoring == "target_recorded":
+    first = score_files.score_path(selection.target_workdir, selection.warmup_epochs)
+    if not os.path.exists(first):
+      raise FileNotFoundError(
+          f"selection.scoring='target_recorded' needs the target's recorded scores, e.g. "
+          f"{first}; train the target with --config.selection.record_scores=True")
+    return
+  target = read_run_config(selection.target_workdir)
+  for field in ("name", "val_size", "split_seed", "train_examples"):
+    if target.dataset[field] != config.dataset[field]:
+      raise ValueError(
+          f"target run {selection.target_workdir} has dataset.{field}="
+          f"{target.dataset[field]!r}, this run {config.dataset[field]!r}: the target must "
+          "be trained on the same train/validation split")
+
+
+def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_name: str,
+                    preset: str):
+  """A jitted eval-mode score step for a run config's model, in compute `dtype`."""
+  model = models.create_model(model_config.model.name,
+                              specs.DATASETS[model_config.dataset.name].num_classes, dtype)
+  return model, jax.jit(
+      functools.partial(steps.score_step, model=model, spec=steps.step_spec(model_config),
+                        score_fn=scores.SCORES[score_name]),
+      compiler_options=compiler_options.compiler_options("inference", preset))
+
+
+def create_source(config: ml_collections.ConfigDict, split: splits.Split,
+                  mesh: jax.sharding.Mesh) -> ScoreSource:
+  """The score source of `config.selection.scoring` for the training `split`."""
+  selection = config.selection
+  if selection.scoring == "train_pass":
+    return TrainPass()
+  if selection.scoring == "target_recorded":
+    return TargetRecorded(selection.target_workdir, split.ids)
+  pass_args = (split, mesh, selection.score_batch_size, selection.rescore_every)
+  if selection.scoring == "fresh":
+    _, score_fn = _jit_score_step(config, selection.score_dtype, selection.score,
+                                  config.xla_cpu_options)
+    return ScoringPass(score_fn, *pass_args)
+  target_config = read_run_config(selection.target_workdir)
+  model, score_fn = _jit_score_step(target_config, selection.score_dtype, selection.score,
+                                    config.xla_cpu_options)
+  image_shape = specs.DATASETS[target_config.dataset.name].image_shape
+  abstract = {"train": steps.abstract_train_state(
+                  model, optim.create_optimizer(target_config.optimizer), image_shape, mesh),
+              "selection": jax.tree.map(
+                  lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                 sharding=sharding.replicated(mesh)),
+                  bookkeeping.initial_state(len(split)))}
+  logging.info("Scoring with target run %s (%s).", selection.target_workdir,
+               target_config.model.name)
+  return ScoringPass(score_fn, *pass_args, target=Target(selection.target_workdir, abstract))
