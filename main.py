@@ -9,8 +9,10 @@ Rerunning the same command resumes from the latest checkpoint in --workdir.
 On a cluster, jax.distributed is started first (see cpjax/distributed.py).
 """
 
+import importlib.util
 import logging as std_logging
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF (used by clu writers) is chatty.
 
@@ -20,8 +22,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from cpjax.runtime import distributed
-from cpjax import train
+from cpjax.runtime import distributed, preemption
+from cpjax import config_validation, train
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -45,12 +47,41 @@ def main(argv):
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
-  if FLAGS.mode == "train":
-    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  else:
-    train.evaluate_only(FLAGS.config, FLAGS.workdir)
+  try:
+    if FLAGS.mode == "train":
+      train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    else:
+      train.evaluate_only(FLAGS.config, FLAGS.workdir)
+  except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
+    sys.exit(preemption.EXIT_CODE)
+
+
+def _load_config(path: str):
+  """`get_config()` of a config file, as --config loads it (absl leaves it unset on errors)."""
+  spec = importlib.util.spec_from_file_location("_cpjax_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with an unknown `--config.FIELD` reported as a one-line error."""
+  try:
+    return FLAGS(argv)
+  except (AttributeError, KeyError) as err:  # ml_collections: the override's field is unknown.
+    overrides = [a.split("=", 1)[0][len("--config."):] for a in argv if a.startswith("--config.")]
+    config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if config_path is None:
+      raise
+    config = _load_config(config_path)
+    unknown = [name for name in overrides if not config_validation.has_field(config, name)]
+    if not unknown:
+      raise
+    print(f"FATAL Flags parsing error: {config_validation.unknown_field_message(config, unknown[0])}"
+          f" ({err})", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
   jax.config.config_with_absl()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -3,7 +3,7 @@
   python -m benchmarks.epoch_cost --data=cifar_sized --model=tiny
   python -m benchmarks.epoch_cost --data=fashion_mnist --model=resnet20
 
-Runs the trainer's own epoch code (`Prioritizer.epoch_rows`, `train.train_epoch`,
+Runs the trainer's own epoch code (`Selector.rows_for_epoch`, `train.train_epoch`,
 `Prioritizer.after_epoch`) for full data and for 10 % / 30 % subsets in
 `train_pass` and `fresh` scoring modes, after one untimed epoch that compiles
 every step. `cifar_sized` is 50,000 random 32x32x3 uint8 images (timing only,
@@ -13,6 +13,7 @@ time over the full-data epoch's.
 """
 
 import argparse
+import functools
 import json
 import time
 
@@ -21,21 +22,24 @@ import numpy as np
 
 from benchmarks import throughput
 from configs import default
-from cpjax import compiler_options, input_pipeline, losses, models, optim, prioritization
-from cpjax import scoring, sharding, train
+from cpjax import models, optim, steps, train
+from cpjax.calibration import losses
+from cpjax.data import input_pipeline, specs, splits
+from cpjax.runtime import compiler_options, sharding
+from cpjax.selection import bookkeeping, scores, selector
 
 
-def _data(name: str, num_examples: int) -> tuple[str, input_pipeline.Split]:
+def _data(name: str, num_examples: int) -> tuple[str, splits.Split]:
   if name == "cifar_sized":
     rng = np.random.default_rng(0)
-    return "cifar10", input_pipeline.Split(
+    return "cifar10", splits.Split(
         rng.integers(0, 256, (num_examples, 32, 32, 3), np.uint8),
         rng.integers(0, 10, num_examples).astype(np.int32), np.arange(num_examples, dtype=np.int32))
   config = default.get_config().dataset
   config.name, config.val_size = "fashion_mnist", 1
-  splits = input_pipeline.get_datasets(config)
-  full = input_pipeline.Split(*(np.concatenate([getattr(splits["train"], f), getattr(splits["val"], f)])
-                                for f in ("images", "labels", "ids")))
+  parts = input_pipeline.get_datasets(config)
+  full = splits.Split(*(np.concatenate([getattr(parts["train"], f), getattr(parts["val"], f)])
+                        for f in ("images", "labels", "ids")))
   order = np.argsort(full.ids)
   return "fashion_mnist", full.take(order[:num_examples])
 
@@ -58,30 +62,33 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
   """Seconds per phase of epoch 1 (epoch 0 compiles and fills the score buffer)."""
   config = _config(dataset, model_name, batch_size, method, fraction, scoring_mode,
                    score_batch_size, xla_cpu_options)
-  spec = input_pipeline.DATASETS[dataset]
+  spec = specs.DATASETS[dataset]
   mesh = sharding.create_mesh()
   model = models.create_model(model_name, spec.num_classes, "float32")
   tx = optim.create_optimizer(config.optimizer)
-  state = train.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
-  train_fn = jax.jit(lambda s, b, lr, h: train.train_step(
-      s, b, lr, h, model=model, tx=tx, config=config, loss_fn=losses.get_loss(config.loss),
-      score_fn=scoring.normalized_entropy), donate_argnums=0,
+  state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
+  train_fn = jax.jit(functools.partial(
+      steps.train_step, model=model, tx=tx, spec=steps.step_spec(config),
+      loss_fn=losses.get_loss(config.loss), score_fn=scores.normalized_entropy),
+      donate_argnums=0,
       compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
-  prioritizer = prioritization.Prioritizer(config, split, mesh, model, train.create_train_state)
-  sel = prioritization.initial_state(len(split))
+  chooser = selector.Selector(config, split, mesh)
+  sel = bookkeeping.initial_state(len(split))
+  # The loop's Run, without checkpoints or evaluation (train_epoch needs neither).
+  run = train.Run(config, "", mesh, model, tx, None, {"train": split}, None, state, sel, 0)
   result = {}
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
     if epoch == 1 and scoring_mode == "fresh" and method != "full":
-      prioritizer.epoch_rows(1, state, sel)  # Compile the scoring pass, untimed.
-    rows, sel, timings = prioritizer.epoch_rows(epoch, state, sel)
+      chooser.rows_for_epoch(1, state, sel)  # Compile the scoring pass, untimed.
+    rows, sel, timings = chooser.rows_for_epoch(epoch, state, sel)
     start = time.perf_counter()
-    state, _, order, per_example = train.train_epoch(train_fn, state, split, rows, epoch,
-                                                     config, mesh, lambda step: None, "")
+    state, _, order, per_example = train.train_epoch(run, train_fn, state, rows, epoch,
+                                                     None, lambda step: None)
     jax.block_until_ready(state.step)
     timings["training_seconds"] = time.perf_counter() - start
-    sel, _ = prioritizer.after_epoch(epoch, sel, order, per_example, timings, "")
+    sel, _ = chooser.after_epoch(epoch, sel, order, per_example, timings, "")
     result = {"k": len(rows), **timings}
-  result["total_seconds"] = sum(result[f"{p}_seconds"] for p in prioritization.PHASES)
+  result["total_seconds"] = sum(result[f"{p}_seconds"] for p in bookkeeping.PHASES)
   return result
 
 

@@ -39,7 +39,8 @@ import time
 import jax
 
 from benchmarks import throughput
-from cpjax import compiler_options, models
+from cpjax import models
+from cpjax.runtime import compiler_options
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? ([a-z][a-z0-9-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) ")

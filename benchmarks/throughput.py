@@ -2,8 +2,8 @@
 
   python -m benchmarks.throughput --model=resnet18 --batch-size=128 --compare-torch
 
-Times `cpjax.train.train_step` (augmentation, forward, loss, backward, SGD
-update; state donated) and `cpjax.prioritization.score_step` (eval forward +
+Times `cpjax.steps.train_step` (augmentation, forward, loss, backward, SGD
+update; state donated) and `cpjax.steps.score_step` (eval forward +
 normalised entropy) in float32 and bfloat16, on random CIFAR-shaped inputs
 (timing only: the values do not matter). Each rate is the median over
 `--windows` timed windows of `--steps` steps after a warm-up window, each
@@ -25,8 +25,11 @@ import jax
 import numpy as np
 
 from configs import default
-from cpjax import compiler_options, input_pipeline, losses, models, optim, prioritization
-from cpjax import scoring, sharding, train
+from cpjax import models, optim, steps
+from cpjax.calibration import losses
+from cpjax.data import specs
+from cpjax.runtime import compiler_options, sharding
+from cpjax.selection import scores
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # Dense, per device.
 
@@ -65,15 +68,16 @@ def train_setup(model_name: str, batch_size: int, image_size: int, xla_cpu_optio
   """(config, mesh, train state, jitted donated train step, batch, lr) on random inputs."""
   config = _config(model_name, batch_size)
   config.xla_cpu_options = xla_cpu_options
-  spec = input_pipeline.DATASETS["cifar10"]
+  spec = specs.DATASETS["cifar10"]
   mesh = sharding.create_mesh()
   model = models.create_model(model_name, spec.num_classes, "float32")
   tx = optim.create_optimizer(config.optimizer)
-  state = train.create_train_state(jax.random.PRNGKey(0), model, tx,
+  state = steps.create_train_state(jax.random.PRNGKey(0), model, tx,
                                    (image_size, image_size, 3), mesh)
-  step = jax.jit(functools.partial(train.train_step, model=model, tx=tx, config=config,
+  step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx,
+                                   spec=steps.step_spec(config),
                                    loss_fn=losses.get_loss(config.loss),
-                                   score_fn=scoring.normalized_entropy), donate_argnums=0,
+                                   score_fn=scores.normalized_entropy), donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
   batch = _batch(mesh, batch_size, image_size, spec.num_classes)
   return config, mesh, state, step, batch, np.float32(0.01)
@@ -84,7 +88,7 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
   """Compile time, train images/s, scoring images/s (float32, bfloat16), MFU on GPU."""
   config, mesh, state, step, batch, lr = train_setup(model_name, batch_size, image_size,
                                                      xla_cpu_options)
-  spec = input_pipeline.DATASETS["cifar10"]
+  spec = specs.DATASETS["cifar10"]
   start = time.perf_counter()
   compiled = step.lower(state, batch, lr, {}).compile()
   results = {"compile_seconds": time.perf_counter() - start}
@@ -99,7 +103,7 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
   score_batch = _batch(mesh, score_batch_size, image_size, spec.num_classes)
   for dtype in ("float32", "bfloat16"):
     scorer = jax.jit(functools.partial(
-        prioritization.score_step, config=config, score_fn=scoring.normalized_entropy,
+        steps.score_step, spec=steps.step_spec(config), score_fn=scores.normalized_entropy,
         model=models.create_model(model_name, spec.num_classes, dtype)),
         compiler_options=compiler_options.compiler_options("inference", xla_cpu_options))
     results[f"score_{dtype}_images_per_s"] = _rate(
@@ -140,7 +144,7 @@ def main():
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--compare-torch", action="store_true")
   parser.add_argument("--xla-cpu-options", default="tuned", choices=compiler_options.PRESETS,
-                      help="cpjax.compiler_options preset of the JAX steps.")
+                      help="cpjax.runtime.compiler_options preset of the JAX steps.")
   parser.add_argument("--json", default="", help="Also write the results to this file.")
   args = parser.parse_args()
   if args.compare_torch and args.model not in ("resnet18", "resnet34"):

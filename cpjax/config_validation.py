@@ -6,6 +6,7 @@ registries of the modules that own them (datasets, models, losses).
 """
 
 from collections.abc import Callable, Sequence
+import difflib
 import math
 import os
 from typing import Any
@@ -15,7 +16,7 @@ import ml_collections
 
 from cpjax import models
 from cpjax.calibration import bootstrap, losses, temperature
-from cpjax.data import specs
+from cpjax.data import specs, splits
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
 
@@ -205,7 +206,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def _unknown_field(name: str, schema: dict[str, Check]) -> str:
   if name in RENAMED_FIELDS:
     return f"config.{name}: no longer exists; use {RENAMED_FIELDS[name]}"
-  return f"config.{name}: unknown field; known fields: {', '.join(sorted(schema))}"
+  close = difflib.get_close_matches(name, list(schema), n=3)
+  hint = f"did you mean {' or '.join(close)}? " if close else ""
+  return f"config.{name}: unknown field; {hint}known fields: {', '.join(sorted(schema))}"
+
+
+def has_field(config: ml_collections.ConfigDict, name: str) -> bool:
+  """Whether dotted `name` (e.g. "loss.name") is a field of `config`."""
+  return name in _leaves(config) or any(k.startswith(name + ".") for k in _leaves(config))
+
+
+def unknown_field_message(config: ml_collections.ConfigDict, name: str) -> str:
+  """The error for an override of a field `config` does not have (valid fields listed)."""
+  del config  # Every valid config has exactly the schema's fields.
+  return _unknown_field(name, spine_schema())
 
 
 def _loss_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -243,6 +257,39 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   return problems
 
 
+def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Split sizes; each checked only when the sizes it depends on are valid."""
+  num_train = specs.DATASETS[config.dataset.name].num_train
+  if config.dataset.val_size >= num_train:  # Every size below would be negative: stop here.
+    return [f"config.dataset.val_size={config.dataset.val_size} must be below the train split "
+            f"size {num_train} of {config.dataset.name}"]
+  num_rows = num_train - config.dataset.val_size
+  if config.dataset.train_examples > num_rows:
+    return [f"config.dataset.train_examples={config.dataset.train_examples} exceeds the "
+            f"{num_rows} training examples left after validation"]
+  num_rows = config.dataset.train_examples or num_rows
+  if config.selection.count > num_rows:
+    return [f"config.selection.count={config.selection.count} exceeds the {num_rows} "
+            "training examples"]
+  return []
+
+
+def size_warnings(config: ml_collections.ConfigDict) -> list[str]:
+  """Valid but probably unintended sizes, to log at start-up (each names its fields)."""
+  num_rows = splits.num_train_examples(config.dataset)
+  warnings = []
+  if config.batch_size > num_rows:
+    warnings.append(f"config.batch_size={config.batch_size} exceeds the {num_rows} training "
+                    "examples: each epoch is one step whose batch repeats examples")
+  if config.selection.method != "full":
+    k = policies.subset_size(config.selection.fraction, config.selection.count, num_rows)
+    if k < config.batch_size:
+      warnings.append(f"the selected subset (k={k} from selection.fraction/count) is smaller "
+                      f"than config.batch_size={config.batch_size}: each selected epoch is one "
+                      "step whose batch repeats examples")
+  return warnings
+
+
 def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Constraints that involve several fields or the runtime (device count)."""
   problems = _loss_problems(config) + _selection_problems(config)
@@ -252,21 +299,14 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
     if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "
                       f"device count {devices} (every device gets an equal share)")
-  num_train = specs.DATASETS[config.dataset.name].num_train
-  if config.dataset.val_size >= num_train:
-    problems.append(f"config.dataset.val_size={config.dataset.val_size} must be "
-                    f"below the train split size {num_train} of {config.dataset.name}")
   if config.evaluation.bootstrap_level >= 1.0:
     problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
                     "must be below 1 (e.g. 0.9 for a 90 % interval)")
-  num_rows = num_train - config.dataset.val_size
-  if config.dataset.train_examples > num_rows:
-    problems.append(f"config.dataset.train_examples={config.dataset.train_examples} exceeds "
-                    f"the {num_rows} training examples left after validation")
-  num_rows = min(config.dataset.train_examples or num_rows, num_rows)
-  if config.selection.count > num_rows:
-    problems.append(f"config.selection.count={config.selection.count} exceeds the "
-                    f"{num_rows} training examples")
+  if config.selection.method != "full" and config.selection.warmup_epochs >= config.num_epochs:
+    problems.append(f"config.selection.warmup_epochs={config.selection.warmup_epochs} leaves no "
+                    f"epoch of the {config.num_epochs} (config.num_epochs) to select in; "
+                    f"selection.method={config.selection.method!r} would never run")
+  problems += _size_problems(config)
   ood = config.evaluation.ood
   if ood in specs.DATASETS and (
       ood == config.dataset.name or specs.DATASETS[ood].image_shape

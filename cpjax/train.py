@@ -19,14 +19,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from cpjax import config_validation, models, optim, steps
 from cpjax.calibration import losses, report
 from cpjax.data import corruptions, input_pipeline, specs, splits
-from cpjax.runtime import checkpointing, compiler_options, run_logging, sharding
+from cpjax.runtime import checkpointing, compiler_options, preemption, run_logging, sharding
 from cpjax.selection import bookkeeping, scores, selector, sources
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
+PER_EXAMPLE = ("score", "confidence", "correct")  # The train step's per-example outputs.
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -47,6 +49,25 @@ class Run:
   state: steps.TrainState  # As restored (or initialised).
   selection: bookkeeping.SelectionState  # Host copy, as restored.
   start_epoch: int
+  partial: dict[str, Any] | None = None  # Steps of `start_epoch` already trained (preempted).
+
+
+@dataclasses.dataclass
+class EpochPlan:
+  """One epoch's input: its rows, and what a mid-epoch checkpoint must hold to resume it."""
+  epoch: int
+  rows: np.ndarray
+  selection_state: bookkeeping.SelectionState  # After this epoch's scoring pass.
+  done: dict[str, Any] | None = None  # Steps already trained: steps, totals, outputs.
+
+
+@dataclasses.dataclass
+class LoopHooks:
+  """The loop's side channels: metric writer, progress report, preemption guard."""
+  writer: Any
+  progress: Any
+  guard: preemption.PreemptionGuard | None = None
+  stop_after_epoch: bool = False  # A stop was requested at an epoch's last step.
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -55,7 +76,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   With `config.selection.method` other than "full", epochs after the warm-up
   train on a prioritized subset (cpjax.selection). After the last epoch, the
   calibration report (before/after temperature scaling, bootstrap intervals,
-  OOD AUROC, reliability diagrams) goes to `workdir/report`.
+  OOD AUROC, reliability diagrams) goes to `workdir/report`. On SIGTERM or
+  Ctrl-C the run saves a checkpoint after the current step and raises
+  `preemption.Preempted`; rerunning resumes at that step.
 
   Args:
     config: run configuration (see configs/default.py); validated first.
@@ -73,31 +96,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = run_logging.create_progress_reporter(
       sum(chooser.steps_in_epoch(e) for e in range(config.num_epochs)), writer,
       config.log_every_steps)
-  if run.start_epoch == 0:
+  if run.start_epoch == 0 and run.partial is None:
     writer.write_hparams({"config": config.to_json_best_effort()})
   state, selection_state, record = run.state, run.selection, {}
-  try:
-    for epoch in range(run.start_epoch, config.num_epochs):
-      start = time.time()
-      rows, selection_state, timings = chooser.rows_for_epoch(epoch, state, selection_state)
-      train_start = time.perf_counter()
-      with progress.timed("train", wait_jax_async_dispatch=False):
-        state, record, order, per_example = train_epoch(run, train_fn, state, rows, epoch,
-                                                        writer, progress)
-      timings["training_seconds"] = time.perf_counter() - train_start
-      selection_state, selection_record = chooser.after_epoch(
-          epoch, selection_state, order, per_example, timings, workdir)
-      record.update(selection_record)
-      record.update(_evaluate_when_due(run, state, epoch))
-      record.update(epoch=epoch, epoch_seconds=time.time() - start)
-      writer.write_scalars(int(jax.device_get(state.step)), {
-          k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
-      epoch_log.write(record)
-      if _due(epoch, config.checkpoint_every_epochs, config.num_epochs):
-        _save(run, epoch + 1, state, selection_state)
-  finally:  # Also on errors: the last good checkpoint must finish writing.
-    run.checkpointer.wait_until_finished()
-    writer.flush()
+  with preemption.PreemptionGuard() as guard:
+    hooks = LoopHooks(writer, progress, guard)
+    try:
+      for epoch in range(run.start_epoch, config.num_epochs):
+        start = time.time()
+        rows, selection_state, timings = chooser.rows_for_epoch(epoch, state, selection_state)
+        plan = EpochPlan(epoch, rows, selection_state,
+                         run.partial if epoch == run.start_epoch else None)
+        train_start = time.perf_counter()
+        with progress.timed("train", wait_jax_async_dispatch=False):
+          state, record, order, per_example = train_epoch(run, train_fn, state, plan, hooks)
+        timings["training_seconds"] = time.perf_counter() - train_start
+        selection_state, selection_record = chooser.after_epoch(
+            epoch, selection_state, order, per_example, timings, workdir)
+        record.update(selection_record)
+        record.update(_evaluate_when_due(run, state, epoch))
+        record.update(epoch=epoch, epoch_seconds=time.time() - start)
+        writer.write_scalars(int(jax.device_get(state.step)), {
+            k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
+        epoch_log.write(record)
+        if _due(epoch, config.checkpoint_every_epochs, config.num_epochs) or (
+            hooks.stop_after_epoch):
+          step = _save(run, state, selection_state, epochs_done=epoch + 1)
+        if hooks.stop_after_epoch and epoch + 1 < config.num_epochs:
+          _stop_preempted(run, step, epoch + 1, 0, guard.signal_name)
+    finally:  # Also on errors: the last good checkpoint must finish writing.
+      run.checkpointer.wait_until_finished()
+      writer.flush()
   return record
 
 
@@ -110,8 +139,11 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
   Raises:
     FileNotFoundError: `workdir` has no checkpoint.
   """
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # Before _setup creates it.
+    raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
+                            "first or point --workdir at a trained run")
   run = _setup(config, workdir)
-  if run.start_epoch == 0:
+  if run.start_epoch == 0 and run.partial is None:
     raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                             "train first or point --workdir at a trained run")
   return write_final_report(run, run.state, run.start_epoch)
@@ -123,9 +155,24 @@ def _due(epoch: int, every: int, num_epochs: int) -> bool:
   return (epoch + 1) % every == 0 or epoch + 1 == num_epochs
 
 
+def _partial_rows(config: ml_collections.ConfigDict) -> int:
+  """Size of the per-example buffers of a mid-epoch checkpoint: the longest epoch's rows."""
+  num_train = splits.num_train_examples(config.dataset)
+  return -(-num_train // config.batch_size) * config.batch_size
+
+
+def _empty_partial(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """The "partial" checkpoint subtree at an epoch boundary: nothing of an epoch trained."""
+  rows = _partial_rows(config)
+  return {"loss_sum": np.float32(0), "correct": np.float32(0), "count": np.float32(0),
+          **{f"each_{k}": np.zeros(rows, np.float32) for k in PER_EXAMPLE}}
+
+
 def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """Validates, builds the model and state, restores the latest checkpoint, reads the data."""
   config_validation.validate(config)
+  for warning in config_validation.size_warnings(config):
+    logging.warning("%s", warning)
   if config.selection.scoring in ("target", "target_recorded"):
     sources.check_target(config)
   _check_workdir(workdir)
@@ -136,16 +183,32 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   initial = {"train": steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx,
                                                data.image_shape, mesh),
              "selection": sharding.replicate(mesh, bookkeeping.initial_state(
-                 splits.num_train_examples(config.dataset)))}
+                 splits.num_train_examples(config.dataset))),
+             "partial": sharding.replicate(mesh, _empty_partial(config))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
-  saved, start_epoch = _restore(checkpointer, initial, config)
+  saved, meta = _restore(checkpointer, initial, config)
   eval_fn = jax.jit(functools.partial(steps.eval_step, model=model,
                                       spec=steps.step_spec(config)),
                     compiler_options=compiler_options.compiler_options(
                         "inference", config.xla_cpu_options))
   return Run(config, workdir, mesh, model, tx, checkpointer,
              input_pipeline.get_datasets(config.dataset), eval_fn, saved["train"],
-             jax.tree.map(np.asarray, saved["selection"]), start_epoch)
+             jax.tree.map(np.asarray, saved["selection"]), meta.get("epoch", 0),
+             _partial_from_checkpoint(saved["partial"], meta, config))
+
+
+def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
+                             config: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """The trained part of an epoch from a mid-epoch checkpoint's subtree, else None."""
+  done_steps = meta.get("epoch_step", 0)
+  if not done_steps:
+    return None
+  saved = jax.tree.map(np.asarray, saved)
+  rows = done_steps * config.batch_size
+  return {"steps": done_steps,
+          "totals": {"loss_sum": saved["loss_sum"], "correct": saved["correct"],
+                     "count": saved["count"], "first_bad_step": np.int32(steps.NO_BAD_STEP)},
+          "outputs": {k: saved[f"each_{k}"][:rows] for k in PER_EXAMPLE}}
 
 
 def _check_workdir(workdir: str) -> None:
@@ -158,26 +221,40 @@ def _check_workdir(workdir: str) -> None:
 
 
 def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
-             config: ml_collections.ConfigDict) -> tuple[dict[str, Any], int]:
-  """The latest checkpoint if any, else `initial`; and the first epoch to run."""
+             config: ml_collections.ConfigDict) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The latest checkpoint and its metadata if any, else `initial` and {}."""
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), initial)
   restored = checkpointer.restore_latest(abstract)
   if restored is None:
-    return initial, 0
+    return initial, {}
   saved, meta = restored
   if meta["config"] != config.to_json_best_effort(sort_keys=True):
     logging.warning("Resuming with a config that differs from the checkpoint's.")
-  logging.info("Resumed from %s after epoch %d.", checkpointer.directory, meta["epoch"])
-  return saved, meta["epoch"]
+  logging.info("Resumed from %s at global step %d (epoch %d, step %d of it).",
+               checkpointer.directory, meta.get("step", -1), meta["epoch"],
+               meta.get("epoch_step", 0))
+  return saved, meta
 
 
-def _save(run: Run, epochs_done: int, state: steps.TrainState,
-          selection_state: bookkeeping.SelectionState) -> None:
-  run.checkpointer.save(epochs_done,
-                        {"train": state, "selection": sharding.replicate(run.mesh, selection_state)},
-                        {"epoch": epochs_done,
-                         "config": run.config.to_json_best_effort(sort_keys=True)})
+def _save(run: Run, state: steps.TrainState, selection_state: bookkeeping.SelectionState,
+          epochs_done: int, partial: dict[str, np.ndarray] | None = None,
+          epoch_step: int = 0) -> int:
+  """Saves a checkpoint named by the global step; returns that step.
+
+  `epochs_done` complete epochs; with `partial`, also `epoch_step` steps of the next.
+  """
+  step = int(jax.device_get(state.step))
+  if not np.isfinite(float(jax.device_get(_global_norm(state.params)))):
+    raise NonFiniteLossError(f"non-finite parameters at global step {step} (epoch "
+                             f"{epochs_done}); the run stopped without saving them. "
+                             f"{_last_good(run)}")
+  run.checkpointer.save(step, {
+      "train": state, "selection": sharding.replicate(run.mesh, selection_state),
+      "partial": sharding.replicate(run.mesh, partial or _empty_partial(run.config))},
+      {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
+       "config": run.config.to_json_best_effort(sort_keys=True)})
+  return step
 
 
 def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
@@ -191,6 +268,9 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
                                                                     config.xla_cpu_options))
 
 
+_global_norm = jax.jit(optax.global_norm)
+
+
 @jax.jit
 def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array]):
   """Sums batch metrics on device (min for the first non-finite step)."""
@@ -198,47 +278,88 @@ def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array
           for k, v in totals.items()}
 
 
-def train_epoch(run: Run, train_fn, state: steps.TrainState, rows: np.ndarray, epoch: int,
-                writer, progress):
-  """Trains one epoch over `rows` of the training split in the epoch's deterministic order.
+def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, hooks: LoopHooks):
+  """Trains one epoch over `plan.rows` in the epoch's deterministic order.
 
-  Every `log_every_steps` steps, the window's train metrics go to `writer` and a
-  non-finite loss stops the run.
+  Every `log_every_steps` steps, the window's train metrics go to the writer and
+  a non-finite loss stops the run. A preemption request saves a checkpoint after
+  the current step and raises `preemption.Preempted`. With `plan.done`, the
+  first steps were trained before a preemption and are skipped.
 
   Returns:
     (state, epoch record, order [steps, B] of the rows trained, per-example
     train-pass outputs flattened in that order).
   """
-  config = run.config
-  order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
+  config, epoch = run.config, plan.epoch
+  order = splits.epoch_order(config.seed, epoch, plan.rows, config.batch_size)
   local_rows = sharding.process_rows(run.mesh, config.batch_size)
   learning_rate = np.float32(optim.learning_rate_at(config.optimizer, epoch, config.num_epochs))
   loss_hparams = {k: np.float32(v) for k, v in losses.scheduled_hparams(config.loss, epoch).items()}
-  epoch_start_step = int(jax.device_get(state.step))
-  totals, window, outputs = None, [], []
-  for i, batch_rows in enumerate(order):
+  done = plan.done or {"steps": 0, "totals": None, "outputs": None}
+  epoch_start_step = int(jax.device_get(state.step)) - done["steps"]
+  totals = None if done["totals"] is None else jax.device_put(done["totals"])
+  outputs, window = [], []
+  for i in range(done["steps"], len(order)):
     batch = sharding.to_global(run.mesh, splits.batch_at(run.splits["train"],
-                                                         batch_rows[local_rows]),
+                                                         order[i][local_rows]),
                                config.batch_size)
     state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
     epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
     totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
     window.append(batch_metrics)
     outputs.append(per_example)
-    progress(epoch_start_step + i + 1)
+    hooks.progress(epoch_start_step + i + 1)
     if (i + 1) % config.log_every_steps == 0:
-      _log_train_window(run, writer, window, epoch_start_step + i + 1, epoch, epoch_start_step,
-                        learning_rate)
+      _log_train_window(run, hooks.writer, window, epoch_start_step + i + 1, epoch,
+                        epoch_start_step, learning_rate)
       window = []
+    if hooks.guard is not None and hooks.guard.should_stop(epoch_start_step + i + 1):
+      if i + 1 == len(order):  # The epoch is complete: the loop saves it whole, then stops.
+        hooks.stop_after_epoch = True
+      else:
+        _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
+                        i + 1, epoch_start_step, hooks.guard.signal_name)
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
-  per_example = {k: np.concatenate([np.asarray(v) for v in sharding.to_host([o[k] for o in outputs])])
-                 for k in outputs[0]}
+  per_example = _host_outputs(outputs, done["outputs"])
   record = {"train_loss": float(totals["loss_sum"] / totals["count"]),
             "train_accuracy": float(totals["correct"] / totals["count"]),
             "learning_rate": float(learning_rate),
             **{k: float(v) for k, v in loss_hparams.items()}}
   return state, record, order, per_example
+
+
+def _host_outputs(outputs: list[dict[str, jax.Array]],
+                  earlier: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+  """The per-example outputs of an epoch's steps, flattened in training order, on the host."""
+  if not outputs:
+    return dict(earlier)
+  gathered = {k: [np.asarray(v) for v in sharding.to_host([o[k] for o in outputs])]
+              for k in outputs[0]}
+  return {k: np.concatenate(([earlier[k]] if earlier else []) + v) for k, v in gathered.items()}
+
+
+def _save_preempted(run: Run, state: steps.TrainState, plan: EpochPlan, totals, outputs,
+                    epoch_step: int, epoch_start_step: int, signal_name: str) -> None:
+  """Saves the state after `epoch_step` steps of `plan.epoch`, waits for it, raises Preempted."""
+  _raise_if_bad(run, totals, plan.epoch, epoch_start_step)  # Never save a diverged state.
+  totals = jax.device_get(totals)
+  partial = _empty_partial(run.config)
+  partial.update({k: np.float32(totals[k]) for k in ("loss_sum", "correct", "count")})
+  for k in PER_EXAMPLE:
+    partial[f"each_{k}"][:len(outputs[k])] = outputs[k]
+  step = _save(run, state, plan.selection_state, plan.epoch, partial, epoch_step)
+  _stop_preempted(run, step, plan.epoch, epoch_step, signal_name)
+
+
+def _stop_preempted(run: Run, step: int, epoch: int, epoch_step: int, signal_name: str) -> None:
+  """Waits for the checkpoint at global `step` to commit, logs one line, raises Preempted."""
+  run.checkpointer.wait_until_finished()
+  message = (f"{signal_name}: saved a checkpoint at global step {step} (epoch {epoch}, step "
+             f"{epoch_step} of it) in {run.checkpointer.directory}; rerun the same command to "
+             "resume there.")
+  logging.warning(message)
+  raise preemption.Preempted(message, step)
 
 
 def _log_train_window(run: Run, writer, window: list[dict[str, jax.Array]], step: int,
@@ -263,9 +384,8 @@ def _raise_if_bad(run: Run, totals: dict[str, Any], epoch: int, epoch_start_step
   if bad != steps.NO_BAD_STEP:
     raise NonFiniteLossError(
         f"non-finite training loss at epoch {epoch}, step {bad - epoch_start_step} of the "
-        f"epoch (global step {bad}); the run stopped and the last good checkpoint in "
-        f"{run.checkpointer.directory} is intact. Lower the learning rate or enable "
-        "gradient clipping.")
+        f"epoch (global step {bad}); the run stopped without saving this state. "
+        f"{_last_good(run)} Lower the learning rate or enable gradient clipping.")
 
 
 def evaluate(run: Run, state: steps.TrainState) -> dict[str, float]:
@@ -273,12 +393,31 @@ def evaluate(run: Run, state: steps.TrainState) -> dict[str, float]:
   num_classes = specs.DATASETS[run.config.dataset.name].num_classes
   results = {}
   for name in ("val", "test"):
-    logits = steps.predict(run.eval_fn, state, run.splits[name], run.mesh,
-                           run.config.eval_batch_size)
+    logits = _finite_logits(run, state, run.splits[name], name)
     values = report.calibration_metrics(logits, run.splits[name].labels, num_classes,
                                         run.config.evaluation.num_bins)
     results.update({f"{name}_{metric}": value for metric, value in values.items()})
   return results
+
+
+def _finite_logits(run: Run, state: steps.TrainState, split: splits.Split,
+                   name: str) -> np.ndarray:
+  """Eval-mode logits of `split`; a non-finite one means the model diverged: stop the run."""
+  logits = steps.predict(run.eval_fn, state, split, run.mesh, run.config.eval_batch_size)
+  if not np.all(np.isfinite(logits)):
+    bad = int(np.sum(~np.all(np.isfinite(logits), axis=-1)))
+    raise NonFiniteLossError(
+        f"the model diverged: {bad} of {len(logits)} {name} examples have non-finite logits "
+        f"at global step {int(jax.device_get(state.step))}; the run stopped without saving "
+        f"this state. {_last_good(run)} Lower the learning rate or enable gradient clipping.")
+  return logits
+
+
+def _last_good(run: Run) -> str:
+  step = run.checkpointer.latest_step()
+  if step is None:
+    return f"No checkpoint was saved yet in {run.checkpointer.directory}."
+  return f"The last good checkpoint is step {step} in {run.checkpointer.directory}."
 
 
 def _evaluate_when_due(run: Run, state: steps.TrainState, epoch: int) -> dict[str, float]:
@@ -309,14 +448,13 @@ def write_final_report(run: Run, state: steps.TrainState, epoch: int) -> dict[st
   """Builds the calibration report of `state` and writes it to workdir/report."""
   config = run.config
 
-  def logits_of(split):
-    return steps.predict(run.eval_fn, state, split, run.mesh, config.eval_batch_size)
   ood = _ood_split(run)
   results = report.build_report(
-      (logits_of(run.splits["val"]), run.splits["val"].labels),
-      (logits_of(run.splits["test"]), run.splits["test"].labels),
+      (_finite_logits(run, state, run.splits["val"], "val"), run.splits["val"].labels),
+      (_finite_logits(run, state, run.splits["test"], "test"), run.splits["test"].labels),
       specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
-      None if ood is None else logits_of(ood))
+      None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
+                                             config.eval_batch_size))
   results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
                        f"after epoch {epoch}", epoch=epoch)
   if jax.process_index() == 0:

@@ -1,0 +1,69 @@
+"""Preemption: turn SIGTERM (and Ctrl-C) into "stop after this step, save, exit to be requeued".
+
+SLURM, Kubernetes and TPU maintenance send SIGTERM some seconds before they kill
+a job. Instead of dying mid-step, a run finishes the step it is in, saves a
+checkpoint at that step, waits for it to commit and exits with EXIT_CODE
+(EX_TEMPFAIL, "try again"), which a batch script can turn into a requeue.
+
+Single process: a Python signal handler sets a flag that the loop reads after
+every step. Several processes (after `jax.distributed.initialize`): JAX's
+preemption service already listens for SIGTERM on every process and agrees on
+one safe step across processes (`multihost_utils.reached_preemption_sync_point`),
+so every process stops at the same step; no Python SIGTERM handler is installed
+there (it would replace the service's). Ctrl-C (SIGINT) is handled only in
+single-process runs: one process alone cannot stop a multi-process run in step.
+"""
+
+import logging
+import signal
+import types
+
+import jax
+from jax.experimental import multihost_utils
+
+EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a transient failure, requeue and rerun.
+
+
+class Preempted(Exception):
+  """The run stopped on a preemption signal after saving a checkpoint; rerun to resume."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
+class PreemptionGuard:
+  """A context in which SIGTERM/SIGINT only request a stop; `should_stop(step)` reads it."""
+
+  def __init__(self):
+    self._signal: int | None = None
+    self._previous: dict[int, object] = {}
+
+  def __enter__(self) -> "PreemptionGuard":
+    if jax.process_count() == 1:
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        self._previous[signum] = signal.signal(signum, self._request_stop)
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous = {}
+
+  def _request_stop(self, signum: int, frame: types.FrameType | None) -> None:
+    del frame
+    if self._signal is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # A second Ctrl-C: the user really means now.
+    self._signal = signum
+    logging.warning("Received %s: stopping after the current step to save a checkpoint.",
+                    signal.Signals(signum).name)
+
+  def should_stop(self, step: int) -> bool:
+    """Whether the run must stop after global `step` (all processes agree on it)."""
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self._signal is not None
+
+  @property
+  def signal_name(self) -> str:
+    return signal.Signals(self._signal).name if self._signal is not None else "SIGTERM"
