@@ -1,7 +1,7 @@
 """A thin orbax wrapper: save every N epochs, keep the last K, resume by default.
 
-A checkpoint is taken at the end of an epoch and named by the number of
-completed epochs. It holds `state` (a pytree of arrays: train state, RNG key
+A checkpoint is taken at the end of an epoch (or at a preemption, mid-epoch)
+and named by the global training step. It holds `state` (a pytree of arrays: train state, RNG key
 and, with selection, the score buffer and subset) and `meta` (JSON: epoch and
 the run's config as JSON). Restoring goes into an
 abstract target carrying the current shardings; a shape mismatch is reported
@@ -45,9 +45,9 @@ class Checkpointer:
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
 
-  def save(self, epoch: int, state: Any, meta: dict[str, Any]) -> None:
-    """Starts an asynchronous save of `state` and `meta` as checkpoint `epoch`."""
-    self._manager.save(epoch, args=ocp.args.Composite(
+  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Starts an asynchronous save of `state` and `meta` as checkpoint `step`."""
+    self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
   def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any]] | None:
@@ -77,6 +77,10 @@ class Checkpointer:
         continue
       return restored["state"], restored["meta"]
     return None
+
+  def latest_step(self) -> int | None:
+    """The newest checkpoint's step (global training step), or None if there is none."""
+    return self._manager.latest_step()
 
   def latest_meta(self) -> dict[str, Any] | None:
     """The JSON metadata of the newest checkpoint, or None if there is none."""
