@@ -134,8 +134,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
       "correct": jnp.sum(correct * mask),
       "count": jnp.sum(mask),
       "first_bad_step": jnp.where(jnp.isfinite(loss), NO_BAD_STEP, state.step),
-      "grad_norm": optax.global_norm(grads),
-      "param_norm": optax.global_norm(state.params),
+      "grad_norm": optax.tree.norm(grads),
+      "param_norm": optax.tree.norm(state.params),
   }
   per_example_out = {"score": score_fn(logits, batch["label"]),
                      "confidence": jnp.max(jax.nn.softmax(logits.astype(jnp.float32)), -1),

@@ -268,7 +268,7 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
                                                                     config.xla_cpu_options))
 
 
-_global_norm = jax.jit(optax.global_norm)
+_global_norm = jax.jit(optax.tree.norm)
 
 
 @jax.jit
