@@ -89,42 +89,59 @@ def test_sigterm_mid_epoch_saves_exits_75_and_resumes_exactly(tmp_path):
       read_metrics(str(tmp_path / "straight")))
 
 
-def _free_port() -> int:
+def _port_free(port: int) -> bool:
   with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    try:
+      s.bind(("127.0.0.1", port))
+    except OSError:
+      return False
+  return True
 
 
-def _two_processes(workdir: str, logs: str, flags=()) -> list[subprocess.Popen]:
-  """Starts main.py as processes 0 and 1 of a jax.distributed run on 127.0.0.1."""
-  port, procs = _free_port(), []
-  for i in range(2):
-    with open(f"{logs}{i}.log", "w") as stderr:  # The child keeps its own copy of the fd.
-      procs.append(subprocess.Popen(
-          main_command(workdir, *flags, "--config.log_every_steps=1",
-                       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                       f"--process_id={i}"),
-          cwd=REPO, env=_env(2), stdout=subprocess.DEVNULL, stderr=stderr))
-  return procs
+FAKE_SLURM = os.path.join(REPO, "tests", "fake_slurm")  # srun and scontrol stand-ins.
+SBATCH = os.path.join(REPO, "scripts", "slurm", "train.sbatch")
 
 
-def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path):
-  """2 processes on 127.0.0.1: SIGTERM to process 0 only; both agree on the step, save, exit 75,
-  and the rerun ends with the metrics of an uninterrupted 2-process run."""
-  flags = ("--config.num_epochs=2",)
-  straight = _two_processes(str(tmp_path / "straight"), str(tmp_path / "s"), flags)
-  assert [p.wait(timeout=300) for p in straight] == [0, 0]
-  workdir, logs = str(tmp_path / "preempted"), str(tmp_path / "p")
-  procs = _two_processes(workdir, logs, flags)
-  _wait_for(f"{logs}0.log", "[5] train/", procs)
-  procs[0].send_signal(signal.SIGTERM)
-  assert [p.wait(timeout=120) for p in procs] == [preemption.EXIT_CODE] * 2
-  steps = [_saved_step(_read(f"{logs}{i}.log")) for i in range(2)]
+def _slurm_env(tmp_path, tag: str) -> dict[str, str]:
+  """The variables SLURM gives a 2-task job step, faked for 127.0.0.1 (jax.distributed reads
+  them: JAX's SLURM detection takes the coordinator from the node list and the job id)."""
+  port = next(p for p in range(61440 + os.getpid() % 4000, 65536) if _port_free(p))
+  return {**_env(2), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}",
+          "SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "127.0.0.1",
+          "SLURM_NTASKS": "2", "SLURM_SUBMIT_DIR": REPO,
+          "FAKE_SLURM_LOG": str(tmp_path / f"{tag}_task"),
+          "FAKE_SLURM_PIDS": str(tmp_path / f"{tag}_pids"),
+          "FAKE_SLURM_CALLS": str(tmp_path / "scontrol_calls")}
+
+
+def _sbatch(tmp_path, tag: str, workdir: str, *flags: str) -> subprocess.Popen:
+  """Runs scripts/slurm/train.sbatch as SLURM would run the batch script of a 2-task job."""
+  return subprocess.Popen(["bash", SBATCH, "configs/test.py", workdir, "--config.num_epochs=1",
+                           *flags, "--config.log_every_steps=1"],
+                          cwd=REPO, env=_slurm_env(tmp_path, tag),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_slurm_job_preempted_on_one_task_requeues_and_resumes_exactly(tmp_path):
+  """The SLURM batch script on 2 tasks over 127.0.0.1: SIGTERM to task 0 only; both tasks
+  agree on one step, save, exit 75; the script requeues; the requeued job ends with the
+  metrics of an uninterrupted job."""
+  straight = str(tmp_path / "straight")
+  assert _sbatch(tmp_path, "straight", straight).wait(timeout=300) == 0
+  workdir = str(tmp_path / "preempted")
+  job = _sbatch(tmp_path, "first", workdir)
+  _wait_for(str(tmp_path / "first_task0.log"), "[5] train/", [job])
+  task_pids = [int(p) for p in _read(str(tmp_path / "first_pids")).split()]
+  os.kill(task_pids[0], signal.SIGTERM)
+  assert job.wait(timeout=120) == preemption.EXIT_CODE
+  steps = [_saved_step(_read(str(tmp_path / f"first_task{i}.log"))) for i in range(2)]
   assert steps[0] == steps[1]  # JAX's preemption sync point: one step for every process.
-  rerun = _two_processes(workdir, str(tmp_path / "r"), flags)
-  assert [p.wait(timeout=300) for p in rerun] == [0, 0]
-  assert _without_timing(read_metrics(workdir)) == _without_timing(
-      read_metrics(str(tmp_path / "straight")))
+  assert "JAX process 1 / 2" in _read(str(tmp_path / "first_task1.log"))
+  calls = _read(str(tmp_path / "scontrol_calls")).split("\n")
+  assert calls[0].startswith("scontrol requeue ")
+  assert _sbatch(tmp_path, "requeued", workdir).wait(timeout=300) == 0
+  assert f"global step {steps[0]}" in _read(str(tmp_path / "requeued_task0.log"))
+  assert _without_timing(read_metrics(workdir)) == _without_timing(read_metrics(straight))
 
 
 def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_path):
