@@ -77,8 +77,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     unknown = [name for name in overrides if not config_validation.has_field(config, name)]
     if not unknown:
       raise
-    print(f"FATAL Flags parsing error: {config_validation.unknown_field_message(config, unknown[0])}"
-          f" ({err})", file=sys.stderr)
+    message = config_validation.unknown_field_message(config, unknown[0])
+    print(f"FATAL Flags parsing error: {message} ({err})", file=sys.stderr)
     sys.exit(1)
 
 
