@@ -38,12 +38,18 @@ flags.DEFINE_integer("process_id", None, "This process's index (with --coordinat
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _quiet_library_info(record: std_logging.LogRecord) -> bool:
+  """Keeps warnings and cpjax's own lines; drops orbax's per-save INFO lines and JAX's INFO
+  probe for absent backends ("Unable to initialize backend 'tpu'") on CPU/GPU machines."""
+  if record.levelno >= std_logging.WARNING:
+    return True
+  return "/orbax/" not in record.pathname and not record.pathname.endswith("xla_bridge.py")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  # orbax logs every save step at INFO; keep its warnings, drop the rest.
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname)
+  logging.get_absl_handler().addFilter(_quiet_library_info)
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
