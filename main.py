@@ -14,16 +14,17 @@ import logging as std_logging
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF (used by clu writers) is chatty.
+# TF (imported by clu's writers, used for nothing numeric here) is chatty: its INFO lines and
+# the oneDNN notice it prints at import would precede every message of a run.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from cpjax.runtime import distributed, preemption
 from cpjax import config_validation, train
+from cpjax.runtime import distributed, preemption
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -39,11 +40,15 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _quiet_library_info(record: std_logging.LogRecord) -> bool:
-  """Keeps warnings and cpjax's own lines; drops orbax's per-save INFO lines and JAX's INFO
-  probe for absent backends ("Unable to initialize backend 'tpu'") on CPU/GPU machines."""
+  """Keeps warnings and cpjax's own lines; drops orbax's per-save INFO lines, its warning
+  that a target run's checkpoints are opened read-only (cpjax asks for that), and JAX's
+  INFO probe for absent backends ("Unable to initialize backend 'tpu'") on CPU/GPU machines."""
+  from_orbax = "/orbax/" in record.pathname
+  if from_orbax and record.getMessage().startswith("Given directory is read only"):
+    return False
   if record.levelno >= std_logging.WARNING:
     return True
-  return "/orbax/" not in record.pathname and not record.pathname.endswith("xla_bridge.py")
+  return not from_orbax and not record.pathname.endswith("xla_bridge.py")
 
 
 def main(argv):

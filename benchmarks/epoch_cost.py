@@ -17,6 +17,7 @@ import functools
 import json
 import time
 
+from clu import metric_writers
 import jax
 import numpy as np
 
@@ -82,8 +83,9 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       chooser.rows_for_epoch(1, state, sel)  # Compile the scoring pass, untimed.
     rows, sel, timings = chooser.rows_for_epoch(epoch, state, sel)
     start = time.perf_counter()
-    state, _, order, per_example = train.train_epoch(run, train_fn, state, rows, epoch,
-                                                     None, lambda step: None)
+    state, _, order, per_example = train.train_epoch(
+        run, train_fn, state, train.EpochPlan(epoch, rows, sel),
+        train.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None))
     jax.block_until_ready(state.step)
     timings["training_seconds"] = time.perf_counter() - start
     sel, _ = chooser.after_epoch(epoch, sel, order, per_example, timings, "")

@@ -86,7 +86,7 @@ def categorize(hlo_text: str) -> dict[str, str]:
       body = computations.get(called.group(1), []) if called else []
       opcodes = {op for _, op, _ in body}
       if "convolution" in opcodes:
-        return next(_conv_category(l) for _, op, l in body if op == "convolution")
+        return next(_conv_category(text) for _, op, text in body if op == "convolution")
       if "dot" in opcodes:
         return "dot"
       if "transpose" in opcodes or name.startswith(("transpose", "copy")):

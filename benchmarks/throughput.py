@@ -84,7 +84,8 @@ def train_setup(model_name: str, batch_size: int, image_size: int, xla_cpu_optio
 
 
 def measure(model_name: str, batch_size: int, score_batch_size: int, image_size: int,
-            windows: int, steps: int, xla_cpu_options: str = "tuned") -> dict[str, float]:
+            windows: int, steps_per_window: int, xla_cpu_options: str = "tuned"
+            ) -> dict[str, float]:
   """Compile time, train images/s, scoring images/s (float32, bfloat16), MFU on GPU."""
   config, mesh, state, step, batch, lr = train_setup(model_name, batch_size, image_size,
                                                      xla_cpu_options)
@@ -98,7 +99,7 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
   def train_once():
     holder[0], metrics, _ = compiled(holder[0], batch, lr, {})
     return metrics["loss_sum"]
-  results["train_images_per_s"] = _rate(train_once, batch_size, windows, steps)
+  results["train_images_per_s"] = _rate(train_once, batch_size, windows, steps_per_window)
   results["train_step_gflops"] = flops / 1e9
   score_batch = _batch(mesh, score_batch_size, image_size, spec.num_classes)
   for dtype in ("float32", "bfloat16"):
@@ -107,7 +108,7 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
         model=models.create_model(model_name, spec.num_classes, dtype)),
         compiler_options=compiler_options.compiler_options("inference", xla_cpu_options))
     results[f"score_{dtype}_images_per_s"] = _rate(
-        lambda s=scorer: s(holder[0], score_batch), score_batch_size, windows, steps)
+        lambda s=scorer: s(holder[0], score_batch), score_batch_size, windows, steps_per_window)
   kind = jax.devices()[0].device_kind
   peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
   if peak and jax.default_backend() == "gpu":
@@ -154,8 +155,9 @@ def main():
              "jax": measure(args.model, args.batch_size, args.score_batch_size, args.image_size,
                             args.windows, args.steps, args.xla_cpu_options)}
   if args.compare_torch:
-    from benchmarks import torch_reference
     import torch
+
+    from benchmarks import torch_reference
     results["machine"]["torch"] = torch.__version__
     results["torch"] = torch_reference.measure(
         args.model, args.batch_size, args.score_batch_size, args.image_size, 10, args.windows,

@@ -29,5 +29,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection.method = "top_k"  # Max-entropy subsets (seed: --importance_criterion entropy).
   config.selection.fraction = 0.1  # k = 4,500 of 45,000 (seed Table 1: 10 / 20 / 30 %).
   config.selection.warmup_epochs = 10  # Seed warm-up on all data.
-  config.evaluation.ood = "svhn"  # Focal-loss paper's OOD set (needs tfds svhn_cropped; "" to skip).
+  # The focal-loss paper's OOD set (needs tfds svhn_cropped; "" to skip).
+  config.evaluation.ood = "svhn"
   return config

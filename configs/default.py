@@ -13,7 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0  # Root seed: model init, data order, augmentation, mixup.
 
   config.dataset = ml_collections.ConfigDict()
-  config.dataset.name = "digits"  # One of cpjax.input_pipeline.DATASETS.
+  config.dataset.name = "digits"  # One of cpjax.data.specs.DATASETS.
   config.dataset.data_dir = ""  # tfds data dir; "" = ~/tensorflow_datasets.
   config.dataset.manual_dir = ""  # Raw files for local builders; "" = builder default.
   config.dataset.download = False  # Let tfds download missing built-in data (needs network).
@@ -28,11 +28,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.dtype = "float32"  # Compute dtype: float32 or bfloat16 (params stay float32).
 
   config.loss = ml_collections.ConfigDict()
-  config.loss.name = "cross_entropy"  # One of cpjax.losses.LOSSES.
+  config.loss.name = "cross_entropy"  # One of cpjax.calibration.losses.LOSSES.
   config.loss.reduction = "mean"  # Batch reduction of the per-example loss: mean or sum.
   config.loss.mixup_alpha = 0.0  # Mixup Beta(alpha, alpha) per batch; 0 = off (seed: 0.15).
   config.loss.label_smoothing = 0.05  # label_smoothing: alpha.
-  config.loss.ls_convention = "uniform"  # label_smoothing: uniform (alpha/K) or off_target (alpha/(K-1)).
+  # label_smoothing: uniform (alpha/K) or off_target (alpha/(K-1)).
+  config.loss.ls_convention = "uniform"
   config.loss.focal_gamma = 3.0  # focal: fixed gamma (FL-3).
   config.loss.gamma_boundaries = (100, 250)  # flsc531/flsc532: epochs where gamma steps down.
   config.loss.mmce_lambda = 2.0  # mmce: weight of the MMCE penalty (focal-loss code).
@@ -58,12 +59,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.decay_factor = 0.1  # multistep: LR multiplier at each milestone.
 
   config.selection = ml_collections.ConfigDict()
-  config.selection.method = "full"  # full, top_k, uniform_sorted, random (per epoch) or static_random.
-  config.selection.score = "entropy"  # Priority score (cpjax.scoring.SCORES); entropy = the seed paper's.
+  # full, top_k, uniform_sorted, random (per epoch) or static_random.
+  config.selection.method = "full"
+  # Priority score (cpjax.selection.scores.SCORES); entropy = the seed paper's.
+  config.selection.score = "entropy"
   config.selection.fraction = 0.1  # Share k/N of training examples per selected epoch.
   config.selection.count = 0  # k as a count; > 0 overrides fraction.
   config.selection.warmup_epochs = 2  # Epochs on all data before selection starts (seed: 10).
-  config.selection.scoring = "train_pass"  # train_pass (reference), fresh, target or target_recorded.
+  # Where scores come from: train_pass (reference), fresh, target or target_recorded.
+  config.selection.scoring = "train_pass"
   config.selection.rescore_every = 1  # fresh/target: epochs between scoring passes; 0 = once.
   config.selection.score_dtype = "float32"  # Compute dtype of scoring passes: float32 or bfloat16.
   config.selection.score_batch_size = 512  # Global batch of scoring passes (forward only: large).
@@ -72,12 +76,14 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.evaluation = ml_collections.ConfigDict()
   config.evaluation.num_bins = 15  # Bins of ECE, MCE, AdaECE, classwise ECE, reliability diagrams.
-  config.evaluation.temperature_method = "grid_ece"  # grid_ece, grid_nll or lbfgs_nll (cpjax.temperature).
+  # grid_ece, grid_nll or lbfgs_nll (cpjax.calibration.temperature).
+  config.evaluation.temperature_method = "grid_ece"
   config.evaluation.bootstrap_resamples = 1000  # Bootstrap resamples B of the report's intervals.
   config.evaluation.bootstrap_level = 0.9  # Coverage of the bootstrap intervals.
   config.evaluation.bootstrap_kind = "basic"  # basic (pivotal; focal-loss code) or percentile.
   config.evaluation.bootstrap_seed = 0  # Seed of the bootstrap resampling.
-  config.evaluation.ood = "gaussian_noise"  # OOD set: "", gaussian_noise (corrupted test) or a dataset name.
+  # OOD set: "", gaussian_noise (corrupted test) or a dataset name.
+  config.evaluation.ood = "gaussian_noise"
   config.evaluation.ood_severity = 5  # gaussian_noise severity 1..5 (CIFAR-10-C scales).
 
   config.num_epochs = 8  # Training epochs.
@@ -87,5 +93,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_epochs = 1  # Save a checkpoint every this many epochs.
   config.keep_checkpoints = 2  # Checkpoints kept on disk (the newest ones).
   config.log_every_steps = 10  # Log train metrics and progress, check the loss, every N steps.
-  config.xla_cpu_options = "tuned"  # tuned (cpjax.compiler_options) or xla_default.
+  config.xla_cpu_options = "tuned"  # tuned (cpjax.runtime.compiler_options) or xla_default.
   return config

@@ -21,14 +21,20 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import config_validation, models, optim, steps
+from cpjax import config_validation, models, optim, run_state, steps
 from cpjax.calibration import losses, report
 from cpjax.data import corruptions, input_pipeline, specs, splits
-from cpjax.runtime import checkpointing, compiler_options, preemption, run_logging, sharding
+from cpjax.runtime import (
+  checkpointing,
+  compiler_options,
+  preemption,
+  run_logging,
+  sharding,
+  workdir_lock,
+)
 from cpjax.selection import bookkeeping, scores, selector, sources
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
-PER_EXAMPLE = ("score", "confidence", "correct")  # The train step's per-example outputs.
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -87,6 +93,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns:
     The last epoch's metrics record.
   """
+  _check_before_work(config, workdir)
+  with workdir_lock.WorkdirLock(workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   run = _setup(config, workdir)
   train_fn = _jit_train_step(config, run.model, run.tx)
   chooser = selector.Selector(config, run.splits["train"], run.mesh)
@@ -142,11 +154,13 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # Before _setup creates it.
     raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
                             "first or point --workdir at a trained run")
-  run = _setup(config, workdir)
-  if run.start_epoch == 0 and run.partial is None:
-    raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
-                            "train first or point --workdir at a trained run")
-  return write_final_report(run, run.state, run.start_epoch)
+  _check_before_work(config, workdir)
+  with workdir_lock.WorkdirLock(workdir):
+    run = _setup(config, workdir)
+    if run.start_epoch == 0 and run.partial is None:
+      raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
+                              "train first or point --workdir at a trained run")
+    return write_final_report(run, run.state, run.start_epoch)
 
 
 def _due(epoch: int, every: int, num_epochs: int) -> bool:
@@ -155,27 +169,8 @@ def _due(epoch: int, every: int, num_epochs: int) -> bool:
   return (epoch + 1) % every == 0 or epoch + 1 == num_epochs
 
 
-def _partial_rows(config: ml_collections.ConfigDict) -> int:
-  """Size of the per-example buffers of a mid-epoch checkpoint: the longest epoch's rows."""
-  num_train = splits.num_train_examples(config.dataset)
-  return -(-num_train // config.batch_size) * config.batch_size
-
-
-def _empty_partial(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-  """The "partial" checkpoint subtree at an epoch boundary: nothing of an epoch trained."""
-  rows = _partial_rows(config)
-  return {"loss_sum": np.float32(0), "correct": np.float32(0), "count": np.float32(0),
-          **{f"each_{k}": np.zeros(rows, np.float32) for k in PER_EXAMPLE}}
-
-
 def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
-  """Validates, builds the model and state, restores the latest checkpoint, reads the data."""
-  config_validation.validate(config)
-  for warning in config_validation.size_warnings(config):
-    logging.warning("%s", warning)
-  if config.selection.scoring in ("target", "target_recorded"):
-    sources.check_target(config)
-  _check_workdir(workdir)
+  """Builds the model and state, restores the latest checkpoint, reads the data."""
   mesh = sharding.create_mesh()
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
@@ -184,7 +179,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                                data.image_shape, mesh),
              "selection": sharding.replicate(mesh, bookkeeping.initial_state(
                  splits.num_train_examples(config.dataset))),
-             "partial": sharding.replicate(mesh, _empty_partial(config))}
+             "partial": sharding.replicate(mesh, run_state.empty_partial(config))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = jax.jit(functools.partial(steps.eval_step, model=model,
@@ -208,7 +203,17 @@ def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
   return {"steps": done_steps,
           "totals": {"loss_sum": saved["loss_sum"], "correct": saved["correct"],
                      "count": saved["count"], "first_bad_step": np.int32(steps.NO_BAD_STEP)},
-          "outputs": {k: saved[f"each_{k}"][:rows] for k in PER_EXAMPLE}}
+          "outputs": {k: saved[f"each_{k}"][:rows] for k in run_state.PER_EXAMPLE}}
+
+
+def _check_before_work(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Validates the config, a target run and the workdir: before any data load or compile."""
+  config_validation.validate(config)
+  for warning in config_validation.size_warnings(config):
+    logging.warning("%s", warning)
+  if config.selection.scoring in ("target", "target_recorded"):
+    sources.check_target(config)
+  _check_workdir(workdir)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -251,7 +256,7 @@ def _save(run: Run, state: steps.TrainState, selection_state: bookkeeping.Select
                              f"{_last_good(run)}")
   run.checkpointer.save(step, {
       "train": state, "selection": sharding.replicate(run.mesh, selection_state),
-      "partial": sharding.replicate(run.mesh, partial or _empty_partial(run.config))},
+      "partial": sharding.replicate(run.mesh, partial or run_state.empty_partial(run.config))},
       {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
        "config": run.config.to_json_best_effort(sort_keys=True)})
   return step
@@ -344,9 +349,9 @@ def _save_preempted(run: Run, state: steps.TrainState, plan: EpochPlan, totals, 
   """Saves the state after `epoch_step` steps of `plan.epoch`, waits for it, raises Preempted."""
   _raise_if_bad(run, totals, plan.epoch, epoch_start_step)  # Never save a diverged state.
   totals = jax.device_get(totals)
-  partial = _empty_partial(run.config)
+  partial = run_state.empty_partial(run.config)
   partial.update({k: np.float32(totals[k]) for k in ("loss_sum", "correct", "count")})
-  for k in PER_EXAMPLE:
+  for k in run_state.PER_EXAMPLE:
     partial[f"each_{k}"][:len(outputs[k])] = outputs[k]
   step = _save(run, state, plan.selection_state, plan.epoch, partial, epoch_step)
   _stop_preempted(run, step, plan.epoch, epoch_step, signal_name)

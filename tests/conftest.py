@@ -1,10 +1,114 @@
-"""Test setup: 8 forced CPU devices, before any JAX computation."""
+"""Test setup: 8 forced CPU devices before any JAX computation, and the shared fixtures.
 
+Training runs are the slow part of the suite, so a run that several tests read
+is trained once per session here (its tests must only read its workdir, or copy it).
+"""
+
+import dataclasses
+import functools
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# XLA:CPU compiles dominate the suite's time (the tiny net's init alone takes seconds), and
+# many runs compile identical programs: a persistent compilation cache, fresh per session
+# (no state between sessions), lets every run after the first load them. The variables
+# reach the main.py runs of the tests too; a user's own cache directory is left alone.
+_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _XLA_CACHE = tempfile.mkdtemp(prefix="cpjax-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 import jax  # pylint: disable=g-import-not-at-top
 
 jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pytest  # pylint: disable=g-import-not-at-top  (after the device count is set)
+
+from cpjax import steps, train  # pylint: disable=g-import-not-at-top
+from cpjax.data import input_pipeline  # pylint: disable=g-import-not-at-top
+from tests import helpers  # pylint: disable=g-import-not-at-top
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del session, exitstatus
+  if _XLA_CACHE is not None:
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def digits():
+  """configs/test.py's splits: 1,257 train, 180 validation, 360 test digits."""
+  return input_pipeline.get_datasets(helpers.tiny_config().dataset)
+
+
+@pytest.fixture
+def fashion_mnist_files():
+  """Debian's Fashion-MNIST folder, or skip (fail under CPJAX_REQUIRE_REAL_DATA=1)."""
+  return helpers.require_fashion_mnist()
+
+
+fashion_mnist_dir = fashion_mnist_files  # The same fixture under its first name.
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRun:
+  workdir: str
+  config: object
+  record: dict  # The last epoch's metrics record.
+  train_step_traces: int = 0  # How often steps.train_step was traced during the run.
+  train_step_executables: int = 0  # Compiled executables of the run's jitted train step.
+
+
+@pytest.fixture(scope="session")
+def selected_run(tmp_path_factory) -> TrainedRun:
+  """helpers.selected_config() trained once on 8 devices, counting train-step traces.
+
+  The counting wrapper only observes: the run computes exactly what an
+  unwrapped run computes (test_selection resumes against it bit for bit).
+  """
+  workdir = str(tmp_path_factory.mktemp("selected"))
+  config = helpers.selected_config()
+  traces, jitted = [], []
+  real_step, real_jit = steps.train_step, train._jit_train_step  # pylint: disable=protected-access
+
+  @functools.wraps(real_step)
+  def counted_step(*args, **kwargs):
+    traces.append(1)  # Runs once per trace, never per call of the compiled step.
+    return real_step(*args, **kwargs)
+
+  def captured_jit(*args):
+    jitted.append(real_jit(*args))
+    return jitted[-1]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(steps, "train_step", counted_step)
+    patch.setattr(train, "_jit_train_step", captured_jit)
+    record = train.train_and_evaluate(config, workdir)
+  assert len(jitted) == 1
+  return TrainedRun(workdir, config, record, len(traces),
+                    jitted[0]._cache_size())  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope="session")
+def resnet20_run(tmp_path_factory) -> TrainedRun:
+  """configs/test.py with ResNet-20, one epoch: a run of another architecture than `tiny`."""
+  workdir = str(tmp_path_factory.mktemp("resnet20"))
+  config = helpers.tiny_config(**{"num_epochs": 1, "model.name": "resnet20"})
+  return TrainedRun(workdir, config, train.train_and_evaluate(config, workdir))
+
+
+@pytest.fixture(scope="session")
+def main_run(tmp_path_factory) -> TrainedRun:
+  """`main.py` with helpers.MAIN_RUN_FLAGS in a fresh process (1 CPU device), as a user runs it.
+
+  Shared by the end-to-end, evaluate-only and SIGKILL tests (test_train) and as
+  the recorded-scores target of test_selection: read it, or copy it.
+  """
+  workdir = str(tmp_path_factory.mktemp("main"))
+  result = helpers.run_main(workdir, *helpers.MAIN_RUN_FLAGS)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return TrainedRun(workdir, None, helpers.read_metrics(workdir)[-1])

@@ -1,4 +1,4 @@
-"""Shared test helpers: configs and running main.py as a user would."""
+"""Shared test helpers: configs, running main.py as a user would, the real-data guard."""
 
 import json
 import os
@@ -6,27 +6,43 @@ import subprocess
 import sys
 
 import ml_collections
+import pytest
 
 from configs import test as test_config
+from cpjax.data.datasets import fashion_mnist_local
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRE_REAL_DATA = "CPJAX_REQUIRE_REAL_DATA"  # "1" (CI): a missing real dataset fails.
+FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                       "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+FASHION_MNIST_MISSING = ("Debian's dataset-fashion-mnist is not installed "
+                         "(apt-get install dataset-fashion-mnist to run this test)")
+STEPS_PER_EPOCH = -(-1257 // 64)  # configs/test.py: 1,257 training digits in batches of 64.
+# conftest's shared main.py run: 4 full epochs of configs/test.py, recording train-pass scores.
+MAIN_RUN_FLAGS = ("--config.num_epochs=4", "--config.selection.record_scores=True")
 
 
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
-  """configs/test.py with dotted-name overrides, e.g. {"loss.name": "focal"}."""
+  """configs/test.py with dotted-name overrides, e.g. tiny_config(**{"loss.name": "focal"}).
+
+  ml_collections applies the overrides with its own type checks (an int becomes
+  a float where the field is a float); a typo in a name raises KeyError.
+  """
   config = test_config.get_config()
+  config.lock()  # Overrides may change fields, not add them.
+  config.update_from_flattened_dict(overrides)
   config.unlock()
-  for name, value in overrides.items():
-    *parents, leaf = name.split(".")
-    node = config
-    for parent in parents:
-      node = node[parent]
-    try:
-      node[leaf] = value
-    except TypeError:  # ConfigDict is type-safe; a wrong type must replace the field.
-      del node[leaf]
-      node[leaf] = value
   return config
+
+
+def selected_config(**overrides) -> ml_collections.ConfigDict:
+  """configs/test.py, 3 epochs: 1 on all 1,257 rows, then 2 on the top half by train-pass entropy.
+
+  The subset (628 rows, 10 steps) is smaller than the full epoch (20 steps).
+  """
+  return tiny_config(**{"num_epochs": 3, "selection.method": "top_k",
+                        "selection.fraction": 0.5, "selection.warmup_epochs": 1,
+                        "selection.record_scores": True, "keep_checkpoints": 10, **overrides})
 
 
 def main_command(workdir: str, *flags: str, config: str = "configs/test.py") -> list[str]:
@@ -45,3 +61,25 @@ def run_main(workdir: str, *flags: str, config: str = "configs/test.py",
 def read_metrics(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+  """metrics.jsonl records without their wall-clock fields (they differ between any two runs)."""
+  return [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in records]
+
+
+def require_fashion_mnist() -> str:
+  """The folder of Debian's Fashion-MNIST, for a test that reads the real dataset.
+
+  When the files are absent the test is skipped, saying how to get them; with
+  CPJAX_REQUIRE_REAL_DATA=1 (as CI sets) it fails instead, so a real-data test
+  never silently stops running. Call it first in every test or fixture that
+  reads /usr/share/datasets/fashion-mnist.
+  """
+  folder = fashion_mnist_local.DEFAULT_DIR  # Read at call time: a test may point it elsewhere.
+  if all(any(os.path.exists(os.path.join(folder, name + ext)) for ext in (".gz", ""))
+         for name in FASHION_MNIST_FILES):
+    return folder
+  if os.environ.get(REQUIRE_REAL_DATA) == "1":
+    pytest.fail(FASHION_MNIST_MISSING, pytrace=False)
+  pytest.skip(FASHION_MNIST_MISSING)

@@ -6,7 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from cpjax import compiler_options, losses, models, optim, scoring, sharding, train
+from cpjax import models, optim, steps
+from cpjax.calibration import losses
+from cpjax.runtime import compiler_options, sharding
+from cpjax.selection import scores
 from tests.helpers import tiny_config
 
 
@@ -25,11 +28,12 @@ def test_presets_per_kind_and_backend():
 
 
 def _compiled_steps(preset: str, config, model, tx, state, batch):
+  spec = steps.step_spec(config)
   train_fn = jax.jit(functools.partial(
-      train.train_step, model=model, tx=tx, config=config, loss_fn=losses.get_loss(config.loss),
-      score_fn=scoring.normalized_entropy),
+      steps.train_step, model=model, tx=tx, loss_fn=losses.get_loss(config.loss),
+      score_fn=scores.normalized_entropy, spec=spec),
       compiler_options=compiler_options.compiler_options("train", preset))
-  eval_fn = jax.jit(functools.partial(train.eval_step, model=model, config=config),
+  eval_fn = jax.jit(functools.partial(steps.eval_step, model=model, spec=spec),
                     compiler_options=compiler_options.compiler_options("inference", preset))
   return (train_fn.lower(state, batch, np.float32(0.1), {}).compile(),
           eval_fn.lower(state, batch).compile())
@@ -41,7 +45,7 @@ def test_tuned_steps_match_xla_defaults_on_a_resnet():
   mesh = sharding.create_mesh()
   model = models.create_model("resnet20", 10)
   tx = optim.create_optimizer(config.optimizer)
-  state = train.create_train_state(jax.random.PRNGKey(0), model, tx, (8, 8, 1), mesh)
+  state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, (8, 8, 1), mesh)
   rng = np.random.default_rng(0)
   host = {"image": rng.integers(0, 17, (16, 8, 8, 1)).astype(np.uint8),
           "label": rng.integers(0, 10, 16).astype(np.int32),

@@ -2,16 +2,23 @@
 
 import functools
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 from jax.test_util import check_grads
 import numpy as np
 import pytest
-from scipy.special import lambertw, log_softmax as np_log_softmax
+from scipy.special import lambertw
+from scipy.special import log_softmax as np_log_softmax
 
-from cpjax import augment, calibration_surrogates as surr, config_validation, losses
-from tests.helpers import tiny_config
+from cpjax import config_validation, models, optim, steps
+from cpjax.calibration import losses
+from cpjax.calibration import surrogates as surr
+from cpjax.data import augment
+from cpjax.runtime import sharding
+from cpjax.selection import scores
+from tests.helpers import read_metrics, run_main, tiny_config
 
 Z = jnp.array([[2.0, 1.0, 0.0]])
 Y = jnp.array([0])
@@ -36,8 +43,10 @@ def test_spec_check_values_brier_mbls_mmce_dece():
   z = jnp.array([[12.0, 0.0, 1.0]])
   assert losses.mbls_penalty(z, 10.0)[0] == pytest.approx(1.0, abs=1e-6)
   assert losses.mbls_loss(z, Y, 10.0, 0.1)[0] == pytest.approx(0.1000228, abs=1e-6)
-  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "code") == pytest.approx(0.751428, abs=1e-5)
-  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "nominal") == pytest.approx(0.691121, abs=1e-5)
+  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "code") == pytest.approx(
+      0.751428, abs=1e-5)
+  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "nominal") == pytest.approx(
+      0.691121, abs=1e-5)
   assert surr.mmce_unweighted(MMCE_LOGITS, MMCE_LABELS, 0.4) == pytest.approx(0.024737, abs=1e-5)
   assert surr.dece(MMCE_LOGITS, MMCE_LABELS) == pytest.approx(0.350997, abs=1e-5)
 
@@ -135,7 +144,7 @@ def test_gradients_match_finite_differences(name):
 def test_extreme_margins_are_finite(name, margin):
   z = jnp.array([[margin, 0.0, 0.0], [0.0, margin, 0.0], [0.0, 0.0, -margin]])
   y = jnp.array([0, 0, 2])  # Confidently right, confidently wrong, uniform-ish.
-  value, grad = jax.value_and_grad(lambda l: jnp.sum(LOSS_FNS[name](l, y)))(z)
+  value, grad = jax.value_and_grad(lambda x: jnp.sum(LOSS_FNS[name](x, y)))(z)
   assert np.isfinite(value) and np.all(np.isfinite(grad))
 
 
@@ -143,7 +152,7 @@ def test_extreme_margins_are_finite(name, margin):
 def test_focal_is_finite_at_probability_exactly_one(gamma):
   z = jnp.array([[200.0, 0.0, 0.0]], jnp.float32)
   assert float(jax.nn.softmax(z)[0, 0]) == 1.0  # p_t is exactly 1 in float32.
-  value, grad = jax.value_and_grad(lambda l: jnp.sum(losses.focal_loss(l, Y, gamma)))(z)
+  value, grad = jax.value_and_grad(lambda x: jnp.sum(losses.focal_loss(x, Y, gamma)))(z)
   assert np.isfinite(value) and np.all(np.isfinite(grad))
   assert float(value) == pytest.approx(0.0, abs=1e-30)
 
@@ -186,13 +195,18 @@ def test_mixup_mixes_pairs_with_one_lambda():
       lam * losses.cross_entropy(z, y) + (1 - lam) * losses.cross_entropy(z, y[partner]), rtol=1e-5)
 
 
+JITTED_LOSS_FNS = {name: jax.jit(fn) for name, fn in LOSS_FNS.items()}
+
+
+# Shapes from a few values: every new shape compiles every loss again (minutes in all).
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 12), st.integers(2, 7), st.integers(0, 2**31 - 1), st.floats(0.1, 30.0))
+@given(st.sampled_from([1, 12]), st.sampled_from([2, 7]), st.integers(0, 2**31 - 1),
+       st.floats(0.1, 30.0))
 def test_property_non_negative_and_shape(batch, classes, seed, scale):
   rng = np.random.default_rng(seed)
   z = jnp.array(rng.normal(0, scale, (batch, classes)), jnp.float32)
   y = jnp.array(rng.integers(0, classes, batch))
-  for name, fn in LOSS_FNS.items():
+  for name, fn in JITTED_LOSS_FNS.items():
     out = fn(z, y)
     assert out.shape == (batch,), name
     # ECP subtracts an entropy bonus: CE - 0.1 mean_k(-p log p) >= -0.1 log K / K.
@@ -217,22 +231,50 @@ def test_loss_config_errors_name_the_field():
   with pytest.raises(config_validation.ConfigError, match="config.loss.mmce_form: got 'paper'"):
     config_validation.validate(tiny_config(**{"loss.mmce_form": "paper"}))
   with pytest.raises(config_validation.ConfigError, match="must hold 2 epochs for flsc531"):
-    config_validation.validate(tiny_config(**{"loss.name": "flsc531", "loss.gamma_boundaries": (5,)}))
+    config_validation.validate(
+        tiny_config(**{"loss.name": "flsc531", "loss.gamma_boundaries": (5,)}))
+
+
+@pytest.fixture(scope="module")
+def fixed_batch():
+  """A fixed batch of 32 random 8x8 images with labels, on the 8-device data mesh."""
+  rng = np.random.default_rng(0)
+  host = {"image": rng.integers(0, 256, (32, 8, 8, 1)).astype(np.uint8),
+          "label": rng.integers(0, 10, 32).astype(np.int32),
+          "id": np.arange(32, dtype=np.int32), "mask": np.ones(32, np.float32)}
+  mesh = sharding.create_mesh()
+  return mesh, sharding.to_global(mesh, host, 32)
 
 
 @pytest.mark.parametrize("name", sorted(losses.LOSSES))
-def test_every_registered_loss_trains_the_test_config(name, tmp_path):
-  from cpjax import train
-  record = train.train_and_evaluate(tiny_config(**{"loss.name": name, "num_epochs": 1}),
-                                    str(tmp_path))
-  assert np.isfinite(record["train_loss"]) and np.isfinite(record["val_nll"])
+def test_every_registered_loss_lowers_its_loss_in_jitted_train_steps(name, fixed_batch):
+  """One jitted steps.train_step per registered loss (its config's hyper-parameters, and
+  epoch 0's scheduled ones): finite, and 5 steps on the same batch lower the summed loss."""
+  mesh, batch = fixed_batch
+  config = tiny_config(**{"loss.name": name, "dataset.crop_padding": 0})
+  model = models.create_model("tiny", 10)
+  tx = optim.create_optimizer(config.optimizer)
+  state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, (8, 8, 1), mesh)
+  step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx,
+                                   loss_fn=losses.get_loss(config.loss),
+                                   score_fn=scores.normalized_entropy,
+                                   spec=steps.step_spec(config)))
+  hparams = losses.scheduled_hparams(config.loss, 0)
+  loss_sums = []
+  for _ in range(6):  # The 6th step's loss is that of the parameters after 5 updates.
+    state, metrics, _ = step(state, batch, np.float32(0.1), hparams)
+    loss_sums.append(float(metrics["loss_sum"]))
+    assert int(metrics["first_bad_step"]) == steps.NO_BAD_STEP
+  assert np.all(np.isfinite(loss_sums)), loss_sums
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(state.params)))
+  assert loss_sums[-1] < loss_sums[0], loss_sums
 
 
-def test_mixup_trains_and_main_accepts_losses_by_name(tmp_path):
-  from cpjax import train
-  from tests.helpers import run_main
-  record = train.train_and_evaluate(
-      tiny_config(**{"loss.mixup_alpha": 0.15, "num_epochs": 1}), str(tmp_path / "mixup"))
-  assert np.isfinite(record["train_loss"])
-  result = run_main(str(tmp_path / "main"), "--config.loss.name=flsd53", "--config.num_epochs=1")
+def test_mixup_trains_through_main_with_a_loss_chosen_by_name(tmp_path):
+  """The one end-to-end run of the loss features: mixup, with a loss named on the command line."""
+  workdir = str(tmp_path / "main")
+  result = run_main(workdir, "--config.loss.name=brier", "--config.loss.mixup_alpha=0.15",
+                    "--config.num_epochs=1")
   assert result.returncode == 0, result.stderr[-2000:]
+  record = [r for r in read_metrics(workdir) if "train_loss" in r][-1]
+  assert np.isfinite(record["train_loss"]) and np.isfinite(record["val_nll"])

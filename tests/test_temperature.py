@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cpjax import temperature
+from cpjax.calibration import temperature
 
 
 def _calibrated(seed, n=4000, k=10):
@@ -26,7 +26,8 @@ def test_recovers_known_temperature(true_t, method):
 
 
 def test_grid_is_exact_tenths_and_ties_go_to_the_smallest():
-  assert temperature.GRID[2] == 0.3 and temperature.GRID[-1] == 10.0 and len(temperature.GRID) == 100
+  assert temperature.GRID[2] == 0.3 and temperature.GRID[-1] == 10.0
+  assert len(temperature.GRID) == 100
   # One class: every T gives the same (zero) ECE: the first grid value wins.
   fit = temperature.fit_temperature(np.zeros((5, 1)), np.zeros(5, int), method="grid_ece")
   assert fit.temperature == 0.1

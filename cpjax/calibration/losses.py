@@ -159,7 +159,8 @@ def mmce_loss(logits: jax.Array, labels: jax.Array, lam: float, form: str,
 
 def ce_dece_loss(logits, labels, lam: float, num_bins: int, t_a: float, t_b: float):
   """CE + lam * DECE (spec §2.10, §9.19: our reading of [MR]'s "CE-DECE")."""
-  return _with_batch_penalty(logits, labels, surrogates.dece(logits, labels, num_bins, t_a, t_b), lam)
+  penalty = surrogates.dece(logits, labels, num_bins, t_a, t_b)
+  return _with_batch_penalty(logits, labels, penalty, lam)
 
 
 def ce_sece_loss(logits, labels, lam: float, bandwidth: float):

@@ -3,9 +3,12 @@
 Confidence metrics take probabilities `probs [N, K]` (rows of a softmax; use
 `softmax(logits / T)` for a temperature) and integer `labels [N]`; `nll` and
 the OOD scores take logits because logs of saturated probabilities underflow.
-Every result is a fraction, not a percentage. All binned metrics share one
-binning core, `bin_statistics`, so ECE, MCE, classwise ECE and the
-reliability diagram can never disagree about which sample is in which bin.
+The one float32 path is `seed_ece`, which reproduces the seed repository's
+number from logits (see there). Every result is a fraction, not a percentage.
+All binned metrics share one binning core, `bin_statistics`, so ECE, MCE,
+classwise ECE and the reliability diagram can never disagree about which
+sample is in which bin. A non-finite probability (a diverged model) makes
+every calibration metric NaN, never a number computed from the finite rest.
 Definitions follow ../shared/methods-spec.md §3 (Guo et al. 2017; Mukhoti et
 al. 2020 for AdaECE, classwise ECE and S99; Błasiok & Nakkiran 2023 for the
 smooth ECE).
@@ -28,6 +31,19 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def softmax(logits: np.ndarray) -> np.ndarray:
   """Row-wise softmax in float64."""
   return np.exp(log_softmax(logits))
+
+
+def softmax_float32(logits: np.ndarray) -> np.ndarray:
+  """Row-wise softmax in float32, as PyTorch's `softmax(dim=1)` of float32 logits.
+
+  exp(z - max z) / sum, every operation in float32: the top probability is
+  exactly 1.0 once the other terms of the sum fall below half an ulp of 1
+  (2^-24), i.e. for a top-logit margin above about 17 (more with many
+  classes). Use it only to reproduce the seed repository (`seed_ece`).
+  """
+  z = np.asarray(logits, np.float32)
+  e = np.exp(z - z.max(axis=-1, keepdims=True))
+  return e / e.sum(axis=-1, keepdims=True)
 
 
 class BinStatistics(NamedTuple):
@@ -65,14 +81,27 @@ def bin_statistics(confidences: np.ndarray, correct: np.ndarray, edges: np.ndarr
       numerator and denominator, as in the seed repository).
   """
   num_bins = len(edges) - 1
-  index = bin_index(np.asarray(confidences, np.float64), edges, convention)
+  confidences = np.asarray(confidences, np.float64)
+  correct = np.asarray(correct, np.float64)
+  index = bin_index(confidences, edges, convention)
   inside = (index >= 0) & (index < num_bins)
-  index, conf = index[inside], np.asarray(confidences, np.float64)[inside]
+  index, conf = index[inside], confidences[inside]
   count = np.bincount(index, minlength=num_bins).astype(np.float64)
   total = float(len(confidences)) if convention == "right_closed" else float(count.sum())
-  return BinStatistics(edges, count, np.bincount(index, conf, num_bins),
-                       np.bincount(index, np.asarray(correct, np.float64)[inside], num_bins),
-                       total)
+  stats = BinStatistics(edges, count, np.bincount(index, conf, num_bins),
+                        np.bincount(index, correct[inside], num_bins), total)
+  return stats if _all_finite(confidences, correct) else _poisoned(stats)
+
+
+def _all_finite(*arrays: np.ndarray) -> bool:
+  return all(bool(np.all(np.isfinite(a))) for a in arrays)
+
+
+def _poisoned(stats: BinStatistics) -> BinStatistics:
+  """`stats` with NaN sums and total: a non-finite input (NaN or inf sorts into
+  no bin) must turn ECE, MCE and the reliability data into NaN, not drop out."""
+  nan = np.full_like(stats.confidence_sum, np.nan)
+  return stats._replace(confidence_sum=nan, correct_sum=nan, total=float("nan"))
 
 
 def _gaps(stats: BinStatistics) -> np.ndarray:
@@ -82,7 +111,7 @@ def _gaps(stats: BinStatistics) -> np.ndarray:
 
 
 def _weighted_gap(stats: BinStatistics) -> float:
-  """sum_m |B_m| / total * |acc - conf|; 0 when no sample is binned."""
+  """sum_m |B_m| / total * |acc - conf|; 0 when no sample is binned, NaN if poisoned."""
   return float(np.sum(stats.count * _gaps(stats)) / stats.total) if stats.total else 0.0
 
 
@@ -112,6 +141,36 @@ def ece_from_confidences(confidences: np.ndarray, correct: np.ndarray, num_bins:
   """`ece` from top-label confidences [N] and 0/1 correctness [N]."""
   return _weighted_gap(bin_statistics(confidences, correct, equal_width_edges(num_bins),
                                       convention))
+
+
+def seed_ece(logits: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
+  """ECE exactly as the seed repository computes it (spec §3.1, seed convention).
+
+  The seed (tataganesh/Calib-Sample-Prioritization, `calibration_metrics.
+  calibration`) takes a float32 PyTorch softmax of the logits and bins the top
+  probability into left-closed bins e_m <= c < e_{m+1} with float32 edges,
+  weighting by the number of binned samples. So a confidence that is exactly
+  1.0 in float32 (top-logit margin above about 17; see `softmax_float32`) is
+  in no bin and leaves numerator and denominator. `ece(softmax(logits),
+  labels, convention="left_closed")` bins the float64 softmax instead, where
+  such a sample is at 1 - 4e-8 and stays in the last bin: on saturated
+  models the two differ by up to about 0.02. Here the softmax, the top label
+  and the bin comparisons are float32 as in the seed; only the per-bin sums
+  are float64 (the seed's float32 sums differ by ~1e-7). The edges are
+  float32(m / M); torch.linspace's float32 edges can differ from these by one
+  ulp, which matters only for a confidence that equals an edge bit for bit.
+
+  Args:
+    logits: [N, K] logits (divided by a temperature already, if any).
+    labels: [N] integer labels.
+    num_bins: M equal-width bins.
+
+  Returns:
+    The seed's ECE as a fraction; NaN for non-finite logits.
+  """
+  conf, correct = top_label(softmax_float32(logits), labels)
+  edges = equal_width_edges(num_bins).astype(np.float32)  # Exact in float64 below.
+  return _weighted_gap(bin_statistics(conf, correct, edges.astype(np.float64), "left_closed"))
 
 
 def mce(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
@@ -144,6 +203,8 @@ def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
   probs = np.asarray(probs, np.float64)
   if probs.shape[-1] != num_classes:
     raise ValueError(f"probs have {probs.shape[-1]} classes, num_classes={num_classes}")
+  if not _all_finite(probs):
+    return float("nan")
   edges = equal_width_edges(num_bins)
   index = bin_index(probs, edges, "right_closed")  # [N, K]
   inside = (index >= 0) & (index < num_bins)
@@ -175,19 +236,38 @@ def reliability_bins(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
 
 
 def accuracy(probs: np.ndarray, labels: np.ndarray) -> float:
-  """Top-1 accuracy: mean of 1[argmax_k p_ik = y_i] (logits work too)."""
+  """Top-1 accuracy: mean of 1[argmax_k p_ik = y_i] (logits work too); NaN if any is NaN."""
+  probs = np.asarray(probs)
+  if np.isnan(probs).any():
+    return float("nan")
   return float(np.mean(np.argmax(probs, axis=-1) == labels))
 
 
-def top_k_accuracy(probs: np.ndarray, labels: np.ndarray, k: int) -> float:
-  """Share of samples whose label is among the k highest scores (logits work too).
+def top_k_accuracy(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
+  """Share of samples whose label is among the k highest scores; NaN if any is NaN.
 
-  Ties are counted in the label's favour only if fewer than k scores are
-  strictly higher than the label's.
+  Ties are broken as `sklearn.metrics.top_k_accuracy_score` breaks them (a
+  stable ascending argsort, reversed): among equal scores the higher class
+  index ranks first. The label's rank is the number of scores strictly above
+  it plus the number equal to it at a higher index; it is a hit if that is
+  below k. So a tie is not a free hit: in a saturated softmax row, where many
+  probabilities are exactly 0.0, a label with one of the lowest logits is a
+  miss. Pass logits (spec §3.5: "among the 5 largest logits") where you have
+  them: they do not tie where the probabilities underflow.
+
+  Args:
+    scores: [N, K] logits or probabilities.
+    labels: [N] integer labels.
+    k: how many top classes count.
   """
-  probs = np.asarray(probs)
-  label_score = probs[np.arange(len(labels)), labels]
-  return float(np.mean((probs > label_score[:, None]).sum(axis=-1) < k))
+  scores = np.asarray(scores)
+  if np.isnan(scores).any():
+    return float("nan")
+  labels = np.asarray(labels)
+  label_score = scores[np.arange(len(labels)), labels][:, None]
+  higher_index = np.arange(scores.shape[-1]) > labels[:, None]
+  ahead = (scores > label_score) | ((scores == label_score) & higher_index)
+  return float(np.mean(ahead.sum(axis=-1) < k))
 
 
 def nll(logits: np.ndarray, labels: np.ndarray) -> float:
@@ -208,6 +288,8 @@ def s99(probs: np.ndarray, labels: np.ndarray, threshold: float = 0.99) -> tuple
   Mukhoti et al. 2020 App. H (spec §3.6, ">= 0.99" by §9.13).
   """
   conf, correct = top_label(probs, labels)
+  if not _all_finite(conf):
+    return float("nan"), float("nan")
   confident = conf >= threshold
   share = float(np.mean(confident))
   return share, float(np.mean(correct[confident])) if confident.any() else float("nan")
@@ -225,12 +307,35 @@ def smooth_ece(probs: np.ndarray, labels: np.ndarray, resolution: int = 200) -> 
   """Smooth ECE (Błasiok & Nakkiran 2023): a binning-free calibration error.
 
   smECE_s = integral over t in [0, 1] of |(1/N) sum_i K_s(t, c_i)(a_i - c_i)|
-  with K_s a Gaussian kernel of width s reflected at 0 and 1, and the result
-  is smECE_s* at the fixed point smECE_s* = s* (found by bisection; smECE_s
-  falls as s grows). Confidences are first binned onto `resolution` points,
-  as the authors' relplot package does, to keep the cost O(resolution^2).
+  with K_s a Gaussian kernel of width s reflected once at 0 and once at 1
+  (images c, -c, 2 - c), and the result is smECE_s* at the fixed point
+  smECE_s* = s*, found by 30 bisection steps on [1e-4, 1] (smECE_s falls as
+  s grows); if smECE_s > s up to s = 1, the value at s ~ 1.
+
+  Discretisation: each confidence is moved to the centre of its cell of
+  width 1 / `resolution` (floor binning; a move of at most 1 / (2 resolution),
+  the residual a_i - c_i keeps the exact c_i), the kernel is evaluated
+  exactly between cell centres, and the integral over t is the midpoint rule
+  on the same centres, so the cost is O(resolution^2) per bandwidth.
+
+  This is not the authors' relplot implementation (`relplot.smECE`, 1.0.3),
+  and its values differ by up to a few 1e-3: relplot splits each sample
+  linearly between the two nearest points of a grid of >= 1001 points
+  including 0 and 1, convolves with the sampled density, interpolates onto
+  >= 200 points, divides by the summed kernel density on that grid instead of
+  N, and stops its bandwidth search after 10 halvings of [0, 1], returning
+  the value at the bracket's upper end (s where smECE_s <= s), which biases
+  it low by up to ~1e-3; mass at exactly c = 1.0 is where it differs most. A
+  brute-force evaluation of the definition above (per-sample kernel, fine
+  t grid, root-found s*) agrees with this function to ~3e-5 at the default
+  resolution on such data, and is what tests/test_metrics.py checks against.
+
+  Returns:
+    The smooth ECE as a fraction; NaN if any probability is non-finite.
   """
   conf, correct = top_label(probs, labels)
+  if not _all_finite(np.asarray(probs)):
+    return float("nan")
   centres = (np.arange(resolution) + 0.5) / resolution
   cell = np.minimum((conf * resolution).astype(int), resolution - 1)
   residual = np.bincount(cell, correct - conf, resolution) / len(conf)

@@ -28,13 +28,13 @@ def _metric_functions(num_classes: int, num_bins: int):
       "accuracy": lambda p, z, y: metrics.accuracy(p, y),
       "nll": lambda p, z, y: metrics.nll(z, y),
       "ece": lambda p, z, y: metrics.ece(p, y, num_bins),
-      "ece_left_closed": lambda p, z, y: metrics.ece(p, y, num_bins, "left_closed"),
+      "ece_left_closed": lambda p, z, y: metrics.seed_ece(z, y, num_bins),  # float32, as the seed.
       "adaptive_ece": lambda p, z, y: metrics.adaptive_ece(p, y, num_bins),
       "classwise_ece": lambda p, z, y: metrics.classwise_ece(p, y, num_classes, num_bins),
       "mce": lambda p, z, y: metrics.mce(p, y, num_bins),
       "smooth_ece": lambda p, z, y: metrics.smooth_ece(p, y),
       "brier": lambda p, z, y: metrics.brier(p, y),
-      "top5_accuracy": lambda p, z, y: metrics.top_k_accuracy(p, y, min(5, num_classes)),
+      "top5_accuracy": lambda p, z, y: metrics.top_k_accuracy(z, y, min(5, num_classes)),
       "s99_share": lambda p, z, y: metrics.s99(p, y)[0],
       "s99_accuracy": lambda p, z, y: metrics.s99(p, y)[1],
   }
@@ -42,7 +42,15 @@ def _metric_functions(num_classes: int, num_bins: int):
 
 def calibration_metrics(logits: np.ndarray, labels: np.ndarray, num_classes: int,
                         num_bins: int = 15, names=EPOCH_METRICS) -> dict[str, float]:
-  """The named metrics of eval-mode logits [N, K] (ECE family: right-closed bins)."""
+  """The named metrics of eval-mode logits [N, K].
+
+  Every metric is computed from the float64 softmax of the logits (ECE family:
+  right-closed bins), except: `nll` from the logits; `top5_accuracy` ranks the
+  logits (no ties where the probabilities underflow to 0); `ece_left_closed`
+  is `metrics.seed_ece`, the seed repository's ECE, which takes a float32
+  softmax of the logits and left-closed bins, so a confidence that is exactly
+  1.0 in float32 (top-logit margin above ~17) is in no bin, as in the seed.
+  """
   functions = _metric_functions(num_classes, num_bins)
   probs = metrics.softmax(logits)
   return {name: functions[name](probs, logits, labels) for name in names}
@@ -134,7 +142,8 @@ def _markdown(report: dict[str, Any]) -> str:
               f"{report['ood']['after_ts'][name]:.4f} |" for name in report["ood"]["before_ts"]]
   num_bins = len(report["reliability"]["before_ts"]["edges"]) - 1
   lines += ["", f"Fractions, not percent. ECE family: {num_bins} right-closed equal-width bins "
-            "unless named otherwise; ece_left_closed is the seed repository's convention."]
+            "unless named otherwise; ece_left_closed is the seed repository's ECE (float32 "
+            "softmax, left-closed bins)."]
   return "\n".join(lines) + "\n"
 
 

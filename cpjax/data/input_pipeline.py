@@ -7,11 +7,13 @@ cpjax's own builders (cpjax.data.datasets) read local files and never download;
 tfds's built-in ones download only when asked.
 """
 
+import contextlib
 import logging
 
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core.download import downloader as tfds_downloader
 
 from cpjax.data import datasets, specs, splits
 from cpjax.data.splits import Split
@@ -36,8 +38,7 @@ def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
   if builder.is_prepared():
     return builder
   if config.download or config.manual_dir:
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=config.manual_dir or None))
+    _download_and_prepare(builder, config.manual_dir or None)
     return builder
   raise DataNotFoundError(
       f"tfds dataset {spec.tfds_name!r} is not prepared in {builder.data_dir!r} and "
@@ -47,6 +48,43 @@ def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
       "--config.dataset.data_dir=DIR; (b) put the original archive in a folder and pass "
       "--config.dataset.manual_dir=FOLDER; or (c) with network, pass "
       "--config.dataset.download=True.")
+
+
+# tfds retries a failed download MAX_RETRIES=10 times with exponential backoff (0.2 s * 2^i):
+# offline that is about 3.5 minutes of silence before the error. Two retries still ride out
+# a brief network hiccup, and an offline machine fails in about a second.
+DOWNLOAD_RETRIES = 2
+
+
+@contextlib.contextmanager
+def _download_retries(retries: int):
+  """Sets tfds's download retry count (a module constant it reads at each download)."""
+  previous = getattr(tfds_downloader, "MAX_RETRIES", None)
+  if previous is None:  # Another tfds version: leave its own retry policy alone.
+    yield
+    return
+  tfds_downloader.MAX_RETRIES = retries
+  try:
+    yield
+  finally:
+    tfds_downloader.MAX_RETRIES = previous
+
+
+def _download_and_prepare(builder, manual_dir: str | None) -> None:
+  """download_and_prepare with few retries; a failure names the dataset and the ways out."""
+  logging.info("Preparing tfds dataset %r in %s (downloading unless manual_dir has it).",
+               builder.name, builder.data_dir)
+  try:
+    with _download_retries(DOWNLOAD_RETRIES):
+      builder.download_and_prepare(
+          download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+  except Exception as err:  # tfds raises many kinds; all mean "not prepared".
+    raise DataNotFoundError(
+        f"could not prepare tfds dataset {builder.name!r} in {builder.data_dir!r} "
+        f"(manual_dir={manual_dir!r}): {type(err).__name__}: {str(err)[:500]}. Without "
+        "network, prepare it on a machine with network and pass "
+        "--config.dataset.data_dir=DIR, or put the original archive in a folder and pass "
+        "--config.dataset.manual_dir=FOLDER.") from err
 
 
 def _parse_ids(raw: np.ndarray) -> np.ndarray:
@@ -84,7 +122,8 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   spec = specs.DATASETS[config.name]
   builder = _builder(spec, config)
   full_train = _read_split(builder, "train")
-  if len(full_train) != spec.num_train or not np.array_equal(full_train.ids, np.arange(spec.num_train)):
+  if (len(full_train) != spec.num_train
+      or not np.array_equal(full_train.ids, np.arange(spec.num_train))):
     raise ValueError(f"{spec.tfds_name}: expected train ids 0..{spec.num_train - 1}, "
                      f"got {len(full_train)} examples")
   train_ids, val_ids = splits.split_train_ids(config)

@@ -73,7 +73,8 @@ def epoch_order(seed: int, epoch: int, rows: np.ndarray, batch_size: int) -> np.
   return np.resize(shuffled, (num_steps, batch_size))
 
 
-def batch_at(split: Split, rows: np.ndarray, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def batch_at(split: Split, rows: np.ndarray,
+             mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
   """Gathers one host batch: image, label, id and mask (1 = real example)."""
   return {"image": split.images[rows], "label": split.labels[rows], "id": split.ids[rows],
           "mask": np.ones(len(rows), np.float32) if mask is None else mask}

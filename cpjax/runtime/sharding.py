@@ -9,7 +9,8 @@ same code runs on one CPU, 8 GPUs or a multi-host cluster.
 
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 

@@ -26,9 +26,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from cpjax import models, optim, steps
+from cpjax import models, run_state, steps
 from cpjax.data import specs, splits
-from cpjax.runtime import checkpointing, compiler_options, sharding
+from cpjax.runtime import checkpointing, compiler_options
 from cpjax.selection import bookkeeping, score_files, scores
 
 SOURCES = ("train_pass", "fresh", "target", "target_recorded")
@@ -93,7 +93,7 @@ class Target:
   """Another cpjax run's latest checkpoint, restored on demand."""
 
   def __init__(self, workdir: str, abstract_state: Any):
-    self._checkpointer = checkpointing.Checkpointer(workdir, max_to_keep=1000)
+    self._checkpointer = checkpointing.Checkpointer(workdir, None, read_only=True)
     self._abstract = abstract_state
 
   def restore(self) -> steps.TrainState:
@@ -105,7 +105,7 @@ class Target:
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
   """The config saved with the latest checkpoint of another run's `workdir`."""
-  meta = checkpointing.Checkpointer(workdir, max_to_keep=1000).latest_meta()
+  meta = checkpointing.Checkpointer(workdir, None, read_only=True).latest_meta()
   if meta is None:
     raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
   return ml_collections.ConfigDict(json.loads(meta["config"]))
@@ -140,7 +140,7 @@ def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_n
   """A jitted eval-mode score step for a run config's model, in compute `dtype`."""
   model = models.create_model(model_config.model.name,
                               specs.DATASETS[model_config.dataset.name].num_classes, dtype)
-  return model, jax.jit(
+  return jax.jit(
       functools.partial(steps.score_step, model=model, spec=steps.step_spec(model_config),
                         score_fn=scores.SCORES[score_name]),
       compiler_options=compiler_options.compiler_options("inference", preset))
@@ -156,19 +156,13 @@ def create_source(config: ml_collections.ConfigDict, split: splits.Split,
     return TargetRecorded(selection.target_workdir, split.ids)
   pass_args = (split, mesh, selection.score_batch_size, selection.rescore_every)
   if selection.scoring == "fresh":
-    _, score_fn = _jit_score_step(config, selection.score_dtype, selection.score,
-                                  config.xla_cpu_options)
+    score_fn = _jit_score_step(config, selection.score_dtype, selection.score,
+                               config.xla_cpu_options)
     return ScoringPass(score_fn, *pass_args)
   target_config = read_run_config(selection.target_workdir)
-  model, score_fn = _jit_score_step(target_config, selection.score_dtype, selection.score,
-                                    config.xla_cpu_options)
-  image_shape = specs.DATASETS[target_config.dataset.name].image_shape
-  abstract = {"train": steps.abstract_train_state(
-                  model, optim.create_optimizer(target_config.optimizer), image_shape, mesh),
-              "selection": jax.tree.map(
-                  lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                 sharding=sharding.replicated(mesh)),
-                  bookkeeping.initial_state(len(split)))}
+  score_fn = _jit_score_step(target_config, selection.score_dtype, selection.score,
+                             config.xla_cpu_options)
   logging.info("Scoring with target run %s (%s).", selection.target_workdir,
                target_config.model.name)
-  return ScoringPass(score_fn, *pass_args, target=Target(selection.target_workdir, abstract))
+  target = Target(selection.target_workdir, run_state.abstract(target_config, mesh))
+  return ScoringPass(score_fn, *pass_args, target=target)

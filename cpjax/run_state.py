@@ -1,0 +1,55 @@
+"""The tree a run checkpoints, defined once: train state, selection state, a partly trained epoch.
+
+  {"train":     steps.TrainState (params, batch stats, optimizer state, step),
+   "selection": selection.bookkeeping.SelectionState (score buffer, subset),
+   "partial":   sums and per-example outputs of the steps of an epoch trained
+                before a preemption (zeros at an epoch boundary)}
+
+The loop saves and resumes this tree (cpjax.train); a `target` score source
+restores another run's tree to score with its model (cpjax.selection.sources).
+Both build the restore target here, so they cannot disagree about its shape.
+"""
+
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from cpjax import models, optim, steps
+from cpjax.data import specs, splits
+from cpjax.runtime import sharding
+from cpjax.selection import bookkeeping
+
+PER_EXAMPLE = ("score", "confidence", "correct")  # The train step's per-example outputs.
+
+
+def partial_rows(config: ml_collections.ConfigDict) -> int:
+  """Size of the per-example buffers of a mid-epoch checkpoint: the longest epoch's rows."""
+  num_train = splits.num_train_examples(config.dataset)
+  return -(-num_train // config.batch_size) * config.batch_size
+
+
+def empty_partial(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """The "partial" subtree at an epoch boundary: nothing of an epoch trained."""
+  rows = partial_rows(config)
+  return {"loss_sum": np.float32(0), "correct": np.float32(0), "count": np.float32(0),
+          **{f"each_{k}": np.zeros(rows, np.float32) for k in PER_EXAMPLE}}
+
+
+def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  """Shapes, dtypes and (replicated) shardings of a run's checkpoint tree, computing nothing.
+
+  Args:
+    config: the run's own config (for a target run: the config saved with it).
+    mesh: the mesh the restored arrays go to.
+  """
+  data = specs.DATASETS[config.dataset.name]
+  model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
+  replicated = sharding.replicated(mesh)
+  host_parts = {"selection": bookkeeping.initial_state(splits.num_train_examples(config.dataset)),
+                "partial": empty_partial(config)}
+  return {"train": steps.abstract_train_state(model, optim.create_optimizer(config.optimizer),
+                                              data.image_shape, mesh),
+          **jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                        sharding=replicated), host_parts)}
