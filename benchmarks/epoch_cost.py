@@ -30,14 +30,14 @@ from cpjax.runtime import compiler_options, sharding
 from cpjax.selection import bookkeeping, scores, selector
 
 
-def _data(name: str, num_examples: int) -> tuple[str, splits.Split]:
+def _data(name: str, num_examples: int, data_dir: str = "") -> tuple[str, splits.Split]:
   if name == "cifar_sized":
     rng = np.random.default_rng(0)
     return "cifar10", splits.Split(
         rng.integers(0, 256, (num_examples, 32, 32, 3), np.uint8),
         rng.integers(0, 10, num_examples).astype(np.int32), np.arange(num_examples, dtype=np.int32))
   config = default.get_config().dataset
-  config.name, config.val_size = "fashion_mnist", 1
+  config.name, config.val_size, config.data_dir = "fashion_mnist", 1, data_dir
   parts = input_pipeline.get_datasets(config)
   full = splits.Split(*(np.concatenate([getattr(parts["train"], f), getattr(parts["val"], f)])
                         for f in ("images", "labels", "ids")))
@@ -98,6 +98,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", default="cifar_sized", choices=["cifar_sized", "fashion_mnist"])
   parser.add_argument("--num-examples", type=int, default=0, help="0 = 50,000 / 60,000.")
+  parser.add_argument("--data-dir", default="", help="tfds data_dir ('' = tfds's default).")
   parser.add_argument("--model", default="tiny", choices=sorted(models.MODELS))
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--score-batch-size", type=int, default=1024)
@@ -106,7 +107,7 @@ def main():
   parser.add_argument("--json", default="")
   args = parser.parse_args()
   num = args.num_examples or (50000 if args.data == "cifar_sized" else 60000)
-  dataset, split = _data(args.data, num)
+  dataset, split = _data(args.data, num, args.data_dir)
   cases = [("full", "full", 1.0, "train_pass")]
   cases += [(f"top_k {f:.0%} {mode}", "top_k", f, mode)
             for mode in ("train_pass", "fresh") for f in args.fractions]

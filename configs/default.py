@@ -59,8 +59,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.decay_factor = 0.1  # multistep: LR multiplier at each milestone.
 
   config.selection = ml_collections.ConfigDict()
-  # full, top_k, uniform_sorted, random (per epoch) or static_random.
+  # full, or a policy of cpjax.selection.policies: top_k, uniform_sorted, class_balanced,
+  # stratified, mixed, sampled, random (per epoch), static_random, random_without_replacement.
   config.selection.method = "full"
+  config.selection.direction = "hardest"  # Scored policies: hardest (highest) or easiest first.
+  config.selection.random_share = 0.5  # mixed: share of the subset drawn uniformly at random.
+  config.selection.temperature = 1.0  # sampled: P ~ exp(score / T); 0 = top_k, large = random.
+  config.selection.stratify_drop = 0.0  # stratified (CCS): hardest share left out (beta).
+  config.selection.num_strata = 50  # stratified (CCS): equal-width score strata.
   # Priority score (cpjax.selection.scores.SCORES); entropy = the seed paper's.
   config.selection.score = "entropy"
   config.selection.fraction = 0.1  # Share k/N of training examples per selected epoch.

@@ -43,16 +43,18 @@ def integer(low: int | None = None, high: int | None = None) -> Check:
 
 
 def number(low: float | None = None, high: float | None = None,
-           low_open: bool = False) -> Check:
-  """A finite float (ints accepted) in [low, high], or (low, high] if low_open."""
+           low_open: bool = False, high_open: bool = False) -> Check:
+  """A finite float (ints accepted) in [low, high]; low_open/high_open exclude the ends."""
   def check(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       return f"must be a number, got {value!r} ({type(value).__name__})"
     if not math.isfinite(value):
       return f"must be finite, got {value}"
     below = low is not None and (value <= low if low_open else value < low)
-    if below or (high is not None and value > high):
-      return f"must be in {'(' if low_open else '['}{low}, {high}], got {value}"
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+      return (f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, "
+              f"got {value}")
     return None
   return check
 
@@ -118,6 +120,11 @@ def spine_schema() -> dict[str, Check]:
       "optimizer.milestones": int_sequence(1),
       "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
       "selection.method": choice(list(policies.METHODS)),
+      "selection.direction": choice(list(policies.DIRECTIONS)),
+      "selection.random_share": number(0.0, 1.0),
+      "selection.temperature": number(0.0),
+      "selection.stratify_drop": number(0.0, 1.0, high_open=True),
+      "selection.num_strata": integer(1),
       "selection.score": choice(list(scores.SCORES)),
       "selection.fraction": number(0.0, 1.0, low_open=True),
       "selection.count": integer(0),
@@ -268,9 +275,15 @@ def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
     return [f"config.dataset.train_examples={config.dataset.train_examples} exceeds the "
             f"{num_rows} training examples left after validation"]
   num_rows = config.dataset.train_examples or num_rows
-  if config.selection.count > num_rows:
-    return [f"config.selection.count={config.selection.count} exceeds the {num_rows} "
+  selection = config.selection
+  if selection.count > num_rows:
+    return [f"config.selection.count={selection.count} exceeds the {num_rows} "
             "training examples"]
+  kept = num_rows - int(selection.stratify_drop * num_rows)
+  k = policies.subset_size(selection.fraction, selection.count, num_rows)
+  if selection.method == "stratified" and k > kept:
+    return [f"config.selection.stratify_drop={selection.stratify_drop} leaves {kept} of "
+            f"{num_rows} training examples, fewer than the subset size {k}"]
   return []
 
 

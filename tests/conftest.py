@@ -54,6 +54,17 @@ def fashion_mnist_files():
 fashion_mnist_dir = fashion_mnist_files  # The same fixture under its first name.
 
 
+@pytest.fixture(scope="session")
+def fashion_mnist_tfds(tmp_path_factory):
+  """A tfds data_dir with Fashion-MNIST prepared from Debian's files (once per session: the
+  preparation writes 70,000 images); skips or fails as `fashion_mnist_files` does."""
+  helpers.require_fashion_mnist()
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  config = helpers.tiny_config(**{"dataset.name": "fashion_mnist", "dataset.data_dir": data_dir,
+                                  "dataset.val_size": 6000}).dataset
+  return data_dir, input_pipeline.get_datasets(config)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainedRun:
   workdir: str

@@ -2,10 +2,13 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
+import jax
 import ml_collections
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import test as test_config
@@ -35,14 +38,17 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
-def selected_config(**overrides) -> ml_collections.ConfigDict:
-  """configs/test.py, 3 epochs: 1 on all 1,257 rows, then 2 on the top half by train-pass entropy.
+# configs/test.py, 3 epochs: 1 on all 1,257 rows, then 2 on the top half by train-pass entropy.
+# The subset (628 rows, 10 steps) is smaller than the full epoch (20 steps).
+SELECTED = {"num_epochs": 3, "selection.method": "top_k", "selection.fraction": 0.5,
+            "selection.warmup_epochs": 1, "selection.record_scores": True,
+            "keep_checkpoints": 10}
+SELECTED_FLAGS = tuple(f"--config.{name}={value}" for name, value in SELECTED.items())
 
-  The subset (628 rows, 10 steps) is smaller than the full epoch (20 steps).
-  """
-  return tiny_config(**{"num_epochs": 3, "selection.method": "top_k",
-                        "selection.fraction": 0.5, "selection.warmup_epochs": 1,
-                        "selection.record_scores": True, "keep_checkpoints": 10, **overrides})
+
+def selected_config(**overrides) -> ml_collections.ConfigDict:
+  """SELECTED (above) as a config, with further overrides."""
+  return tiny_config(**{**SELECTED, **overrides})
 
 
 def main_command(workdir: str, *flags: str, config: str = "configs/test.py") -> list[str]:
@@ -83,3 +89,30 @@ def require_fashion_mnist() -> str:
   if os.environ.get(REQUIRE_REAL_DATA) == "1":
     pytest.fail(FASHION_MNIST_MISSING, pytrace=False)
   pytest.skip(FASHION_MNIST_MISSING)
+
+
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 right now (for a jax.distributed coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def restore_checkpoint(workdir: str, step: int | None = None) -> dict:
+  """A run's checkpoint state (latest, or `step`) as saved, onto one local device, whatever
+  topology saved it; read with orbax directly, not through cpjax's Checkpointer."""
+  manager = ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"),
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})
+  step = step or manager.latest_step()
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        manager.item_metadata(step)["state"])
+  return manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(target)))["state"]
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The steps of a run's checkpoints, oldest first (read with orbax directly)."""
+  return sorted(ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).all_steps())

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tests.helpers import REPO, require_fashion_mnist
+from tests.helpers import REPO
 
 
 def _run(module, *args, tmp_path):
@@ -27,12 +27,12 @@ def test_throughput_smoke(tmp_path):
   assert "jax.train_images_per_s" in stdout and results["machine"]["backend"] == "cpu"
 
 
-def test_epoch_cost_smoke_on_real_fashion_mnist(tmp_path):
-  require_fashion_mnist()  # Skips (fails under CPJAX_REQUIRE_REAL_DATA=1) without the files.
+def test_epoch_cost_smoke_on_real_fashion_mnist(fashion_mnist_tfds, tmp_path):
   results, stdout = _run("benchmarks.epoch_cost", "--data=fashion_mnist", "--num-examples=600",
+                         f"--data-dir={fashion_mnist_tfds[0]}", "--fractions", "0.3",
                          "--batch-size=32", "--score-batch-size=64", tmp_path=tmp_path)
   epochs = results["epochs"]
-  assert epochs["full"]["k"] == 600 and epochs["top_k 10% train_pass"]["k"] == 60
+  assert epochs["full"]["k"] == 600 and epochs["top_k 30% train_pass"]["k"] == 180
   assert epochs["top_k 30% fresh"]["k"] == 180
   for case in epochs.values():  # Every phase measured, and the total is their sum.
     phases = [case[f"{p}_seconds"] for p in ("scoring", "selection", "training")]

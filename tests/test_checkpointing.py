@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cpjax.runtime import checkpointing, sharding
-from tests.helpers import REPO
+from tests.helpers import REPO, free_port
 
 # When orbax's restore of a damaged step fails, tensorstore reads still in flight finish
 # after orbax closed its private asyncio loop; their callbacks then raise "Event loop is
@@ -408,15 +407,9 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _two_processes(phase: str, workdir: str) -> list[dict]:
   env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
-         "REPO": REPO, "COORDINATOR": f"127.0.0.1:{_free_port()}", "JAX_PLATFORMS": "cpu"}
+         "REPO": REPO, "COORDINATOR": f"127.0.0.1:{free_port()}", "JAX_PLATFORMS": "cpu"}
   procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(pid), phase, workdir], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for pid in range(2)]

@@ -134,3 +134,16 @@ def test_validation_fails_before_data_load(tmp_path, monkeypatch):
     train.train_and_evaluate(config, str(tmp_path / "workdir"))
   assert not (tmp_path / "workdir").exists()
   assert not (tmp_path / "none").exists()
+
+
+def test_sizes_that_train_padded_steps_are_warned_about():
+  # configs/test.py: 1,257 training digits. A batch of 2,000 is one step of repeated rows;
+  # 1 % selected is k = round(12.57) = 13 rows, below a batch of 64.
+  assert config_validation.size_warnings(tiny_config()) == []
+  big_batch = config_validation.size_warnings(tiny_config(batch_size=2000))
+  assert big_batch == ["config.batch_size=2000 exceeds the 1257 training examples: each epoch "
+                       "is one step whose batch repeats examples"]
+  small_subset = config_validation.size_warnings(tiny_config(
+      **{"selection.method": "top_k", "selection.fraction": 0.01}))
+  assert len(small_subset) == 1 and "k=13" in small_subset[0]
+  assert "config.batch_size=64" in small_subset[0]

@@ -12,7 +12,6 @@ import pytest
 
 from cpjax.data import input_pipeline, splits
 from cpjax.data.datasets import fashion_mnist_local
-from tests import helpers
 from tests.helpers import tiny_config
 
 
@@ -63,12 +62,9 @@ def test_eval_batches_see_every_example_exactly_once(digits, batch_size):
   assert len(seen) == len(digits["test"])
 
 
-@pytest.fixture(scope="module")
-def fashion(tmp_path_factory):
-  helpers.require_fashion_mnist()
-  data_dir = str(tmp_path_factory.mktemp("tfds"))
-  return input_pipeline.get_datasets(dataset_config(name="fashion_mnist", data_dir=data_dir,
-                                                    val_size=6000))
+@pytest.fixture
+def fashion(fashion_mnist_tfds):
+  return fashion_mnist_tfds[1]
 
 
 def test_fashion_mnist_is_the_real_dataset(fashion):

@@ -12,13 +12,13 @@ import pytest
 from scipy.special import lambertw
 from scipy.special import log_softmax as np_log_softmax
 
-from cpjax import config_validation, models, optim, steps
+from cpjax import config_validation, models, optim, steps, train
 from cpjax.calibration import losses
 from cpjax.calibration import surrogates as surr
 from cpjax.data import augment
 from cpjax.runtime import sharding
 from cpjax.selection import scores
-from tests.helpers import read_metrics, run_main, tiny_config
+from tests.helpers import read_metrics, tiny_config
 
 Z = jnp.array([[2.0, 1.0, 0.0]])
 Y = jnp.array([0])
@@ -270,11 +270,10 @@ def test_every_registered_loss_lowers_its_loss_in_jitted_train_steps(name, fixed
   assert loss_sums[-1] < loss_sums[0], loss_sums
 
 
-def test_mixup_trains_through_main_with_a_loss_chosen_by_name(tmp_path):
-  """The one end-to-end run of the loss features: mixup, with a loss named on the command line."""
-  workdir = str(tmp_path / "main")
-  result = run_main(workdir, "--config.loss.name=brier", "--config.loss.mixup_alpha=0.15",
-                    "--config.num_epochs=1")
-  assert result.returncode == 0, result.stderr[-2000:]
-  record = [r for r in read_metrics(workdir) if "train_loss" in r][-1]
+def test_mixup_trains_through_the_loop_with_a_loss_chosen_by_name(tmp_path):
+  """The one end-to-end run of the loss features: mixup, with a loss chosen by its name."""
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(tiny_config(**{"loss.name": "brier", "loss.mixup_alpha": 0.15,
+                                          "num_epochs": 1}), workdir)
+  record = read_metrics(workdir)[-1]
   assert np.isfinite(record["train_loss"]) and np.isfinite(record["val_nll"])

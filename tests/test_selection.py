@@ -5,14 +5,10 @@ test_steps.py. The selected run that several tests read is conftest's `selected_
 """
 
 import glob
-import os
-import socket
-import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from cpjax import models, steps, train
@@ -96,32 +92,15 @@ def test_scores_match_numpy():
                                rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def _restore(workdir, step=None):
-  """A checkpoint's state onto one local device, whatever topology saved it."""
-  manager = ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
-      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-  step = step or manager.latest_step()
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                        manager.item_metadata(step)["state"])
-  return manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target)))["state"]
-
-
-def _checkpoint_steps(workdir):
-  return sorted(ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).all_steps())
-
-
 def test_train_pass_buffer_holds_exactly_the_epochs_scores(selected_run, digits):
   workdir, ids = selected_run.workdir, digits["train"].ids
   k = policies.subset_size(selected_run.config.selection.fraction, 0, len(ids))
-  checkpoints = _checkpoint_steps(workdir)  # One per epoch, named by global step.
+  checkpoints = helpers.checkpoint_steps(workdir)  # One per epoch, named by global step.
   assert len(checkpoints) == 3
   previous = None
   for epoch, step in enumerate(checkpoints):
     recorded = np.load(score_files.score_path(workdir, epoch))
-    buffer = np.asarray(_restore(workdir, step)["selection"]["scores"])
+    buffer = np.asarray(helpers.restore_checkpoint(workdir, step)["selection"]["scores"])
     trained = ~np.isnan(recorded[ids])
     assert trained.sum() == (1257 if epoch == 0 else k)
     np.testing.assert_array_equal(buffer[trained], recorded[ids][trained])
@@ -151,7 +130,8 @@ def test_resume_with_selection_is_exact(selected_run, tmp_path, monkeypatch):
 
   assert (helpers.without_timing(read_metrics(workdir))
           == helpers.without_timing(read_metrics(selected_run.workdir)))
-  straight, resumed = _restore(selected_run.workdir), _restore(workdir)
+  straight = helpers.restore_checkpoint(selected_run.workdir)
+  resumed = helpers.restore_checkpoint(workdir)
   for tree in (straight, resumed):
     del tree["selection"]["seconds"]
   jax.tree.map(np.testing.assert_array_equal, resumed, straight)
@@ -177,13 +157,13 @@ def test_target_of_another_architecture_scores_once(resnet20_run, digits, tmp_pa
   # Independently: the target's eval-mode entropies over the training split.
   target_config = sources.read_run_config(resnet20_run.workdir)
   assert target_config.model.name == "resnet20"
-  state = _restore(resnet20_run.workdir)["train"]
+  state = helpers.restore_checkpoint(resnet20_run.workdir)["train"]
   data = specs.DATASETS[target_config.dataset.name]
   model = models.create_model(target_config.model.name, data.num_classes)
   logits, _ = jax.jit(lambda s, x: model.apply(  # (logits, features)
       {"params": s["params"], "batch_stats": s["batch_stats"]},
       augment.normalize(x, data.mean, data.std), train=False))(state, split.images)
-  buffer = np.asarray(_restore(workdir)["selection"]["scores"])
+  buffer = np.asarray(helpers.restore_checkpoint(workdir)["selection"]["scores"])
   np.testing.assert_allclose(buffer, _numpy_entropy(logits), rtol=1e-4, atol=1e-6)
   records = read_metrics(workdir)
   assert records[1]["subset_overlap"] is None and records[2]["subset_overlap"] == 1.0
@@ -211,41 +191,3 @@ def test_bad_target_fails_before_any_work(tmp_path):
     train.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
   assert not glob.glob(str(tmp_path / "**" / "*.npy"), recursive=True)
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def test_two_processes_select_and_train_like_one(selected_run, digits, tmp_path):
-  """2 processes x 4 CPU devices over jax.distributed on 127.0.0.1 == 1 process x 8.
-
-  The one-process run is `selected_run` (helpers.selected_config(), in this process).
-  """
-  flags = ("--config.num_epochs=3", "--config.selection.method=top_k",
-           "--config.selection.fraction=0.5", "--config.selection.warmup_epochs=1",
-           "--config.selection.record_scores=True", "--config.keep_checkpoints=10")
-  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-  one, two = selected_run.workdir, str(tmp_path / "two")
-  port = _free_port()
-  procs = [subprocess.Popen(
-      helpers.main_command(two, *flags, f"--coordinator_address=127.0.0.1:{port}",
-                           "--num_processes=2", f"--process_id={i}"),
-      cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
-  outputs = [p.communicate(timeout=300) for p in procs]
-  for proc, (_, err) in zip(procs, outputs):
-    assert proc.returncode == 0, err[-3000:]
-  assert "JAX process 1 / 2" in outputs[1][1]
-  ids = digits["train"].ids
-  for epoch in range(3):
-    a, b = (np.load(score_files.score_path(d, epoch))[ids] for d in (one, two))
-    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))  # The same ids were trained.
-    np.testing.assert_allclose(a, b, atol=1e-4)
-  # Cross-process gradient sums add in another order: ~40 SGD steps grow the
-  # float32 rounding differences to ~5e-4 in weights of size ~0.1 (measured).
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-3, atol=2e-3),
-               _restore(one)["train"]["params"], _restore(two)["train"]["params"])

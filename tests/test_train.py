@@ -17,16 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 from cpjax import optim, train
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
-
-
-def _checkpoint_steps(workdir) -> list[int]:
-  return sorted(ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).all_steps())
 
 
 def test_learning_rate_schedules_by_hand():
@@ -61,7 +56,7 @@ def test_train_step_compiles_once_per_run(selected_run):
   """Warm-up epoch of 20 steps, then two top-half epochs of 10: one trace, one executable."""
   k = round(0.5 * 1257)
   assert selected_run.config.selection.fraction == 0.5
-  assert _checkpoint_steps(selected_run.workdir) == [  # Named by global step.
+  assert helpers.checkpoint_steps(selected_run.workdir) == [  # Named by global step.
       STEPS_PER_EPOCH, STEPS_PER_EPOCH + -(-k // 64), STEPS_PER_EPOCH + 2 * -(-k // 64)]
   assert selected_run.train_step_traces == 1
   assert selected_run.train_step_executables == 1
@@ -75,7 +70,7 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path
   with pytest.raises(train.NonFiniteLossError, match=r"at epoch 1, step \d+ of the epoch"):
     train.train_and_evaluate(config, str(tmp_path))
   assert [r["epoch"] for r in read_metrics(str(tmp_path))] == [0]
-  assert _checkpoint_steps(tmp_path) == [STEPS_PER_EPOCH]  # After epoch 0 only.
+  assert helpers.checkpoint_steps(tmp_path) == [STEPS_PER_EPOCH]  # After epoch 0 only.
 
 
 def test_unwritable_workdir_fails_early(tmp_path):
@@ -93,11 +88,8 @@ def test_restoring_into_other_shapes_names_the_mismatch(resnet20_run, tmp_path):
     train.train_and_evaluate(tiny_config(), workdir)  # `tiny` into ResNet-20's checkpoint.
 
 
-def _final_params(workdir):
-  manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
-  restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-      state=ocp.args.StandardRestore()))
-  state = restored["state"]
+def _final_state(workdir):
+  state = helpers.restore_checkpoint(workdir)
   del state["selection"]["seconds"]  # Wall-clock totals differ between any two runs.
   return state
 
@@ -129,8 +121,8 @@ def test_sigkill_and_rerun_reproduces_the_uninterrupted_run(main_run, tmp_path):
   assert "is not a complete epoch record" in resumed.stderr
   assert (helpers.without_timing(read_metrics(killed))
           == helpers.without_timing(read_metrics(main_run.workdir)))
-  jax.tree.map(np.testing.assert_array_equal, _final_params(killed),
-               _final_params(main_run.workdir))
+  jax.tree.map(np.testing.assert_array_equal, _final_state(killed),
+               _final_state(main_run.workdir))
 
 
 def test_main_end_to_end(main_run, tmp_path):
@@ -142,7 +134,7 @@ def test_main_end_to_end(main_run, tmp_path):
   assert all(0 <= r[k] <= 1 for r in records for k in ("val_accuracy", "test_accuracy"))
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(main_run.workdir))
   # keep_checkpoints=2: the last two, named by global step.
-  assert _checkpoint_steps(main_run.workdir) == [3 * STEPS_PER_EPOCH, 4 * STEPS_PER_EPOCH]
+  assert helpers.checkpoint_steps(main_run.workdir) == [3 * STEPS_PER_EPOCH, 4 * STEPS_PER_EPOCH]
   assert sorted(os.listdir(os.path.join(main_run.workdir, "scores"))) == [
       f"epoch_{e:04d}.npy" for e in range(4)]  # --config.selection.record_scores=True.
   for key in ("ece", "adaptive_ece", "classwise_ece", "mce"):
@@ -161,7 +153,7 @@ def test_main_end_to_end(main_run, tmp_path):
   again = _check_report(os.path.join(workdir, "report"))
   assert again["metrics"] == report["metrics"] and again["intervals"] == report["intervals"]
   assert read_metrics(workdir) == records  # No epoch was trained.
-  assert _checkpoint_steps(workdir) == _checkpoint_steps(main_run.workdir)
+  assert helpers.checkpoint_steps(workdir) == helpers.checkpoint_steps(main_run.workdir)
 
 
 def _check_report(report_dir):
@@ -188,16 +180,15 @@ def _check_report(report_dir):
   return report
 
 
-def test_main_rejects_a_bad_override_before_any_work(tmp_path):
-  result = run_main(str(tmp_path / "wd"), "--config.loss.name=bogus", timeout=120)
-  assert result.returncode != 0
-  assert "config.loss.name: got 'bogus'; valid choices: brier, ce_dece" in result.stderr
-  assert not (tmp_path / "wd" / "checkpoints").exists()
+def test_a_bad_value_fails_before_any_work(tmp_path):
+  with pytest.raises(ValueError, match="config.loss.name: got 'bogus'; valid choices: brier, "
+                                       "ce_dece"):
+    train.train_and_evaluate(tiny_config(**{"loss.name": "bogus"}), str(tmp_path / "wd"))
+  assert not (tmp_path / "wd").exists()
 
 
-def test_main_evaluate_on_a_missing_workdir_fails_without_creating_it(tmp_path):
+def test_evaluate_on_a_missing_workdir_fails_without_creating_it(tmp_path):
   missing = tmp_path / "never_trained"
-  result = run_main(str(missing), "--mode=evaluate", timeout=120)
-  assert result.returncode != 0
-  assert "FileNotFoundError" in result.stderr and "no checkpoints/" in result.stderr
+  with pytest.raises(FileNotFoundError, match="no checkpoints/ in --workdir"):
+    train.evaluate_only(tiny_config(), str(missing))
   assert not missing.exists()

@@ -1,22 +1,53 @@
 """Subset policies: which training examples an epoch trains on (pure: scores, ids -> ids).
 
-`select_top_k` is a global top-k over the scores of every training example,
-computed by `jax.lax.top_k` on a score array sharded over the device mesh
-(XLA gathers what it needs; every process gets the same ids). Ties go to the
-lower example id: scores are laid out in increasing id order and
-`jax.lax.top_k` returns the lower index first among equal values. NaN scores
-rank last. The random baselines are NumPy draws that are pure functions of
-(seed, epoch), so a resumed run redraws the same subsets and nothing about
-them needs checkpointing.
+The score-based policies rank globally: `jax.lax.top_k` over a score array
+sharded over the device mesh (XLA gathers what it needs; every process gets
+the same ids). Ties go to the lower example id: scores are laid out in
+increasing id order and `jax.lax.top_k` returns the lower index first among
+equal values. NaN scores rank last. Scores rank "hardest first" (highest
+first); `direction="easiest"` negates them first. Every random draw is a
+NumPy draw that is a pure function of (seed, a tag per policy, epoch), so a
+resumed run redraws the same subsets and nothing about them needs
+checkpointing.
+
+  top_k                       the k highest scores (the seed paper's selection)
+  uniform_sorted              every floor(N/k)-th of the ranking (the seed's "uniform")
+  class_balanced              per-class quotas proportional to class frequencies, top-k
+                              inside each class
+  stratified                  CCS (Zheng et al., ICLR 2023): drop the hardest share,
+                              equal-width score strata, budget spread evenly, random within
+  mixed                       a share of the budget drawn at random, the rest top-k
+  sampled                     Gumbel-top-k: without replacement, P ~ exp(score / T)
+  random                      a fresh uniform draw each epoch
+  static_random               one uniform draw for the whole run
+  random_without_replacement  RS2 (Okanovic et al. 2023): every example once per
+                              ceil(N/k) selected epochs
 """
+
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from cpjax.runtime import sharding
 
-METHODS = ("full", "top_k", "uniform_sorted", "random", "static_random")
-SCORED_METHODS = ("top_k", "uniform_sorted")  # The methods that read scores.
+METHODS = ("full", "top_k", "uniform_sorted", "class_balanced", "stratified", "mixed", "sampled",
+           "random", "static_random", "random_without_replacement")
+# The methods that read scores (the others need no scoring pass).
+SCORED_METHODS = ("top_k", "uniform_sorted", "class_balanced", "stratified", "mixed", "sampled")
+DIRECTIONS = ("hardest", "easiest")
+# Tags that keep each policy's random stream apart from the others' for the same (seed, epoch).
+_RANDOM, _STRATIFIED, _MIXED, _SAMPLED, _RS2 = 0x5E1EC7, 0xCC5, 0x313ED, 0x6B3E1, 0x252
+
+
+class PolicyParams(NamedTuple):
+  """The policies' knobs: config.selection's fields of the same names."""
+  direction: str = "hardest"  # Any scored method: "easiest" ranks the lowest scores first.
+  random_share: float = 0.5  # mixed: share of k drawn uniformly at random.
+  temperature: float = 1.0  # sampled: T of P ~ exp(score / T).
+  stratify_drop: float = 0.0  # stratified: the hardest share left out (CCS's beta).
+  num_strata: int = 50  # stratified: equal-width score strata.
+  first_epoch: int = 0  # random_without_replacement: the first selected epoch (warm-up).
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:
@@ -73,8 +104,166 @@ def select_uniform_sorted(scores: np.ndarray, ids: np.ndarray, k: int,
 
 def random_subset(ids: np.ndarray, k: int, seed: int, epoch: int | None) -> np.ndarray:
   """k ids drawn without replacement; a new draw per epoch, or one for all (epoch=None)."""
-  key = [seed, 0x5E1EC7] if epoch is None else [seed, 0x5E1EC7, epoch]
+  key = [seed, _RANDOM] if epoch is None else [seed, _RANDOM, epoch]
   return np.sort(np.random.default_rng(key).choice(np.asarray(ids), size=k, replace=False))
+
+
+def class_quotas(labels: np.ndarray, k: int) -> np.ndarray:
+  """Per-class subset sizes proportional to the class frequencies, summing to k.
+
+  q_c = floor(k n_c / N), and the k - sum_c q_c slots left go one each to the
+  classes with the largest remainders k n_c mod N (the lower class on ties):
+  Hamilton's largest-remainder apportionment, in exact integer arithmetic. A
+  class never gets more than it has, and an absent class gets 0.
+
+  Args:
+    labels: [N] integer labels >= 0.
+    k: the subset size, 1 <= k <= N.
+  """
+  counts = np.bincount(np.asarray(labels))
+  quotas, remainders = np.divmod(k * counts, len(labels))
+  by_remainder = np.lexsort((np.arange(len(counts)), -remainders))
+  quotas[by_remainder[:k - quotas.sum()]] += 1
+  return quotas
+
+
+def _rank_within_group(groups: np.ndarray) -> np.ndarray:
+  """For each position, how many earlier positions hold the same group."""
+  order = np.argsort(groups, kind="stable")
+  sorted_groups = groups[order]
+  within = np.empty(len(groups), np.int64)
+  within[order] = np.arange(len(groups)) - np.searchsorted(sorted_groups, sorted_groups)
+  return within
+
+
+def select_class_balanced(scores: np.ndarray, labels: np.ndarray, ids: np.ndarray, k: int,
+                          mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
+  """Top-k inside each class, with `class_quotas` (proportional to class frequencies).
+
+  The fix for max-entropy subsets that starve the easy classes (the study in
+  studies/prioritization found the smallest class at 0.2 % of a 10 % subset).
+  One global ranking (as `select_top_k`), then each class's best q_c in it.
+
+  Returns:
+    int [k] ids, in global rank order.
+  """
+  _check(scores, ids, k)
+  labels = np.asarray(labels)
+  if len(labels) != len(ids):
+    raise ValueError(f"{len(labels)} labels for {len(ids)} ids")
+  ranked = _ranked_positions(scores, len(scores), mesh)
+  ranked_labels = labels[ranked]
+  keep = _rank_within_group(ranked_labels) < class_quotas(labels, k)[ranked_labels]
+  return np.asarray(ids)[ranked[keep]]
+
+
+def stratum_budgets(sizes: np.ndarray, k: int) -> np.ndarray:
+  """CCS's budget per stratum: the smallest non-empty stratum first, each taking
+  min(its size, floor(budget left / non-empty strata left)).
+
+  Args:
+    sizes: [S] examples per stratum.
+    k: the total budget, <= sizes.sum().
+  """
+  budgets = np.zeros(len(sizes), np.int64)
+  filled = np.flatnonzero(sizes)
+  left = k
+  for i, stratum in enumerate(filled[np.argsort(sizes[filled], kind="stable")]):
+    budgets[stratum] = min(sizes[stratum], left // (len(filled) - i))
+    left -= budgets[stratum]
+  return budgets
+
+
+def select_stratified(scores: np.ndarray, ids: np.ndarray, k: int, seed: int, epoch: int,
+                      stratify_drop: float = 0.0, num_strata: int = 50) -> np.ndarray:
+  """Coverage-centric coreset selection (CCS; Zheng et al., ICLR 2023, Algorithm 1).
+
+  1. Leave out the hardest floor(stratify_drop * N) examples (highest scores;
+     ties: the higher id goes first). 2. Split [min, max] of the remaining
+  scores into `num_strata` equal-width strata (the last one closed). 3. Spread
+  k over the strata with `stratum_budgets`. 4. Draw each stratum's budget
+  uniformly without replacement (a function of seed and epoch). NaN scores
+  (never scored) count as the lowest score.
+
+  Returns:
+    int [k] ids, sorted.
+
+  Raises:
+    ValueError: fewer than k examples remain after the drop.
+  """
+  _check(scores, ids, k)
+  scores = np.asarray(scores, np.float64)
+  scores = np.where(np.isnan(scores), np.nanmin(scores) if np.isfinite(scores).any() else 0.0,
+                    scores)
+  ranked = np.lexsort((np.arange(len(scores)), scores))  # Ascending; hardest last.
+  kept = np.sort(ranked[:len(scores) - int(stratify_drop * len(scores))])
+  if len(kept) < k:
+    raise ValueError(f"k={k} is more than the {len(kept)} examples left after dropping the "
+                     f"hardest {stratify_drop:.0%}")
+  low, high = scores[kept].min(), scores[kept].max()
+  width = (high - low) / num_strata
+  stratum = (np.minimum(((scores[kept] - low) / width).astype(np.int64), num_strata - 1)
+             if width > 0 else np.zeros(len(kept), np.int64))
+  budgets = stratum_budgets(np.bincount(stratum, minlength=num_strata), k)
+  rng = np.random.default_rng([seed, _STRATIFIED, epoch])
+  chosen = [rng.choice(kept[stratum == s], size=b, replace=False)
+            for s, b in enumerate(budgets) if b]
+  return np.sort(np.asarray(ids)[np.concatenate(chosen)])
+
+
+def select_mixed(scores: np.ndarray, ids: np.ndarray, k: int, seed: int, epoch: int,
+                 random_share: float, mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
+  """The k - r top-scored examples plus r drawn uniformly from all the others,
+  r = round(random_share * k): a random share keeps a small subset from
+  collapsing onto the hardest examples (Sorscher et al. 2022; Ayed & Hayou 2023).
+
+  Returns:
+    int [k] ids: the top part in rank order, then the random part sorted.
+  """
+  _check(scores, ids, k)
+  num_random = int(round(random_share * k))
+  ranked = _ranked_positions(scores, len(scores), mesh)
+  rest = np.sort(ranked[k - num_random:])
+  drawn = np.random.default_rng([seed, _MIXED, epoch]).choice(rest, size=num_random,
+                                                               replace=False)
+  return np.asarray(ids)[np.concatenate([ranked[:k - num_random], np.sort(drawn)])]
+
+
+def select_sampled(scores: np.ndarray, ids: np.ndarray, k: int, seed: int, epoch: int,
+                   temperature: float, mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
+  """k examples drawn without replacement, each draw with P(i) ~ exp(score_i / T).
+
+  The Gumbel-top-k trick (Kool et al., ICML 2019): the k largest of
+  score_i / T + G_i, G_i iid standard Gumbel, are such a draw. Ranked here as
+  score_i + T G_i (the same order, and T = 0 is exactly top-k); T -> infinity
+  is a uniform random subset. The noise is a function of (seed, epoch).
+
+  Returns:
+    int [k] ids, in the order of the noisy ranking.
+  """
+  _check(scores, ids, k)
+  gumbel = np.random.default_rng([seed, _SAMPLED, epoch]).gumbel(size=len(scores))
+  return select_top_k(np.asarray(scores, np.float64) + temperature * gumbel, ids, k, mesh)
+
+
+def random_without_replacement(ids: np.ndarray, k: int, seed: int,
+                               selected_epoch: int) -> np.ndarray:
+  """RS2 without replacement (Okanovic et al. 2023): each round of m = ceil(N/k) selected
+  epochs walks one random permutation of the ids in slices of k, so every example is
+  trained once per round; the round's last slice, short when k does not divide N, is
+  filled up with the first ids of the same permutation.
+
+  Args:
+    selected_epoch: 0 for the first epoch after the warm-up.
+
+  Returns:
+    int [k] ids, sorted.
+  """
+  ids = np.asarray(ids)
+  rounds, position = divmod(selected_epoch, -(-len(ids) // k))
+  order = np.random.default_rng([seed, _RS2, rounds]).permutation(len(ids))
+  chosen = order[position * k:(position + 1) * k]
+  return np.sort(ids[np.concatenate([chosen, order[:k - len(chosen)]])])
 
 
 def _check(scores: np.ndarray, ids: np.ndarray, k: int) -> None:
@@ -86,24 +275,40 @@ def _check(scores: np.ndarray, ids: np.ndarray, k: int) -> None:
     raise ValueError("ids must be strictly increasing (the tie-break is by id)")
 
 
-def choose_subset(method: str, scores: np.ndarray, ids: np.ndarray, k: int, seed: int,
-                  epoch: int, mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
+def choose_subset(method: str, scores: np.ndarray, labels: np.ndarray, ids: np.ndarray,
+                  k: int, seed: int, epoch: int, params: PolicyParams = PolicyParams(),
+                  mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
   """The ids of `method`'s subset of size k for `epoch` (any method but "full").
 
   Args:
     method: one of METHODS other than "full".
     scores: [N] the score buffer, in the order of `ids` (unused by the random ones).
+    labels: [N] the examples' labels (class_balanced).
     ids: [N] the training examples' ids, increasing.
     k: subset size.
-    seed: the run's root seed (the random baselines' draws).
+    seed: the run's root seed (every random draw).
     epoch: the 0-indexed epoch (per-epoch random draws).
-    mesh: the device mesh of the global top-k.
+    params: the policies' knobs; `direction` applies to every scored method.
+    mesh: the device mesh of the global ranking.
   """
+  if method in SCORED_METHODS and params.direction == "easiest":
+    scores = -np.asarray(scores)  # NaN stays NaN: still ranked last.
   if method == "top_k":
     return select_top_k(scores, ids, k, mesh)
   if method == "uniform_sorted":
     return select_uniform_sorted(scores, ids, k, mesh)
+  if method == "class_balanced":
+    return select_class_balanced(scores, labels, ids, k, mesh)
+  if method == "stratified":
+    return select_stratified(scores, ids, k, seed, epoch, params.stratify_drop,
+                             params.num_strata)
+  if method == "mixed":
+    return select_mixed(scores, ids, k, seed, epoch, params.random_share, mesh)
+  if method == "sampled":
+    return select_sampled(scores, ids, k, seed, epoch, params.temperature, mesh)
   if method in ("random", "static_random"):
     return random_subset(ids, k, seed, None if method == "static_random" else epoch)
+  if method == "random_without_replacement":
+    return random_without_replacement(ids, k, seed, epoch - params.first_epoch)
   raise ValueError(f"selection method {method!r} has no subset; valid: "
                    f"{', '.join(m for m in METHODS if m != 'full')}")

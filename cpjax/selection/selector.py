@@ -30,6 +30,10 @@ class Selector:
     self.k = policies.subset_size(self._selection.fraction, self._selection.count,
                                   len(train_split))
     self._source = sources.create_source(config, train_split, mesh)
+    self._params = policies.PolicyParams(
+        direction=self._selection.direction, random_share=self._selection.random_share,
+        temperature=self._selection.temperature, stratify_drop=self._selection.stratify_drop,
+        num_strata=self._selection.num_strata, first_epoch=self._selection.warmup_epochs)
 
   def selecting(self, epoch: int) -> bool:
     return self._selection.method != "full" and epoch >= self._selection.warmup_epochs
@@ -52,8 +56,9 @@ class Selector:
     if self._selection.method in policies.SCORED_METHODS:
       state = self._source.refresh(epoch, train_state, state)
     scored = time.perf_counter()
-    chosen = policies.choose_subset(self._selection.method, state["scores"], self._split.ids,
-                                    self.k, self._config.seed, epoch, self._mesh)
+    chosen = policies.choose_subset(self._selection.method, state["scores"], self._split.labels,
+                                    self._split.ids, self.k, self._config.seed, epoch,
+                                    self._params, self._mesh)
     rows = np.searchsorted(self._split.ids, np.sort(chosen))
     return rows, state, {"scoring_seconds": scored - start,
                          "selection_seconds": time.perf_counter() - scored}

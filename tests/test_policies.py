@@ -1,0 +1,201 @@
+"""The subset policies of issue 12 against references written differently (loops, sorting by
+Python keys, exact fractions, closed forms), on 1 and 8 devices where they rank globally."""
+
+from fractions import Fraction
+
+import jax
+import numpy as np
+import pytest
+
+from cpjax import config_validation
+from cpjax.runtime import sharding
+from cpjax.selection import policies
+from tests.helpers import tiny_config
+
+
+def _mesh(num_devices):
+  return sharding.create_mesh(jax.devices()[:num_devices])
+
+
+def _reference_quotas(labels, k):
+  """Hamilton apportionment with Python fractions: exact shares, the largest remainders (then
+  the lower class) get the leftover seats."""
+  counts = {c: int(np.sum(labels == c)) for c in range(int(labels.max()) + 1)}
+  shares = {c: Fraction(k * n, len(labels)) for c, n in counts.items()}
+  quotas = {c: int(share) for c, share in shares.items()}  # Floor (shares are >= 0).
+  leftover = k - sum(quotas.values())
+  for c in sorted(shares, key=lambda c: (-(shares[c] - quotas[c]), c))[:leftover]:
+    quotas[c] += 1
+  return [quotas[c] for c in sorted(quotas)]
+
+
+def _reference_class_balanced(scores, labels, ids, k):
+  """Per class: sort its members by (-score, id), NaN last, take the quota."""
+  chosen = []
+  for c, quota in enumerate(_reference_quotas(labels, k)):
+    members = [i for i in range(len(ids)) if labels[i] == c]
+    members.sort(key=lambda i: (np.isnan(scores[i]), -np.nan_to_num(scores[i]), ids[i]))
+    chosen += [ids[i] for i in members[:quota]]
+  return sorted(chosen)
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+@pytest.mark.parametrize("n, k, num_classes", [(1000, 100, 10), (997, 333, 7), (50, 50, 3),
+                                               (40, 1, 4), (300, 37, 10)])
+def test_class_balanced_matches_a_per_class_reference(num_devices, n, k, num_classes):
+  rng = np.random.default_rng(n + k)
+  labels = rng.choice(num_classes, n, p=rng.dirichlet(np.ones(num_classes)))  # Imbalanced.
+  labels[0] = num_classes - 1  # At least two classes present.
+  scores = rng.integers(0, 15, n).astype(np.float32) / 15  # Many exact ties.
+  scores[rng.choice(n, n // 20)] = np.nan
+  ids = np.sort(rng.choice(10 * n, n, replace=False))
+  got = policies.select_class_balanced(scores, labels, ids, k, _mesh(num_devices))
+  assert len(got) == k
+  np.testing.assert_array_equal(np.sort(got), _reference_class_balanced(scores, labels, ids, k))
+  np.testing.assert_array_equal(policies.class_quotas(labels, k), _reference_quotas(labels, k))
+
+
+def test_class_quotas_by_hand():
+  labels = np.array([0] * 6 + [1] * 3 + [2] * 1)  # Shares of k=5: 3, 1.5, 0.5.
+  assert policies.class_quotas(labels, 5).tolist() == [3, 2, 0]  # Tie 0.5/0.5: lower class.
+  assert policies.class_quotas(labels, 10).tolist() == [6, 3, 1]
+  assert policies.class_quotas(np.array([0, 0, 2]), 2).tolist() == [1, 0, 1]  # Class 1 absent.
+
+
+def _reference_budgets(sizes, k):
+  """CCS Algorithm 1 as written: repeatedly take the smallest remaining stratum."""
+  remaining = {s: n for s, n in enumerate(sizes) if n > 0}
+  budgets, budget = [0] * len(sizes), k
+  while remaining:
+    smallest = min(remaining, key=lambda s: (remaining[s], s))
+    budgets[smallest] = min(remaining.pop(smallest), budget // (len(remaining) + 1))
+    budget -= budgets[smallest]
+  return budgets
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stratified_budgets_strata_and_drop_match_ccs(seed):
+  rng = np.random.default_rng(seed)
+  n, num_strata, drop = 400, int(rng.integers(2, 12)), [0.0, 0.1, 0.3][seed % 3]
+  scores = rng.beta(2, 5, n)  # Skewed: strata of very different sizes.
+  ids = np.arange(n) * 3
+  k = int(rng.integers(1, int(n * (1 - drop))))
+  got = policies.select_stratified(scores, ids, k, seed=1, epoch=seed, stratify_drop=drop,
+                                   num_strata=num_strata)
+  assert len(got) == k == len(set(got.tolist()))
+  kept = sorted(range(n), key=lambda i: scores[i])[:n - int(drop * n)]  # Hardest dropped.
+  assert set((got // 3).tolist()) <= set(kept)
+  low, high = min(scores[kept]), max(scores[kept])
+  edges = [low + (high - low) * j / num_strata for j in range(num_strata + 1)]
+  stratum = {i: min(next(j for j in range(num_strata) if scores[i] < edges[j + 1])
+                    if scores[i] < high else num_strata - 1, num_strata - 1) for i in kept}
+  sizes = [sum(1 for i in kept if stratum[i] == s) for s in range(num_strata)]
+  per_stratum = [sum(1 for i in (got // 3) if stratum[int(i)] == s) for s in range(num_strata)]
+  assert per_stratum == _reference_budgets(sizes, k)
+
+
+def test_stratified_is_uniform_within_a_stratum_and_redraws_per_epoch():
+  scores, ids = np.zeros(20), np.arange(20)  # One stratum: a uniform draw of k.
+  counts = np.zeros(20)
+  for epoch in range(2000):
+    counts[policies.select_stratified(scores, ids, 5, seed=0, epoch=epoch)] += 1
+  # Binomial(2000, 1/4) per example: mean 500, sd ~19.4; 5 sd.
+  assert np.all(np.abs(counts - 500) < 5 * 19.4), counts
+  again = policies.select_stratified(scores, ids, 5, seed=0, epoch=7)
+  np.testing.assert_array_equal(again, policies.select_stratified(scores, ids, 5, 0, 7))
+
+
+def test_mixed_takes_the_top_and_a_random_rest():
+  rng = np.random.default_rng(0)
+  scores, ids = rng.permutation(100).astype(np.float32), np.arange(100) + 1000
+  got = policies.select_mixed(scores, ids, 20, seed=3, epoch=1, random_share=0.25)
+  top = [1000 + i for i in sorted(range(100), key=lambda i: -scores[i])[:15]]
+  assert got[:15].tolist() == top  # 20 - round(0.25 * 20) = 15 best, in rank order.
+  assert len(set(got.tolist())) == 20 and not set(got[15:].tolist()) & set(top)
+  np.testing.assert_array_equal(got, policies.select_mixed(scores, ids, 20, 3, 1, 0.25))
+  assert not np.array_equal(got[15:], policies.select_mixed(scores, ids, 20, 3, 2, 0.25)[15:])
+  assert sorted(policies.select_mixed(scores, ids, 20, 3, 1, 0.0).tolist()) == sorted(
+      policies.select_top_k(scores, ids, 20).tolist())
+
+
+def test_sampled_inclusion_follows_the_gumbel_max_closed_form():
+  """k = 1: the Gumbel-max theorem gives P(i) = softmax(score / T)_i exactly."""
+  scores, ids, temperature = np.array([0.0, 0.5, 1.0, 2.0]), np.arange(4), 0.7
+  draws = 6000
+  counts = np.bincount([policies.select_sampled(scores, ids, 1, seed=0, epoch=e,
+                                                temperature=temperature)[0]
+                        for e in range(draws)], minlength=4)
+  expected = np.exp(scores / temperature) / np.exp(scores / temperature).sum()
+  sd = np.sqrt(draws * expected * (1 - expected))
+  assert np.all(np.abs(counts - draws * expected) < 5 * sd), (counts, draws * expected)
+
+
+def test_sampled_temperature_zero_is_top_k_and_large_is_random():
+  rng = np.random.default_rng(1)
+  scores, ids = rng.normal(size=200), np.arange(200)
+  np.testing.assert_array_equal(
+      policies.select_sampled(scores, ids, 30, seed=0, epoch=0, temperature=0.0),
+      policies.select_top_k(scores, ids, 30))
+  hot = np.zeros(200)
+  for epoch in range(300):
+    hot[policies.select_sampled(scores, ids, 30, seed=0, epoch=epoch, temperature=1e6)] += 1
+  top = policies.select_top_k(scores, ids, 30)
+  # Random: each example in 15 % of 300 draws (sd ~6.2); top-k would put the top 30 in all.
+  assert np.abs(hot[top].mean() - 45) < 5
+
+
+@pytest.mark.parametrize("n, k", [(100, 10), (103, 10), (10, 10), (7, 3)])
+def test_random_without_replacement_covers_everything_once_per_round(n, k):
+  ids = np.arange(n) * 2 + 5
+  rounds = -(-n // k)
+  for r in range(2):
+    subsets = [policies.random_without_replacement(ids, k, seed=4, selected_epoch=r * rounds + e)
+               for e in range(rounds)]
+    assert all(len(s) == k == len(set(s.tolist())) for s in subsets)
+    seen, times = np.unique(np.concatenate(subsets), return_counts=True)
+    np.testing.assert_array_equal(seen, ids)  # Every example at least once per round,
+    assert np.sum(times == 2) == rounds * k - n and times.max() <= 2  # the top-up twice.
+  first, second = (policies.random_without_replacement(ids, k, 4, e) for e in (0, rounds))
+  assert n == k or not np.array_equal(first, second)  # Each round has its own permutation.
+
+
+def test_direction_easiest_ranks_the_lowest_first_and_nan_last():
+  scores = np.array([0.3, np.nan, 0.1, 0.9, 0.2])
+  ids = np.arange(5)
+  easiest = policies.PolicyParams(direction="easiest")
+  assert policies.choose_subset("top_k", scores, np.zeros(5, int), ids, 2, 0, 0,
+                                easiest).tolist() == [2, 4]
+  assert policies.choose_subset("top_k", scores, np.zeros(5, int), ids, 4, 0, 0,
+                                easiest).tolist() == [2, 4, 0, 3]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("selection.direction", "hard", "valid choices: easiest, hardest"),
+    ("selection.stratify_drop", 1.0, "must be in [0.0, 1.0), got 1.0"),
+    ("selection.random_share", 1.5, "must be in [0.0, 1.0], got 1.5"),
+    ("selection.num_strata", 0, "must be in [1, None], got 0"),
+])
+def test_bad_policy_knobs_are_named(field, value, message):
+  with pytest.raises(ValueError) as info:
+    config_validation.validate(tiny_config(**{field: value}))
+  assert f"config.{field}" in str(info.value) and message in str(info.value)
+
+
+def test_a_drop_that_leaves_fewer_than_k_is_an_early_error():
+  config = tiny_config(**{"selection.method": "stratified", "selection.fraction": 0.5,
+                          "selection.stratify_drop": 0.6})
+  with pytest.raises(ValueError, match="stratify_drop=0.6 leaves 503 of 1257 training examples, "
+                                       "fewer than the subset size 628"):
+    config_validation.validate(config)
+
+
+@pytest.mark.parametrize("method", [m for m in policies.METHODS if m != "full"])
+def test_every_method_gives_k_distinct_ids_and_the_same_again_for_the_same_epoch(method):
+  rng = np.random.default_rng(7)
+  scores, labels, ids = rng.normal(size=120), rng.integers(0, 5, 120), np.arange(120) * 2
+  params = policies.PolicyParams(random_share=0.3, temperature=0.5, stratify_drop=0.1,
+                                 num_strata=6, first_epoch=2)
+  got = policies.choose_subset(method, scores, labels, ids, 25, 1, 4, params)
+  assert len(got) == len(set(got.tolist())) == 25 and set(got.tolist()) <= set(ids.tolist())
+  np.testing.assert_array_equal(
+      got, policies.choose_subset(method, scores, labels, ids, 25, 1, 4, params))
