@@ -81,10 +81,10 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
     if epoch == 1 and scoring_mode == "fresh" and method != "full":
       chooser.rows_for_epoch(1, state, sel)  # Compile the scoring pass, untimed.
-    rows, sel, timings = chooser.rows_for_epoch(epoch, state, sel)
+    rows, weights, sel, timings = chooser.rows_for_epoch(epoch, state, sel)
     start = time.perf_counter()
     state, _, order, per_example = train.train_epoch(
-        run, train_fn, state, train.EpochPlan(epoch, rows, sel),
+        run, train_fn, state, train.EpochPlan(epoch, rows, sel, weights=weights),
         train.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None))
     jax.block_until_ready(state.step)
     timings["training_seconds"] = time.perf_counter() - start

@@ -60,17 +60,20 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.selection = ml_collections.ConfigDict()
   # full, or a policy of cpjax.selection.policies: top_k, uniform_sorted, class_balanced,
-  # stratified, mixed, sampled, random (per epoch), static_random, random_without_replacement.
+  # stratified, mixed, sampled, random (per epoch), static_random, random_without_replacement,
+  # infobatch (needs score=loss and scoring=train_pass; ignores fraction and count).
   config.selection.method = "full"
   config.selection.direction = "hardest"  # Scored policies: hardest (highest) or easiest first.
   config.selection.random_share = 0.5  # mixed: share of the subset drawn uniformly at random.
   config.selection.temperature = 1.0  # sampled: P ~ exp(score / T); 0 = top_k, large = random.
   config.selection.stratify_drop = 0.0  # stratified (CCS): hardest share left out (beta).
   config.selection.num_strata = 50  # stratified (CCS): equal-width score strata.
+  config.selection.prune_ratio = 0.5  # infobatch: P(prune) of a below-mean-loss example, r.
+  config.selection.anneal_fraction = 0.125  # infobatch: last share of epochs on all data (1-delta).
   # Priority score (cpjax.selection.scores.SCORES); entropy = the seed paper's.
   config.selection.score = "entropy"
-  config.selection.fraction = 0.1  # Share k/N of training examples per selected epoch.
-  config.selection.count = 0  # k as a count; > 0 overrides fraction.
+  config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (not infobatch).
+  config.selection.count = 0  # k as a count; > 0 overrides fraction (not infobatch).
   config.selection.warmup_epochs = 2  # Epochs on all data before selection starts (seed: 10).
   # Where scores come from: train_pass (reference), fresh, target or target_recorded.
   config.selection.scoring = "train_pass"

@@ -125,6 +125,8 @@ def spine_schema() -> dict[str, Check]:
       "selection.temperature": number(0.0),
       "selection.stratify_drop": number(0.0, 1.0, high_open=True),
       "selection.num_strata": integer(1),
+      "selection.prune_ratio": number(0.0, 1.0, high_open=True),
+      "selection.anneal_fraction": number(0.0, 1.0, high_open=True),
       "selection.score": choice(list(scores.SCORES)),
       "selection.fraction": number(0.0, 1.0, low_open=True),
       "selection.count": integer(0),
@@ -254,13 +256,33 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
     problems.append(f"config.selection.target_workdir is set but selection.scoring={scoring!r}: "
                     "to score with the target run use selection.scoring='target' (its model "
                     "scores) or 'target_recorded' (its recorded scores of each epoch)")
-  if target and selection.method not in policies.SCORED_METHODS:
+  targeted = [m for m in policies.SCORED_METHODS if m != "infobatch"]  # Its own losses only.
+  if target and selection.method not in targeted:
     problems.append(f"config.selection.target_workdir is set but selection.method="
-                    f"{selection.method!r} uses no scores; use "
-                    f"{' or '.join(policies.SCORED_METHODS)}")
+                    f"{selection.method!r} uses no target scores; use {' or '.join(targeted)}")
   if target and not os.path.isdir(os.path.join(target, "checkpoints")) and scoring == "target":
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
+  return problems + _infobatch_problems(config)
+
+
+def _infobatch_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """InfoBatch prunes by each example's own training loss, before its annealing epochs."""
+  selection, problems = config.selection, []
+  if selection.method != "infobatch":
+    return problems
+  # Its scores are the losses of the train pass: `loss` (cross-entropy) on train_pass.
+  for field, needed in (("score", "loss"), ("scoring", "train_pass"), ("direction", "hardest")):
+    if selection[field] != needed:
+      problems.append(f"config.selection.{field}={selection[field]!r} does not work with "
+                      f"selection.method='infobatch' (it prunes by the train pass's own "
+                      f"per-example loss); valid: {needed!r}")
+  first_anneal = policies.anneal_start(config.num_epochs, selection.anneal_fraction)
+  if first_anneal <= selection.warmup_epochs:
+    problems.append(f"config.selection.anneal_fraction={selection.anneal_fraction} anneals "
+                    f"from epoch {first_anneal} of {config.num_epochs}, no later than the "
+                    f"selection.warmup_epochs={selection.warmup_epochs}: infobatch would "
+                    "never prune")
   return problems
 
 
@@ -294,7 +316,7 @@ def size_warnings(config: ml_collections.ConfigDict) -> list[str]:
   if config.batch_size > num_rows:
     warnings.append(f"config.batch_size={config.batch_size} exceeds the {num_rows} training "
                     "examples: each epoch is one step whose batch repeats examples")
-  if config.selection.method != "full":
+  if config.selection.method in policies.FIXED_SIZE_METHODS:
     k = policies.subset_size(config.selection.fraction, config.selection.count, num_rows)
     if k < config.batch_size:
       warnings.append(f"the selected subset (k={k} from selection.fraction/count) is smaller "

@@ -3,8 +3,8 @@
 Every step is a pure function of pytrees; the loop (cpjax.train) and the score
 sources (cpjax.selection.sources) bind its keyword arguments with
 `functools.partial` and jit it once over the 1-D `data` mesh. Steps bind a
-small `StepSpec` (normalisation statistics, augmentation, loss reduction), not
-the whole config, and never mutate their inputs. Evaluation and scoring share
+small `StepSpec` (normalisation statistics, augmentation, loss reduction and
+weighting), not the whole config, and never mutate their inputs. Evaluation and scoring share
 one eval-mode forward (`eval_step`), so a score is always a function of exactly
 the logits that evaluation sees.
 """
@@ -23,7 +23,7 @@ import optax
 from cpjax.calibration import losses
 from cpjax.data import augment, specs, splits
 from cpjax.runtime import sharding
-from cpjax.selection import scores
+from cpjax.selection import policies, scores
 
 NO_BAD_STEP = np.iinfo(np.int32).max  # `first_bad_step` when every loss was finite.
 
@@ -48,6 +48,9 @@ class StepSpec:
   flip: bool = False  # Train-time random horizontal flips.
   mixup_alpha: float = 0.0  # Mixup Beta(alpha, alpha) per batch; 0 = off.
   reduction: str = "mean"  # Batch reduction of the per-example loss: mean or sum.
+  # Batches carry a per-example loss weight `weight` (infobatch). A static flag, so that every
+  # other run compiles exactly the program it compiled before weights existed.
+  weighted: bool = False
 
 
 def step_spec(config: ml_collections.ConfigDict) -> StepSpec:
@@ -55,7 +58,8 @@ def step_spec(config: ml_collections.ConfigDict) -> StepSpec:
   data = specs.DATASETS[config.dataset.name]
   return StepSpec(mean=data.mean, std=data.std, num_classes=data.num_classes,
                   crop_padding=config.dataset.crop_padding, flip=config.dataset.flip,
-                  mixup_alpha=config.loss.mixup_alpha, reduction=config.loss.reduction)
+                  mixup_alpha=config.loss.mixup_alpha, reduction=config.loss.reduction,
+                  weighted=config.selection.method in policies.WEIGHTED_METHODS)
 
 
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
@@ -92,9 +96,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
                ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
   """One SGD step on a global batch: augment, (mixup,) forward, loss, backward, update.
 
+  Loss: sum_i w_i l_i m_i / sum_i m_i (reduction "sum": not divided); mask m, and weights w
+  only if `spec.weighted` (otherwise no w at all, not w = 1).
+
   Args:
     state: the replicated train state (donated by the loop).
-    batch: global batch of image (uint8), label, id and mask (1 = real example).
+    batch: global batch of image (uint8), label, id, mask (1 = real example), and weight
+      (float32 w) if `spec.weighted`.
     learning_rate: this epoch's learning rate.
     loss_hparams: this epoch's scheduled loss hyper-parameters (may be empty).
 
@@ -118,7 +126,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
         {"params": params, "batch_stats": state.batch_stats}, images, train=True,
         mutable=["batch_stats"])
     per_example = loss_fn(logits, targets, **loss_hparams)
-    total = jnp.sum(per_example * mask)
+    weighted = per_example * batch["weight"] if spec.weighted else per_example
+    total = jnp.sum(weighted * mask)
     loss = total if spec.reduction == "sum" else total / jnp.sum(mask)
     return loss, (logits, per_example, updates["batch_stats"])
 
@@ -130,6 +139,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
                             batch_stats=batch_stats, opt_state=opt_state)
   correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
   batch_metrics = {
+      # Unweighted (w left out): train_loss stays the trained rows' mean loss, as for any method.
       "loss_sum": jnp.sum(per_example * mask),
       "correct": jnp.sum(correct * mask),
       "count": jnp.sum(mask),

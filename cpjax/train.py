@@ -60,11 +60,17 @@ class Run:
 
 @dataclasses.dataclass
 class EpochPlan:
-  """One epoch's input: its rows, and what a mid-epoch checkpoint must hold to resume it."""
+  """One epoch's input: its rows, and what a mid-epoch checkpoint must hold to resume it.
+
+  The rows (and weights) are a pure function of the selection state, the seed and the
+  epoch, so a resumed epoch recomputes them and trains the same ceil(rows / batch_size)
+  steps: the number of rows may differ between epochs (infobatch), never between runs.
+  """
   epoch: int
   rows: np.ndarray
   selection_state: bookkeeping.SelectionState  # After this epoch's scoring pass.
   done: dict[str, Any] | None = None  # Steps already trained: steps, totals, outputs.
+  weights: np.ndarray | None = None  # Loss weight of each of `rows` (infobatch); None: none.
 
 
 @dataclasses.dataclass
@@ -116,9 +122,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     try:
       for epoch in range(run.start_epoch, config.num_epochs):
         start = time.time()
-        rows, selection_state, timings = chooser.rows_for_epoch(epoch, state, selection_state)
+        rows, weights, selection_state, timings = chooser.rows_for_epoch(epoch, state,
+                                                                         selection_state)
         plan = EpochPlan(epoch, rows, selection_state,
-                         run.partial if epoch == run.start_epoch else None)
+                         run.partial if epoch == run.start_epoch else None, weights)
         train_start = time.perf_counter()
         with progress.timed("train", wait_jax_async_dispatch=False):
           state, record, order, per_example = train_epoch(run, train_fn, state, plan, hooks)
@@ -304,10 +311,12 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   epoch_start_step = int(jax.device_get(state.step)) - done["steps"]
   totals = None if done["totals"] is None else jax.device_put(done["totals"])
   outputs, window = [], []
+  row_weights = _row_weights(plan, len(run.splits["train"]))
   for i in range(done["steps"], len(order)):
-    batch = sharding.to_global(run.mesh, splits.batch_at(run.splits["train"],
-                                                         order[i][local_rows]),
-                               config.batch_size)
+    batch = sharding.to_global(run.mesh, splits.batch_at(
+        run.splits["train"], order[i][local_rows],
+        weights=None if row_weights is None else row_weights[order[i][local_rows]]),
+        config.batch_size)
     state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
     epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
     totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
@@ -332,6 +341,15 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
             "learning_rate": float(learning_rate),
             **{k: float(v) for k, v in loss_hparams.items()}}
   return state, record, order, per_example
+
+
+def _row_weights(plan: EpochPlan, num_rows: int) -> np.ndarray | None:
+  """The plan's weights indexed by training row (None when the plan has none)."""
+  if plan.weights is None:
+    return None
+  weights = np.ones(num_rows, np.float32)
+  weights[plan.rows] = plan.weights
+  return weights
 
 
 def _host_outputs(outputs: list[dict[str, jax.Array]],

@@ -15,7 +15,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # XLA:CPU compiles dominate the suite's time (the tiny net's init alone takes seconds), and
 # many runs compile identical programs: a persistent compilation cache, fresh per session
 # (no state between sessions), lets every run after the first load them. The variables
-# reach the main.py runs of the tests too; a user's own cache directory is left alone.
+# reach the main.py runs of the tests and the pytest-xdist workers too (they start after
+# this file is imported, so all share one cache); a user's own cache directory is left alone.
 _XLA_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _XLA_CACHE = tempfile.mkdtemp(prefix="cpjax-tests-xla-cache-")
@@ -37,6 +38,21 @@ def pytest_sessionfinish(session, exitstatus):
   del session, exitstatus
   if _XLA_CACHE is not None:
     shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+# The README runs the suite on two pytest-xdist workers (`-n 2`, `--dist loadgroup` in
+# pyproject.toml). A session fixture is built once per worker, so the tests that read one
+# trained run (or the prepared Fashion-MNIST) form a group and run on one worker: each run
+# still trains once, and the groups spread over the workers.
+_SHARED_FIXTURES = ("selected_run", "main_run", "resnet20_run", "fashion_mnist_tfds")
+
+
+@pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups off the markers.
+def pytest_collection_modifyitems(items):
+  for item in items:
+    shared = [name for name in _SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
+    if shared:  # No test reads two of them; if one did, both runs would build on its worker.
+      item.add_marker(pytest.mark.xdist_group(shared[0]))
 
 
 @pytest.fixture(scope="session")
@@ -106,9 +122,13 @@ def selected_run(tmp_path_factory) -> TrainedRun:
 
 @pytest.fixture(scope="session")
 def resnet20_run(tmp_path_factory) -> TrainedRun:
-  """configs/test.py with ResNet-20, one epoch: a run of another architecture than `tiny`."""
+  """configs/test.py with ResNet-20, one epoch: a run of another architecture than `tiny`.
+
+  Its tests read its checkpoint and config (the same split as every digits run), not its
+  report: no OOD pass."""
   workdir = str(tmp_path_factory.mktemp("resnet20"))
-  config = helpers.tiny_config(**{"num_epochs": 1, "model.name": "resnet20"})
+  config = helpers.tiny_config(**{"num_epochs": 1, "model.name": "resnet20",
+                                  "evaluation.ood": ""})
   return TrainedRun(workdir, config, train.train_and_evaluate(config, workdir))
 
 

@@ -39,11 +39,12 @@ def _compiled_steps(preset: str, config, model, tx, state, batch):
           eval_fn.lower(state, batch).compile())
 
 
-def test_tuned_steps_match_xla_defaults_on_a_resnet():
-  """One SGD step and one eval pass of ResNet-20 (strided convs, BN) under both presets."""
-  config = tiny_config(**{"model.name": "resnet20", "dataset.crop_padding": 0})
+def test_tuned_steps_match_xla_defaults_on_a_conv_net():
+  """One SGD step and one eval pass of the tiny conv net (a strided conv, BN) under both
+  presets. (ResNet-20 checks the same in 5x the time; benchmarks/ run the ResNets.)"""
+  config = tiny_config(**{"dataset.crop_padding": 0})
   mesh = sharding.create_mesh()
-  model = models.create_model("resnet20", 10)
+  model = models.create_model("tiny", 10)
   tx = optim.create_optimizer(config.optimizer)
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, (8, 8, 1), mesh)
   rng = np.random.default_rng(0)

@@ -104,11 +104,16 @@ FAKE_SLURM = os.path.join(REPO, "tests", "fake_slurm")  # srun and scontrol stan
 SBATCH = os.path.join(REPO, "scripts", "slurm", "train.sbatch")
 
 
-def _slurm_env(tmp_path, tag: str) -> dict[str, str]:
+def _coordinator_ports(count: int) -> list[int]:
+  """`count` free ports where JAX's SLURM detection puts the coordinator (61440 + job id)."""
+  start = 61440 + os.getpid() % 4000
+  return [p for p in range(start, 65536) if _port_free(p)][:count]
+
+
+def _slurm_env(tmp_path, tag: str, port: int) -> dict[str, str]:
   """The variables SLURM gives a 2-task job step, faked for 127.0.0.1 (jax.distributed reads
   them: JAX's SLURM detection takes the coordinator from the node list and the job id).
   Each task sees 4 CPU devices: 8 in all, as in the test process."""
-  port = next(p for p in range(61440 + os.getpid() % 4000, 65536) if _port_free(p))
   return {**_env(4), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}",
           "SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "127.0.0.1",
           "SLURM_NTASKS": "2", "SLURM_SUBMIT_DIR": REPO,
@@ -117,12 +122,12 @@ def _slurm_env(tmp_path, tag: str) -> dict[str, str]:
           "FAKE_SLURM_CALLS": str(tmp_path / "scontrol_calls")}
 
 
-def _sbatch(tmp_path, tag: str, workdir: str) -> subprocess.Popen:
+def _sbatch(tmp_path, tag: str, workdir: str, port: int) -> subprocess.Popen:
   """Runs scripts/slurm/train.sbatch as SLURM would run the batch script of a 2-task job,
   on helpers.SELECTED_FLAGS (the config of conftest's `selected_run`)."""
   return subprocess.Popen(["bash", SBATCH, "configs/test.py", workdir, *SELECTED_FLAGS,
                            "--config.log_every_steps=1"],
-                          cwd=REPO, env=_slurm_env(tmp_path, tag),
+                          cwd=REPO, env=_slurm_env(tmp_path, tag, port), start_new_session=True,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -146,11 +151,22 @@ def test_slurm_job_preempted_on_one_task_requeues_and_resumes_exactly(selected_r
   one process computes (`selected_run`). SIGTERM to task 0 only: both tasks agree on one
   step, save, exit 75; the script requeues; the requeued job ends with the metrics of the
   uninterrupted job, bit for bit."""
+  # The uninterrupted and the preempted job run side by side (two jobs, two coordinators).
+  straight_port, port = _coordinator_ports(2)
   straight = str(tmp_path / "straight")
-  assert _sbatch(tmp_path, "straight", straight).wait(timeout=300) == 0
+  straight_job = _sbatch(tmp_path, "straight", straight, straight_port)
+  try:
+    _preempt_requeue_and_compare(tmp_path, port, straight_job, straight)
+  finally:  # A failure above must not leave the other job's tasks running.
+    if straight_job.poll() is None:
+      os.killpg(straight_job.pid, signal.SIGKILL)
   _assert_like_one_process(selected_run.workdir, straight, digits["train"].ids)
+
+
+def _preempt_requeue_and_compare(tmp_path, port: int, straight_job: subprocess.Popen,
+                                 straight: str) -> None:
   workdir = str(tmp_path / "preempted")
-  job = _sbatch(tmp_path, "first", workdir)
+  job = _sbatch(tmp_path, "first", workdir, port)
   # Early in epoch 0: the tasks agree on a stop step some steps after the signal (a round
   # trip through the coordination service), which must come before the run's last step.
   _wait_for(str(tmp_path / "first_task0.log"), "[5] train/", [job])
@@ -162,8 +178,9 @@ def test_slurm_job_preempted_on_one_task_requeues_and_resumes_exactly(selected_r
   assert "JAX process 1 / 2" in _read(str(tmp_path / "first_task1.log"))
   calls = _read(str(tmp_path / "scontrol_calls")).split("\n")
   assert calls[0].startswith("scontrol requeue ")
-  assert _sbatch(tmp_path, "requeued", workdir).wait(timeout=300) == 0
+  assert _sbatch(tmp_path, "requeued", workdir, port).wait(timeout=300) == 0
   assert f"global step {steps[0]}" in _read(str(tmp_path / "requeued_task0.log"))
+  assert straight_job.wait(timeout=300) == 0
   assert without_timing(read_metrics(workdir)) == without_timing(read_metrics(straight))
 
 

@@ -1,7 +1,9 @@
 """The subset policies of issue 12 against references written differently (loops, sorting by
-Python keys, exact fractions, closed forms), on 1 and 8 devices where they rank globally."""
+Python keys, exact fractions, closed forms), on 1 and 8 devices where they rank globally; and
+InfoBatch's soft pruning against a per-example loop over the same uniform draws."""
 
 from fractions import Fraction
+import math
 
 import jax
 import numpy as np
@@ -189,7 +191,7 @@ def test_a_drop_that_leaves_fewer_than_k_is_an_early_error():
     config_validation.validate(config)
 
 
-@pytest.mark.parametrize("method", [m for m in policies.METHODS if m != "full"])
+@pytest.mark.parametrize("method", policies.FIXED_SIZE_METHODS)
 def test_every_method_gives_k_distinct_ids_and_the_same_again_for_the_same_epoch(method):
   rng = np.random.default_rng(7)
   scores, labels, ids = rng.normal(size=120), rng.integers(0, 5, 120), np.arange(120) * 2
@@ -199,3 +201,111 @@ def test_every_method_gives_k_distinct_ids_and_the_same_again_for_the_same_epoch
   assert len(got) == len(set(got.tolist())) == 25 and set(got.tolist()) <= set(ids.tolist())
   np.testing.assert_array_equal(
       got, policies.choose_subset(method, scores, labels, ids, 25, 1, 4, params))
+
+
+def _reference_infobatch(scores, ids, seed, epoch, r, first_anneal_epoch):
+  """InfoBatch example by example, with Python floats: the mean as an exact sum over N, then
+  each below-mean example pruned when its uniform draw is below r, else kept with 1/(1-r)."""
+  if epoch >= first_anneal_epoch:
+    return list(ids), [1.0] * len(ids)
+  uniform = np.random.default_rng([seed, policies._INFOBATCH, epoch]).random(len(ids))
+  mean = math.fsum(float(s) for s in scores) / len(scores)
+  kept, weights = [], []
+  for i, score in enumerate(scores):
+    if float(score) >= mean:
+      kept.append(ids[i])
+      weights.append(1.0)
+    elif not uniform[i] < r:
+      kept.append(ids[i])
+      weights.append(1.0 / (1.0 - r))
+  return kept, weights
+
+
+@pytest.mark.parametrize("n, r, epoch", [(1000, 0.5, 3), (997, 0.3, 0), (50, 0.9, 7),
+                                         (1, 0.5, 1), (300, 0.0, 2)])
+def test_infobatch_matches_a_per_example_loop(n, r, epoch):
+  rng = np.random.default_rng(n)
+  scores = rng.gamma(1.0, 1.0, n).astype(np.float32)  # Losses: skewed, mean above median.
+  ids = np.sort(rng.choice(10 * n, n, replace=False))
+  got_ids, got_weights = policies.select_infobatch(scores, ids, 5, epoch, r, 10)
+  want_ids, want_weights = _reference_infobatch(scores, ids, 5, epoch, r, 10)
+  np.testing.assert_array_equal(got_ids, want_ids)
+  np.testing.assert_array_equal(got_weights, np.float32(want_weights))
+  assert got_weights.dtype == np.float32 and np.all(np.diff(got_ids) > 0)
+
+
+def test_infobatch_prunes_only_below_the_mean_and_reweights_exactly():
+  rng = np.random.default_rng(0)
+  scores, ids, r = rng.exponential(size=2000), np.arange(2000) * 3, 0.6
+  below = scores < scores.mean()
+  pruned_share = []
+  for epoch in range(40):
+    kept, weights = policies.select_infobatch(scores, ids, 1, epoch, r, 100)
+    kept_below = below[kept // 3]
+    assert set(np.setdiff1d(ids, kept) // 3) <= set(np.flatnonzero(below))  # Only below.
+    assert np.all(weights[kept_below] == np.float32(1 / (1 - r)))
+    assert np.all(weights[~kept_below] == 1.0) and np.sum(~kept_below) == np.sum(~below)
+    pruned_share.append(1 - kept_below.sum() / below.sum())
+  # Each below-mean example pruned with probability r: 40 epochs of ~1,260 Bernoulli(0.6) draws.
+  sd = math.sqrt(r * (1 - r) / (40 * below.sum()))
+  assert abs(np.mean(pruned_share) - r) < 5 * sd
+
+
+def test_infobatch_rescaling_is_unbiased_for_the_epoch_loss_sum():
+  """E[sum_kept w_i l_i] = sum_i l_i: the average over many draws comes within 5 sd."""
+  rng = np.random.default_rng(1)
+  losses, ids, r = rng.gamma(0.5, 2.0, 500), np.arange(500), 0.5
+  sums = [np.sum(w * losses[kept]) for kept, w in
+          (policies.select_infobatch(losses, ids, 2, epoch, r, 10**6) for epoch in range(2000))]
+  below = losses < losses.mean()
+  sd = math.sqrt(np.sum(losses[below] ** 2) * r / (1 - r) / 2000)  # Var of w l 1[kept].
+  assert abs(np.mean(sums) - losses.sum()) < 5 * sd
+
+
+def test_infobatch_edge_cases_annealing_and_determinism():
+  rng = np.random.default_rng(2)
+  scores, ids = rng.normal(size=300), np.arange(300) + 7
+  for epoch in (0, 5):  # r = 0 keeps everything with weight 1.
+    kept, weights = policies.select_infobatch(scores, ids, 0, epoch, 0.0, 9)
+    np.testing.assert_array_equal(kept, ids)
+    assert np.all(weights == 1.0)
+  for epoch in (9, 10, 50):  # Annealing: all data, weight 1, whatever the scores.
+    kept, weights = policies.select_infobatch(scores, ids, 0, epoch, 0.5, 9)
+    np.testing.assert_array_equal(kept, ids)
+    assert np.all(weights == 1.0)
+  same = [policies.select_infobatch(scores, ids, 3, 4, 0.5, 9) for _ in range(2)]
+  np.testing.assert_array_equal(same[0][0], same[1][0])
+  np.testing.assert_array_equal(same[0][1], same[1][1])
+  assert not np.array_equal(same[0][0], policies.select_infobatch(scores, ids, 3, 5, 0.5, 9)[0])
+  assert not np.array_equal(same[0][0], policies.select_infobatch(scores, ids, 4, 4, 0.5, 9)[0])
+  for constant in (np.zeros(300), np.r_[np.nan, scores[1:]]):  # Nothing below a flat or NaN mean.
+    np.testing.assert_array_equal(policies.select_infobatch(constant, ids, 0, 1, 0.5, 9)[0], ids)
+
+
+@pytest.mark.parametrize("num_epochs, fraction, first", [
+    (200, 0.125, 175), (8, 0.125, 7), (3, 0.125, 3), (10, 0.3, 7), (4, 0.25, 3), (5, 0.0, 5),
+    (100, 0.29, 71)])
+def test_infobatch_anneals_the_last_floor_of_fraction_times_epochs(num_epochs, fraction, first):
+  assert policies.anneal_start(num_epochs, fraction) == first
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({}, "config.selection.score='entropy' does not work with selection.method='infobatch' "
+         "(it prunes by the train pass's own per-example loss); valid: 'loss'"),
+    ({"selection.score": "loss", "selection.scoring": "fresh"},
+     "config.selection.scoring='fresh' does not work with selection.method='infobatch'"),
+    ({"selection.score": "loss", "selection.prune_ratio": 1.0},
+     "config.selection.prune_ratio: must be in [0.0, 1.0), got 1.0"),
+    ({"selection.score": "loss", "selection.anneal_fraction": -0.1},
+     "config.selection.anneal_fraction: must be in [0.0, 1.0), got -0.1"),
+    ({"selection.score": "loss", "num_epochs": 4, "selection.warmup_epochs": 2,
+      "selection.anneal_fraction": 0.5},
+     "config.selection.anneal_fraction=0.5 anneals from epoch 2 of 4, no later than the "
+     "selection.warmup_epochs=2: infobatch would never prune"),
+])
+def test_bad_infobatch_configs_are_named(overrides, message):
+  with pytest.raises(ValueError) as info:
+    config_validation.validate(tiny_config(**{"selection.method": "infobatch", **overrides}))
+  assert message in str(info.value)
+  config_validation.validate(tiny_config(**{"selection.method": "infobatch",
+                                            "selection.score": "loss", "num_epochs": 4}))

@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 
 from cpjax import models, steps, train
 from cpjax.data import augment, specs
-from cpjax.runtime import sharding
-from cpjax.selection import policies, score_files, scores, selector, sources
+from cpjax.runtime import preemption, sharding
+from cpjax.selection import bookkeeping, policies, score_files, scores, selector, sources
 from tests import helpers
 from tests.helpers import read_metrics
 
@@ -191,3 +192,89 @@ def test_bad_target_fails_before_any_work(tmp_path):
     train.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
   assert not glob.glob(str(tmp_path / "**" / "*.npy"), recursive=True)
+
+
+# configs/test.py, 4 epochs of InfoBatch: epoch 0 on all data (warm-up), epochs 1 and 2 pruned,
+# epoch 3 on all data again (the last anneal_fraction = 1/4 of the epochs).
+INFOBATCH = {"num_epochs": 4, "selection.method": "infobatch", "selection.score": "loss",
+             "selection.warmup_epochs": 1, "selection.anneal_fraction": 0.25,
+             "selection.record_scores": True, "keep_checkpoints": 10}
+
+
+@pytest.fixture(scope="module")
+def infobatch_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("infobatch"))
+  train.train_and_evaluate(helpers.tiny_config(**INFOBATCH), workdir)
+  return workdir
+
+
+def test_infobatch_trains_the_policys_rows_then_all_data(infobatch_run, digits):
+  """Each pruned epoch trains exactly select_infobatch of the checkpointed score buffer (the
+  loss of each example's last train pass), in ceil(kept / 64) steps; metrics.jsonl records the
+  sizes; the annealing epoch trains everything."""
+  ids, records = digits["train"].ids, read_metrics(infobatch_run)
+  checkpoints = helpers.checkpoint_steps(infobatch_run)  # One per epoch, named by global step.
+  sizes = [r["selected_k"] for r in records]
+  assert sizes[0] == sizes[3] == 1257 and max(sizes[1:3]) < 1257
+  assert np.diff([0, *checkpoints]).tolist() == [-(-k // 64) for k in sizes]
+  assert "kept_count" not in records[0]  # The warm-up prunes nothing and records no pruning.
+  for epoch in (1, 2, 3):
+    assert records[epoch]["kept_count"] == sizes[epoch]
+    assert records[epoch]["pruned_share"] == pytest.approx(1 - sizes[epoch] / 1257)
+    buffer = helpers.restore_checkpoint(infobatch_run, checkpoints[epoch - 1])["selection"]
+    want, _ = policies.select_infobatch(np.asarray(buffer["scores"]), ids, 0, epoch, 0.5, 3)
+    trained = ~np.isnan(np.load(score_files.score_path(infobatch_run, epoch))[ids])
+    np.testing.assert_array_equal(ids[trained], want)
+  assert records[3]["pruned_share"] == 0.0
+
+
+def test_infobatch_resumes_mid_epoch_exactly(infobatch_run, tmp_path, monkeypatch):
+  """A stop 3 steps into pruned epoch 2, then a rerun: the same rows, weights and number of
+  steps, so the metrics and the final state are the uninterrupted run's, bit for bit."""
+  workdir = str(tmp_path / "resumed")
+  stop = helpers.checkpoint_steps(infobatch_run)[1] + 3
+  monkeypatch.setattr(preemption.PreemptionGuard, "should_stop", lambda self, step: step == stop)
+  with pytest.raises(preemption.Preempted):
+    train.train_and_evaluate(helpers.tiny_config(**INFOBATCH), workdir)
+  assert helpers.checkpoint_steps(workdir)[-1] == stop
+  monkeypatch.undo()
+  train.train_and_evaluate(helpers.tiny_config(**INFOBATCH), workdir)
+  assert (helpers.without_timing(read_metrics(workdir))
+          == helpers.without_timing(read_metrics(infobatch_run)))
+  assert helpers.checkpoint_steps(workdir)[-1] == helpers.checkpoint_steps(infobatch_run)[-1]
+  straight, resumed = (helpers.restore_checkpoint(w) for w in (infobatch_run, workdir))
+  for tree in (straight, resumed):
+    del tree["selection"]["seconds"]
+  jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+
+
+def test_subset_diagnostics_by_hand():
+  """Six rows, classes [0, 0, 0, 0, 1, 1]; subsets {0, 1} then {1, 4}."""
+  labels = np.array([0, 0, 0, 0, 1, 1])
+  state = bookkeeping.initial_state(6)
+  state, first = bookkeeping.subset_record(state, np.array([0, 1]), labels, 2)
+  # Only class 0 (share 2/3 of all rows): KL = 1 * log(1 / (2/3)).
+  assert first["subset_class_kl"] == pytest.approx(np.log(1.5))
+  assert first["never_selected_share"] == pytest.approx(4 / 6)
+  state, second = bookkeeping.subset_record(state, np.array([1, 4]), labels, 2)
+  # Half and half against 2/3 and 1/3.
+  assert second["subset_class_kl"] == pytest.approx(0.5 * np.log(0.75) + 0.5 * np.log(1.5))
+  assert second["never_selected_share"] == pytest.approx(3 / 6)
+  assert second["subset_overlap"] == 0.5
+  np.testing.assert_array_equal(state["times_selected"], [1, 2, 0, 0, 1, 0])
+
+
+def test_selected_run_diagnostics_match_its_score_files(selected_run, digits):
+  """KL against scipy.stats.entropy and the never-selected share from the recorded scores
+  (NaN = not trained that epoch), not from the selection state."""
+  ids, labels = digits["train"].ids, digits["train"].labels
+  records = read_metrics(selected_run.workdir)
+  ever = np.zeros(len(ids), bool)
+  for epoch in (1, 2):  # The selected epochs (one warm-up epoch).
+    trained = ~np.isnan(np.load(score_files.score_path(selected_run.workdir, epoch))[ids])
+    ever |= trained
+    subset = np.bincount(labels[trained], minlength=10)
+    assert records[epoch]["subset_class_kl"] == pytest.approx(
+        scipy.stats.entropy(subset, np.bincount(labels, minlength=10)), rel=1e-6, abs=1e-9)
+    assert records[epoch]["never_selected_share"] == pytest.approx(1 - ever.mean())
+  assert "never_selected_share" not in records[0]  # Warm-up: nothing selected.

@@ -66,6 +66,8 @@ def test_step_spec_holds_the_data_and_loss_facts_of_the_config():
   assert steps.step_spec(config) == steps.StepSpec(
       mean=(0.3054,), std=(0.3762,), num_classes=10, crop_padding=1, flip=False,
       mixup_alpha=0.2, reduction="sum")
+  assert not steps.step_spec(config).weighted  # Only infobatch runs weigh the loss.
+  assert steps.step_spec(tiny_config(**{"selection.method": "infobatch"})).weighted
 
 
 def test_train_step_lowers_the_loss_on_a_fixed_batch(digits):
@@ -106,6 +108,52 @@ def test_train_step_metrics_match_an_independent_computation(digits):
   assert m["param_norm"] == pytest.approx(_numpy_global_norm(state.params), rel=1e-6)
   np.testing.assert_allclose(per_example["score"], _numpy_entropy(logits), rtol=1e-4, atol=1e-6)
   assert int(new_state.step) == 1
+
+
+_PLAIN_SGD = {"dataset.crop_padding": 0, "optimizer.momentum": 0.0,  # No augmentation, and
+              "optimizer.weight_decay": 0.0}  # the update is -lr * gradient.
+
+
+def test_weighted_step_with_unit_weights_is_the_unweighted_step(digits):
+  rows = np.arange(64)
+  results = []
+  for method, weights in (("full", None), ("infobatch", np.ones(64, np.float32))):
+    mesh, _, state, step = _setup(tiny_config(**_PLAIN_SGD, **{"selection.method": method}),
+                                  jax.devices())
+    host = splits.batch_at(digits["train"], rows, weights=weights)
+    assert ("weight" in host) == (method == "infobatch")
+    results.append(jax.device_get(step(state, sharding.to_global(mesh, host, 64),
+                                       np.float32(0.1), {})))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), *results)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_weighted_step_descends_the_hand_written_weighted_loss(digits, reduction):
+  """params' = params - lr * grad of sum_i w_i l_i m_i (/ sum_i m_i), written out by hand; the
+  loss_sum metric stays the unweighted sum_i l_i m_i."""
+  config = tiny_config(**_PLAIN_SGD, **{"selection.method": "infobatch",
+                                        "loss.reduction": reduction})
+  mesh, model, state, step = _setup(config, jax.devices())
+  rng = np.random.default_rng(0)
+  weights = rng.choice([0.0, 1.0, 2.0, 1 / 0.3], 64).astype(np.float32)
+  mask = np.where(np.arange(64) < 50, 1.0, 0.0).astype(np.float32)
+  host = splits.batch_at(digits["train"], np.arange(64), mask, weights)
+  lr = np.float32(0.5 if reduction == "mean" else 0.01)  # Updates of similar sizes.
+  new_state, m, _ = jax.device_get(step(state, sharding.to_global(mesh, host, 64), lr, {}))
+
+  def weighted_loss(params):
+    images = augment.normalize(jnp.asarray(host["image"]), (0.3054,), (0.3762,))
+    (logits, _), _ = model.apply({"params": params, "batch_stats": state.batch_stats},
+                                 images, train=True, mutable=["batch_stats"])
+    per_row = losses.cross_entropy(logits, host["label"])
+    total = sum(weights[i] * per_row[i] * mask[i] for i in range(64))
+    return total / (mask.sum() if reduction == "mean" else 1.0), jnp.sum(per_row * mask)
+  grads, loss_sum = jax.jit(jax.grad(weighted_loss, has_aux=True))(state.params)
+  jax.tree.map(lambda new, old, g: np.testing.assert_allclose(new, old - lr * g, rtol=1e-5,
+                                                              atol=1e-6),
+               new_state.params, jax.device_get(state.params), jax.device_get(grads))
+  assert m["loss_sum"] == pytest.approx(float(loss_sum), rel=1e-5)
+  assert m["grad_norm"] == pytest.approx(_numpy_global_norm(grads), rel=1e-4)
 
 
 def test_one_and_eight_devices_give_the_same_loss_and_gradients(digits):
@@ -167,10 +215,9 @@ def test_predict_sees_every_id_once_and_scores_are_the_entropy_of_eval_logits(di
 
 
 def test_train_step_never_mutates_its_inputs(digits):
-  """The un-jitted step leaves the state, batch and hyper-parameters it was given as they were:
-  in particular the learning rate it injects goes into a new opt_state, not the input's."""
+  """The step leaves the state, batch and hyper-parameters it was given as they were: in
+  particular the learning rate it injects goes into a new opt_state, not the input's."""
   config = tiny_config()  # With crop augmentation: the step draws from the state's key.
-  # One device: eager op-by-op execution compiles every primitive (tens of seconds on CPU).
   mesh, model, state, _ = _setup(config, jax.devices()[:1])
   tx = optim.create_optimizer(config.optimizer)
   batch = sharding.to_global(mesh, splits.batch_at(digits["train"], np.arange(16)), 16)
@@ -180,9 +227,12 @@ def test_train_step_never_mutates_its_inputs(digits):
   assert initial_lr != 0.5  # The step's learning rate differs from the state's.
 
   loss_fn = lambda logits, labels, gamma: losses.focal_loss(logits, labels, gamma)
-  new_state, metrics, _ = steps.train_step(
+  # The step reads the caller's own objects (closed over, not passed as jit arguments, which
+  # jit would flatten into copies), so any mutation of them would show below; jitting it
+  # whole compiles once instead of op by op (tens of seconds on CPU).
+  new_state, metrics, _ = jax.jit(lambda: steps.train_step(
       state, batch, jnp.float32(0.5), hparams, model=model, tx=tx, loss_fn=loss_fn,
-      score_fn=scores.normalized_entropy, spec=steps.step_spec(config))
+      score_fn=scores.normalized_entropy, spec=steps.step_spec(config)))()
 
   after = jax.tree.map(np.array, (state, batch, hparams))
   assert jax.tree.structure(after) == jax.tree.structure(before)

@@ -73,11 +73,15 @@ def epoch_order(seed: int, epoch: int, rows: np.ndarray, batch_size: int) -> np.
   return np.resize(shuffled, (num_steps, batch_size))
 
 
-def batch_at(split: Split, rows: np.ndarray,
-             mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
-  """Gathers one host batch: image, label, id and mask (1 = real example)."""
-  return {"image": split.images[rows], "label": split.labels[rows], "id": split.ids[rows],
-          "mask": np.ones(len(rows), np.float32) if mask is None else mask}
+def batch_at(split: Split, rows: np.ndarray, mask: np.ndarray | None = None,
+             weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """Gathers one host batch: image, label, id and mask (1 = real example), and with
+  `weights` (float32, one per row) a per-example loss weight `weight`."""
+  batch = {"image": split.images[rows], "label": split.labels[rows], "id": split.ids[rows],
+           "mask": np.ones(len(rows), np.float32) if mask is None else mask}
+  if weights is not None:
+    batch["weight"] = np.asarray(weights, np.float32)
+  return batch
 
 
 def eval_batches(split: Split, batch_size: int):

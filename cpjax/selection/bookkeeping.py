@@ -2,7 +2,8 @@
 
 The selection state is a dict of arrays checkpointed with the train state:
 the score buffer (one score per training row), the last subset as a 0/1 mask,
-the epoch of the last scoring pass, and the cumulative seconds per phase.
+how many subsets each row has been in, the epoch of the last scoring pass, and
+the cumulative seconds per phase.
 Every function returns new arrays and leaves its inputs untouched.
 """
 
@@ -18,6 +19,7 @@ def initial_state(num_train: int) -> SelectionState:
   """The selection state before any epoch: zero scores (as the reference), no subset."""
   return {"scores": np.zeros(num_train, np.float32),
           "subset": np.zeros(num_train, np.int32),  # 1 = in the last selected subset.
+          "times_selected": np.zeros(num_train, np.int32),  # Selected subsets holding a row.
           "scored_epoch": np.array(-1, np.int32),  # Last scoring pass (fresh/target).
           "seconds": np.zeros(len(PHASES), np.float32)}  # Cumulative time per phase.
 
@@ -56,22 +58,42 @@ def subset_record(state: SelectionState, rows: np.ndarray, labels: np.ndarray,
 
   Returns:
     (new state, record): overlap with the previous subset (None for the
-    first), class counts and the smallest class share, mean score of the
-    subset and of all rows.
+    first), class counts, the smallest class share and the KL divergence of
+    the subset's class histogram from the full set's, the share of rows never
+    selected so far, mean score of the subset and of all rows.
   """
   previous = state["subset"].astype(bool)
   current = np.zeros(len(previous), bool)
   current[rows] = True
+  times_selected = state["times_selected"] + current
   counts = np.bincount(labels[rows], minlength=num_classes)
   record = {
       "subset_overlap": (float(np.sum(previous & current)) / len(rows)
                          if previous.any() else None),
       "subset_class_counts": counts.tolist(),
       "subset_min_class_share": float(counts.min() / len(rows)),
+      "subset_class_kl": class_kl(counts, np.bincount(labels, minlength=num_classes)),
+      "never_selected_share": float(np.mean(times_selected == 0)),
       "score_mean_selected": float(np.mean(state["scores"][rows])),
       "score_mean_all": float(np.mean(state["scores"])),
   }
-  return {**state, "subset": current.astype(np.int32)}, record
+  return {**state, "subset": current.astype(np.int32),
+          "times_selected": times_selected.astype(np.int32)}, record
+
+
+def class_kl(subset_counts: np.ndarray, full_counts: np.ndarray) -> float:
+  """KL(p || q) = sum_c p_c log(p_c / q_c) in nats, p and q the class shares of the subset
+  and of the full set (0 log 0 = 0): 0 for a stratified subset; large when selection
+  starves classes (the failure of max-entropy top-k on Fashion-MNIST, issue 12)."""
+  p = subset_counts / subset_counts.sum()
+  q = full_counts / full_counts.sum()
+  held = p > 0
+  return float(np.sum(p[held] * np.log(p[held] / q[held])))
+
+
+def pruning_record(num_kept: int, num_train: int) -> dict:
+  """Size of a pruned epoch (infobatch): rows kept, and the share 1 - kept / N pruned."""
+  return {"kept_count": num_kept, "pruned_share": 1.0 - num_kept / num_train}
 
 
 def train_pass_record(confidence: np.ndarray, correct: np.ndarray, num_bins: int) -> dict:

@@ -1,4 +1,5 @@
-"""Subset policies: which training examples an epoch trains on (pure: scores, ids -> ids).
+"""Subset policies: which training examples an epoch trains on (pure: scores, ids -> ids;
+infobatch also returns a loss weight per id).
 
 The score-based policies rank globally: `jax.lax.top_k` over a score array
 sharded over the device mesh (XLA gathers what it needs; every process gets
@@ -22,8 +23,11 @@ checkpointing.
   static_random               one uniform draw for the whole run
   random_without_replacement  RS2 (Okanovic et al. 2023): every example once per
                               ceil(N/k) selected epochs
+  infobatch                   InfoBatch (Qin et al., ICLR 2024): prune below-mean losses at
+                              random, up-weight the kept ones; no fixed k (returns weights)
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -31,13 +35,19 @@ import numpy as np
 
 from cpjax.runtime import sharding
 
-METHODS = ("full", "top_k", "uniform_sorted", "class_balanced", "stratified", "mixed", "sampled",
-           "random", "static_random", "random_without_replacement")
+# The methods that train on k = subset_size(fraction, count, N) examples per selected epoch.
+FIXED_SIZE_METHODS = ("top_k", "uniform_sorted", "class_balanced", "stratified", "mixed",
+                      "sampled", "random", "static_random", "random_without_replacement")
+# The methods whose subset size varies per epoch and that weight each example's loss.
+WEIGHTED_METHODS = ("infobatch",)
+METHODS = ("full", *FIXED_SIZE_METHODS, *WEIGHTED_METHODS)
 # The methods that read scores (the others need no scoring pass).
-SCORED_METHODS = ("top_k", "uniform_sorted", "class_balanced", "stratified", "mixed", "sampled")
+SCORED_METHODS = ("top_k", "uniform_sorted", "class_balanced", "stratified", "mixed", "sampled",
+                  "infobatch")
 DIRECTIONS = ("hardest", "easiest")
 # Tags that keep each policy's random stream apart from the others' for the same (seed, epoch).
-_RANDOM, _STRATIFIED, _MIXED, _SAMPLED, _RS2 = 0x5E1EC7, 0xCC5, 0x313ED, 0x6B3E1, 0x252
+_RANDOM, _STRATIFIED, _MIXED, _SAMPLED, _RS2, _INFOBATCH = (0x5E1EC7, 0xCC5, 0x313ED, 0x6B3E1,
+                                                            0x252, 0x1B7)
 
 
 class PolicyParams(NamedTuple):
@@ -48,6 +58,7 @@ class PolicyParams(NamedTuple):
   stratify_drop: float = 0.0  # stratified: the hardest share left out (CCS's beta).
   num_strata: int = 50  # stratified: equal-width score strata.
   first_epoch: int = 0  # random_without_replacement: the first selected epoch (warm-up).
+  prune_ratio: float = 0.5  # infobatch: probability r of pruning a below-mean example.
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:
@@ -266,6 +277,56 @@ def random_without_replacement(ids: np.ndarray, k: int, seed: int,
   return np.sort(ids[np.concatenate([chosen, order[:k - len(chosen)]])])
 
 
+def anneal_start(num_epochs: int, anneal_fraction: float) -> int:
+  """InfoBatch's first annealing epoch: the last floor(anneal_fraction * num_epochs) epochs
+  train on all data (the paper prunes in the first delta * C epochs, delta = 1 - fraction).
+
+  The product is rounded to 6 decimals first, so that 0.3 * 10 counts as 3 epochs.
+  """
+  return num_epochs - math.floor(round(anneal_fraction * num_epochs, 6))
+
+
+def select_infobatch(scores: np.ndarray, ids: np.ndarray, seed: int, epoch: int,
+                     prune_ratio: float, first_anneal_epoch: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+  """InfoBatch's soft pruning and rescaling (Qin et al., "InfoBatch: Lossless Training Speed
+  Up by Unbiased Dynamic Data Pruning", ICLR 2024; arXiv 2303.04947).
+
+  With H_i the score (the example's last training loss) and r = prune_ratio:
+  an example with H_i < mean(H) is pruned with probability r, independently
+  (u_i < r, u_i ~ U[0, 1) drawn for every example as a function of (seed,
+  epoch)); every other example is kept. A kept example's loss weight is
+  w_i = 1 / (1 - r) if H_i < mean(H), else 1, so that E[sum_kept w_i l_i] =
+  sum_all l_i: the expected gradient of an epoch is the full data's. From
+  `first_anneal_epoch` on (annealing) every example is kept with weight 1.
+  (The authors' code keeps exactly floor((1 - r) n) of the n below-mean
+  examples; this is the paper's independent draw.) A NaN score makes the mean
+  NaN: nothing is pruned.
+
+  Args:
+    scores: [N] the score buffer, in the order of `ids`.
+    ids: [N] the training examples' ids, increasing.
+    seed: the run's root seed.
+    epoch: the 0-indexed epoch.
+    prune_ratio: r in [0, 1).
+    first_anneal_epoch: the first epoch of the full-data annealing (`anneal_start`).
+
+  Returns:
+    (ids [M] kept, increasing; float32 weights [M] of those ids).
+  """
+  ids = np.asarray(ids)
+  if len(scores) != len(ids):
+    raise ValueError(f"{len(scores)} scores for {len(ids)} ids")
+  if epoch >= first_anneal_epoch:
+    return ids, np.ones(len(ids), np.float32)
+  scores = np.asarray(scores, np.float64)
+  well_learned = scores < np.mean(scores)  # False everywhere if any score is NaN.
+  uniform = np.random.default_rng([seed, _INFOBATCH, epoch]).random(len(ids))
+  kept = ~(well_learned & (uniform < prune_ratio))
+  weights = np.where(well_learned, 1.0 / (1.0 - prune_ratio), 1.0).astype(np.float32)
+  return ids[kept], weights[kept]
+
+
 def _check(scores: np.ndarray, ids: np.ndarray, k: int) -> None:
   if len(scores) != len(ids):
     raise ValueError(f"{len(scores)} scores for {len(ids)} ids")
@@ -278,10 +339,10 @@ def _check(scores: np.ndarray, ids: np.ndarray, k: int) -> None:
 def choose_subset(method: str, scores: np.ndarray, labels: np.ndarray, ids: np.ndarray,
                   k: int, seed: int, epoch: int, params: PolicyParams = PolicyParams(),
                   mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """The ids of `method`'s subset of size k for `epoch` (any method but "full").
+  """The ids of `method`'s subset of size k for `epoch` (a FIXED_SIZE_METHODS method).
 
   Args:
-    method: one of METHODS other than "full".
+    method: one of FIXED_SIZE_METHODS.
     scores: [N] the score buffer, in the order of `ids` (unused by the random ones).
     labels: [N] the examples' labels (class_balanced).
     ids: [N] the training examples' ids, increasing.
@@ -310,5 +371,5 @@ def choose_subset(method: str, scores: np.ndarray, labels: np.ndarray, ids: np.n
     return random_subset(ids, k, seed, None if method == "static_random" else epoch)
   if method == "random_without_replacement":
     return random_without_replacement(ids, k, seed, epoch - params.first_epoch)
-  raise ValueError(f"selection method {method!r} has no subset; valid: "
-                   f"{', '.join(m for m in METHODS if m != 'full')}")
+  raise ValueError(f"selection method {method!r} has no subset of size k; valid: "
+                   f"{', '.join(FIXED_SIZE_METHODS)}")

@@ -1,4 +1,5 @@
-"""Each epoch's training rows: warm-up on all data, then a scored or random subset.
+"""Each epoch's training rows: warm-up on all data, then a scored or random subset
+(infobatch: a pruned subset of varying size, with a loss weight per row).
 
 `Selector` joins the parts of the selection package for the training loop:
 before an epoch, the score source refreshes the buffer if a pass is due and
@@ -28,18 +29,27 @@ class Selector:
         config, config.selection, train_split, mesh)
     self._num_classes = specs.DATASETS[config.dataset.name].num_classes
     self.k = policies.subset_size(self._selection.fraction, self._selection.count,
-                                  len(train_split))
+                                  len(train_split))  # Fixed-size methods only.
+    # Weighted methods (infobatch) give every batch a per-example loss weight, in every
+    # epoch (1 outside pruning), so that the run compiles one train step.
+    self.weighted = self._selection.method in policies.WEIGHTED_METHODS
+    self._anneal_start = policies.anneal_start(config.num_epochs, self._selection.anneal_fraction)
     self._source = sources.create_source(config, train_split, mesh)
     self._params = policies.PolicyParams(
         direction=self._selection.direction, random_share=self._selection.random_share,
         temperature=self._selection.temperature, stratify_drop=self._selection.stratify_drop,
-        num_strata=self._selection.num_strata, first_epoch=self._selection.warmup_epochs)
+        num_strata=self._selection.num_strata, first_epoch=self._selection.warmup_epochs,
+        prune_ratio=self._selection.prune_ratio)
 
   def selecting(self, epoch: int) -> bool:
     return self._selection.method != "full" and epoch >= self._selection.warmup_epochs
 
   def steps_in_epoch(self, epoch: int) -> int:
-    rows = self.k if self.selecting(epoch) else len(self._split)
+    """Steps of `epoch` for the progress report's total. An infobatch epoch's size is known
+    only once its rows are drawn: its full size counts (an upper bound; the loop trains
+    ceil(rows / batch_size) steps of the rows it gets)."""
+    fixed_subset = self.selecting(epoch) and not self.weighted
+    rows = self.k if fixed_subset else len(self._split)
     return -(-rows // self._config.batch_size)
 
   def rows_for_epoch(self, epoch: int, train_state: steps.TrainState,
@@ -47,21 +57,33 @@ class Selector:
     """Rows to train on in `epoch` (sorted), after any scoring pass due.
 
     Returns:
-      (rows, selection state, {"scoring_seconds", "selection_seconds"}).
+      (rows, float32 loss weights of the rows or None (unweighted methods),
+      selection state, {"scoring_seconds", "selection_seconds"}).
     """
     if not self.selecting(epoch):
-      return (np.arange(len(self._split)), state,
+      rows = np.arange(len(self._split))
+      return (rows, self._unit_weights(rows), state,
               {"scoring_seconds": 0.0, "selection_seconds": 0.0})
     start = time.perf_counter()
     if self._selection.method in policies.SCORED_METHODS:
       state = self._source.refresh(epoch, train_state, state)
     scored = time.perf_counter()
-    chosen = policies.choose_subset(self._selection.method, state["scores"], self._split.labels,
-                                    self._split.ids, self.k, self._config.seed, epoch,
-                                    self._params, self._mesh)
-    rows = np.searchsorted(self._split.ids, np.sort(chosen))
-    return rows, state, {"scoring_seconds": scored - start,
-                         "selection_seconds": time.perf_counter() - scored}
+    chosen, weights = self._choose(epoch, state["scores"])
+    rows = np.searchsorted(self._split.ids, chosen)
+    return rows, weights, state, {"scoring_seconds": scored - start,
+                                  "selection_seconds": time.perf_counter() - scored}
+
+  def _choose(self, epoch: int, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The policy's ids (increasing) and their weights (None for unweighted methods)."""
+    if self.weighted:
+      return policies.select_infobatch(scores, self._split.ids, self._config.seed, epoch,
+                                       self._params.prune_ratio, self._anneal_start)
+    return np.sort(policies.choose_subset(
+        self._selection.method, scores, self._split.labels, self._split.ids, self.k,
+        self._config.seed, epoch, self._params, self._mesh)), None
+
+  def _unit_weights(self, rows: np.ndarray) -> np.ndarray | None:
+    return np.ones(len(rows), np.float32) if self.weighted else None
 
   def after_epoch(self, epoch: int, state: bookkeeping.SelectionState, order: np.ndarray,
                   per_example: dict[str, np.ndarray], timings: dict[str, float],
@@ -81,6 +103,8 @@ class Selector:
       state, subset = bookkeeping.subset_record(state, rows, self._split.labels,
                                                 self._num_classes)
       record.update(subset)
+      if self.weighted:
+        record.update(bookkeeping.pruning_record(len(rows), len(self._split)))
     if self._source.learns_from_training:
       state = bookkeeping.with_scores(state, rows, first["score"])
     if self._selection.record_scores and jax.process_index() == 0:
