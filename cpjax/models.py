@@ -8,6 +8,9 @@
   subsampling and zero channel padding).
 - WideResNet-26-10 as in the focal-loss code: 16-channel stem, 3 stages of
   (26-2)/6 = 4 post-activation basic blocks of width 160/320/640.
+- `small_cnn`: two conv+BN+max-pool stages (16, 32 channels), a 128-unit dense
+  layer and the head: about 0.2M parameters and 1.2M multiply-adds per 28x28
+  image, a CPU-sized model for full-size MNIST-like studies.
 - `tiny`: two conv layers, for tests.
 
 `features` are the penultimate (pooled) activations that a meta-network or a
@@ -114,12 +117,32 @@ class TinyNet(_Layers):
     return nn.Dense(self.num_classes, name="head")(features), features
 
 
+class SmallCNN(_Layers):
+  """[conv(16) -> BN -> ReLU -> max-pool 2] -> [conv(32) -> ...] -> dense(128) -> ReLU -> dense.
+
+  Flattening (not global pooling) keeps where a feature is, which small images need;
+  `features` are the 128 dense activations.
+  """
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool = False) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(self.dtype)
+    for width in (16, 32):
+      x = nn.relu(self.norm(train)(self.conv(width)(x)))
+      x = nn.max_pool(x, (2, 2), (2, 2))
+    x = nn.Dense(128, dtype=self.dtype)(x.reshape((x.shape[0], -1)))
+    features = nn.relu(x).astype(jnp.float32)
+    return nn.Dense(self.num_classes, dtype=jnp.float32, name="head")(features), features
+
+
 _cifar_resnet = functools.partial(ResNet, stage_widths=(16, 32, 64), stem_width=16,
                                   shortcut="zero_pad")
 _wide = functools.partial(ResNet, stage_widths=(160, 320, 640), stem_width=16)
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "tiny": TinyNet,
+    "small_cnn": SmallCNN,
     "resnet18": functools.partial(ResNet, stage_sizes=(2, 2, 2, 2)),
     "resnet34": functools.partial(ResNet, stage_sizes=(3, 4, 6, 3)),
     "resnet50": functools.partial(ResNet, stage_sizes=(3, 4, 6, 3), block=Bottleneck),

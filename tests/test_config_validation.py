@@ -9,6 +9,7 @@ from configs import (
   cifar100_target,
   default,
   fashion_mnist,
+  fashion_mnist_selection,
   fashion_mnist_study,
 )
 from cpjax import config_validation, train
@@ -17,7 +18,7 @@ from tests.helpers import tiny_config
 
 
 @pytest.mark.parametrize("module", [default, cifar10, cifar100, cifar10_target, cifar100_target,
-                                    fashion_mnist, fashion_mnist_study])
+                                    fashion_mnist, fashion_mnist_selection, fashion_mnist_study])
 def test_shipped_configs_are_valid(module):
   config_validation.validate(module.get_config())
 

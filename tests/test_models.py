@@ -75,6 +75,13 @@ def test_parameter_counts_match_hand_derivation(name, expected):
   assert count_params(name, (32, 32, 3)) == expected
 
 
+def test_small_cnn_count_by_hand():
+  # conv 3*3*1*16 + BN 2*16; conv 3*3*16*32 + BN 2*32; 28 -> 14 -> 7: dense 7*7*32*128 + 128;
+  # head 128*10 + 10.
+  expected = 144 + 32 + 4608 + 64 + 1568 * 128 + 128 + 1290
+  assert count_params("small_cnn", (28, 28, 1)) == expected
+
+
 def test_published_counts():
   # Figures quoted in the literature: kuangliu ResNet-18 11.17M, He et al. ResNet-20 0.27M.
   assert count_params("resnet18", (32, 32, 3)) == 11_173_962
