@@ -70,7 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection.num_strata = 50  # stratified (CCS): equal-width score strata.
   config.selection.prune_ratio = 0.5  # infobatch: P(prune) of a below-mean-loss example, r.
   config.selection.anneal_fraction = 0.125  # infobatch: last share of epochs on all data (1-delta).
-  # Priority score (cpjax.selection.scores.SCORES); entropy = the seed paper's.
+  # Priority score (cpjax.selection.scores.NAMES); entropy = the seed paper's; reducible_loss =
+  # RHO-LOSS: this run's loss less the target_workdir run's loss (scoring train_pass or fresh).
   config.selection.score = "entropy"
   config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (not infobatch).
   config.selection.count = 0  # k as a count; > 0 overrides fraction (not infobatch).
@@ -80,7 +81,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection.rescore_every = 1  # fresh/target: epochs between scoring passes; 0 = once.
   config.selection.score_dtype = "float32"  # Compute dtype of scoring passes: float32 or bfloat16.
   config.selection.score_batch_size = 512  # Global batch of scoring passes (forward only: large).
-  config.selection.target_workdir = ""  # target/target_recorded: the scoring run's --workdir.
+  # target/target_recorded: the scoring run's --workdir; reducible_loss: the irreducible-loss run.
+  config.selection.target_workdir = ""
   config.selection.record_scores = False  # Write train-pass scores per epoch to workdir/scores/.
 
   config.evaluation = ml_collections.ConfigDict()

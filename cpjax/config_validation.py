@@ -127,7 +127,7 @@ def spine_schema() -> dict[str, Check]:
       "selection.num_strata": integer(1),
       "selection.prune_ratio": number(0.0, 1.0, high_open=True),
       "selection.anneal_fraction": number(0.0, 1.0, high_open=True),
-      "selection.score": choice(list(scores.SCORES)),
+      "selection.score": choice(list(scores.NAMES)),
       "selection.fraction": number(0.0, 1.0, low_open=True),
       "selection.count": integer(0),
       "selection.warmup_epochs": integer(0),
@@ -249,21 +249,42 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Score sources, targets and subset sizes."""
   selection, problems = config.selection, []
   target, scoring = selection.target_workdir, selection.scoring
-  uses_target = scoring in ("target", "target_recorded")
-  if uses_target and not target:
+  reducible = selection.score == scores.REDUCIBLE_LOSS
+  scores_with_target = scoring in ("target", "target_recorded")
+  if scores_with_target and not target:
     problems.append(f"config.selection.scoring={scoring!r} needs config.selection.target_workdir")
-  if target and not uses_target:
+  if target and not (scores_with_target or reducible):
     problems.append(f"config.selection.target_workdir is set but selection.scoring={scoring!r}: "
                     "to score with the target run use selection.scoring='target' (its model "
-                    "scores) or 'target_recorded' (its recorded scores of each epoch)")
+                    "scores) or 'target_recorded' (its recorded scores of each epoch), or "
+                    "selection.score='reducible_loss' (its losses as irreducible losses)")
   targeted = [m for m in policies.SCORED_METHODS if m != "infobatch"]  # Its own losses only.
   if target and selection.method not in targeted:
     problems.append(f"config.selection.target_workdir is set but selection.method="
                     f"{selection.method!r} uses no target scores; use {' or '.join(targeted)}")
-  if target and not os.path.isdir(os.path.join(target, "checkpoints")) and scoring == "target":
+  restores_target = scoring == "target" or reducible  # Target_recorded reads score files.
+  if target and restores_target and not os.path.isdir(os.path.join(target, "checkpoints")):
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
-  return problems + _infobatch_problems(config)
+  return problems + _reducible_loss_problems(config) + _infobatch_problems(config)
+
+
+def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """RHO-LOSS: this run's own losses (train pass or fresh pass) less the target run's."""
+  selection, problems = config.selection, []
+  if selection.score != scores.REDUCIBLE_LOSS:
+    return problems
+  if not selection.target_workdir:
+    problems.append("config.selection.score='reducible_loss' needs "
+                    "config.selection.target_workdir: the --workdir of a cpjax run (ideally "
+                    "trained on held-out data) whose losses are the irreducible losses")
+  own_losses = ("train_pass", "fresh")
+  if selection.scoring not in own_losses:
+    problems.append(f"config.selection.scoring={selection.scoring!r} does not work with "
+                    "selection.score='reducible_loss' (the current model's losses come from "
+                    "its own passes; the target run only gives the irreducible losses); "
+                    f"valid: {', '.join(repr(s) for s in own_losses)}")
+  return problems
 
 
 def _infobatch_problems(config: ml_collections.ConfigDict) -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 from cpjax import models, optim, steps
 from cpjax.data import specs, splits
 from cpjax.runtime import sharding
-from cpjax.selection import bookkeeping
+from cpjax.selection import bookkeeping, scores
 
 PER_EXAMPLE = ("score", "confidence", "correct")  # The train step's per-example outputs.
 
@@ -37,6 +37,12 @@ def empty_partial(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
           **{f"each_{k}": np.zeros(rows, np.float32) for k in PER_EXAMPLE}}
 
 
+def initial_selection(config: ml_collections.ConfigDict) -> bookkeeping.SelectionState:
+  """The "selection" subtree before any epoch (with irreducible losses under RHO-LOSS)."""
+  return bookkeeping.initial_state(splits.num_train_examples(config.dataset),
+                                   reducible=config.selection.score == scores.REDUCIBLE_LOSS)
+
+
 def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   """Shapes, dtypes and (replicated) shardings of a run's checkpoint tree, computing nothing.
 
@@ -47,8 +53,7 @@ def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
   replicated = sharding.replicated(mesh)
-  host_parts = {"selection": bookkeeping.initial_state(splits.num_train_examples(config.dataset)),
-                "partial": empty_partial(config)}
+  host_parts = {"selection": initial_selection(config), "partial": empty_partial(config)}
   return {"train": steps.abstract_train_state(model, optim.create_optimizer(config.optimizer),
                                               data.image_shape, mesh),
           **jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,

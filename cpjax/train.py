@@ -184,8 +184,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   tx = optim.create_optimizer(config.optimizer)
   initial = {"train": steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx,
                                                data.image_shape, mesh),
-             "selection": sharding.replicate(mesh, bookkeeping.initial_state(
-                 splits.num_train_examples(config.dataset))),
+             "selection": sharding.replicate(mesh, run_state.initial_selection(config)),
              "partial": sharding.replicate(mesh, run_state.empty_partial(config))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
@@ -218,7 +217,7 @@ def _check_before_work(config: ml_collections.ConfigDict, workdir: str) -> None:
   config_validation.validate(config)
   for warning in config_validation.size_warnings(config):
     logging.warning("%s", warning)
-  if config.selection.scoring in ("target", "target_recorded"):
+  if config.selection.target_workdir:  # Validated: set only where a target is used.
     sources.check_target(config)
   _check_workdir(workdir)
 
@@ -273,7 +272,7 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
   """The train step with the config's model, optimizer, loss and score bound; jitted once."""
   return jax.jit(functools.partial(steps.train_step, model=model, tx=tx,
                                    loss_fn=losses.get_loss(config.loss),
-                                   score_fn=scores.SCORES[config.selection.score],
+                                   score_fn=scores.forward_score(config.selection.score),
                                    spec=steps.step_spec(config)),
                  donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train",

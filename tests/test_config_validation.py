@@ -95,6 +95,39 @@ def test_target_workdir_needs_a_target_scoring(tmp_path):
                                                     "selection.target_workdir": str(tmp_path)}))
 
 
+def test_reducible_loss_needs_a_target_run_and_the_current_models_losses(tmp_path):
+  (tmp_path / "checkpoints").mkdir()
+  base = {"selection.method": "top_k", "selection.warmup_epochs": 1,
+          "selection.score": "reducible_loss"}
+  target = {"selection.target_workdir": str(tmp_path)}
+  with pytest.raises(config_validation.ConfigError,
+                     match="config.selection.score='reducible_loss' needs "
+                           "config.selection.target_workdir"):
+    config_validation.validate(tiny_config(**base))
+  for scoring in ("target", "target_recorded"):
+    with pytest.raises(config_validation.ConfigError) as info:
+      config_validation.validate(tiny_config(**base, **target, **{"selection.scoring": scoring}))
+    assert (f"config.selection.scoring={scoring!r} does not work with "
+            "selection.score='reducible_loss'") in str(info.value)
+    assert "valid: 'train_pass', 'fresh'" in str(info.value)
+  with pytest.raises(config_validation.ConfigError, match="has no checkpoints/ folder"):
+    config_validation.validate(tiny_config(**base, **{"selection.target_workdir":
+                                                      str(tmp_path / "none")}))
+  for scoring in ("train_pass", "fresh"):  # The target_workdir is RHO-LOSS's, not a scoring.
+    config_validation.validate(tiny_config(**base, **target, **{"selection.scoring": scoring}))
+
+
+def test_reducible_loss_is_not_for_infobatch(tmp_path):
+  (tmp_path / "checkpoints").mkdir()
+  with pytest.raises(config_validation.ConfigError) as info:
+    config_validation.validate(tiny_config(**{
+        "num_epochs": 4, "selection.method": "infobatch", "selection.warmup_epochs": 1,
+        "selection.score": "reducible_loss", "selection.target_workdir": str(tmp_path)}))
+  assert ("config.selection.score='reducible_loss' does not work with "
+          "selection.method='infobatch'") in str(info.value)
+  assert "valid: 'loss'" in str(info.value)
+
+
 def test_renamed_field_points_at_its_replacement():
   config = tiny_config()
   config.unlock()

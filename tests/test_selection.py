@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from cpjax import models, steps, train
+from cpjax import models, run_state, steps, train
 from cpjax.data import augment, specs
 from cpjax.runtime import preemption, sharding
 from cpjax.selection import bookkeeping, policies, score_files, scores, selector, sources
@@ -24,6 +24,27 @@ def _numpy_top_k(scores, ids, k):
   """Reference: sort by score descending, then id ascending; NaN last."""
   key = np.where(np.isnan(scores), -np.inf, scores)
   return ids[np.lexsort((ids, -key))[:k]]
+
+
+def _numpy_cross_entropy(logits, labels):
+  """-log softmax(z)_y in float64, with a max-shifted log-sum-exp."""
+  z = np.asarray(logits, np.float64)
+  shifted = z - z.max(1, keepdims=True)
+  log_probs = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
+  return -log_probs[np.arange(len(z)), labels]
+
+
+def _target_logits(workdir, split):
+  """Eval-mode logits of `split` under a run's latest checkpoint, with its saved model, by
+  model.apply on all of it at once (not through cpjax's steps, mesh or batches)."""
+  config = sources.read_run_config(workdir)
+  state = helpers.restore_checkpoint(workdir)["train"]
+  data = specs.DATASETS[config.dataset.name]
+  model = models.create_model(config.model.name, data.num_classes)
+  logits, _ = jax.jit(lambda s, x: model.apply(  # (logits, features)
+      {"params": s["params"], "batch_stats": s["batch_stats"]},
+      augment.normalize(x, data.mean, data.std), train=False))(state, split.images)
+  return logits
 
 
 def _numpy_entropy(logits):
@@ -156,18 +177,95 @@ def test_target_of_another_architecture_scores_once(resnet20_run, digits, tmp_pa
   assert passes == [config.selection.score_batch_size]  # Epoch 1 scored; epoch 2 reused it.
 
   # Independently: the target's eval-mode entropies over the training split.
-  target_config = sources.read_run_config(resnet20_run.workdir)
-  assert target_config.model.name == "resnet20"
-  state = helpers.restore_checkpoint(resnet20_run.workdir)["train"]
-  data = specs.DATASETS[target_config.dataset.name]
-  model = models.create_model(target_config.model.name, data.num_classes)
-  logits, _ = jax.jit(lambda s, x: model.apply(  # (logits, features)
-      {"params": s["params"], "batch_stats": s["batch_stats"]},
-      augment.normalize(x, data.mean, data.std), train=False))(state, split.images)
+  assert sources.read_run_config(resnet20_run.workdir).model.name == "resnet20"
+  logits = _target_logits(resnet20_run.workdir, split)
   buffer = np.asarray(helpers.restore_checkpoint(workdir)["selection"]["scores"])
   np.testing.assert_allclose(buffer, _numpy_entropy(logits), rtol=1e-4, atol=1e-6)
   records = read_metrics(workdir)
   assert records[1]["subset_overlap"] is None and records[2]["subset_overlap"] == 1.0
+
+
+def test_reducible_loss_by_hand():
+  train_loss = np.array([2.0, 2.0, 0.1, 0.1], np.float32)  # Not yet learnt x2, learnt x2.
+  irreducible = np.array([0.2, 1.9, 0.05, 2.0], np.float32)  # Learnable, noisy, twice.
+  np.testing.assert_allclose(scores.reducible_loss(train_loss, irreducible),
+                             [1.8, 0.1, 0.05, -1.9], rtol=1e-6)
+  # Only the learnable, not yet learnt example ranks above the others.
+  assert policies.select_top_k(scores.reducible_loss(train_loss, irreducible),
+                               np.arange(4), 1).tolist() == [0]
+  # The current model's passes compute its plain cross-entropy.
+  assert scores.forward_score("reducible_loss") is scores.loss
+  assert scores.forward_score("entropy") is scores.normalized_entropy
+
+
+def test_reducible_loss_ranks_the_train_pass_losses_less_the_targets(resnet20_run, digits,
+                                                                      tmp_path, monkeypatch):
+  """score='reducible_loss' with a ResNet-20 target: one pass of the target computes every
+  training row's cross-entropy (checkpointed), and each selected epoch trains the top-k of
+  the checkpointed train-pass losses less those."""
+  split, ids = digits["train"], digits["train"].ids
+  passes = []  # The passes over the training split (evaluation predicts val/test).
+  real_predict = steps.predict
+
+  def counted_predict(fn, state, data, mesh, batch_size):
+    if len(data) == len(split):
+      passes.append(batch_size)
+    return real_predict(fn, state, data, mesh, batch_size)
+  monkeypatch.setattr(steps, "predict", counted_predict)
+  config = helpers.selected_config(**{"selection.score": "reducible_loss",
+                                      "selection.target_workdir": resnet20_run.workdir})
+  workdir = str(tmp_path / "rho")
+  train.train_and_evaluate(config, workdir)
+  assert passes == [config.selection.score_batch_size]  # Once, at epoch 1; train_pass scoring.
+
+  # Independently: the target's cross-entropy of each training row, by NumPy from its logits.
+  irreducible = _numpy_cross_entropy(_target_logits(resnet20_run.workdir, split), split.labels)
+  checkpoints = helpers.checkpoint_steps(workdir)  # One per epoch, named by global step.
+  saved = helpers.restore_checkpoint(workdir)["selection"]
+  np.testing.assert_allclose(saved["irreducible"], irreducible, rtol=1e-4, atol=1e-5)
+  assert int(saved["irreducible_step"]) == helpers.checkpoint_steps(resnet20_run.workdir)[-1]
+  records = read_metrics(workdir)
+  for epoch in (1, 2):
+    raw = np.asarray(helpers.restore_checkpoint(workdir, checkpoints[epoch - 1])
+                     ["selection"]["scores"])  # The train-pass losses before the epoch.
+    # The checkpointed float32 irreducible losses (equal to NumPy's above), so that the
+    # ranking is exact: NumPy's float64 ones could swap two near-tied rows at the k-th place.
+    reducible = raw - np.asarray(saved["irreducible"])
+    recorded = np.load(score_files.score_path(workdir, epoch))[ids]
+    trained = ~np.isnan(recorded)
+    np.testing.assert_array_equal(ids[trained], np.sort(_numpy_top_k(reducible, ids, 628)))
+    # 628 = round(0.5 * 1257): selected_config's fraction.
+    assert records[epoch]["score_mean_selected"] == pytest.approx(reducible[trained].mean())
+    assert records[epoch]["irreducible_loss_mean_all"] == pytest.approx(irreducible.mean())
+    assert records[epoch]["irreducible_loss_mean_selected"] == pytest.approx(
+        irreducible[trained].mean())
+  # The buffer keeps the raw train-pass losses (the loss score of the same forward pass).
+  after = np.asarray(saved["scores"])
+  np.testing.assert_array_equal(after[trained], recorded[trained])
+
+
+def test_reducible_loss_of_the_target_itself_is_zero_and_its_pass_runs_once(resnet20_run,
+                                                                           digits, monkeypatch):
+  """scoring='fresh' with the target's own model and checkpoint as the current model: the
+  fresh pass and the target's pass compute the same losses, so every reducible loss is 0;
+  a later epoch rescores (rescore_every=1) but never reruns the target's pass."""
+  config = helpers.selected_config(**{
+      "model.name": "resnet20", "selection.scoring": "fresh",
+      "selection.score": "reducible_loss", "selection.target_workdir": resnet20_run.workdir})
+  mesh = sharding.create_mesh()
+  current = sources.Target(resnet20_run.workdir,
+                           run_state.abstract(resnet20_run.config, mesh)).restore()
+  source = sources.create_source(config, digits["train"], mesh)
+  state = source.refresh(1, current, run_state.initial_selection(config))
+  np.testing.assert_array_equal(state["scores"], state["irreducible"])
+  assert int(state["scored_epoch"]) == 1
+  assert int(state["irreducible_step"]) == helpers.checkpoint_steps(resnet20_run.workdir)[-1]
+  passes = []
+  real_predict = steps.predict
+  monkeypatch.setattr(steps, "predict", lambda *args: passes.append(1) or real_predict(*args))
+  again = source.refresh(2, current, state)
+  assert len(passes) == 1 and int(again["scored_epoch"]) == 2  # The fresh pass only.
+  assert again["irreducible"] is state["irreducible"]
 
 
 def test_recorded_target_scores_drive_the_same_epoch(main_run, digits, tmp_path):

@@ -3,7 +3,8 @@
 The selection state is a dict of arrays checkpointed with the train state:
 the score buffer (one score per training row), the last subset as a 0/1 mask,
 how many subsets each row has been in, the epoch of the last scoring pass, and
-the cumulative seconds per phase.
+the cumulative seconds per phase; under score=reducible_loss also each row's
+irreducible loss and the target step it came from.
 Every function returns new arrays and leaves its inputs untouched.
 """
 
@@ -15,13 +16,23 @@ PHASES = ("scoring", "selection", "training")
 SelectionState = dict[str, np.ndarray]
 
 
-def initial_state(num_train: int) -> SelectionState:
-  """The selection state before any epoch: zero scores (as the reference), no subset."""
-  return {"scores": np.zeros(num_train, np.float32),
-          "subset": np.zeros(num_train, np.int32),  # 1 = in the last selected subset.
-          "times_selected": np.zeros(num_train, np.int32),  # Selected subsets holding a row.
-          "scored_epoch": np.array(-1, np.int32),  # Last scoring pass (fresh/target).
-          "seconds": np.zeros(len(PHASES), np.float32)}  # Cumulative time per phase.
+def initial_state(num_train: int, reducible: bool = False) -> SelectionState:
+  """The selection state before any epoch: zero scores (as the reference), no subset.
+
+  With `reducible` (score=reducible_loss) it also holds the irreducible losses, not yet
+  computed: checkpointed with the rest, so a resumed run ranks by the very losses the
+  uninterrupted run ranked by, without restoring the target again. Only such runs hold
+  them, so every other run's checkpoint keeps its shape.
+  """
+  state = {"scores": np.zeros(num_train, np.float32),
+           "subset": np.zeros(num_train, np.int32),  # 1 = in the last selected subset.
+           "times_selected": np.zeros(num_train, np.int32),  # Selected subsets holding a row.
+           "scored_epoch": np.array(-1, np.int32),  # Last scoring pass (fresh/target).
+           "seconds": np.zeros(len(PHASES), np.float32)}  # Cumulative time per phase.
+  if reducible:
+    state["irreducible"] = np.zeros(num_train, np.float32)  # The target's loss per row.
+    state["irreducible_step"] = np.array(-1, np.int32)  # Its checkpoint's step; -1 = none yet.
+  return state
 
 
 def first_pass(order: np.ndarray, per_example: dict[str, np.ndarray]
@@ -47,7 +58,8 @@ def with_scores(state: SelectionState, rows: np.ndarray, scores: np.ndarray) -> 
 
 
 def subset_record(state: SelectionState, rows: np.ndarray, labels: np.ndarray,
-                  num_classes: int) -> tuple[SelectionState, dict]:
+                  num_classes: int, priorities: np.ndarray | None = None
+                  ) -> tuple[SelectionState, dict]:
   """Accounting of a selected epoch's subset, and the state with it as the last subset.
 
   Args:
@@ -55,13 +67,15 @@ def subset_record(state: SelectionState, rows: np.ndarray, labels: np.ndarray,
     rows: the rows trained this epoch.
     labels: [N] labels of every training row.
     num_classes: K.
+    priorities: [N] what the policy ranked, if not the score buffer itself.
 
   Returns:
     (new state, record): overlap with the previous subset (None for the
     first), class counts, the smallest class share and the KL divergence of
     the subset's class histogram from the full set's, the share of rows never
-    selected so far, mean score of the subset and of all rows.
+    selected so far, mean priority of the subset and of all rows.
   """
+  priorities = state["scores"] if priorities is None else priorities
   previous = state["subset"].astype(bool)
   current = np.zeros(len(previous), bool)
   current[rows] = True
@@ -74,8 +88,8 @@ def subset_record(state: SelectionState, rows: np.ndarray, labels: np.ndarray,
       "subset_min_class_share": float(counts.min() / len(rows)),
       "subset_class_kl": class_kl(counts, np.bincount(labels, minlength=num_classes)),
       "never_selected_share": float(np.mean(times_selected == 0)),
-      "score_mean_selected": float(np.mean(state["scores"][rows])),
-      "score_mean_all": float(np.mean(state["scores"])),
+      "score_mean_selected": float(np.mean(priorities[rows])),
+      "score_mean_all": float(np.mean(priorities)),
   }
   return {**state, "subset": current.astype(np.int32),
           "times_selected": times_selected.astype(np.int32)}, record
@@ -89,6 +103,14 @@ def class_kl(subset_counts: np.ndarray, full_counts: np.ndarray) -> float:
   q = full_counts / full_counts.sum()
   held = p > 0
   return float(np.sum(p[held] * np.log(p[held] / q[held])))
+
+
+def irreducible_record(irreducible: np.ndarray, rows: np.ndarray) -> dict:
+  """Mean irreducible loss of a subset and of all rows (score=reducible_loss): a subset
+  that avoids noisy examples has the lower one. With the mean reducible losses
+  (score_mean_*) they add up to the mean training losses the ranking started from."""
+  return {"irreducible_loss_mean_selected": float(np.mean(irreducible[rows])),
+          "irreducible_loss_mean_all": float(np.mean(irreducible))}
 
 
 def pruning_record(num_kept: int, num_train: int) -> dict:

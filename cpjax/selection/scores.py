@@ -1,10 +1,14 @@
 """Per-example priority scores from logits: pure jnp, higher = more worth training on.
 
-Every score is `score(logits [B, K], labels [B]) -> [B]` in float32 (labels
-are ignored by the label-free scores). The default, normalised predictive
-entropy, is the seed paper's ("Can Calibration Improve Sample
+Every score of SCORES is `score(logits [B, K], labels [B]) -> [B]` in float32
+(labels are ignored by the label-free scores). The default, normalised
+predictive entropy, is the seed paper's ("Can Calibration Improve Sample
 Prioritization?", spec §5.2) exactly: H = -sum_k p_k log(p_k + 1e-6) / log K,
 on probabilities that carry no gradient.
+
+`reducible_loss` (RHO-LOSS) is a score of two models: the forward passes of the
+current model compute its `loss`, and the selector subtracts another run's
+losses of the same examples (`reducible_loss` below) before ranking.
 """
 
 from collections.abc import Callable
@@ -58,3 +62,29 @@ SCORES: dict[str, ScoreFn] = {
     "loss": loss,
     "el2n": el2n,
 }
+
+
+REDUCIBLE_LOSS = "reducible_loss"
+# The per-logit score that the current model's forward passes compute for each score name
+# that is not itself in SCORES (the rest of such a score comes from another run).
+_FORWARD = {REDUCIBLE_LOSS: "loss"}
+NAMES = (*SCORES, *_FORWARD)  # The values of config.selection.score.
+
+
+def forward_score(name: str) -> ScoreFn:
+  """The score function the train step and scoring passes compute for score `name`."""
+  return SCORES[_FORWARD.get(name, name)]
+
+
+def reducible_loss(train_loss, irreducible_loss):
+  """RHO-LOSS: L[y | x; current model] - L[y | x; irreducible-loss model], per example.
+
+  The reducible holdout loss of Mindermann et al., "Prioritized Training on
+  Points that are Learnable, Worth Learning, and Not Yet Learnt" (ICML 2022),
+  Eq. 3, with L the cross-entropy of the label and the irreducible-loss model
+  trained on held-out data: high for an example that the current model gets
+  wrong (not yet learnt) and the other model gets right (learnable); low for a
+  noisy or ambiguous one, which both get wrong, and for a learnt one. NumPy or
+  jnp arrays of any (equal) shape.
+  """
+  return train_loss - irreducible_loss

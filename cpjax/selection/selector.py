@@ -3,10 +3,12 @@
 
 `Selector` joins the parts of the selection package for the training loop:
 before an epoch, the score source refreshes the buffer if a pass is due and
-the policy picks the subset; after it, the bookkeeping updates the selection
-state and returns the epoch's accounting. Every random draw is a function of
-(seed, epoch) and the selection state is checkpointed with the train state,
-so a resumed run selects exactly what the uninterrupted run selected.
+the policy picks the subset by the buffer's scores (under score=reducible_loss:
+the buffer's losses less the target's irreducible losses); after it, the
+bookkeeping updates the selection state and returns the epoch's accounting.
+Every random draw is a function of (seed, epoch) and the selection state is
+checkpointed with the train state, so a resumed run selects exactly what the
+uninterrupted run selected.
 """
 
 import time
@@ -17,7 +19,7 @@ import numpy as np
 
 from cpjax import steps
 from cpjax.data import specs, splits
-from cpjax.selection import bookkeeping, policies, score_files, sources
+from cpjax.selection import bookkeeping, policies, score_files, scores, sources
 
 
 class Selector:
@@ -33,6 +35,7 @@ class Selector:
     # Weighted methods (infobatch) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
     self.weighted = self._selection.method in policies.WEIGHTED_METHODS
+    self._reducible = self._selection.score == scores.REDUCIBLE_LOSS
     self._anneal_start = policies.anneal_start(config.num_epochs, self._selection.anneal_fraction)
     self._source = sources.create_source(config, train_split, mesh)
     self._params = policies.PolicyParams(
@@ -68,10 +71,18 @@ class Selector:
     if self._selection.method in policies.SCORED_METHODS:
       state = self._source.refresh(epoch, train_state, state)
     scored = time.perf_counter()
-    chosen, weights = self._choose(epoch, state["scores"])
+    chosen, weights = self._choose(epoch, self._priorities(state))
     rows = np.searchsorted(self._split.ids, chosen)
     return rows, weights, state, {"scoring_seconds": scored - start,
                                   "selection_seconds": time.perf_counter() - scored}
+
+  def _priorities(self, state: bookkeeping.SelectionState) -> np.ndarray:
+    """What the policy ranks: the score buffer, or under RHO-LOSS the buffer's training
+    losses less the irreducible ones (the buffer keeps the raw losses, as every train pass
+    and scoring pass writes them)."""
+    if self._reducible:
+      return scores.reducible_loss(state["scores"], state["irreducible"])
+    return state["scores"]
 
   def _choose(self, epoch: int, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """The policy's ids (increasing) and their weights (None for unweighted methods)."""
@@ -100,9 +111,13 @@ class Selector:
     record = bookkeeping.train_pass_record(first["confidence"], first["correct"],
                                            self._config.evaluation.num_bins)
     if self.selecting(epoch):
+      # score_mean_selected/_all: means of what the policy ranked (reducible losses under
+      # RHO-LOSS), before this epoch's train pass rewrites the buffer.
       state, subset = bookkeeping.subset_record(state, rows, self._split.labels,
-                                                self._num_classes)
+                                                self._num_classes, self._priorities(state))
       record.update(subset)
+      if self._reducible:
+        record.update(bookkeeping.irreducible_record(state["irreducible"], rows))
       if self.weighted:
         record.update(bookkeeping.pruning_record(len(rows), len(self._split)))
     if self._source.learns_from_training:

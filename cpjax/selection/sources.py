@@ -14,6 +14,10 @@
 Each source has one job, `refresh(epoch, train_state, state) -> state`: update
 the score buffer of the selection state if a pass is due. `learns_from_training`
 says whether the loop writes the train pass's own scores into the buffer.
+
+Under score=reducible_loss (RHO-LOSS) the train_pass or fresh source fills the
+buffer with the current model's losses, and `WithIrreducibleLoss` adds, once, the
+target run's losses of the same rows (the selector subtracts them).
 """
 
 import functools
@@ -89,10 +93,42 @@ class TargetRecorded:
     return {**state, "scores": score_files.read_epoch_scores(self._workdir, epoch, self._ids)}
 
 
+class WithIrreducibleLoss:
+  """A source of the current model's losses, plus once the target's: RHO-LOSS's two parts.
+
+  At the first selected epoch, an eval-mode sharded pass of the target run's
+  latest checkpoint computes the cross-entropy of every training row (the
+  irreducible losses); they go into the selection state with the target's step
+  and are never recomputed (a resumed run restores them with the state).
+  """
+
+  def __init__(self, source: ScoreSource, loss_fn, split: splits.Split,
+               mesh: jax.sharding.Mesh, batch_size: int, target: "Target"):
+    self._source, self._loss_fn, self._split = source, loss_fn, split
+    self._mesh, self._batch_size, self._target = mesh, batch_size, target
+    self.learns_from_training = source.learns_from_training
+
+  def refresh(self, epoch, train_state, state):
+    state = self._source.refresh(epoch, train_state, state)
+    if int(state["irreducible_step"]) >= 0:
+      return state
+    target_state = self._target.restore()
+    losses = steps.predict(self._loss_fn, target_state, self._split, self._mesh,
+                           self._batch_size).astype(np.float32)
+    step = int(jax.device_get(target_state.step))
+    if not np.all(np.isfinite(losses)):  # A diverged target: its ranking would mean nothing.
+      raise FloatingPointError(f"the target run {self._target.workdir} (step {step}) has "
+                               f"non-finite losses on {np.sum(~np.isfinite(losses))} training "
+                               "examples; it cannot give irreducible losses")
+    logging.info("Irreducible losses from target step %d: mean %.4f.", step, np.mean(losses))
+    return {**state, "irreducible": losses, "irreducible_step": np.array(step, np.int32)}
+
+
 class Target:
   """Another cpjax run's latest checkpoint, restored on demand."""
 
   def __init__(self, workdir: str, abstract_state: Any):
+    self.workdir = workdir
     self._checkpointer = checkpointing.Checkpointer(workdir, None, read_only=True)
     self._abstract = abstract_state
 
@@ -142,13 +178,25 @@ def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_n
                               specs.DATASETS[model_config.dataset.name].num_classes, dtype)
   return jax.jit(
       functools.partial(steps.score_step, model=model, spec=steps.step_spec(model_config),
-                        score_fn=scores.SCORES[score_name]),
+                        score_fn=scores.forward_score(score_name)),
       compiler_options=compiler_options.compiler_options("inference", preset))
 
 
 def create_source(config: ml_collections.ConfigDict, split: splits.Split,
                   mesh: jax.sharding.Mesh) -> ScoreSource:
-  """The score source of `config.selection.scoring` for the training `split`."""
+  """The score source of `config.selection.scoring` for the training `split` (under
+  score=reducible_loss, with the target's irreducible losses added)."""
+  source = _scoring_source(config, split, mesh)
+  if config.selection.score != scores.REDUCIBLE_LOSS:
+    return source
+  # Built now, run at the first selected epoch: start-up only reads the target's config.
+  loss_fn, target = _target_scorer(config, "loss", mesh)
+  return WithIrreducibleLoss(source, loss_fn, split, mesh, config.selection.score_batch_size,
+                             target)
+
+
+def _scoring_source(config: ml_collections.ConfigDict, split: splits.Split,
+                    mesh: jax.sharding.Mesh) -> ScoreSource:
   selection = config.selection
   if selection.scoring == "train_pass":
     return TrainPass()
@@ -159,10 +207,17 @@ def create_source(config: ml_collections.ConfigDict, split: splits.Split,
     score_fn = _jit_score_step(config, selection.score_dtype, selection.score,
                                config.xla_cpu_options)
     return ScoringPass(score_fn, *pass_args)
+  score_fn, target = _target_scorer(config, selection.score, mesh)
+  return ScoringPass(score_fn, *pass_args, target=target)
+
+
+def _target_scorer(config: ml_collections.ConfigDict, score_name: str,
+                   mesh: jax.sharding.Mesh) -> tuple[Any, Target]:
+  """The jitted eval-mode `score_name` step of the target run's own model, and the target."""
+  selection = config.selection
   target_config = read_run_config(selection.target_workdir)
-  score_fn = _jit_score_step(target_config, selection.score_dtype, selection.score,
+  score_fn = _jit_score_step(target_config, selection.score_dtype, score_name,
                              config.xla_cpu_options)
   logging.info("Scoring with target run %s (%s).", selection.target_workdir,
                target_config.model.name)
-  target = Target(selection.target_workdir, run_state.abstract(target_config, mesh))
-  return ScoringPass(score_fn, *pass_args, target=target)
+  return score_fn, Target(selection.target_workdir, run_state.abstract(target_config, mesh))
