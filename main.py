@@ -6,7 +6,7 @@
   python main.py --config=configs/default.py --workdir=/tmp/cpjax --mode=evaluate
 
 Rerunning the same command resumes from the latest checkpoint in --workdir.
-On a cluster, jax.distributed is started first (see cpjax/distributed.py).
+On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
 import importlib.util

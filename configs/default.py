@@ -61,7 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection = ml_collections.ConfigDict()
   # full, or a policy of cpjax.selection.policies: top_k, uniform_sorted, class_balanced,
   # stratified, mixed, sampled, random (per epoch), static_random, random_without_replacement,
-  # infobatch (needs score=loss and scoring=train_pass; ignores fraction and count).
+  # infobatch (needs score=loss, scoring=train_pass, direction=hardest; fraction and count unused).
   config.selection.method = "full"
   config.selection.direction = "hardest"  # Scored policies: hardest (highest) or easiest first.
   config.selection.random_share = 0.5  # mixed: share of the subset drawn uniformly at random.
@@ -73,8 +73,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Priority score (cpjax.selection.scores.NAMES); entropy = the seed paper's; reducible_loss =
   # RHO-LOSS: this run's loss less the target_workdir run's loss (scoring train_pass or fresh).
   config.selection.score = "entropy"
-  config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (not infobatch).
-  config.selection.count = 0  # k as a count; > 0 overrides fraction (not infobatch).
+  config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (unused by infobatch).
+  config.selection.count = 0  # k as a count; > 0 overrides fraction (unused by infobatch).
   config.selection.warmup_epochs = 2  # Epochs on all data before selection starts (seed: 10).
   # Where scores come from: train_pass (reference), fresh, target or target_recorded.
   config.selection.scoring = "train_pass"

@@ -1,7 +1,9 @@
 """The tree a run checkpoints, defined once: train state, selection state, a partly trained epoch.
 
   {"train":     steps.TrainState (params, batch stats, optimizer state, step),
-   "selection": selection.bookkeeping.SelectionState (score buffer, subset),
+   "selection": selection.bookkeeping.SelectionState (score buffer, last subset, times
+                selected, last scoring epoch, seconds; irreducible losses under
+                score=reducible_loss),
    "partial":   sums and per-example outputs of the steps of an epoch trained
                 before a preemption (zeros at an epoch boundary)}
 

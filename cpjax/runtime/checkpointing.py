@@ -1,10 +1,10 @@
 """A thin orbax wrapper: save every N epochs, keep the last K, resume by default.
 
 A checkpoint is taken at the end of an epoch (or at a preemption, mid-epoch)
-and named by the global training step. It holds `state` (a pytree of arrays: train state, RNG key
-and, with selection, the score buffer and subset) and `meta` (JSON: epoch and
-the run's config as JSON). Restoring goes into an abstract target carrying the
-current shardings.
+and named by the global training step. It holds `state` (a pytree of arrays:
+cpjax.run_state's tree of train state, selection state and partial epoch) and
+`meta` (JSON: epoch, epoch step, global step and the run's config as JSON).
+Restoring goes into an abstract target carrying the current shardings.
 
 Integrity. `save` records, under the reserved `meta` key `_integrity`, a SHA-256
 of every leaf's bytes (keyed by its dotted path, with its shape and dtype), one
@@ -24,7 +24,7 @@ hashes are computed on the host from the very arrays handed to orbax, before
 
 A damaged step is moved aside, never deleted: renamed to
 `checkpoints/corrupt/<step>.<UTC time>` (a name orbax does not list as a step),
-with the reason written next to it in `CPJAX_DAMAGE.txt`, and a warning naming
+with the reason written inside it, in `CPJAX_DAMAGE.txt`, and a warning naming
 it. The manager re-reads its step list, the next older step is tried, and a
 later `save` of the moved step really writes it again. If every step is
 damaged, all are moved aside and RuntimeError is raised (a rerun then starts

@@ -1,4 +1,4 @@
-"""The device mesh, moving host batches onto it, and sharded passes over a split.
+"""The device mesh, moving host batches onto it, and gathering results back to the host.
 
 One 1-D mesh with axis `data` over every device of every process. The train
 state is replicated; batches are sharded on their leading axis. Each process
