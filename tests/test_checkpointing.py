@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cpjax.runtime import checkpointing, sharding
+from cpjax.runtime import checkpoint_integrity, checkpointing, sharding
 from tests.helpers import REPO, free_port
 
 # When orbax's restore of a damaged step fails, tensorstore reads still in flight finish
@@ -160,16 +160,16 @@ def test_round_trip_restores_the_newest_with_its_meta_and_records_hashes(saved, 
   assert meta == _meta(20)  # As saved: the hash record stays inside the checkpoint.
   assert not [r for r in caplog.records if r.name != "absl"]
   with open(os.path.join(_checkpoints(saved), "20", "meta", "metadata")) as f:
-    record = json.load(f)[checkpointing.INTEGRITY_KEY]
-  assert record == checkpointing.integrity_record(_state(20), _meta(20))
+    record = json.load(f)[checkpoint_integrity.INTEGRITY_KEY]
+  assert record == checkpoint_integrity.integrity_record(_state(20), _meta(20))
   assert sorted(record["leaves"]) == ["params.b", "params.w", "rng", "step"]
   assert record["leaves"]["params.w"]["shape"] == list(W_SHAPE)
 
 
 def test_hash_covers_every_byte_name_shape_and_dtype():
   state, meta = _state(1), _meta(1)
-  base = checkpointing.integrity_record(state, meta)
-  assert base == checkpointing.integrity_record(_state(1), _meta(1))  # Deterministic.
+  base = checkpoint_integrity.integrity_record(state, meta)
+  assert base == checkpoint_integrity.integrity_record(_state(1), _meta(1))  # Deterministic.
   w = np.asarray(state["params"]["w"]).copy()
   w.reshape(-1).view(np.uint8)[12345] ^= 1
   variants = [
@@ -179,9 +179,10 @@ def test_hash_covers_every_byte_name_shape_and_dtype():
           np.int32)}},
       {**state, "params": {"v": state["params"]["w"], "b": state["params"]["b"]}},
   ]
-  digests = {checkpointing.integrity_record(v, meta)["state_sha256"] for v in variants}
+  digests = {checkpoint_integrity.integrity_record(v, meta)["state_sha256"] for v in variants}
   assert len(digests) == len(variants) and base["state_sha256"] not in digests
-  assert checkpointing.integrity_record(state, _meta(2))["meta_sha256"] != base["meta_sha256"]
+  other_meta = checkpoint_integrity.integrity_record(state, _meta(2))
+  assert other_meta["meta_sha256"] != base["meta_sha256"]
 
 
 def test_flipped_byte_in_any_data_file_never_restores_other_content(saved, caplog):
@@ -316,7 +317,7 @@ def test_save_of_an_existing_or_older_step(saved):
   with pytest.raises(checkpointing.CheckpointSaveError, match="only steps after that"):
     checkpointer.save(15, _state(15), _meta(15))
   with pytest.raises(ValueError, match="reserved"):
-    checkpointer.save(30, _state(30), {**_meta(30), checkpointing.INTEGRITY_KEY: {}})
+    checkpointer.save(30, _state(30), {**_meta(30), checkpoint_integrity.INTEGRITY_KEY: {}})
   checkpointer.close()
   state, _ = _restore(saved)
   _assert_state_equal(state, _state(20))

@@ -24,6 +24,7 @@ RANKS = {
     "": 0,
     # 0: runtime: mesh, multi-host start-up, checkpoints, logs, files, XLA options.
     "runtime": 0,
+    "runtime.checkpoint_integrity": 0,
     "runtime.checkpointing": 0,
     "runtime.compiler_options": 0,
     "runtime.distributed": 0,

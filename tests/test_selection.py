@@ -159,9 +159,10 @@ def test_resume_with_selection_is_exact(selected_run, tmp_path, monkeypatch):
   jax.tree.map(np.testing.assert_array_equal, resumed, straight)
 
 
-def test_target_of_another_architecture_scores_once(resnet20_run, digits, tmp_path, monkeypatch):
-  split = digits["train"]
-  passes = []  # The scoring passes over the training split (evaluation predicts val/test).
+def _count_training_passes(monkeypatch, split) -> list[int]:
+  """The batch sizes of the `steps.predict` passes over the training split, as they happen
+  (evaluation predicts val/test, which are smaller)."""
+  passes = []
   real_predict = steps.predict
 
   def counted_predict(fn, state, data, mesh, batch_size):
@@ -169,6 +170,12 @@ def test_target_of_another_architecture_scores_once(resnet20_run, digits, tmp_pa
       passes.append(batch_size)
     return real_predict(fn, state, data, mesh, batch_size)
   monkeypatch.setattr(steps, "predict", counted_predict)
+  return passes
+
+
+def test_target_of_another_architecture_scores_once(resnet20_run, digits, tmp_path, monkeypatch):
+  split = digits["train"]
+  passes = _count_training_passes(monkeypatch, split)
   config = helpers.selected_config(**{
       "selection.scoring": "target", "selection.target_workdir": resnet20_run.workdir,
       "selection.rescore_every": 0, "selection.record_scores": False})
@@ -204,14 +211,7 @@ def test_reducible_loss_ranks_the_train_pass_losses_less_the_targets(resnet20_ru
   training row's cross-entropy (checkpointed), and each selected epoch trains the top-k of
   the checkpointed train-pass losses less those."""
   split, ids = digits["train"], digits["train"].ids
-  passes = []  # The passes over the training split (evaluation predicts val/test).
-  real_predict = steps.predict
-
-  def counted_predict(fn, state, data, mesh, batch_size):
-    if len(data) == len(split):
-      passes.append(batch_size)
-    return real_predict(fn, state, data, mesh, batch_size)
-  monkeypatch.setattr(steps, "predict", counted_predict)
+  passes = _count_training_passes(monkeypatch, split)
   config = helpers.selected_config(**{"selection.score": "reducible_loss",
                                       "selection.target_workdir": resnet20_run.workdir})
   workdir = str(tmp_path / "rho")

@@ -6,10 +6,10 @@ cpjax.run_state's tree of train state, selection state and partial epoch) and
 `meta` (JSON: epoch, epoch step, global step and the run's config as JSON).
 Restoring goes into an abstract target carrying the current shardings.
 
-Integrity. `save` records, under the reserved `meta` key `_integrity`, a SHA-256
-of every leaf's bytes (keyed by its dotted path, with its shape and dtype), one
-digest over all of those in path order, and a digest of the rest of `meta`. The
-hashes are computed on the host from the very arrays handed to orbax, before
+Integrity. `save` records, under the reserved `meta` key `_integrity`, the hash
+record of cpjax.runtime.checkpoint_integrity (a SHA-256 of every leaf's bytes
+with its path, shape and dtype, one digest over all of them, and a digest of the
+rest of `meta`). The hashes are computed on the host from the very arrays handed to orbax, before
 `save` returns. `restore_latest` checks, newest step first:
 
   * the step's own files: `commit_success.txt` (step and items) and a readable
@@ -52,7 +52,6 @@ Read-only use (another run's checkpoints, `read_only=True`): damaged steps are
 skipped with a warning but left in place, and `save` is refused.
 """
 
-import hashlib
 import json
 import logging
 import os
@@ -64,8 +63,8 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
-INTEGRITY_KEY = "_integrity"  # Reserved key of `meta`: the hash record of a checkpoint.
-_HASH_VERSION = 1
+from cpjax.runtime import checkpoint_integrity as integrity
+
 CORRUPT_DIR = "corrupt"  # Under checkpoints/: damaged steps, moved aside.
 _DAMAGE_NOTE = "CPJAX_DAMAGE.txt"
 _COMMIT_MARKER = "commit_success.txt"
@@ -79,95 +78,6 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointSaveError(RuntimeError):
   """orbax declined to write a checkpoint that was asked for."""
-
-
-class _Damaged(Exception):
-  """A checkpoint step is unreadable or its content differs from what was saved."""
-
-
-def _key_name(key: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _path_name(path: tuple[Any, ...]) -> str:
-  return ".".join(_key_name(k) for k in path)
-
-
-def _leaves_by_name(tree: Any) -> dict[str, Any]:
-  """Leaves keyed by a dotted path of plain names (orbax stores dataclasses as dicts)."""
-  named = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name = _path_name(path)
-    if name in named:
-      raise ValueError(f"two leaves of a checkpoint pytree are both named {name!r}")
-    named[name] = leaf
-  return named
-
-
-def _host_array(leaf: Any) -> np.ndarray:
-  """A complete host copy of one leaf (on every process; see the module docstring)."""
-  if isinstance(leaf, jax.Array):
-    if leaf.is_fully_addressable:
-      return np.asarray(leaf)
-    if leaf.is_fully_replicated:
-      return np.asarray(leaf.addressable_data(0))
-    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-  return np.asarray(leaf)
-
-
-def _leaf_entry(leaf: Any) -> dict[str, Any]:
-  """{shape, dtype, sha256} of one leaf; the hash is over its C-order little-endian bytes."""
-  array = _host_array(leaf)
-  if array.dtype.byteorder == ">":
-    array = array.astype(array.dtype.newbyteorder("<"))
-  data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-  return {"shape": [int(d) for d in array.shape], "dtype": str(array.dtype),
-          "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _state_digest(leaves: dict[str, dict[str, Any]]) -> str:
-  """One SHA-256 over every leaf's path, dtype, shape and bytes' hash, in path order."""
-  digest = hashlib.sha256()
-  for name in sorted(leaves):
-    entry = leaves[name]
-    digest.update(json.dumps([name, entry["dtype"], entry["shape"], entry["sha256"]]).encode())
-    digest.update(b"\n")
-  return digest.hexdigest()
-
-
-def _canonical_meta(meta: dict[str, Any]) -> dict[str, Any]:
-  """`meta` as it reads back from JSON, without the integrity record."""
-  meta = {k: v for k, v in meta.items() if k != INTEGRITY_KEY}
-  return json.loads(json.dumps(meta))
-
-
-def _meta_digest(meta: dict[str, Any]) -> str:
-  return hashlib.sha256(json.dumps(_canonical_meta(meta), sort_keys=True).encode()).hexdigest()
-
-
-def integrity_record(state: Any, meta: dict[str, Any]) -> dict[str, Any]:
-  """The hash record `save` stores in `meta[INTEGRITY_KEY]` for `state` and `meta`."""
-  leaves = {name: _leaf_entry(leaf) for name, leaf in sorted(_leaves_by_name(state).items())}
-  return {"version": _HASH_VERSION, "algorithm": "sha256", "state_sha256": _state_digest(leaves),
-          "meta_sha256": _meta_digest(meta), "leaves": leaves}
-
-
-def _check_record(record: Any) -> dict[str, dict[str, Any]]:
-  """The record's leaves if the record is well formed and self-consistent, else _Damaged."""
-  try:
-    if record["version"] != _HASH_VERSION or record["algorithm"] != "sha256":
-      raise _Damaged(f"unknown integrity record version {record['version']!r} "
-                     f"({record['algorithm']!r})")
-    leaves = record["leaves"]
-    consistent = _state_digest(leaves) == record["state_sha256"]
-  except (KeyError, TypeError, AttributeError) as err:
-    raise _Damaged(f"malformed integrity record in meta ({err!r})") from err
-  if not consistent:
-    raise _Damaged("the integrity record in meta is inconsistent with its own digest")
-  return leaves
 
 
 def _describe(err: BaseException) -> str:
@@ -229,17 +139,18 @@ class Checkpointer:
     Raises:
       CheckpointSaveError: orbax declined to save (e.g. `step` is older than
         the latest checkpoint), or this Checkpointer is read-only.
-      ValueError: `meta` uses the reserved key INTEGRITY_KEY.
+      ValueError: `meta` uses the reserved key integrity.INTEGRITY_KEY.
     """
     if self.read_only:
       raise CheckpointSaveError(f"{self.directory} was opened read-only; not saving step {step}")
-    if INTEGRITY_KEY in meta:
-      raise ValueError(f"meta key {INTEGRITY_KEY!r} is reserved for the checkpoint's hashes")
+    if integrity.INTEGRITY_KEY in meta:
+      raise ValueError(f"meta key {integrity.INTEGRITY_KEY!r} is reserved for the checkpoint's "
+                       "hashes")
     if step in self._manager.all_steps():
       logging.info("Checkpoint %d already exists in %s; not saving it again.", step,
                    self.directory)
       return False
-    meta = {**meta, INTEGRITY_KEY: integrity_record(state, meta)}
+    meta = {**meta, integrity.INTEGRITY_KEY: integrity.integrity_record(state, meta)}
     saved = self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
     if not saved:
@@ -311,7 +222,7 @@ class Checkpointer:
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
         return self._read_meta(step)[0]
-      except _Damaged as err:
+      except integrity.Damaged as err:
         logging.warning("Checkpoint %d in %s has damaged metadata (%s); reading an older one.",
                         step, self.directory, err)
     return None
@@ -331,7 +242,7 @@ class Checkpointer:
     """(_OK, (state, meta, verified)), (_DAMAGED, reason) or (_MISMATCH, error)."""
     try:
       return _OK, self._restore_step(step, abstract_state)
-    except _Damaged as err:
+    except integrity.Damaged as err:
       return _DAMAGED, str(err)[:1000]
     except CheckpointMismatchError as err:
       return _MISMATCH, err
@@ -346,24 +257,26 @@ class Checkpointer:
           if list(saved[name][0]) != leaves[name]["shape"]
           or str(saved[name][1]) != leaves[name]["dtype"]]
       if disagree:
-        raise _Damaged(f"state/_METADATA disagrees with the recorded hashes for "
-                       f"{len(disagree)} arrays, e.g. {', '.join(disagree[:3])}")
+        raise integrity.Damaged(f"state/_METADATA disagrees with the recorded hashes for "
+                                f"{len(disagree)} arrays, e.g. {', '.join(disagree[:3])}")
     self._check_fit(step, saved, abstract_state)
     # Restore in the saved dtypes (the hashes are of those), cast to the target's afterwards.
     recast = any(saved[name][1] != np.dtype(leaf.dtype)
-                 for name, leaf in _leaves_by_name(abstract_state).items())
+                 for name, leaf in integrity.leaves_by_name(abstract_state).items())
     target = abstract_state if not recast else _map_named(lambda name, leaf: jax.ShapeDtypeStruct(
         leaf.shape, saved[name][1], sharding=getattr(leaf, "sharding", None)), abstract_state)
     try:
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target)))["state"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise _Damaged(f"orbax could not restore it: {_describe(err)}") from err
+      raise integrity.Damaged(f"orbax could not restore it: {_describe(err)}") from err
     if leaves is not None:
-      actual = {name: _leaf_entry(leaf) for name, leaf in _leaves_by_name(state).items()}
+      actual = {name: integrity.leaf_entry(leaf)
+                for name, leaf in integrity.leaves_by_name(state).items()}
       bad = [name for name in sorted(leaves) if actual.get(name) != leaves[name]]
       if bad:
-        raise _Damaged(f"content hash mismatch in {len(bad)} arrays, e.g. {', '.join(bad[:3])}")
+        raise integrity.Damaged(f"content hash mismatch in {len(bad)} arrays, e.g. "
+                                f"{', '.join(bad[:3])}")
     if recast:
       state = jax.tree.map(_cast_like, state, abstract_state)
     return state, meta, leaves is not None
@@ -374,13 +287,13 @@ class Checkpointer:
     for marker in (_COMMIT_MARKER, os.path.join("state", _COMMIT_MARKER),
                    os.path.join("meta", _COMMIT_MARKER)):
       if not os.path.isfile(os.path.join(directory, marker)):
-        raise _Damaged(f"commit marker {marker} is missing")
+        raise integrity.Damaged(f"commit marker {marker} is missing")
     try:
       with open(os.path.join(directory, _STEP_METADATA), encoding="utf-8") as f:
         if not isinstance(json.load(f), dict):
           raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
-      raise _Damaged(f"{_STEP_METADATA} is unreadable ({_describe(err)})") from err
+      raise integrity.Damaged(f"{_STEP_METADATA} is unreadable ({_describe(err)})") from err
 
   def _read_meta(self, step: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]] | None]:
     """(meta without the record, the record's leaves or None for an old checkpoint)."""
@@ -388,16 +301,16 @@ class Checkpointer:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))["meta"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise _Damaged(f"meta/metadata is unreadable ({_describe(err)})") from err
+      raise integrity.Damaged(f"meta/metadata is unreadable ({_describe(err)})") from err
     if not isinstance(meta, dict):
-      raise _Damaged("meta/metadata is not a JSON object")
-    if INTEGRITY_KEY not in meta:
+      raise integrity.Damaged("meta/metadata is not a JSON object")
+    if integrity.INTEGRITY_KEY not in meta:
       return meta, None
-    record = meta[INTEGRITY_KEY]
-    leaves = _check_record(record)
-    if _meta_digest(meta) != record.get("meta_sha256"):
-      raise _Damaged("meta/metadata differs from its recorded hash")
-    return _canonical_meta(meta), leaves
+    record = meta[integrity.INTEGRITY_KEY]
+    leaves = integrity.check_record(record)
+    if integrity.meta_digest(meta) != record.get("meta_sha256"):
+      raise integrity.Damaged("meta/metadata differs from its recorded hash")
+    return integrity.canonical_meta(meta), leaves
 
   def _saved_leaves(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """{name: (shape, dtype)} from the `state` item metadata; unreadable is damage."""
@@ -405,19 +318,19 @@ class Checkpointer:
       tree = self._manager.item_metadata(step)["state"]
       if tree is None:
         raise ValueError("no metadata")
-      named = _leaves_by_name(tree)
+      named = integrity.leaves_by_name(tree)
       saved = {name: (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
                for name, leaf in named.items()}
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise _Damaged("the state metadata (state/_METADATA, or the arrays' own in OCDBT) is "
-                     f"missing or unreadable ({_describe(err)})") from err
+      raise integrity.Damaged("the state metadata (state/_METADATA, or the arrays' own in "
+                              f"OCDBT) is missing or unreadable ({_describe(err)})") from err
     if not saved:
-      raise _Damaged("state/_METADATA lists no arrays")
+      raise integrity.Damaged("state/_METADATA lists no arrays")
     return saved
 
   def _check_fit(self, step: int, saved: dict[str, tuple[tuple[int, ...], np.dtype]],
                  abstract_state: Any) -> None:
-    target = _leaves_by_name(abstract_state)
+    target = integrity.leaves_by_name(abstract_state)
     problems = [f"{name}: checkpoint {saved[name][0]} vs config {tuple(leaf.shape)}"
                 for name, leaf in target.items()
                 if name in saved and saved[name][0] != tuple(leaf.shape)]
@@ -453,8 +366,9 @@ class Checkpointer:
         try:  # Best effort: the note only helps a person looking at it later.
           with open(os.path.join(where, _DAMAGE_NOTE), "w", encoding="utf-8") as f:
             f.write(f"cpjax moved checkpoint {step} aside at {stamp}: {reason}\n")
-        except OSError:
-          pass
+        except OSError as note_error:  # The move itself worked: say so, and go on.
+          logging.warning("Could not write %s into %s (%s); the reason was: %s",
+                          _DAMAGE_NOTE, where, note_error, reason)
     # Every process waits for the rename (and learns whether it worked) before re-listing.
     if _agree(_DAMAGED if error else _OK) != _OK:
       raise RuntimeError(f"could not move damaged checkpoint {step} in {self.directory} aside "
@@ -475,7 +389,8 @@ class Checkpointer:
 def _map_named(fn, tree: Any) -> Any:
   """`tree` with each leaf replaced by fn(dotted name, leaf)."""
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return jax.tree_util.tree_unflatten(treedef, [fn(_path_name(p), leaf) for p, leaf in paths])
+  return jax.tree_util.tree_unflatten(
+      treedef, [fn(integrity.path_name(p), leaf) for p, leaf in paths])
 
 
 def _cast_like(leaf: Any, target: Any) -> Any:
