@@ -20,6 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.val_size = 180  # Examples carved out of the train split for validation.
   config.dataset.split_seed = 42  # Seed of the train/validation carve-out (fixed per study).
   config.dataset.train_examples = 0  # Train on a seeded subset of this many examples; 0 = all.
+  # Examples carved out of the training split (disjoint from val and test) for the held-out
+  # meta-validation batches of the flgamma_* losses; 0 = none (every other loss).
+  config.dataset.meta_val_size = 0
   config.dataset.crop_padding = 1  # Random-crop zero padding in pixels (0 = no crop).
   config.dataset.flip = False  # Random horizontal flips (off: digits are not mirror-symmetric).
 
@@ -43,10 +46,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss.mbls_lambda = 0.1  # mbls: penalty weight.
   config.loss.ecp_alpha = 0.1  # ecp: entropy-penalty weight.
   config.loss.surrogate_lambda = 0.5  # ce_dece/ce_sece: weight of the surrogate.
-  config.loss.dece_bins = 15  # ce_dece: soft bins M.
+  config.loss.dece_bins = 15  # ce_dece, flgamma_dece: soft bins M.
   config.loss.dece_t_a = 100.0  # ce_dece: soft-rank temperature.
   config.loss.dece_t_b = 0.01  # ce_dece: soft-binning temperature.
-  config.loss.sece_bandwidth = 0.05  # ce_sece: Gaussian kernel bandwidth h.
+  config.loss.sece_bandwidth = 0.05  # ce_sece, flgamma_sece: Gaussian kernel bandwidth h.
+
+  # gamma-Net meta-calibration, loss.name = flgamma_sece / flgamma_dece (spec §2.11-2.13;
+  # Wang & Golebiowski): focal loss with a per-example gamma from gamma-Net, whose parameters
+  # minimise s-ECE / DECE on meta-validation batches (dataset.meta_val_size, needed).
+  config.meta = ml_collections.ConfigDict()
+  config.meta.learning_rate = 1e-3  # Adam on gamma-Net's parameters (Meta-Calibration's).
+  config.meta.ce_weight = 0.0  # Meta-loss = surrogate + ce_weight * CE (0: [MR] Algorithm 1).
+  config.meta.num_prototypes = 0  # gamma-Net's k learned prototypes; 0 = number of classes.
+  config.meta.temperature = 0.4  # gamma = |x~ W| / temperature.
+  config.meta.max_gamma = 10.0  # Clamp gamma to [0, max_gamma]; 0 = no clamp.
+  # Also add the meta-gradient to the backbone's, as the reference code does by not zeroing
+  # its gradient buffer: the model then partly trains on the meta-validation batches.
+  config.meta.leak_meta_gradient = False
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = 0.05  # Peak (initial) learning rate.
@@ -54,7 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.nesterov = False  # Nesterov momentum.
   config.optimizer.weight_decay = 5e-4  # Coupled (PyTorch-style) L2 added to the gradient.
   config.optimizer.grad_clip_norm = 0.0  # Clip the global gradient norm to this; 0 = off.
-  config.optimizer.schedule = "cosine"  # LR schedule per epoch: cosine, multistep or constant.
+  config.optimizer.schedule = "cosine"  # LR schedule: cosine, multistep or constant.
+  # "epoch": the LR changes once per epoch (the sources); "step": every step, the schedule
+  # stretched over the run's optimizer steps (budget_steps when that cuts the run short).
+  config.optimizer.schedule_unit = "epoch"
   config.optimizer.milestones = (150, 250)  # multistep: epochs at which the LR is decayed.
   config.optimizer.decay_factor = 0.1  # multistep: LR multiplier at each milestone.
 
@@ -98,6 +117,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.evaluation.ood_severity = 5  # gaussian_noise severity 1..5 (CIFAR-10-C scales).
 
   config.num_epochs = 8  # Training epochs.
+  # Stop after this many optimizer steps in all, the epoch in which they run out cut short
+  # and made the last (with its evaluation and report); 0 = train every epoch in full. With
+  # optimizer.schedule_unit="step", the "same budget" baseline: full data in the number of
+  # steps a subset run takes.
+  config.budget_steps = 0
   config.batch_size = 64  # Global batch size (all devices and processes together).
   config.eval_batch_size = 256  # Global batch size of evaluation passes.
   config.eval_every_epochs = 1  # Evaluate validation and test every this many epochs.

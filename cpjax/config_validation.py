@@ -105,6 +105,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.val_size": integer(1),
       "dataset.split_seed": integer(0, 2**31 - 1),
       "dataset.train_examples": integer(0),
+      "dataset.meta_val_size": integer(0),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
       "model.name": choice(list(models.MODELS)),
@@ -117,6 +118,7 @@ def spine_schema() -> dict[str, Check]:
       "optimizer.weight_decay": number(0.0, 1.0),
       "optimizer.grad_clip_norm": number(0.0),
       "optimizer.schedule": choice(["cosine", "multistep", "constant"]),
+      "optimizer.schedule_unit": choice(["epoch", "step"]),
       "optimizer.milestones": int_sequence(1),
       "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
       "selection.method": choice(list(policies.METHODS)),
@@ -146,6 +148,13 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),
       "evaluation.ood_severity": integer(1, 5),
       "num_epochs": integer(1),
+      "budget_steps": integer(0),
+      "meta.learning_rate": number(0.0, 10.0, low_open=True),
+      "meta.ce_weight": number(0.0),
+      "meta.num_prototypes": integer(0),
+      "meta.temperature": number(0.0, low_open=True),
+      "meta.max_gamma": number(0.0),
+      "meta.leak_meta_gradient": boolean(),
       "batch_size": integer(1),
       "eval_batch_size": integer(1),
       "eval_every_epochs": integer(1),
@@ -242,6 +251,27 @@ def _loss_problems(config: ml_collections.ConfigDict) -> list[str]:
   if spec.gamma_schedule and len(config.loss.gamma_boundaries) != len(spec.gamma_schedule) - 1:
     problems.append(f"config.loss.gamma_boundaries={config.loss.gamma_boundaries} must hold "
                     f"{len(spec.gamma_schedule) - 1} epochs for {config.loss.name}")
+  return problems + _meta_problems(config, spec)
+
+
+def _meta_problems(config: ml_collections.ConfigDict, spec: losses.LossSpec) -> list[str]:
+  """FL_gamma losses need meta-validation batches: full ones, no loss weights; no other loss
+  takes examples away from training for them."""
+  meta_size, batch_size = config.dataset.meta_val_size, config.batch_size
+  metas = sorted(name for name, s in losses.LOSSES.items() if s.meta_objective)
+  if spec.meta_objective is None:
+    return [] if not meta_size else [
+        f"config.dataset.meta_val_size={meta_size} takes examples out of training for "
+        f"meta-validation, which only the losses {', '.join(metas)} use; set it to 0 for "
+        f"loss.name={config.loss.name!r}"]
+  problems = []
+  if meta_size < batch_size:
+    problems.append(f"config.dataset.meta_val_size={meta_size} must be at least "
+                    f"config.batch_size={batch_size} for loss.name={config.loss.name!r}: each "
+                    "step draws a full meta-validation batch of distinct examples")
+  if config.selection.method in policies.WEIGHTED_METHODS:
+    problems.append(f"config.selection.method={config.selection.method!r} weights the loss per "
+                    f"example, which loss.name={config.loss.name!r} does not support")
   return problems
 
 
@@ -314,9 +344,13 @@ def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
     return [f"config.dataset.val_size={config.dataset.val_size} must be below the train split "
             f"size {num_train} of {config.dataset.name}"]
   num_rows = num_train - config.dataset.val_size
+  if config.dataset.meta_val_size >= num_rows:
+    return [f"config.dataset.meta_val_size={config.dataset.meta_val_size} must be below the "
+            f"{num_rows} training examples left after validation"]
+  num_rows -= config.dataset.meta_val_size
   if config.dataset.train_examples > num_rows:
     return [f"config.dataset.train_examples={config.dataset.train_examples} exceeds the "
-            f"{num_rows} training examples left after validation"]
+            f"{num_rows} training examples left after validation and meta-validation"]
   num_rows = config.dataset.train_examples or num_rows
   selection = config.selection
   if selection.count > num_rows:
@@ -362,6 +396,13 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
     problems.append(f"config.selection.warmup_epochs={config.selection.warmup_epochs} leaves no "
                     f"epoch of the {config.num_epochs} (config.num_epochs) to select in; "
                     f"selection.method={config.selection.method!r} would never run")
+  if config.selection.method in policies.WEIGHTED_METHODS and (
+      config.budget_steps or config.optimizer.schedule_unit == "step"):
+    # An infobatch epoch's size is drawn when it starts: the run's steps are not known ahead.
+    problems.append(f"config.budget_steps={config.budget_steps} and optimizer.schedule_unit="
+                    f"{config.optimizer.schedule_unit!r} need epochs of known size; "
+                    f"selection.method={config.selection.method!r} draws each epoch's size: "
+                    "use budget_steps=0 and schedule_unit='epoch' with it")
   problems += _size_problems(config)
   ood = config.evaluation.ood
   if ood in specs.DATASETS and (

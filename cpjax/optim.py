@@ -1,11 +1,14 @@
-"""The optimizer (optax SGD, PyTorch-style) and per-epoch learning-rate schedules.
+"""The optimizer (optax SGD, PyTorch-style) and the learning-rate schedules.
 
 PyTorch's SGD with coupled weight decay and clipping is, in order (spec §1.3):
 clip(raw grad) -> add wd * theta -> momentum buffer -> theta -= lr * buffer,
 i.e. optax `chain(clip_by_global_norm, add_decayed_weights, sgd)`. The learning
 rate is injected as a hyper-parameter and set by the train step from the
 epoch's value, so schedules keep their epoch shape whatever the number of
-steps per epoch (subset selection shrinks it).
+steps per epoch (subset selection shrinks it). With `schedule_unit="step"` the
+same schedule is stretched over the run's optimizer steps instead and changes
+at every step: a run cut to a step budget (`budget_steps`, the "same budget"
+baseline of issue 12) still decays to its end.
 """
 
 import math
@@ -33,8 +36,13 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
   return optax.inject_hyperparams(sgd_chain)(learning_rate=config.learning_rate)
 
 
-def learning_rate_at(config: ml_collections.ConfigDict, epoch: int, num_epochs: int) -> float:
-  """The learning rate of 0-indexed `epoch`, stepped once per epoch as in the sources.
+def create_meta_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """Adam on gamma-Net's parameters (`config.meta`; Meta-Calibration: torch Adam, lr 1e-3)."""
+  return optax.adam(config.learning_rate)
+
+
+def learning_rate_at(config: ml_collections.ConfigDict, epoch: float, num_epochs: int) -> float:
+  """The learning rate at (0-indexed, possibly fractional) `epoch` of `num_epochs`.
 
   cosine: lr0 * (1 + cos(pi * e / E)) / 2 (PyTorch CosineAnnealingLR, eta_min 0);
   multistep: lr0 * decay_factor ** (number of milestones <= e); constant: lr0.
@@ -45,3 +53,17 @@ def learning_rate_at(config: ml_collections.ConfigDict, epoch: int, num_epochs: 
     passed = sum(epoch >= m for m in config.milestones)
     return config.learning_rate * config.decay_factor ** passed
   return config.learning_rate
+
+
+def learning_rate_of_step(config: ml_collections.ConfigDict, epoch: int, step: int,
+                          total_steps: int, num_epochs: int) -> float:
+  """The learning rate of global optimizer `step` (0-indexed) in 0-indexed `epoch`.
+
+  schedule_unit "epoch": the epoch's rate, as in the sources (one per epoch).
+  schedule_unit "step": the `num_epochs`-epoch schedule stretched over the run's
+  `total_steps` steps, evaluated at e = step * num_epochs / total_steps; cosine
+  becomes lr0 * (1 + cos(pi * step / total_steps)) / 2.
+  """
+  if config.schedule_unit == "epoch":
+    return learning_rate_at(config, epoch, num_epochs)
+  return learning_rate_at(config, step * num_epochs / total_steps, num_epochs)

@@ -1,6 +1,7 @@
 """The tree a run checkpoints, defined once: train state, selection state, a partly trained epoch.
 
-  {"train":     steps.TrainState (params, batch stats, optimizer state, step),
+  {"train":     steps.TrainState (params, batch stats, optimizer state, step; for FL_gamma
+                runs a MetaTrainState, which adds gamma-Net's phi and its Adam state),
    "selection": selection.bookkeeping.SelectionState (score buffer, last subset, times
                 selected, last scoring epoch, seconds; irreducible losses under
                 score=reducible_loss),
@@ -14,11 +15,14 @@ Both build the restore target here, so they cannot disagree about its shape.
 
 from typing import Any
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+import optax
 
 from cpjax import models, optim, steps
+from cpjax.calibration import gamma_net, losses
 from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 from cpjax.selection import bookkeeping, scores
@@ -39,6 +43,16 @@ def empty_partial(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
           **{f"each_{k}": np.zeros(rows, np.float32) for k in PER_EXAMPLE}}
 
 
+def meta_parts(config: ml_collections.ConfigDict
+               ) -> tuple[nn.Module, optax.GradientTransformation] | None:
+  """(gamma-Net, its optimizer) of an FL_gamma run's config; None for every other loss."""
+  if losses.LOSSES[config.loss.name].meta_objective is None:
+    return None
+  num_classes = specs.DATASETS[config.dataset.name].num_classes
+  return (gamma_net.create_gamma_net(config, num_classes),
+          optim.create_meta_optimizer(config.meta))
+
+
 def initial_selection(config: ml_collections.ConfigDict) -> bookkeeping.SelectionState:
   """The "selection" subtree before any epoch (with irreducible losses under RHO-LOSS)."""
   return bookkeeping.initial_state(splits.num_train_examples(config.dataset),
@@ -57,6 +71,6 @@ def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict
   replicated = sharding.replicated(mesh)
   host_parts = {"selection": initial_selection(config), "partial": empty_partial(config)}
   return {"train": steps.abstract_train_state(model, optim.create_optimizer(config.optimizer),
-                                              data.image_shape, mesh),
+                                              data.image_shape, mesh, meta_parts(config)),
           **jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                         sharding=replicated), host_parts)}

@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from cpjax.calibration import gamma_net as gamma_net_lib
 from cpjax.calibration import losses
 from cpjax.data import augment, specs, splits
 from cpjax.runtime import sharding
@@ -36,6 +37,14 @@ class TrainState:
   batch_stats: Any
   opt_state: Any
   rng: jax.Array  # Key of the training stream; step keys are fold_in(rng, step).
+
+
+@flax.struct.dataclass
+class MetaTrainState(TrainState):
+  """A TrainState plus gamma-Net's parameters phi and their optimizer (Adam) state: the train
+  state of FL_gamma runs, checkpointed and restored whole, so exact resume covers phi."""
+  meta_params: Any
+  meta_opt_state: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,23 +72,38 @@ def step_spec(config: ml_collections.ConfigDict) -> StepSpec:
 
 
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
-                       image_shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> TrainState:
-  """Initialises a replicated TrainState on `mesh` (inside jit: multi-host safe)."""
+                       image_shape: tuple[int, ...], mesh: jax.sharding.Mesh,
+                       meta: tuple[nn.Module, optax.GradientTransformation] | None = None
+                       ) -> TrainState:
+  """Initialises a replicated TrainState on `mesh` (inside jit: multi-host safe).
+
+  With `meta` = (gamma-Net, its optimizer), a MetaTrainState whose phi is initialised on
+  the model's features of a blank image, from a key of its own (fold_in(rng, 1)).
+  """
   init_key, train_key = jax.random.split(rng)
 
   def init() -> TrainState:
-    variables = model.init(init_key, jnp.zeros((1,) + tuple(image_shape)), train=False)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                      batch_stats=variables["batch_stats"],
-                      opt_state=tx.init(variables["params"]), rng=train_key)
+    blank = jnp.zeros((1,) + tuple(image_shape))
+    variables = model.init(init_key, blank, train=False)
+    fields = dict(step=jnp.zeros((), jnp.int32), params=variables["params"],
+                  batch_stats=variables["batch_stats"],
+                  opt_state=tx.init(variables["params"]), rng=train_key)
+    if meta is None:
+      return TrainState(**fields)
+    gamma_net, meta_tx = meta
+    _, features = model.apply(variables, blank, train=False)
+    phi = gamma_net.init(jax.random.fold_in(rng, 1), features)["params"]
+    return MetaTrainState(**fields, meta_params=phi, meta_opt_state=meta_tx.init(phi))
   return jax.jit(init, out_shardings=sharding.replicated(mesh))()
 
 
 def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation,
-                         image_shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> TrainState:
-  """The shapes, dtypes and (replicated) shardings of a TrainState, computing nothing."""
+                         image_shape: tuple[int, ...], mesh: jax.sharding.Mesh,
+                         meta: tuple[nn.Module, optax.GradientTransformation] | None = None
+                         ) -> TrainState:
+  """The shapes, dtypes and (replicated) shardings of a (Meta)TrainState, computing nothing."""
   shapes = jax.eval_shape(
-      lambda: create_train_state(jax.random.PRNGKey(0), model, tx, image_shape, mesh))
+      lambda: create_train_state(jax.random.PRNGKey(0), model, tx, image_shape, mesh, meta))
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=sharding.replicated(mesh)), shapes)
 
@@ -114,8 +138,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
     pre-update forward pass (the reference's train-pass scores).
   """
   crop_key, mix_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
-  images = augment.random_crop_flip(crop_key, batch["image"], spec.crop_padding, spec.flip)
-  images = augment.normalize(images, spec.mean, spec.std)
+  images = _augmented(crop_key, batch["image"], spec)
   targets, mask = batch["label"], batch["mask"]
   if spec.mixup_alpha > 0:
     targets = jax.nn.one_hot(targets, spec.num_classes)
@@ -127,16 +150,40 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
         mutable=["batch_stats"])
     per_example = loss_fn(logits, targets, **loss_hparams)
     weighted = per_example * batch["weight"] if spec.weighted else per_example
-    total = jnp.sum(weighted * mask)
-    loss = total if spec.reduction == "sum" else total / jnp.sum(mask)
-    return loss, (logits, per_example, updates["batch_stats"])
+    return _reduce(weighted, mask, spec), (logits, per_example, updates["batch_stats"])
 
   (loss, (logits, per_example, batch_stats)), grads = jax.value_and_grad(
       objective, has_aux=True)(state.params)
+  new_state = _sgd_update(state, grads, batch_stats, learning_rate, tx)
+  return new_state, *_step_outputs(state, batch, logits, per_example, loss, grads, score_fn)
+
+
+def _augmented(key: jax.Array, images: jax.Array, spec: StepSpec) -> jax.Array:
+  """Train-time crop and flip, then normalisation."""
+  images = augment.random_crop_flip(key, images, spec.crop_padding, spec.flip)
+  return augment.normalize(images, spec.mean, spec.std)
+
+
+def _reduce(per_example: jax.Array, mask: jax.Array, spec: StepSpec) -> jax.Array:
+  """sum_i l_i m_i, divided by sum_i m_i under reduction "mean"."""
+  total = jnp.sum(per_example * mask)
+  return total if spec.reduction == "sum" else total / jnp.sum(mask)
+
+
+def _sgd_update(state: TrainState, grads: Any, batch_stats: Any, learning_rate: jax.Array,
+                tx: optax.GradientTransformation) -> TrainState:
+  """The state after one optimizer step with `grads` at `learning_rate`."""
   opt_state = _with_learning_rate(state.opt_state, learning_rate)
   updates, opt_state = tx.update(grads, opt_state, state.params)
-  new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                            batch_stats=batch_stats, opt_state=opt_state)
+  return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                       batch_stats=batch_stats, opt_state=opt_state)
+
+
+def _step_outputs(state: TrainState, batch: dict[str, jax.Array], logits: jax.Array,
+                  per_example: jax.Array, loss: jax.Array, grads: Any,
+                  score_fn: scores.ScoreFn) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """A train step's summable batch metrics and per-example outputs (see `train_step`)."""
+  mask = batch["mask"]
   correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
   batch_metrics = {
       # Unweighted (w left out): train_loss stays the trained rows' mean loss, as for any method.
@@ -150,6 +197,100 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
   per_example_out = {"score": score_fn(logits, batch["label"]),
                      "confidence": jnp.max(jax.nn.softmax(logits.astype(jnp.float32)), -1),
                      "correct": correct}
+  return batch_metrics, per_example_out
+
+
+def lookahead_head(head: dict[str, jax.Array], features: jax.Array, labels: jax.Array,
+                   mask: jax.Array, gamma: jax.Array, learning_rate: jax.Array,
+                   spec: StepSpec) -> dict[str, jax.Array]:
+  """One SGD step of the classifier head alone on the focal loss with per-example `gamma`,
+  the features fixed: head - lr grad_head L, L = the reduced FL(features head, y; gamma)
+  (spec §2.13 step 2; differentiable in gamma, so phi gets a meta-gradient through it)."""
+  def loss(h):
+    per_example = losses.focal_loss(gamma_net_lib.head_logits(features, h), labels, gamma)
+    return _reduce(per_example, mask, spec)
+  return jax.tree.map(lambda w, g: w - learning_rate * g, head, jax.grad(loss)(head))
+
+
+def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
+                    learning_rate: jax.Array, loss_hparams: dict[str, jax.Array], *,
+                    model: nn.Module, gamma_net: nn.Module, tx: optax.GradientTransformation,
+                    meta_tx: optax.GradientTransformation, objective: gamma_net_lib.MetaObjective,
+                    score_fn: scores.ScoreFn, spec: StepSpec, leak_meta_gradient: bool = False
+                    ) -> tuple[MetaTrainState, dict[str, jax.Array], dict[str, jax.Array]]:
+  """One bilevel step of FL_gamma with a meta-learned gamma (spec §2.13, the Meta-Calibration
+  scheme of Bohdal et al. as [MR] extends it):
+
+  1. train-mode forward of the train batch: logits z, features x (BatchNorm statistics
+     updated as in `train_step`);
+  2. gamma = gammaNet_phi(x); look-ahead of the classifier head only, with the backbone
+     fixed: head' = head - lr grad_head L(head, phi), L the reduced focal loss
+     FL(x head, y; gamma) over the batch;
+  3. meta-validation batch forward (train-mode BatchNorm on its own statistics, not kept),
+     meta-loss M = objective(x_v head', y_v) (s-ECE or DECE, optionally + CE);
+  4. phi <- meta_tx step on grad_phi M (a second-order gradient through the look-ahead);
+  5. theta <- tx step on grad_theta FL(z, y; gamma), gamma from the updated phi held
+     constant (stop-gradient): the backbone never sees the meta-validation batch.
+
+  `leak_meta_gradient` reproduces the reference code's quirk instead: theta's gradient also
+  holds grad_theta M (its gradient buffer is not zeroed between the meta and the main
+  backward pass), so the model partly trains on the meta-validation batch. Off by default.
+
+  Args:
+    state: the train state with phi and its optimizer state (donated by the loop).
+    batch: as in `train_step` (no mixup, no loss weights), plus "meta_image" and "meta_label":
+      a full global batch (no padding) of the meta-validation split.
+    learning_rate: as in `train_step`; also the look-ahead's step size.
+    loss_hparams: unused (FL_gamma has no scheduled hyper-parameter); the loop's signature.
+
+  Returns:
+    (state, batch metrics of `train_step` plus "meta_loss" and "gamma_sum" (sum of the masked
+    gammas), per-example outputs of `train_step`).
+  """
+  del loss_hparams
+  crop_key, _ = jax.random.split(jax.random.fold_in(state.rng, state.step))
+  images = _augmented(crop_key, batch["image"], spec)
+  labels, mask = batch["label"], batch["mask"]
+  variables = {"params": state.params, "batch_stats": state.batch_stats}
+
+  def forward(params):
+    (logits, features), updates = model.apply({**variables, "params": params}, images,
+                                              train=True, mutable=["batch_stats"])
+    return (logits, features), updates["batch_stats"]
+
+  (logits, features), backward, batch_stats = jax.vjp(forward, state.params, has_aux=True)
+  meta_images = augment.normalize(batch["meta_image"], spec.mean, spec.std)
+
+  def meta_loss(phi, params, train_features):
+    """M as a function of phi (and, for the leak only, of theta through both forwards)."""
+    gamma = gamma_net.apply({"params": phi}, train_features)
+    head = lookahead_head(params["head"], train_features, labels, mask, gamma,
+                          learning_rate, spec)
+    (_, meta_features), _ = model.apply({**variables, "params": params}, meta_images,
+                                        train=True, mutable=["batch_stats"])
+    return objective(gamma_net_lib.head_logits(meta_features, head), batch["meta_label"])
+
+  meta_value, meta_grads = jax.value_and_grad(meta_loss)(state.meta_params, state.params,
+                                                         features)
+  meta_updates, meta_opt_state = meta_tx.update(meta_grads, state.meta_opt_state,
+                                                state.meta_params)
+  new_phi = optax.apply_updates(state.meta_params, meta_updates)
+  gamma = jax.lax.stop_gradient(gamma_net.apply({"params": new_phi}, features))
+
+  def train_loss(z):
+    per_example = losses.focal_loss(z, labels, gamma)
+    return _reduce(per_example, mask, spec), per_example
+
+  (loss, per_example), logits_grad = jax.value_and_grad(train_loss, has_aux=True)(logits)
+  (grads,) = backward((logits_grad, jnp.zeros_like(features)))
+  if leak_meta_gradient:
+    leaked = jax.grad(lambda p: meta_loss(state.meta_params, p, forward(p)[0][1]))(state.params)
+    grads = jax.tree.map(jnp.add, grads, leaked)
+  new_state = _sgd_update(state, grads, batch_stats, learning_rate, tx).replace(
+      meta_params=new_phi, meta_opt_state=meta_opt_state)
+  batch_metrics, per_example_out = _step_outputs(state, batch, logits, per_example, loss, grads,
+                                                 score_fn)
+  batch_metrics.update(meta_loss=meta_value, gamma_sum=jnp.sum(gamma * mask))
   return new_state, batch_metrics, per_example_out
 
 
@@ -166,6 +307,17 @@ def score_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
                spec: StepSpec, score_fn: scores.ScoreFn) -> jax.Array:
   """Priority scores [B] of `eval_step`'s logits (the fresh and target scoring passes)."""
   return score_fn(eval_step(state, batch, model=model, spec=spec), batch["label"])
+
+
+def scoring_pass_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
+                      spec: StepSpec, score_fn: scores.ScoreFn) -> jax.Array:
+  """[B, 3] per example: `score_step`'s score, the top-class probability and 1.0 where the
+  top class is the label. One forward pass gives a scoring pass both the ranking and the
+  scorer's own calibration on the rows it picks (the `scorer_ece` diagnostic)."""
+  logits = eval_step(state, batch, model=model, spec=spec)
+  confidence = jnp.max(jax.nn.softmax(logits), axis=-1)
+  correct = (jnp.argmax(logits, axis=-1) == batch["label"]).astype(jnp.float32)
+  return jnp.stack([score_fn(logits, batch["label"]), confidence, correct], axis=-1)
 
 
 def predict(fn, state: TrainState, split: splits.Split, mesh: jax.sharding.Mesh,

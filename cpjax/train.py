@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from cpjax import config_validation, models, optim, run_state, steps
-from cpjax.calibration import losses, report
+from cpjax.calibration import gamma_net, losses, report
 from cpjax.data import corruptions, input_pipeline, specs, splits
 from cpjax.runtime import (
   checkpointing,
@@ -56,6 +56,17 @@ class Run:
   selection: bookkeeping.SelectionState  # Host copy, as restored.
   start_epoch: int
   partial: dict[str, Any] | None = None  # Steps of `start_epoch` already trained (preempted).
+  # Steps of each epoch the run trains (`_epoch_steps`); set by the loop once it knows them.
+  epoch_steps: tuple[int, ...] = ()
+
+  @property
+  def num_epochs(self) -> int:
+    """Epochs the run trains: config.num_epochs, fewer where budget_steps runs out first."""
+    return len(self.epoch_steps) if self.epoch_steps else self.config.num_epochs
+
+  @property
+  def total_steps(self) -> int:
+    return sum(self.epoch_steps)
 
 
 @dataclasses.dataclass
@@ -108,19 +119,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   run = _setup(config, workdir)
   train_fn = _jit_train_step(config, run.model, run.tx)
   chooser = selector.Selector(config, run.splits["train"], run.mesh)
+  run.epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
+                                 config.budget_steps)
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(run.start_epoch)
-  progress = run_logging.create_progress_reporter(
-      sum(chooser.steps_in_epoch(e) for e in range(config.num_epochs)), writer,
-      config.log_every_steps)
+  progress = run_logging.create_progress_reporter(run.total_steps, writer,
+                                                  config.log_every_steps)
   if run.start_epoch == 0 and run.partial is None:
     writer.write_hparams({"config": config.to_json_best_effort()})
   state, selection_state, record = run.state, run.selection, {}
   with preemption.PreemptionGuard() as guard:
     hooks = LoopHooks(writer, progress, guard)
     try:
-      for epoch in range(run.start_epoch, config.num_epochs):
+      for epoch in range(run.start_epoch, run.num_epochs):
         start = time.time()
         rows, weights, selection_state, timings = chooser.rows_for_epoch(epoch, state,
                                                                          selection_state)
@@ -138,10 +150,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         writer.write_scalars(int(jax.device_get(state.step)), {
             k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
         epoch_log.write(record)
-        if _due(epoch, config.checkpoint_every_epochs, config.num_epochs) or (
+        if _due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
             hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
-        if hooks.stop_after_epoch and epoch + 1 < config.num_epochs:
+        if hooks.stop_after_epoch and epoch + 1 < run.num_epochs:
           _stop_preempted(run, step, epoch + 1, 0, guard.signal_name)
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
@@ -170,6 +182,19 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     return write_final_report(run, run.state, run.start_epoch)
 
 
+def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
+  """The steps of each epoch the run trains: `natural` (each epoch in full), or, with a
+  step `budget` (> 0), as many as fit in it, the epoch in which it runs out cut short and
+  made the last: [422, 422, 422] with budget 600 -> (422, 178)."""
+  if not budget:
+    return tuple(natural)
+  cumulative = np.cumsum(natural)
+  last = int(np.searchsorted(cumulative, budget))  # First epoch reaching the budget.
+  if last == len(natural):
+    return tuple(natural)
+  return (*natural[:last], budget - (int(cumulative[last - 1]) if last else 0))
+
+
 def _due(epoch: int, every: int, num_epochs: int) -> bool:
   """Whether a periodic action (eval, checkpoint) runs after 0-indexed `epoch`: every
   `every` epochs and always after the last."""
@@ -183,7 +208,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
   tx = optim.create_optimizer(config.optimizer)
   initial = {"train": steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx,
-                                               data.image_shape, mesh),
+                                               data.image_shape, mesh,
+                                               run_state.meta_parts(config)),
              "selection": sharding.replicate(mesh, run_state.initial_selection(config)),
              "partial": sharding.replicate(mesh, run_state.empty_partial(config))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
@@ -269,12 +295,20 @@ def _save(run: Run, state: steps.TrainState, selection_state: bookkeeping.Select
 
 
 def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
-  """The train step with the config's model, optimizer, loss and score bound; jitted once."""
-  return jax.jit(functools.partial(steps.train_step, model=model, tx=tx,
-                                   loss_fn=losses.get_loss(config.loss),
-                                   score_fn=scores.forward_score(config.selection.score),
-                                   spec=steps.step_spec(config)),
-                 donate_argnums=0,
+  """The train step with the config's model, optimizer, loss and score bound; jitted once.
+  FL_gamma losses train with the bilevel `steps.meta_train_step` instead."""
+  score_fn = scores.forward_score(config.selection.score)
+  meta = run_state.meta_parts(config)
+  if meta is None:
+    step = functools.partial(steps.train_step, model=model, tx=tx,
+                             loss_fn=losses.get_loss(config.loss), score_fn=score_fn,
+                             spec=steps.step_spec(config))
+  else:
+    step = functools.partial(steps.meta_train_step, model=model, gamma_net=meta[0], tx=tx,
+                             meta_tx=meta[1], objective=gamma_net.create_meta_objective(config),
+                             score_fn=score_fn, spec=steps.step_spec(config),
+                             leak_meta_gradient=config.meta.leak_meta_gradient)
+  return jax.jit(step, donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train",
                                                                     config.xla_cpu_options))
 
@@ -303,19 +337,22 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   """
   config, epoch = run.config, plan.epoch
   order = splits.epoch_order(config.seed, epoch, plan.rows, config.batch_size)
+  if run.epoch_steps:  # A step budget cuts the last epoch short (else this keeps all).
+    order = order[:run.epoch_steps[epoch]]
   local_rows = sharding.process_rows(run.mesh, config.batch_size)
-  learning_rate = np.float32(optim.learning_rate_at(config.optimizer, epoch, config.num_epochs))
   loss_hparams = {k: np.float32(v) for k, v in losses.scheduled_hparams(config.loss, epoch).items()}
   done = plan.done or {"steps": 0, "totals": None, "outputs": None}
   epoch_start_step = int(jax.device_get(state.step)) - done["steps"]
   totals = None if done["totals"] is None else jax.device_put(done["totals"])
   outputs, window = [], []
   row_weights = _row_weights(plan, len(run.splits["train"]))
+  epoch_learning_rate = _learning_rate(run, epoch, epoch_start_step)
   for i in range(done["steps"], len(order)):
-    batch = sharding.to_global(run.mesh, splits.batch_at(
+    learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
+    batch = sharding.to_global(run.mesh, {**splits.batch_at(
         run.splits["train"], order[i][local_rows],
         weights=None if row_weights is None else row_weights[order[i][local_rows]]),
-        config.batch_size)
+        **_meta_batch(run, epoch_start_step + i, local_rows)}, config.batch_size)
     state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
     epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
     totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
@@ -337,9 +374,26 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   per_example = _host_outputs(outputs, done["outputs"])
   record = {"train_loss": float(totals["loss_sum"] / totals["count"]),
             "train_accuracy": float(totals["correct"] / totals["count"]),
-            "learning_rate": float(learning_rate),
+            "learning_rate": float(epoch_learning_rate),  # At the epoch's first step.
             **{k: float(v) for k, v in loss_hparams.items()}}
   return state, record, order, per_example
+
+
+def _learning_rate(run: Run, epoch: int, step: int) -> np.float32:
+  """The learning rate of global step `step` (0-indexed) in `epoch` (optim)."""
+  return np.float32(optim.learning_rate_of_step(run.config.optimizer, epoch, step,
+                                                run.total_steps, run.config.num_epochs))
+
+
+def _meta_batch(run: Run, step: int, local_rows: slice) -> dict[str, np.ndarray]:
+  """This process's part of global step `step`'s meta-validation batch (FL_gamma runs; else
+  nothing): a reshuffling walk over the meta-validation split, a function of the step."""
+  meta_split = run.splits.get("meta_val")
+  if meta_split is None:
+    return {}
+  rows = splits.cycled_rows(run.config.seed, step, len(meta_split), run.config.batch_size)
+  meta = splits.batch_at(meta_split, rows[local_rows])
+  return {"meta_image": meta["image"], "meta_label": meta["label"]}
 
 
 def _row_weights(plan: EpochPlan, num_rows: int) -> np.ndarray | None:
@@ -392,13 +446,17 @@ def _log_train_window(run: Run, writer, window: list[dict[str, jax.Array]], step
   _raise_if_bad(run, {"first_bad_step": min(m["first_bad_step"] for m in window)}, epoch,
                 epoch_start_step)
   count = sum(float(m["count"]) for m in window)
-  writer.write_scalars(step, {
+  scalars = {
       "train/loss": sum(float(m["loss_sum"]) for m in window) / count,
       "train/accuracy": sum(float(m["correct"]) for m in window) / count,
       "train/learning_rate": float(learning_rate),
       "train/grad_norm": float(np.mean([m["grad_norm"] for m in window])),
       "train/param_norm": float(window[-1]["param_norm"]),
-  })
+  }
+  if "meta_loss" in window[-1]:  # FL_gamma: the meta-objective and gamma-Net's mean gamma.
+    scalars["train/meta_loss"] = float(np.mean([m["meta_loss"] for m in window]))
+    scalars["train/gamma_mean"] = sum(float(m["gamma_sum"]) for m in window) / count
+  writer.write_scalars(step, scalars)
 
 
 def _raise_if_bad(run: Run, totals: dict[str, Any], epoch: int, epoch_start_step: int) -> None:
@@ -446,11 +504,11 @@ def _evaluate_when_due(run: Run, state: steps.TrainState, epoch: int) -> dict[st
   """The epoch's val/test metrics: from the final report after the last epoch, from an
   evaluation every `eval_every_epochs`, else none."""
   config = run.config
-  if epoch + 1 == config.num_epochs:  # The report's before-TS numbers are the last eval.
+  if epoch + 1 == run.num_epochs:  # The report's before-TS numbers are the last eval.
     results = write_final_report(run, state, epoch + 1)
     return {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
             for split in ("val", "test") for name in report.EPOCH_METRICS}
-  if _due(epoch, config.eval_every_epochs, config.num_epochs):
+  if _due(epoch, config.eval_every_epochs, run.num_epochs):
     return evaluate(run, state)
   return {}
 

@@ -29,6 +29,8 @@ def test_shipped_configs_are_valid(module):
     ("loss.name", "focal_typo", "config.loss.name: got 'focal_typo'"),
     ("loss.reduction", "median", "valid choices: mean, sum"),
     ("optimizer.schedule", "linear", "valid choices: constant, cosine, multistep"),
+    ("optimizer.schedule_unit", "batch", "valid choices: epoch, step"),
+    ("budget_steps", -1, "config.budget_steps: must be in [0, None], got -1"),
     ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate: must be in (0.0"),
     ("optimizer.learning_rate", float("nan"), "must be finite"),
     ("optimizer.momentum", 1.5, "config.optimizer.momentum: must be in [0.0, 1.0], got 1.5"),
@@ -126,6 +128,16 @@ def test_reducible_loss_is_not_for_infobatch(tmp_path):
   assert ("config.selection.score='reducible_loss' does not work with "
           "selection.method='infobatch'") in str(info.value)
   assert "valid: 'loss'" in str(info.value)
+
+
+@pytest.mark.parametrize("overrides", [{"budget_steps": 30},
+                                       {"optimizer.schedule_unit": "step"}])
+def test_infobatch_has_no_step_budget_or_step_schedule(overrides):
+  with pytest.raises(config_validation.ConfigError) as info:
+    config_validation.validate(tiny_config(**{
+        "num_epochs": 4, "selection.method": "infobatch", "selection.warmup_epochs": 1,
+        **overrides}))
+  assert "need epochs of known size; selection.method='infobatch'" in str(info.value)
 
 
 def test_renamed_field_points_at_its_replacement():

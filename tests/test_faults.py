@@ -216,7 +216,7 @@ def test_an_unknown_override_fails_in_one_line_without_creating_the_workdir(tmp_
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert len(lines) == 1, result.stderr[-2000:]
   assert lines[0].startswith("FATAL Flags parsing error: config.foo: unknown field; known "
-                             "fields: batch_size, checkpoint_every_epochs,"), lines[0]
+                             "fields: batch_size, budget_steps, checkpoint_every_epochs,"), lines[0]
   assert not os.path.exists(tmp_path / "w")
 
 

@@ -45,6 +45,7 @@ RANKS = {
     "data.splits": 1,
     "calibration": 1,
     "calibration.bootstrap": 1,
+    "calibration.gamma_net": 1,
     "calibration.losses": 1,
     "calibration.metrics": 1,
     "calibration.report": 1,

@@ -173,23 +173,37 @@ def _count_training_passes(monkeypatch, split) -> list[int]:
   return passes
 
 
-def test_target_of_another_architecture_scores_once(resnet20_run, digits, tmp_path, monkeypatch):
+def test_target_of_another_architecture_scores_once(other_model_run, digits, tmp_path, monkeypatch):
   split = digits["train"]
   passes = _count_training_passes(monkeypatch, split)
   config = helpers.selected_config(**{
-      "selection.scoring": "target", "selection.target_workdir": resnet20_run.workdir,
+      "selection.scoring": "target", "selection.target_workdir": other_model_run.workdir,
       "selection.rescore_every": 0, "selection.record_scores": False})
   workdir = str(tmp_path / "current")
   train.train_and_evaluate(config, workdir)
   assert passes == [config.selection.score_batch_size]  # Epoch 1 scored; epoch 2 reused it.
 
   # Independently: the target's eval-mode entropies over the training split.
-  assert sources.read_run_config(resnet20_run.workdir).model.name == "resnet20"
-  logits = _target_logits(resnet20_run.workdir, split)
+  assert sources.read_run_config(other_model_run.workdir).model.name == "small_cnn"
+  logits = _target_logits(other_model_run.workdir, split)
   buffer = np.asarray(helpers.restore_checkpoint(workdir)["selection"]["scores"])
   np.testing.assert_allclose(buffer, _numpy_entropy(logits), rtol=1e-4, atol=1e-6)
   records = read_metrics(workdir)
   assert records[1]["subset_overlap"] is None and records[2]["subset_overlap"] == 1.0
+  # The scorer's own ECE on the subset (both epochs: one pass, the same subset), from the
+  # target's softmax on those rows, 15 right-closed bins summed in a loop.
+  subset = np.flatnonzero(np.asarray(helpers.restore_checkpoint(workdir)["selection"]["subset"]))
+  logits = np.asarray(logits, np.float32)
+  probs = np.exp(logits - logits.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  confidence, correct = probs.max(1)[subset], probs.argmax(1)[subset] == split.labels[subset]
+  expected = 0.0
+  for low, high in zip(np.arange(15) / 15, np.arange(1, 16) / 15):
+    inside = (confidence > low) & (confidence <= high)
+    if inside.any():
+      expected += inside.mean() * abs(correct[inside].mean() - confidence[inside].mean())
+  for epoch in (1, 2):
+    assert records[epoch]["scorer_ece"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_reducible_loss_by_hand():
@@ -205,25 +219,25 @@ def test_reducible_loss_by_hand():
   assert scores.forward_score("entropy") is scores.normalized_entropy
 
 
-def test_reducible_loss_ranks_the_train_pass_losses_less_the_targets(resnet20_run, digits,
+def test_reducible_loss_ranks_the_train_pass_losses_less_the_targets(other_model_run, digits,
                                                                       tmp_path, monkeypatch):
-  """score='reducible_loss' with a ResNet-20 target: one pass of the target computes every
+  """score='reducible_loss' with a small_cnn target: one pass of the target computes every
   training row's cross-entropy (checkpointed), and each selected epoch trains the top-k of
   the checkpointed train-pass losses less those."""
   split, ids = digits["train"], digits["train"].ids
   passes = _count_training_passes(monkeypatch, split)
   config = helpers.selected_config(**{"selection.score": "reducible_loss",
-                                      "selection.target_workdir": resnet20_run.workdir})
+                                      "selection.target_workdir": other_model_run.workdir})
   workdir = str(tmp_path / "rho")
   train.train_and_evaluate(config, workdir)
   assert passes == [config.selection.score_batch_size]  # Once, at epoch 1; train_pass scoring.
 
   # Independently: the target's cross-entropy of each training row, by NumPy from its logits.
-  irreducible = _numpy_cross_entropy(_target_logits(resnet20_run.workdir, split), split.labels)
+  irreducible = _numpy_cross_entropy(_target_logits(other_model_run.workdir, split), split.labels)
   checkpoints = helpers.checkpoint_steps(workdir)  # One per epoch, named by global step.
   saved = helpers.restore_checkpoint(workdir)["selection"]
   np.testing.assert_allclose(saved["irreducible"], irreducible, rtol=1e-4, atol=1e-5)
-  assert int(saved["irreducible_step"]) == helpers.checkpoint_steps(resnet20_run.workdir)[-1]
+  assert int(saved["irreducible_step"]) == helpers.checkpoint_steps(other_model_run.workdir)[-1]
   records = read_metrics(workdir)
   for epoch in (1, 2):
     raw = np.asarray(helpers.restore_checkpoint(workdir, checkpoints[epoch - 1])
@@ -244,22 +258,22 @@ def test_reducible_loss_ranks_the_train_pass_losses_less_the_targets(resnet20_ru
   np.testing.assert_array_equal(after[trained], recorded[trained])
 
 
-def test_reducible_loss_of_the_target_itself_is_zero_and_its_pass_runs_once(resnet20_run,
+def test_reducible_loss_of_the_target_itself_is_zero_and_its_pass_runs_once(other_model_run,
                                                                            digits, monkeypatch):
   """scoring='fresh' with the target's own model and checkpoint as the current model: the
   fresh pass and the target's pass compute the same losses, so every reducible loss is 0;
   a later epoch rescores (rescore_every=1) but never reruns the target's pass."""
   config = helpers.selected_config(**{
-      "model.name": "resnet20", "selection.scoring": "fresh",
-      "selection.score": "reducible_loss", "selection.target_workdir": resnet20_run.workdir})
+      "model.name": "small_cnn", "selection.scoring": "fresh",
+      "selection.score": "reducible_loss", "selection.target_workdir": other_model_run.workdir})
   mesh = sharding.create_mesh()
-  current = sources.Target(resnet20_run.workdir,
-                           run_state.abstract(resnet20_run.config, mesh)).restore()
+  current = sources.Target(other_model_run.workdir,
+                           run_state.abstract(other_model_run.config, mesh)).restore()
   source = sources.create_source(config, digits["train"], mesh)
   state = source.refresh(1, current, run_state.initial_selection(config))
   np.testing.assert_array_equal(state["scores"], state["irreducible"])
   assert int(state["scored_epoch"]) == 1
-  assert int(state["irreducible_step"]) == helpers.checkpoint_steps(resnet20_run.workdir)[-1]
+  assert int(state["irreducible_step"]) == helpers.checkpoint_steps(other_model_run.workdir)[-1]
   passes = []
   real_predict = steps.predict
   monkeypatch.setattr(steps, "predict", lambda *args: passes.append(1) or real_predict(*args))

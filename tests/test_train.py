@@ -3,7 +3,7 @@
 The jitted steps themselves (learning, metrics, 1 vs 8 devices) are tested in
 test_steps.py. The slow runs are shared fixtures of conftest.py: `main_run` (main.py,
 1 device) serves the end-to-end, evaluate-only and SIGKILL tests; `selected_run` the
-compile-once test; `resnet20_run` the shape-mismatch test.
+compile-once test; `other_model_run` the shape-mismatch test.
 """
 
 import json
@@ -33,6 +33,48 @@ def test_learning_rate_schedules_by_hand():
   config.schedule = "multistep"
   got = [optim.learning_rate_at(config, e, 350) for e in (0, 149, 150, 249, 250)]
   np.testing.assert_allclose(got, [0.1, 0.1, 0.01, 0.01, 0.001])
+
+
+def test_step_schedule_is_the_epoch_schedule_stretched_over_the_run_steps():
+  config = tiny_config(**{"optimizer.learning_rate": 0.1}).optimizer
+  # Epoch unit: the epoch's rate whatever the step.
+  assert optim.learning_rate_of_step(config, 2, 999, 1000, 4) == pytest.approx(
+      0.1 * (1 + np.cos(np.pi * 2 / 4)) / 2)
+  config.schedule_unit = "step"
+  for t in (0, 7, 25, 49):  # Cosine over T = 50 steps: 0.1 (1 + cos(pi t / T)) / 2.
+    assert optim.learning_rate_of_step(config, 0, t, 50, 4) == pytest.approx(
+        0.1 * (1 + np.cos(np.pi * t / 50)) / 2)
+  config.schedule, config.milestones = "multistep", (2, 3)  # Of 4 epochs over 100 steps.
+  got = [optim.learning_rate_of_step(config, 0, t, 100, 4) for t in (0, 49, 50, 74, 75)]
+  np.testing.assert_allclose(got, [0.1, 0.1, 0.01, 0.01, 0.001])
+
+
+@pytest.mark.parametrize("natural, budget, expected", [
+    ([422, 422, 422], 0, (422, 422, 422)),  # No budget: every epoch in full.
+    ([422, 422, 422], 600, (422, 178)),
+    ([422, 422, 422], 422, (422,)),  # Runs out exactly at an epoch's end.
+    ([422, 43, 43], 100, (100,)),  # Runs out inside the first epoch.
+    ([422, 43, 43], 450, (422, 28)),
+    ([422, 43, 43], 10_000, (422, 43, 43)),  # More than the run needs: unchanged.
+])
+def test_epoch_steps_under_a_step_budget_by_hand(natural, budget, expected):
+  assert train._epoch_steps(natural, budget) == expected
+
+
+def test_budgeted_run_stops_at_the_budget_with_the_schedule_spread_over_it(tmp_path):
+  """The "same budget" baseline: full data cut to 27 steps, cosine over those 27 steps."""
+  budget = STEPS_PER_EPOCH + 7
+  config = tiny_config(**{"num_epochs": 3, "budget_steps": budget,
+                          "optimizer.schedule_unit": "step", "optimizer.learning_rate": 0.1})
+  train.train_and_evaluate(config, str(tmp_path))
+  records = read_metrics(str(tmp_path))
+  assert [r["epoch"] for r in records] == [0, 1]  # Epoch 1 is cut short and is the last.
+  assert helpers.checkpoint_steps(tmp_path) == [STEPS_PER_EPOCH, budget]
+  assert records[1]["selected_k"] == 7 * config.batch_size  # 7 steps of distinct rows.
+  assert records[1]["learning_rate"] == pytest.approx(  # At the epoch's first step, 20.
+      0.1 * (1 + np.cos(np.pi * STEPS_PER_EPOCH / budget)) / 2, rel=1e-6)
+  assert "test_accuracy" in records[1]  # The last epoch's evaluation and report ran.
+  assert os.path.exists(tmp_path / "report" / "results.json")
 
 
 def test_optimizer_is_pytorch_sgd_with_coupled_weight_decay_and_clipping():
@@ -80,12 +122,12 @@ def test_unwritable_workdir_fails_early(tmp_path):
     train.train_and_evaluate(tiny_config(), str(blocker / "workdir"))
 
 
-def test_restoring_into_other_shapes_names_the_mismatch(resnet20_run, tmp_path):
+def test_restoring_into_other_shapes_names_the_mismatch(other_model_run, tmp_path):
   workdir = str(tmp_path / "copy")
-  shutil.copytree(resnet20_run.workdir, workdir)  # The shared run stays untouched.
+  shutil.copytree(other_model_run.workdir, workdir)  # The shared run stays untouched.
   with pytest.raises(Exception, match=r"params.Conv_0.kernel: checkpoint \(3, 3, 1, 16\) vs "
                                       r"config \(3, 3, 1, 8\)"):
-    train.train_and_evaluate(tiny_config(), workdir)  # `tiny` into ResNet-20's checkpoint.
+    train.train_and_evaluate(tiny_config(), workdir)  # `tiny` into small_cnn's checkpoint.
 
 
 def _final_state(workdir):

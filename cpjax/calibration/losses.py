@@ -175,6 +175,9 @@ class LossSpec:
   hparams: Callable[[ml_collections.ConfigDict], dict[str, Any]]  # Fixed hyper-parameters.
   soft_targets: bool  # Accepts [B, K] probability targets (mixup).
   gamma_schedule: tuple[float, ...] | None = None  # FLSc: gamma per schedule phase.
+  # FL_gamma-*: the focal loss with gamma-Net's per-example gamma, gamma-Net trained on this
+  # meta-objective (cpjax.calibration.gamma_net, cpjax.steps.meta_train_step).
+  meta_objective: str | None = None
 
 
 LOSSES: dict[str, LossSpec] = {
@@ -195,6 +198,9 @@ LOSSES: dict[str, LossSpec] = {
                                                  "t_a": c.dece_t_a, "t_b": c.dece_t_b}, False),
     "ce_sece": LossSpec(ce_sece_loss, lambda c: {"lam": c.surrogate_lambda,
                                                  "bandwidth": c.sece_bandwidth}, False),
+    # Wang & Golebiowski's FL_gamma-SECE / FL_gamma-DECE (spec §2.11-2.13): gamma per example.
+    "flgamma_sece": LossSpec(focal_loss, lambda c: {}, False, meta_objective="sece"),
+    "flgamma_dece": LossSpec(focal_loss, lambda c: {}, False, meta_objective="dece"),
 }
 
 

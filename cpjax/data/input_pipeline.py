@@ -118,7 +118,8 @@ def get_test_split(config: ml_collections.ConfigDict, name: str) -> Split:
 
 
 def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
-  """Returns {"train", "val", "test"} host splits for `config.dataset`."""
+  """Returns {"train", "val", "test"} host splits for `config.dataset`, and "meta_val"
+  with a `meta_val_size` (FL_gamma's meta-validation batches)."""
   spec = specs.DATASETS[config.name]
   builder = _builder(spec, config)
   full_train = _read_split(builder, "train")
@@ -126,9 +127,11 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
       or not np.array_equal(full_train.ids, np.arange(spec.num_train))):
     raise ValueError(f"{spec.tfds_name}: expected train ids 0..{spec.num_train - 1}, "
                      f"got {len(full_train)} examples")
-  train_ids, val_ids = splits.split_train_ids(config)
-  result = {"train": full_train.take(train_ids), "val": full_train.take(val_ids),
+  ids = splits.split_ids(config)
+  result = {"train": full_train.take(ids["train"]), "val": full_train.take(ids["val"]),
             "test": _read_split(builder, spec.test_split)}
+  if len(ids["meta_val"]):
+    result["meta_val"] = full_train.take(ids["meta_val"])
   logging.info("Dataset %s: %s", config.name, {k: len(v) for k, v in result.items()})
   return result
 
@@ -136,7 +139,8 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
 def _print_stats(name: str) -> None:
   """Prints the per-channel mean/std of a dataset's training images."""
   config = ml_collections.ConfigDict(dict(name=name, data_dir="", manual_dir="", download=False,
-                                          val_size=1, split_seed=0, train_examples=0))
+                                          val_size=1, split_seed=0, train_examples=0,
+                                          meta_val_size=0))
   images = get_datasets(config)["train"].images.astype(np.float64) / 255.0
   axes = tuple(range(images.ndim - 1))
   print(name, "mean", images.mean(axes).round(4), "std", images.std(axes).round(4))

@@ -44,18 +44,45 @@ def carve_validation(num_train: int, val_size: int, seed: int) -> tuple[np.ndarr
 
 
 def num_train_examples(config: ml_collections.ConfigDict) -> int:
-  """Training examples after the validation carve-out and any `train_examples` cap."""
-  return config.train_examples or specs.DATASETS[config.name].num_train - config.val_size
+  """Training examples after the validation and meta-validation carve-outs and any
+  `train_examples` cap."""
+  # .get: the configs saved by runs from before meta-validation existed have no such field.
+  return config.train_examples or (specs.DATASETS[config.name].num_train - config.val_size
+                                   - config.get("meta_val_size", 0))
 
 
-def split_train_ids(config: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
-  """(train ids, validation ids) of `config.dataset`, each sorted."""
+def split_ids(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """{"train", "val", "meta_val"} ids of `config.dataset`, each sorted and disjoint.
+
+  Validation is carved first (`carve_validation`); the meta-validation ids (FL_gamma's
+  held-out batches, `meta_val_size`, none by default) are a seeded draw from the rest, so
+  they never overlap validation or test; `train_examples` then caps what is left.
+  """
   spec = specs.DATASETS[config.name]
   train_ids, val_ids = carve_validation(spec.num_train, config.val_size, config.split_seed)
+  meta_size = config.get("meta_val_size", 0)
+  drawn = np.random.default_rng([config.split_seed, 2]).permutation(train_ids)
+  meta_ids = np.sort(drawn[:meta_size])
+  if meta_size:  # Without a carve-out the training ids stay exactly as they were.
+    train_ids = np.sort(drawn[meta_size:])
   if config.train_examples:  # A seeded subset of the training ids, for quick studies.
     train_ids = np.sort(np.random.default_rng([config.split_seed, 1]).choice(
         train_ids, config.train_examples, replace=False))
-  return train_ids, val_ids
+  return {"train": train_ids, "val": val_ids, "meta_val": meta_ids}
+
+
+def cycled_rows(seed: int, step: int, num_rows: int, batch_size: int) -> np.ndarray:
+  """Rows [batch_size] of batch `step` of an endless walk over `num_rows` rows that reshuffles
+  at every pass (pass p: permutation of (seed, p)): the meta-validation batch of global step
+  `step`, a pure function of the step so that a resumed run draws the same batches."""
+  positions = np.arange(step * batch_size, (step + 1) * batch_size)
+  passes = positions // num_rows
+  rows = np.empty(batch_size, np.int64)
+  for p in np.unique(passes):
+    at = passes == p
+    permutation = np.random.default_rng([seed, 3, int(p)]).permutation(num_rows)
+    rows[at] = permutation[positions[at] % num_rows]
+  return rows
 
 
 def epoch_order(seed: int, epoch: int, rows: np.ndarray, batch_size: int) -> np.ndarray:

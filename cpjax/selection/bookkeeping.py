@@ -124,6 +124,15 @@ def train_pass_record(confidence: np.ndarray, correct: np.ndarray, num_bins: int
           "train_ece": metrics.ece_from_confidences(confidence, correct, num_bins)}
 
 
+def scorer_record(calibration: tuple[np.ndarray, np.ndarray], rows: np.ndarray,
+                  num_bins: int) -> dict:
+  """ECE of the scorer's own predictions (the last scoring pass's [N] confidences and
+  correctness) on the rows the epoch trained: how far to trust the ranking that chose them
+  (the seed paper's premise is that a calibrated scorer ranks better)."""
+  confidence, correct = calibration
+  return {"scorer_ece": metrics.ece_from_confidences(confidence[rows], correct[rows], num_bins)}
+
+
 def add_seconds(state: SelectionState, timings: dict[str, float]
                 ) -> tuple[SelectionState, dict[str, float]]:
   """Adds an epoch's `{phase}_seconds` to the totals; returns the state and both as a record."""

@@ -120,6 +120,9 @@ class Selector:
         record.update(bookkeeping.irreducible_record(state["irreducible"], rows))
       if self.weighted:
         record.update(bookkeeping.pruning_record(len(rows), len(self._split)))
+      if (calibration := self._source.scorer_calibration()) is not None:
+        record.update(bookkeeping.scorer_record(calibration, rows,
+                                                self._config.evaluation.num_bins))
     if self._source.learns_from_training:
       state = bookkeeping.with_scores(state, rows, first["score"])
     if self._selection.record_scores and jax.process_index() == 0:

@@ -13,7 +13,9 @@
 
 Each source has one job, `refresh(epoch, train_state, state) -> state`: update
 the score buffer of the selection state if a pass is due. `learns_from_training`
-says whether the loop writes the train pass's own scores into the buffer.
+says whether the loop writes the train pass's own scores into the buffer;
+`scorer_calibration()` gives the last scoring pass's confidences and
+correctness (fresh and target passes; None where there is none in memory).
 
 Under score=reducible_loss (RHO-LOSS) the train_pass or fresh source fills the
 buffer with the current model's losses, and `WithIrreducibleLoss` adds, once, the
@@ -45,6 +47,11 @@ class ScoreSource(Protocol):
               state: bookkeeping.SelectionState) -> bookkeeping.SelectionState:
     """The selection state with the buffer rescored for `epoch` if a pass is due."""
 
+  def scorer_calibration(self) -> tuple[np.ndarray, np.ndarray] | None:
+    """([N] top-class probability, [N] 1.0 where it is the label) of the last scoring pass,
+    or None: no pass of its own (train_pass: the train-pass ECE covers it; target_recorded
+    records scores only), or none since the process started (a resumed run)."""
+
 
 class TrainPass:
   """Scores come from training itself: nothing to do before an epoch."""
@@ -53,6 +60,9 @@ class TrainPass:
   def refresh(self, epoch, train_state, state):
     del epoch, train_state
     return state
+
+  def scorer_calibration(self):
+    return None
 
 
 class ScoringPass:
@@ -67,6 +77,7 @@ class ScoringPass:
                rescore_every: int, target: "Target | None" = None):
     self._score_fn, self._split, self._mesh = score_fn, split, mesh
     self._batch_size, self._rescore_every, self._target = batch_size, rescore_every, target
+    self._calibration = None  # The last pass's (confidence, correct), this process only.
 
   def _due(self, epoch: int, state: bookkeeping.SelectionState) -> bool:
     last = int(state["scored_epoch"])
@@ -76,9 +87,13 @@ class ScoringPass:
     if not self._due(epoch, state):
       return state
     model_state = self._target.restore() if self._target else train_state
-    buffer = steps.predict(self._score_fn, model_state, self._split, self._mesh,
-                           self._batch_size).astype(np.float32)
-    return {**state, "scores": buffer, "scored_epoch": np.array(epoch, np.int32)}
+    columns = steps.predict(self._score_fn, model_state, self._split, self._mesh,
+                            self._batch_size).astype(np.float32)  # [N, 3]
+    self._calibration = columns[:, 1], columns[:, 2]
+    return {**state, "scores": columns[:, 0], "scored_epoch": np.array(epoch, np.int32)}
+
+  def scorer_calibration(self):
+    return self._calibration
 
 
 class TargetRecorded:
@@ -91,6 +106,9 @@ class TargetRecorded:
   def refresh(self, epoch, train_state, state):
     del train_state
     return {**state, "scores": score_files.read_epoch_scores(self._workdir, epoch, self._ids)}
+
+  def scorer_calibration(self):
+    return None
 
 
 class WithIrreducibleLoss:
@@ -122,6 +140,9 @@ class WithIrreducibleLoss:
                                "examples; it cannot give irreducible losses")
     logging.info("Irreducible losses from target step %d: mean %.4f.", step, np.mean(losses))
     return {**state, "irreducible": losses, "irreducible_step": np.array(step, np.int32)}
+
+  def scorer_calibration(self):
+    return self._source.scorer_calibration()
 
 
 class Target:
@@ -163,21 +184,23 @@ def check_target(config: ml_collections.ConfigDict) -> None:
           f"{first}; train the target with --config.selection.record_scores=True")
     return
   target = read_run_config(selection.target_workdir)
-  for field in ("name", "val_size", "split_seed", "train_examples"):
-    if target.dataset[field] != config.dataset[field]:
+  for field in ("name", "val_size", "split_seed", "train_examples", "meta_val_size"):
+    # .get: runs from before meta-validation existed have no meta_val_size (it was 0).
+    theirs, ours = target.dataset.get(field, 0), config.dataset[field]
+    if theirs != ours:
       raise ValueError(
-          f"target run {selection.target_workdir} has dataset.{field}="
-          f"{target.dataset[field]!r}, this run {config.dataset[field]!r}: the target must "
-          "be trained on the same train/validation split")
+          f"target run {selection.target_workdir} has dataset.{field}={theirs!r}, this run "
+          f"{ours!r}: the target must be trained on the same train/validation split")
 
 
 def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_name: str,
-                    preset: str):
-  """A jitted eval-mode score step for a run config's model, in compute `dtype`."""
+                    preset: str, step_fn=steps.scoring_pass_step):
+  """A jitted eval-mode `step_fn` (a scoring pass's [B, 3] columns, or `steps.score_step`'s
+  scores) for a run config's model, in compute `dtype`."""
   model = models.create_model(model_config.model.name,
                               specs.DATASETS[model_config.dataset.name].num_classes, dtype)
   return jax.jit(
-      functools.partial(steps.score_step, model=model, spec=steps.step_spec(model_config),
+      functools.partial(step_fn, model=model, spec=steps.step_spec(model_config),
                         score_fn=scores.forward_score(score_name)),
       compiler_options=compiler_options.compiler_options("inference", preset))
 
@@ -190,7 +213,7 @@ def create_source(config: ml_collections.ConfigDict, split: splits.Split,
   if config.selection.score != scores.REDUCIBLE_LOSS:
     return source
   # Built now, run at the first selected epoch: start-up only reads the target's config.
-  loss_fn, target = _target_scorer(config, "loss", mesh)
+  loss_fn, target = _target_scorer(config, "loss", mesh, steps.score_step)
   return WithIrreducibleLoss(source, loss_fn, split, mesh, config.selection.score_batch_size,
                              target)
 
@@ -212,12 +235,14 @@ def _scoring_source(config: ml_collections.ConfigDict, split: splits.Split,
 
 
 def _target_scorer(config: ml_collections.ConfigDict, score_name: str,
-                   mesh: jax.sharding.Mesh) -> tuple[Any, Target]:
-  """The jitted eval-mode `score_name` step of the target run's own model, and the target."""
+                   mesh: jax.sharding.Mesh, step_fn=steps.scoring_pass_step
+                   ) -> tuple[Any, Target]:
+  """The jitted eval-mode `step_fn` of the target run's own model (`score_name` scores),
+  and the target."""
   selection = config.selection
   target_config = read_run_config(selection.target_workdir)
   score_fn = _jit_score_step(target_config, selection.score_dtype, score_name,
-                             config.xla_cpu_options)
+                             config.xla_cpu_options, step_fn)
   logging.info("Scoring with target run %s (%s).", selection.target_workdir,
                target_config.model.name)
   return score_fn, Target(selection.target_workdir, run_state.abstract(target_config, mesh))
