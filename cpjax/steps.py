@@ -184,7 +184,7 @@ def _step_outputs(state: TrainState, batch: dict[str, jax.Array], logits: jax.Ar
                   score_fn: scores.ScoreFn) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """A train step's summable batch metrics and per-example outputs (see `train_step`)."""
   mask = batch["mask"]
-  correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+  confidence, correct = _confidence_and_correct(logits, batch["label"])
   batch_metrics = {
       # Unweighted (w left out): train_loss stays the trained rows' mean loss, as for any method.
       "loss_sum": jnp.sum(per_example * mask),
@@ -194,10 +194,15 @@ def _step_outputs(state: TrainState, batch: dict[str, jax.Array], logits: jax.Ar
       "grad_norm": optax.tree.norm(grads),
       "param_norm": optax.tree.norm(state.params),
   }
-  per_example_out = {"score": score_fn(logits, batch["label"]),
-                     "confidence": jnp.max(jax.nn.softmax(logits.astype(jnp.float32)), -1),
+  per_example_out = {"score": score_fn(logits, batch["label"]), "confidence": confidence,
                      "correct": correct}
   return batch_metrics, per_example_out
+
+
+def _confidence_and_correct(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per example: the top-class probability (float32 softmax) and 1.0 where it is the label."""
+  confidence = jnp.max(jax.nn.softmax(logits.astype(jnp.float32)), axis=-1)
+  return confidence, (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
 
 
 def lookahead_head(head: dict[str, jax.Array], features: jax.Array, labels: jax.Array,
@@ -315,8 +320,7 @@ def scoring_pass_step(state: TrainState, batch: dict[str, jax.Array], *, model: 
   top class is the label. One forward pass gives a scoring pass both the ranking and the
   scorer's own calibration on the rows it picks (the `scorer_ece` diagnostic)."""
   logits = eval_step(state, batch, model=model, spec=spec)
-  confidence = jnp.max(jax.nn.softmax(logits), axis=-1)
-  correct = (jnp.argmax(logits, axis=-1) == batch["label"]).astype(jnp.float32)
+  confidence, correct = _confidence_and_correct(logits, batch["label"])
   return jnp.stack([score_fn(logits, batch["label"]), confidence, correct], axis=-1)
 
 

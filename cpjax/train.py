@@ -4,7 +4,8 @@
 checkpoint in `workdir` if there is one, and runs one loop over epochs: choose
 the epoch's rows (cpjax.selection), train them with the jitted train step
 (cpjax.steps), log train metrics every `log_every_steps`, evaluate and
-checkpoint when `_due`, and write the calibration report after the last epoch.
+checkpoint when `run_context.due`, and write the calibration report after the last epoch
+(cpjax.evaluation).
 """
 
 import dataclasses
@@ -21,9 +22,12 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import config_validation, models, optim, run_state, steps
-from cpjax.calibration import gamma_net, losses, report
-from cpjax.data import corruptions, input_pipeline, specs, splits
+from cpjax import config_validation, evaluation, models, optim, run_context, run_state, steps
+from cpjax.calibration import gamma_net, losses
+from cpjax.data import input_pipeline, specs, splits
+
+# Run and NonFiniteLossError are part of this module's interface (users catch the error).
+from cpjax.run_context import NonFiniteLossError, Run
 from cpjax.runtime import (
   checkpointing,
   compiler_options,
@@ -35,38 +39,6 @@ from cpjax.runtime import (
 from cpjax.selection import bookkeeping, scores, selector, sources
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
-
-
-class NonFiniteLossError(FloatingPointError):
-  """The training loss became NaN or infinite."""
-
-
-@dataclasses.dataclass
-class Run:
-  """What one run's loop and evaluation share, built once by `_setup`."""
-  config: ml_collections.ConfigDict
-  workdir: str
-  mesh: jax.sharding.Mesh
-  model: Any
-  tx: Any
-  checkpointer: checkpointing.Checkpointer
-  splits: dict[str, splits.Split]
-  eval_fn: Any  # jitted (state, batch) -> logits
-  state: steps.TrainState  # As restored (or initialised).
-  selection: bookkeeping.SelectionState  # Host copy, as restored.
-  start_epoch: int
-  partial: dict[str, Any] | None = None  # Steps of `start_epoch` already trained (preempted).
-  # Steps of each epoch the run trains (`_epoch_steps`); set by the loop once it knows them.
-  epoch_steps: tuple[int, ...] = ()
-
-  @property
-  def num_epochs(self) -> int:
-    """Epochs the run trains: config.num_epochs, fewer where budget_steps runs out first."""
-    return len(self.epoch_steps) if self.epoch_steps else self.config.num_epochs
-
-  @property
-  def total_steps(self) -> int:
-    return sum(self.epoch_steps)
 
 
 @dataclasses.dataclass
@@ -145,12 +117,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         selection_state, selection_record = chooser.after_epoch(
             epoch, selection_state, order, per_example, timings, workdir)
         record.update(selection_record)
-        record.update(_evaluate_when_due(run, state, epoch))
+        record.update(evaluation.evaluate_when_due(run, state, epoch))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
         writer.write_scalars(int(jax.device_get(state.step)), {
             k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
         epoch_log.write(record)
-        if _due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
+        if run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
             hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
         if hooks.stop_after_epoch and epoch + 1 < run.num_epochs:
@@ -179,7 +151,7 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     if run.start_epoch == 0 and run.partial is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
-    return write_final_report(run, run.state, run.start_epoch)
+    return evaluation.write_final_report(run, run.state, run.start_epoch)
 
 
 def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
@@ -193,12 +165,6 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
   if last == len(natural):
     return tuple(natural)
   return (*natural[:last], budget - (int(cumulative[last - 1]) if last else 0))
-
-
-def _due(epoch: int, every: int, num_epochs: int) -> bool:
-  """Whether a periodic action (eval, checkpoint) runs after 0-indexed `epoch`: every
-  `every` epochs and always after the last."""
-  return (epoch + 1) % every == 0 or epoch + 1 == num_epochs
 
 
 def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -285,7 +251,7 @@ def _save(run: Run, state: steps.TrainState, selection_state: bookkeeping.Select
   if not np.isfinite(float(jax.device_get(_global_norm(state.params)))):
     raise NonFiniteLossError(f"non-finite parameters at global step {step} (epoch "
                              f"{epochs_done}); the run stopped without saving them. "
-                             f"{_last_good(run)}")
+                             f"{run_context.last_good(run)}")
   run.checkpointer.save(step, {
       "train": state, "selection": sharding.replicate(run.mesh, selection_state),
       "partial": sharding.replicate(run.mesh, partial or run_state.empty_partial(run.config))},
@@ -465,79 +431,6 @@ def _raise_if_bad(run: Run, totals: dict[str, Any], epoch: int, epoch_start_step
     raise NonFiniteLossError(
         f"non-finite training loss at epoch {epoch}, step {bad - epoch_start_step} of the "
         f"epoch (global step {bad}); the run stopped without saving this state. "
-        f"{_last_good(run)} Lower the learning rate or enable gradient clipping.")
+        f"{run_context.last_good(run)} Lower the learning rate or enable gradient clipping.")
 
 
-def evaluate(run: Run, state: steps.TrainState) -> dict[str, float]:
-  """Accuracy, NLL and the ECE family of the validation and test splits."""
-  num_classes = specs.DATASETS[run.config.dataset.name].num_classes
-  results = {}
-  for name in ("val", "test"):
-    logits = _finite_logits(run, state, run.splits[name], name)
-    values = report.calibration_metrics(logits, run.splits[name].labels, num_classes,
-                                        run.config.evaluation.num_bins)
-    results.update({f"{name}_{metric}": value for metric, value in values.items()})
-  return results
-
-
-def _finite_logits(run: Run, state: steps.TrainState, split: splits.Split,
-                   name: str) -> np.ndarray:
-  """Eval-mode logits of `split`; a non-finite one means the model diverged: stop the run."""
-  logits = steps.predict(run.eval_fn, state, split, run.mesh, run.config.eval_batch_size)
-  if not np.all(np.isfinite(logits)):
-    bad = int(np.sum(~np.all(np.isfinite(logits), axis=-1)))
-    raise NonFiniteLossError(
-        f"the model diverged: {bad} of {len(logits)} {name} examples have non-finite logits "
-        f"at global step {int(jax.device_get(state.step))}; the run stopped without saving "
-        f"this state. {_last_good(run)} Lower the learning rate or enable gradient clipping.")
-  return logits
-
-
-def _last_good(run: Run) -> str:
-  step = run.checkpointer.latest_step()
-  if step is None:
-    return f"No checkpoint was saved yet in {run.checkpointer.directory}."
-  return f"The last good checkpoint is step {step} in {run.checkpointer.directory}."
-
-
-def _evaluate_when_due(run: Run, state: steps.TrainState, epoch: int) -> dict[str, float]:
-  """The epoch's val/test metrics: from the final report after the last epoch, from an
-  evaluation every `eval_every_epochs`, else none."""
-  config = run.config
-  if epoch + 1 == run.num_epochs:  # The report's before-TS numbers are the last eval.
-    results = write_final_report(run, state, epoch + 1)
-    return {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
-            for split in ("val", "test") for name in report.EPOCH_METRICS}
-  if _due(epoch, config.eval_every_epochs, run.num_epochs):
-    return evaluate(run, state)
-  return {}
-
-
-def _ood_split(run: Run) -> splits.Split | None:
-  """The OOD set of the report: a corrupted test set, another dataset, or none."""
-  evaluation, test = run.config.evaluation, run.splits["test"]
-  if not evaluation.ood:
-    return None
-  if evaluation.ood == "gaussian_noise":
-    return dataclasses.replace(test, images=corruptions.gaussian_noise(
-        test.images, evaluation.ood_severity))
-  return input_pipeline.get_test_split(run.config.dataset, evaluation.ood)
-
-
-def write_final_report(run: Run, state: steps.TrainState, epoch: int) -> dict[str, Any]:
-  """Builds the calibration report of `state` and writes it to workdir/report."""
-  config = run.config
-
-  ood = _ood_split(run)
-  results = report.build_report(
-      (_finite_logits(run, state, run.splits["val"], "val"), run.splits["val"].labels),
-      (_finite_logits(run, state, run.splits["test"], "test"), run.splits["test"].labels),
-      specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
-      None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
-                                             config.eval_batch_size))
-  results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
-                       f"after epoch {epoch}", epoch=epoch)
-  if jax.process_index() == 0:
-    paths = report.write_report(os.path.join(run.workdir, "report"), results)
-    logging.info("Wrote the calibration report: %s", ", ".join(paths))
-  return results

@@ -66,9 +66,12 @@ RANKS = {
     # 5: selection's parts that run steps: score sources and the per-epoch selector.
     "selection.selector": 5,
     "selection.sources": 5,
-    # 6, 7: config validation (knows every registry) and the training loop.
+    # 6: config validation (knows every registry).
     "config_validation": 6,
-    "train": 7,
+    # 7-9: what the loop and evaluation share (Run), evaluation and the report, the loop.
+    "run_context": 7,
+    "evaluation": 8,
+    "train": 9,
 }
 
 

@@ -1,0 +1,85 @@
+"""Evaluation of a run's state: val/test metrics each `eval_every_epochs`, and the final
+calibration report (cpjax.calibration.report) after the last epoch. A non-finite logit
+means the model diverged: the run stops with `run_context.NonFiniteLossError`."""
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from cpjax import run_context, steps
+from cpjax.calibration import report
+from cpjax.data import corruptions, input_pipeline, specs, splits
+
+
+def evaluate(run: run_context.Run, state: steps.TrainState) -> dict[str, float]:
+  """Accuracy, NLL and the ECE family of the validation and test splits."""
+  num_classes = specs.DATASETS[run.config.dataset.name].num_classes
+  results = {}
+  for name in ("val", "test"):
+    logits = finite_logits(run, state, run.splits[name], name)
+    values = report.calibration_metrics(logits, run.splits[name].labels, num_classes,
+                                        run.config.evaluation.num_bins)
+    results.update({f"{name}_{metric}": value for metric, value in values.items()})
+  return results
+
+
+def finite_logits(run: run_context.Run, state: steps.TrainState, split: splits.Split,
+                   name: str) -> np.ndarray:
+  """Eval-mode logits of `split`; a non-finite one means the model diverged: stop the run."""
+  logits = steps.predict(run.eval_fn, state, split, run.mesh, run.config.eval_batch_size)
+  if not np.all(np.isfinite(logits)):
+    bad = int(np.sum(~np.all(np.isfinite(logits), axis=-1)))
+    raise run_context.NonFiniteLossError(
+        f"the model diverged: {bad} of {len(logits)} {name} examples have non-finite logits "
+        f"at global step {int(jax.device_get(state.step))}; the run stopped without saving "
+        f"this state. {run_context.last_good(run)} Lower the learning rate or enable "
+        "gradient clipping.")
+  return logits
+
+
+def evaluate_when_due(run: run_context.Run, state: steps.TrainState,
+                      epoch: int) -> dict[str, float]:
+  """The epoch's val/test metrics: from the final report after the last epoch, from an
+  evaluation every `eval_every_epochs`, else none."""
+  config = run.config
+  if epoch + 1 == run.num_epochs:  # The report's before-TS numbers are the last eval.
+    results = write_final_report(run, state, epoch + 1)
+    return {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
+            for split in ("val", "test") for name in report.EPOCH_METRICS}
+  if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
+    return evaluate(run, state)
+  return {}
+
+
+def _ood_split(run: run_context.Run) -> splits.Split | None:
+  """The OOD set of the report: a corrupted test set, another dataset, or none."""
+  evaluation, test = run.config.evaluation, run.splits["test"]
+  if not evaluation.ood:
+    return None
+  if evaluation.ood == "gaussian_noise":
+    return dataclasses.replace(test, images=corruptions.gaussian_noise(
+        test.images, evaluation.ood_severity))
+  return input_pipeline.get_test_split(run.config.dataset, evaluation.ood)
+
+
+def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int) -> dict[str, Any]:
+  """Builds the calibration report of `state` and writes it to workdir/report."""
+  config = run.config
+
+  ood = _ood_split(run)
+  results = report.build_report(
+      (finite_logits(run, state, run.splits["val"], "val"), run.splits["val"].labels),
+      (finite_logits(run, state, run.splits["test"], "test"), run.splits["test"].labels),
+      specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
+      None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
+                                             config.eval_batch_size))
+  results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
+                       f"after epoch {epoch}", epoch=epoch)
+  if jax.process_index() == 0:
+    paths = report.write_report(os.path.join(run.workdir, "report"), results)
+    logging.info("Wrote the calibration report: %s", ", ".join(paths))
+  return results

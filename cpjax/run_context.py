@@ -1,0 +1,59 @@
+"""What one run's loop and its evaluation share: the `Run` built at start-up, the error a
+diverged run stops with, and the periodic-action rule (cpjax.train, cpjax.evaluation)."""
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+
+from cpjax import steps
+from cpjax.data import splits
+from cpjax.runtime import checkpointing
+from cpjax.selection import bookkeeping
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The training loss became NaN or infinite."""
+
+
+@dataclasses.dataclass
+class Run:
+  """What one run's loop and evaluation share, built once by `_setup`."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  mesh: jax.sharding.Mesh
+  model: Any
+  tx: Any
+  checkpointer: checkpointing.Checkpointer
+  splits: dict[str, splits.Split]
+  eval_fn: Any  # jitted (state, batch) -> logits
+  state: steps.TrainState  # As restored (or initialised).
+  selection: bookkeeping.SelectionState  # Host copy, as restored.
+  start_epoch: int
+  partial: dict[str, Any] | None = None  # Steps of `start_epoch` already trained (preempted).
+  # Steps of each epoch the run trains (`_epoch_steps`); set by the loop once it knows them.
+  epoch_steps: tuple[int, ...] = ()
+
+  @property
+  def num_epochs(self) -> int:
+    """Epochs the run trains: config.num_epochs, fewer where budget_steps runs out first."""
+    return len(self.epoch_steps) if self.epoch_steps else self.config.num_epochs
+
+  @property
+  def total_steps(self) -> int:
+    return sum(self.epoch_steps)
+
+
+def last_good(run: Run) -> str:
+  """Where the last good checkpoint is, for the message of a run that stops."""
+  step = run.checkpointer.latest_step()
+  if step is None:
+    return f"No checkpoint was saved yet in {run.checkpointer.directory}."
+  return f"The last good checkpoint is step {step} in {run.checkpointer.directory}."
+
+
+def due(epoch: int, every: int, num_epochs: int) -> bool:
+  """Whether a periodic action (eval, checkpoint) runs after 0-indexed `epoch`: every
+  `every` epochs and always after the last."""
+  return (epoch + 1) % every == 0 or epoch + 1 == num_epochs
