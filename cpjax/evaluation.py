@@ -3,6 +3,7 @@ calibration report (cpjax.calibration.report) after the last epoch. A non-finite
 means the model diverged: the run stops with `run_context.NonFiniteLossError`."""
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from cpjax import run_context, steps
+from cpjax import run_context, run_state, steps
 from cpjax.calibration import report
 from cpjax.data import corruptions, input_pipeline, specs, splits
 
@@ -79,7 +80,20 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
                                              config.eval_batch_size))
   results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
                        f"after epoch {epoch}", epoch=epoch)
+  gamma = test_gammas(run, state) if isinstance(state, steps.MetaTrainState) else None
+  if gamma is not None:
+    results["gamma"] = report.gamma_summary(*gamma)
   if jax.process_index() == 0:
-    paths = report.write_report(os.path.join(run.workdir, "report"), results)
+    paths = report.write_report(os.path.join(run.workdir, "report"), results, gamma)
     logging.info("Wrote the calibration report: %s", ", ".join(paths))
   return results
+
+
+def test_gammas(run: run_context.Run, state: steps.MetaTrainState
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """An FL_gamma run's (gamma [N], correct [N]) on the test split, eval-mode features."""
+  gamma_fn = jax.jit(functools.partial(steps.gamma_step, model=run.model,
+                                       gamma_net=run_state.meta_parts(run.config)[0],
+                                       spec=steps.step_spec(run.config)))
+  out = steps.predict(gamma_fn, state, run.splits["test"], run.mesh, run.config.eval_batch_size)
+  return out[:, 0], out[:, 1]

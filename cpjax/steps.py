@@ -299,13 +299,29 @@ def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
   return new_state, batch_metrics, per_example_out
 
 
+def _eval_forward(state: TrainState, batch: dict[str, jax.Array], model: nn.Module,
+                  spec: StepSpec) -> tuple[jax.Array, jax.Array]:
+  """Eval-mode (float32 logits [B, K], penultimate features [B, d]): running BatchNorm
+  statistics, no augmentation."""
+  images = augment.normalize(batch["image"], spec.mean, spec.std)
+  logits, features = model.apply({"params": state.params, "batch_stats": state.batch_stats},
+                                 images, train=False)
+  return logits.astype(jnp.float32), features
+
+
 def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
               spec: StepSpec) -> jax.Array:
   """Eval-mode logits [B, K] in float32: running BatchNorm statistics, no augmentation."""
-  images = augment.normalize(batch["image"], spec.mean, spec.std)
-  logits, _ = model.apply({"params": state.params, "batch_stats": state.batch_stats},
-                          images, train=False)
-  return logits.astype(jnp.float32)
+  return _eval_forward(state, batch, model, spec)[0]
+
+
+def gamma_step(state: MetaTrainState, batch: dict[str, jax.Array], *, model: nn.Module,
+               gamma_net: nn.Module, spec: StepSpec) -> jax.Array:
+  """[B, 2] per example of an FL_gamma run: gamma-Net's gamma on the eval-mode features, and
+  1.0 where the top class is the label (the report's gamma by correctness)."""
+  logits, features = _eval_forward(state, batch, model, spec)
+  gamma = gamma_net.apply({"params": state.meta_params}, features)
+  return jnp.stack([gamma, _confidence_and_correct(logits, batch["label"])[1]], axis=-1)
 
 
 def score_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,

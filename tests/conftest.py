@@ -44,7 +44,8 @@ def pytest_sessionfinish(session, exitstatus):
 # pyproject.toml). A session fixture is built once per worker, so the tests that read one
 # trained run (or the prepared Fashion-MNIST) form a group and run on one worker: each run
 # still trains once, and the groups spread over the workers.
-_SHARED_FIXTURES = ("selected_run", "main_run", "other_model_run", "fashion_mnist_tfds")
+_SHARED_FIXTURES = ("selected_run", "main_run", "other_model_run", "meta_run",
+                    "fashion_mnist_tfds")
 
 
 @pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups off the markers.
@@ -130,6 +131,16 @@ def other_model_run(tmp_path_factory) -> TrainedRun:
   workdir = str(tmp_path_factory.mktemp("other_model"))
   config = helpers.tiny_config(**{"num_epochs": 1, "model.name": "small_cnn",
                                   "evaluation.ood": ""})
+  return TrainedRun(workdir, config, train.train_and_evaluate(config, workdir))
+
+
+@pytest.fixture(scope="session")
+def meta_run(tmp_path_factory) -> TrainedRun:
+  """configs/test.py with FL_gamma-DECE (helpers.META_RUN: gamma-Net, 128 meta-validation
+  digits), in this process (8 devices): the gamma-Net tests read it, and test_selection uses
+  it as a gamma-Net target."""
+  workdir = str(tmp_path_factory.mktemp("flgamma"))
+  config = helpers.tiny_config(**helpers.META_RUN)
   return TrainedRun(workdir, config, train.train_and_evaluate(config, workdir))
 
 

@@ -7,7 +7,12 @@ gammas) for the backbone's update.
 """
 
 import functools
+import json
+import os
 import re
+import signal
+import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +21,7 @@ import optax
 import pytest
 
 from cpjax import config_validation, models, optim, run_state, steps, train
-from cpjax.calibration import gamma_net, losses
+from cpjax.calibration import gamma_net, losses, report
 from cpjax.data import augment, specs, splits
 from cpjax.runtime import preemption, sharding
 from cpjax.selection import scores
@@ -249,22 +254,15 @@ def test_bad_meta_configs_fail_with_the_field_named(overrides, expected):
     config_validation.validate(tiny_config(**overrides))
 
 
-META = {"loss.name": "flgamma_dece", "dataset.meta_val_size": 128, "keep_checkpoints": 10}
-
-
-@pytest.fixture(scope="module")
-def meta_run(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("flgamma"))
-  train.train_and_evaluate(tiny_config(**META), workdir)
-  return workdir
+META = helpers.META_RUN
 
 
 def test_flgamma_run_trains_phi_and_checkpoints_it(meta_run):
-  records = read_metrics(meta_run)
+  records = read_metrics(meta_run.workdir)
   assert [r["epoch"] for r in records] == [0, 1]
   assert all(np.isfinite(r["train_loss"]) for r in records)
   assert 0.0 <= records[-1]["test_ece"] <= 1.0
-  saved = helpers.restore_checkpoint(meta_run)["train"]
+  saved = helpers.restore_checkpoint(meta_run.workdir)["train"]
   config = tiny_config(**META)
   mesh = sharding.create_mesh(jax.devices()[:1])
   data = specs.DATASETS[config.dataset.name]
@@ -277,7 +275,7 @@ def test_flgamma_run_trains_phi_and_checkpoints_it(meta_run):
   assert min(moved) > 0  # Adam moved every part of phi.
   counts = [v for path, v in jax.tree_util.tree_flatten_with_path(saved["meta_opt_state"])[0]
             if "count" in jax.tree_util.keystr(path)]
-  assert [int(c) for c in counts] == [helpers.checkpoint_steps(meta_run)[-1]]  # Adam's steps.
+  assert [int(c) for c in counts] == [helpers.checkpoint_steps(meta_run.workdir)[-1]]
 
 
 def test_flgamma_run_resumes_mid_epoch_exactly(meta_run, tmp_path, monkeypatch):
@@ -290,12 +288,74 @@ def test_flgamma_run_resumes_mid_epoch_exactly(meta_run, tmp_path, monkeypatch):
     train.train_and_evaluate(tiny_config(**META), workdir)
   monkeypatch.undo()
   train.train_and_evaluate(tiny_config(**META), workdir)
+  _assert_same_run(workdir, meta_run.workdir)
+
+
+def _assert_same_run(workdir: str, reference: str) -> None:
+  """Metrics but timings, and the final checkpoint (phi and its Adam state included), equal
+  bit for bit."""
   assert (helpers.without_timing(read_metrics(workdir))
-          == helpers.without_timing(read_metrics(meta_run)))
-  straight, resumed = (helpers.restore_checkpoint(w) for w in (meta_run, workdir))
+          == helpers.without_timing(read_metrics(reference)))
+  straight, resumed = (helpers.restore_checkpoint(w) for w in (reference, workdir))
   for tree in (straight, resumed):
     del tree["selection"]["seconds"]
   jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+
+
+def test_flgamma_main_py_killed_with_sigkill_resumes_exactly(meta_run, tmp_path):
+  """main.py on 8 devices (as `meta_run`), SIGKILLed once the checkpoint after epoch 0 is on
+  disk (no chance to clean up), then rerun: the same run as the uninterrupted one."""
+  workdir = str(tmp_path / "killed")
+  flags = [f"--config.{k}={v}" for k, v in META.items()]
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  proc = subprocess.Popen(helpers.main_command(workdir, *flags), cwd=helpers.REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  after_epoch_0 = os.path.join(workdir, "checkpoints", str(STEPS))
+  deadline = time.monotonic() + 240
+  while not os.path.isdir(after_epoch_0) and time.monotonic() < deadline:
+    assert proc.poll() is None, "the run ended before its checkpoint after epoch 0"
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  assert not os.path.isdir(os.path.join(workdir, "checkpoints", str(2 * STEPS)))
+  resumed = subprocess.run(helpers.main_command(workdir, *flags), cwd=helpers.REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resumed from" in resumed.stderr
+  _assert_same_run(workdir, meta_run.workdir)
+
+
+def test_report_of_an_flgamma_run_holds_its_test_gammas(meta_run, digits):
+  """The report's gammas: one per test image, within gamma-Net's clamp, `correct` agreeing with
+  the report's test accuracy, and the summary's statistics those of the saved gammas."""
+  report_dir = os.path.join(meta_run.workdir, "report")
+  saved = np.load(os.path.join(report_dir, "gamma_test.npz"))
+  gamma, correct = saved["gamma"], saved["correct"]
+  assert gamma.shape == correct.shape == (len(digits["test"]),)
+  assert np.all(np.isfinite(gamma)) and np.all((gamma >= 0) & (gamma <= 10.0))
+  with open(os.path.join(report_dir, "results.json")) as f:
+    results = json.load(f)
+  assert correct.mean() == pytest.approx(results["metrics"]["test"]["before_ts"]["accuracy"])
+  assert results["gamma"]["all"]["mean"] == pytest.approx(float(np.mean(gamma)), rel=1e-6)
+  assert results["gamma"]["incorrect"]["count"] == int(np.sum(correct == 0))
+  assert os.path.getsize(os.path.join(report_dir, "gamma_histogram.png")) > 1000
+
+
+def test_gamma_step_is_gamma_net_on_the_eval_mode_features(digits):
+  model, net, _, state, _, spec, mesh = _setup()
+  batch = splits.batch_at(digits["test"], np.arange(64))
+  got = np.asarray(steps.gamma_step(state, sharding.to_global(mesh, batch, 64), model=model,
+                                    gamma_net=net, spec=spec))
+  logits, features = model.apply(
+      {"params": state.params, "batch_stats": state.batch_stats},
+      augment.normalize(batch["image"], spec.mean, spec.std), train=False)
+  phi = jax.tree.map(lambda a: np.asarray(a, np.float64), state.meta_params)
+  expected = _numpy_gamma(np.asarray(features, np.float64), phi["prototypes"],
+                          phi["projection"], net.temperature, net.max_gamma)
+  np.testing.assert_allclose(got[:, 0], expected, rtol=1e-4, atol=1e-6)
+  np.testing.assert_array_equal(got[:, 1], np.argmax(logits, -1) == batch["label"])
 
 
 @pytest.mark.parametrize("loss", ["flgamma_sece"])
@@ -306,3 +366,20 @@ def test_main_trains_flgamma_end_to_end(loss, tmp_path):
   record = read_metrics(str(tmp_path))[-1]
   assert record["epoch"] == 0 and 0.0 <= record["test_ece"] <= 1.0
   assert (tmp_path / "report" / "results.json").exists()
+
+
+def test_gamma_summary_by_correctness_is_the_hand_worked_one():
+  summary = report.gamma_summary(np.array([0.0, 1.0, 2.0, 3.0, 4.0]),
+                                 np.array([1.0, 1.0, 0.0, 1.0, 0.0]))
+  # all: 0..4; quantile q at position 4q, linear between neighbours.
+  assert summary["all"] == pytest.approx({"count": 5, "mean": 2.0, "std": np.sqrt(2.0),
+                                          "q05": 0.2, "q25": 1.0, "q50": 2.0, "q75": 3.0,
+                                          "q95": 3.8})
+  # correct: 0, 1, 3 (positions 2q): q25 at 0.5 -> 0.5, q75 at 1.5 -> 2, q95 at 1.9 -> 2.8.
+  assert summary["correct"] == pytest.approx({
+      "count": 3, "mean": 4 / 3, "std": np.sqrt(14 / 9), "q05": 0.1, "q25": 0.5, "q50": 1.0,
+      "q75": 2.0, "q95": 2.8})
+  assert summary["incorrect"]["count"] == 2 and summary["incorrect"]["mean"] == 3.0
+  assert summary["incorrect"]["std"] == 1.0
+  nobody_wrong = report.gamma_summary(np.array([1.0, 2.0]), np.array([1.0, 1.0]))
+  assert nobody_wrong["incorrect"]["count"] == 0 and np.isnan(nobody_wrong["incorrect"]["mean"])

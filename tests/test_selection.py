@@ -174,18 +174,32 @@ def _count_training_passes(monkeypatch, split) -> list[int]:
 
 
 def test_target_of_another_architecture_scores_once(other_model_run, digits, tmp_path, monkeypatch):
+  assert sources.read_run_config(other_model_run.workdir).model.name == "small_cnn"
+  _check_target_scoring(other_model_run.workdir, digits, tmp_path, monkeypatch)
+
+
+def test_a_gamma_net_run_serves_as_the_calibrated_target(meta_run, digits, tmp_path, monkeypatch):
+  """An FL_gamma run held out its meta-validation rows; the selecting run (cross-entropy, no
+  carve-out) trains on them too, which a target may: only the validation split must match."""
+  target = sources.read_run_config(meta_run.workdir)
+  assert target.loss.name == "flgamma_dece" and target.dataset.meta_val_size == 128
+  _check_target_scoring(meta_run.workdir, digits, tmp_path, monkeypatch)
+
+
+def _check_target_scoring(target_workdir, digits, tmp_path, monkeypatch):
+  """A selected run scoring with `target_workdir`'s model: one pass, the target's entropies,
+  and the scorer's ECE on the subset, all against NumPy."""
   split = digits["train"]
   passes = _count_training_passes(monkeypatch, split)
   config = helpers.selected_config(**{
-      "selection.scoring": "target", "selection.target_workdir": other_model_run.workdir,
+      "selection.scoring": "target", "selection.target_workdir": target_workdir,
       "selection.rescore_every": 0, "selection.record_scores": False})
   workdir = str(tmp_path / "current")
   train.train_and_evaluate(config, workdir)
   assert passes == [config.selection.score_batch_size]  # Epoch 1 scored; epoch 2 reused it.
 
   # Independently: the target's eval-mode entropies over the training split.
-  assert sources.read_run_config(other_model_run.workdir).model.name == "small_cnn"
-  logits = _target_logits(other_model_run.workdir, split)
+  logits = _target_logits(target_workdir, split)
   buffer = np.asarray(helpers.restore_checkpoint(workdir)["selection"]["scores"])
   np.testing.assert_allclose(buffer, _numpy_entropy(logits), rtol=1e-4, atol=1e-6)
   records = read_metrics(workdir)

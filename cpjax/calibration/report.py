@@ -1,8 +1,10 @@
 """The calibration report: metrics before/after temperature scaling, intervals, OOD.
 
-`build_report` is pure (logits in, a JSON-ready dict out); `write_report` is
-the side-effecting edge that writes `results.json`, `results.md` and the PNG
-figures into a report directory, each file atomically.
+`build_report` and `gamma_summary` are pure (arrays in, a JSON-ready dict out);
+`write_report` is the side-effecting edge that writes `results.json`,
+`results.md` and the PNG figures (for FL_gamma runs also the test set's gammas,
+`gamma_test.npz`, and their histogram) into a report directory, each file
+atomically.
 """
 
 import json
@@ -20,6 +22,7 @@ EPOCH_METRICS = ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce
 REPORT_METRICS = EPOCH_METRICS + ("ece_left_closed", "smooth_ece", "brier", "top5_accuracy",
                                   "s99_share", "s99_accuracy")
 INTERVAL_METRICS = ("ece", "adaptive_ece", "classwise_ece")  # As in the focal-loss paper.
+GAMMA_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
 def _metric_functions(num_classes: int, num_bins: int):
@@ -118,6 +121,23 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
   return report
 
 
+def gamma_summary(gamma: np.ndarray, correct: np.ndarray) -> dict[str, dict[str, float]]:
+  """Count, mean, std and quantiles (GAMMA_QUANTILES) of an FL_gamma run's per-example gammas
+  [N], over all examples and split by whether the prediction is correct (`correct` [N], 0/1);
+  a group without examples has count 0 and NaN statistics."""
+  gamma, correct = np.asarray(gamma, np.float64), np.asarray(correct) > 0.5
+  out = {}
+  for group, rows in (("all", np.ones_like(correct)), ("correct", correct),
+                      ("incorrect", ~correct)):
+    values = gamma[rows]
+    stats = ({"mean": values.mean(), "std": values.std()} if len(values) else
+             {"mean": np.nan, "std": np.nan})
+    stats.update({f"q{int(round(100 * q)):02d}": (np.quantile(values, q) if len(values) else
+                                                  np.nan) for q in GAMMA_QUANTILES})
+    out[group] = {"count": int(len(values)), **{k: float(v) for k, v in stats.items()}}
+  return out
+
+
 def _markdown(report: dict[str, Any]) -> str:
   fit = report["temperature"]
   lines = [f"# Calibration report: {report.get('title', '')}", "",
@@ -140,6 +160,14 @@ def _markdown(report: dict[str, Any]) -> str:
               "| score | before TS | after TS |", "|---|---|---|"]
     lines += [f"| {name} | {report['ood']['before_ts'][name]:.4f} | "
               f"{report['ood']['after_ts'][name]:.4f} |" for name in report["ood"]["before_ts"]]
+  if "gamma" in report:
+    lines += ["", "## gamma-Net's gamma on the test set (eval-mode features)", "",
+              "| predictions | count | mean | std | " + " | ".join(
+                  f"q{int(round(100 * q)):02d}" for q in GAMMA_QUANTILES) + " |",
+              "|---" * (4 + len(GAMMA_QUANTILES)) + "|"]
+    for group, stats in report["gamma"].items():
+      lines.append(f"| {group} | {stats['count']} | " + " | ".join(
+          f"{v:.3f}" for k, v in stats.items() if k != "count") + " |")
   num_bins = len(report["reliability"]["before_ts"]["edges"]) - 1
   lines += ["", f"Fractions, not percent. ECE family: {num_bins} right-closed equal-width bins "
             "unless named otherwise; ece_left_closed is the seed repository's ECE (float32 "
@@ -181,8 +209,27 @@ def _histogram_figure(path: str, reliability: dict[str, dict[str, list]]) -> Non
   plt.close(fig)
 
 
-def write_report(report_dir: str, report: dict[str, Any]) -> list[str]:
-  """Writes results.json, results.md and three PNGs; returns their paths."""
+def _gamma_figure(path: str, gamma: np.ndarray, correct: np.ndarray) -> None:
+  import matplotlib  # Heavy; only the drawing functions need it.
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  edges = np.linspace(0.0, max(float(np.max(gamma)), 1e-6), 41)
+  for label, rows in (("correct", correct > 0.5), ("incorrect", correct <= 0.5)):
+    if rows.any():  # Shares within each group: the incorrect ones are few.
+      ax.stairs(np.histogram(gamma[rows], edges)[0] / rows.sum(), edges,
+                label=f"{label} ({rows.sum()})")
+  ax.set(xlabel="gamma", ylabel="share of the group's test samples")
+  ax.legend()
+  fig.tight_layout()
+  files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+  plt.close(fig)
+
+
+def write_report(report_dir: str, report: dict[str, Any],
+                 gamma: tuple[np.ndarray, np.ndarray] | None = None) -> list[str]:
+  """Writes results.json, results.md and three PNGs; with `gamma` = (an FL_gamma run's test
+  gammas [N], correct [N]) also gamma_test.npz and gamma_histogram.png. Returns the paths."""
   os.makedirs(report_dir, exist_ok=True)
   paths = [os.path.join(report_dir, name) for name in (
       "results.json", "results.md", "reliability_before_ts.png", "reliability_after_ts.png",
@@ -192,4 +239,8 @@ def write_report(report_dir: str, report: dict[str, Any]) -> list[str]:
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
     _reliability_figure(path, report["reliability"][tag], f"test, {tag.replace('_', ' ')}")
   _histogram_figure(paths[4], report["reliability"])
+  if gamma is not None:
+    paths += [os.path.join(report_dir, name) for name in ("gamma_test.npz", "gamma_histogram.png")]
+    files.atomic_write(paths[5], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))
+    _gamma_figure(paths[6], *gamma)
   return paths

@@ -176,21 +176,27 @@ def check_target(config: ml_collections.ConfigDict) -> None:
     ValueError: the target run did not train on the same train/validation split.
   """
   selection = config.selection
-  if selection.scoring == "target_recorded":
+  recorded = selection.scoring == "target_recorded"
+  if recorded:
     first = score_files.score_path(selection.target_workdir, selection.warmup_epochs)
     if not os.path.exists(first):
       raise FileNotFoundError(
           f"selection.scoring='target_recorded' needs the target's recorded scores, e.g. "
           f"{first}; train the target with --config.selection.record_scores=True")
-    return
   target = read_run_config(selection.target_workdir)
-  for field in ("name", "val_size", "split_seed", "train_examples", "meta_val_size"):
+  # A target that scores with its model may have held out meta-validation rows (a gamma-Net
+  # run): it never saw this run's validation or test rows, which is what matters. Recorded
+  # scores exist only for the rows the target trained on, so there its split must be ours.
+  fields = ("name", "val_size", "split_seed", "train_examples") + (
+      ("meta_val_size",) if recorded else ())
+  for field in fields:
     # .get: runs from before meta-validation existed have no meta_val_size (it was 0).
     theirs, ours = target.dataset.get(field, 0), config.dataset[field]
     if theirs != ours:
       raise ValueError(
           f"target run {selection.target_workdir} has dataset.{field}={theirs!r}, this run "
-          f"{ours!r}: the target must be trained on the same train/validation split")
+          f"{ours!r}: the target must be trained on the same "
+          f"{'train/validation' if recorded else 'validation'} split")
 
 
 def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_name: str,
