@@ -4,12 +4,14 @@
   python -m benchmarks.epoch_cost --data=fashion_mnist --model=resnet20
 
 Runs the trainer's own epoch code (`Selector.rows_for_epoch`, `train.train_epoch`,
-`Prioritizer.after_epoch`) for full data and for 10 % / 30 % subsets in
+`Selector.after_epoch`) for full data and for 10 % / 30 % subsets in
 `train_pass` and `fresh` scoring modes, after one untimed epoch that compiles
-every step. `cifar_sized` is 50,000 random 32x32x3 uint8 images (timing only,
-not a dataset); `fashion_mnist` is the real 60,000-image training split from
-Debian's dataset-fashion-mnist package. The ratio column is the epoch's total
-time over the full-data epoch's.
+every step, with each data reader (cpjax.data.readers: `host` gathers batches in
+host memory, `device` on the devices from int32 row ids). `cifar_sized` is 50,000
+random 32x32x3 uint8 images (timing only, not a dataset); `fashion_mnist` is the
+real 60,000-image training split from Debian's dataset-fashion-mnist package.
+The ratio column is the epoch's total time over the same reader's full-data
+epoch's.
 """
 
 import argparse
@@ -25,7 +27,7 @@ from benchmarks import throughput
 from configs import default
 from cpjax import models, optim, steps, train
 from cpjax.calibration import losses
-from cpjax.data import input_pipeline, specs, splits
+from cpjax.data import input_pipeline, readers, specs, splits
 from cpjax.runtime import compiler_options, sharding
 from cpjax.selection import bookkeeping, scores, selector
 
@@ -59,7 +61,7 @@ def _config(dataset: str, model: str, batch_size: int, method: str, fraction: fl
 
 
 def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scoring_mode,
-                  score_batch_size, xla_cpu_options="tuned") -> dict[str, float]:
+                  score_batch_size, xla_cpu_options="tuned", reader="host") -> dict[str, float]:
   """Seconds per phase of epoch 1 (epoch 0 compiles and fills the score buffer)."""
   config = _config(dataset, model_name, batch_size, method, fraction, scoring_mode,
                    score_batch_size, xla_cpu_options)
@@ -73,10 +75,12 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       loss_fn=losses.get_loss(config.loss), score_fn=scores.normalized_entropy),
       donate_argnums=0,
       compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
-  chooser = selector.Selector(config, split, mesh)
+  train_reader = (readers.DeviceReader if reader == "device" else readers.HostReader)(split, mesh)
+  chooser = selector.Selector(config, train_reader, mesh)
   sel = bookkeeping.initial_state(len(split))
   # The loop's Run, without checkpoints or evaluation (train_epoch needs neither).
-  run = train.Run(config, "", mesh, model, tx, None, {"train": split}, None, state, sel, 0)
+  run = train.Run(config, "", mesh, model, tx, None, {"train": split}, {"train": train_reader},
+                  None, state, sel, 0)
   result = {}
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
     if epoch == 1 and scoring_mode == "fresh" and method != "full":
@@ -104,6 +108,8 @@ def main():
   parser.add_argument("--score-batch-size", type=int, default=1024)
   parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3])
   parser.add_argument("--xla-cpu-options", default="tuned", choices=compiler_options.PRESETS)
+  parser.add_argument("--readers", nargs="+", default=["host", "device"],
+                      choices=["host", "device"], help="each reader's epochs, in one run")
   parser.add_argument("--json", default="")
   args = parser.parse_args()
   num = args.num_examples or (50000 if args.data == "cifar_sized" else 60000)
@@ -112,17 +118,20 @@ def main():
   cases += [(f"top_k {f:.0%} {mode}", "top_k", f, mode)
             for mode in ("train_pass", "fresh") for f in args.fractions]
   rows = {}
-  for name, method, fraction, mode in cases:
-    rows[name] = measure_epoch(split, dataset, args.model, args.batch_size, method, fraction,
-                               mode, args.score_batch_size, args.xla_cpu_options)
-    rows[name]["ratio_to_full"] = rows[name]["total_seconds"] / rows["full"]["total_seconds"]
+  for reader in args.readers:
+    for name, method, fraction, mode in cases:
+      row = measure_epoch(split, dataset, args.model, args.batch_size, method, fraction, mode,
+                          args.score_batch_size, args.xla_cpu_options, reader)
+      full = rows.get(f"{reader} full", row)  # The same reader's full epoch.
+      rows[f"{reader} {name}"] = {**row, "ratio_to_full": row["total_seconds"]
+                                  / full["total_seconds"]}
   machine = throughput.machine()
   print(json.dumps(machine), f"data={args.data} n={len(split)} model={args.model} "
         f"batch={args.batch_size}")
-  print(f"{'case':<24}{'k':>8}{'scoring s':>11}{'select s':>10}{'train s':>10}{'total s':>10}"
+  print(f"{'case':<30}{'k':>8}{'scoring s':>11}{'select s':>10}{'train s':>10}{'total s':>10}"
         f"{'x full':>8}")
   for name, r in rows.items():
-    print(f"{name:<24}{r['k']:>8}{r['scoring_seconds']:>11.3f}{r['selection_seconds']:>10.3f}"
+    print(f"{name:<30}{r['k']:>8}{r['scoring_seconds']:>11.3f}{r['selection_seconds']:>10.3f}"
           f"{r['training_seconds']:>10.3f}{r['total_seconds']:>10.3f}{r['ratio_to_full']:>8.3f}")
   throughput.write_json(args.json, {"machine": machine, "args": vars(args), "epochs": rows})
 

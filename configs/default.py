@@ -23,6 +23,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Examples carved out of the training split (disjoint from val and test) for the held-out
   # meta-validation batches of the flgamma_* losses; 0 = none (every other loss).
   config.dataset.meta_val_size = 0
+  # How batches reach the devices (cpjax.data.readers): device (the splits live on every
+  # device, batches gathered there from int32 row indices), host (gathered in host memory,
+  # images sent per batch), stream (read by index from array_record files in stream_dir, each
+  # process its own rows, read ahead by grain), or auto: stream when stream_dir is set and the
+  # training split exceeds host_memory_mb, else device when the splits fit device_memory_mb
+  # per device, else host.
+  config.dataset.reader = "auto"
+  config.dataset.device_memory_mb = 1024.0
+  config.dataset.host_memory_mb = 16384.0
+  config.dataset.stream_dir = ""  # scripts/write_array_records.py's output for this dataset.
   config.dataset.crop_padding = 1  # Random-crop zero padding in pixels (0 = no crop).
   config.dataset.flip = False  # Random horizontal flips (off: digits are not mirror-symmetric).
 

@@ -16,7 +16,7 @@ import ml_collections
 
 from cpjax import models
 from cpjax.calibration import bootstrap, losses, temperature
-from cpjax.data import specs, splits
+from cpjax.data import readers, specs, splits
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
 
@@ -106,6 +106,10 @@ def spine_schema() -> dict[str, Check]:
       "dataset.split_seed": integer(0, 2**31 - 1),
       "dataset.train_examples": integer(0),
       "dataset.meta_val_size": integer(0),
+      "dataset.reader": choice(list(readers.READERS)),
+      "dataset.device_memory_mb": number(0.0),
+      "dataset.host_memory_mb": number(0.0),
+      "dataset.stream_dir": string(),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
       "model.name": choice(list(models.MODELS)),
@@ -410,4 +414,17 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
       != specs.DATASETS[config.dataset.name].image_shape):
     problems.append(f"config.evaluation.ood={ood!r} must be another dataset with the image "
                     f"shape of {config.dataset.name!r}, gaussian_noise, or '' (none)")
-  return problems
+  return problems + _reader_problems(config)
+
+
+def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """A streamed run needs its array_record directory and keeps no test images in memory."""
+  dataset = config.dataset
+  if dataset.reader == "stream" and not dataset.stream_dir:
+    return ["config.dataset.reader='stream' needs config.dataset.stream_dir (the output of "
+            "python -m scripts.write_array_records for this dataset config)"]
+  if readers.streams(dataset) and config.evaluation.ood == "gaussian_noise":
+    return [f"config.evaluation.ood='gaussian_noise' corrupts the test images in memory, which "
+            f"a streamed run (dataset.reader={dataset.reader!r}, stream_dir="
+            f"{dataset.stream_dir!r}) does not hold: use another dataset or '' (none)"]
+  return []

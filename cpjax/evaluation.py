@@ -13,7 +13,8 @@ import numpy as np
 
 from cpjax import run_context, run_state, steps
 from cpjax.calibration import report
-from cpjax.data import corruptions, input_pipeline, specs, splits
+from cpjax.data import corruptions, input_pipeline, readers, specs, splits
+from cpjax.runtime import compiler_options
 
 
 def evaluate(run: run_context.Run, state: steps.TrainState) -> dict[str, float]:
@@ -21,15 +22,15 @@ def evaluate(run: run_context.Run, state: steps.TrainState) -> dict[str, float]:
   num_classes = specs.DATASETS[run.config.dataset.name].num_classes
   results = {}
   for name in ("val", "test"):
-    logits = finite_logits(run, state, run.splits[name], name)
+    logits = finite_logits(run, state, run.readers[name], name)
     values = report.calibration_metrics(logits, run.splits[name].labels, num_classes,
                                         run.config.evaluation.num_bins)
     results.update({f"{name}_{metric}": value for metric, value in values.items()})
   return results
 
 
-def finite_logits(run: run_context.Run, state: steps.TrainState, split: splits.Split,
-                   name: str) -> np.ndarray:
+def finite_logits(run: run_context.Run, state: steps.TrainState,
+                  split: splits.Split | readers.HostReader, name: str) -> np.ndarray:
   """Eval-mode logits of `split`; a non-finite one means the model diverged: stop the run."""
   logits = steps.predict(run.eval_fn, state, split, run.mesh, run.config.eval_batch_size)
   if not np.all(np.isfinite(logits)):
@@ -73,8 +74,8 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
 
   ood = _ood_split(run)
   results = report.build_report(
-      (finite_logits(run, state, run.splits["val"], "val"), run.splits["val"].labels),
-      (finite_logits(run, state, run.splits["test"], "test"), run.splits["test"].labels),
+      (finite_logits(run, state, run.readers["val"], "val"), run.splits["val"].labels),
+      (finite_logits(run, state, run.readers["test"], "test"), run.splits["test"].labels),
       specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
       None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
                                              config.eval_batch_size))
@@ -94,6 +95,9 @@ def test_gammas(run: run_context.Run, state: steps.MetaTrainState
   """An FL_gamma run's (gamma [N], correct [N]) on the test split, eval-mode features."""
   gamma_fn = jax.jit(functools.partial(steps.gamma_step, model=run.model,
                                        gamma_net=run_state.meta_parts(run.config)[0],
-                                       spec=steps.step_spec(run.config)))
-  out = steps.predict(gamma_fn, state, run.splits["test"], run.mesh, run.config.eval_batch_size)
+                                       spec=steps.step_spec(run.config)),
+                     compiler_options=compiler_options.compiler_options(
+                         "inference", run.config.xla_cpu_options))  # As run.eval_fn.
+  out = steps.predict(gamma_fn, state, run.readers["test"], run.mesh,
+                      run.config.eval_batch_size)
   return out[:, 0], out[:, 1]

@@ -8,7 +8,7 @@ import jax
 import ml_collections
 
 from cpjax import steps
-from cpjax.data import splits
+from cpjax.data import readers, splits
 from cpjax.runtime import checkpointing
 from cpjax.selection import bookkeeping
 
@@ -26,7 +26,8 @@ class Run:
   model: Any
   tx: Any
   checkpointer: checkpointing.Checkpointer
-  splits: dict[str, splits.Split]
+  splits: dict[str, splits.Split]  # Host copies: labels, ids, images (none when streamed).
+  readers: dict[str, readers.HostReader]  # The same splits as batches on the mesh.
   eval_fn: Any  # jitted (state, batch) -> logits
   state: steps.TrainState  # As restored (or initialised).
   selection: bookkeeping.SelectionState  # Host copy, as restored.

@@ -22,7 +22,7 @@ import optax
 
 from cpjax.calibration import gamma_net as gamma_net_lib
 from cpjax.calibration import losses
-from cpjax.data import augment, specs, splits
+from cpjax.data import augment, readers, specs, splits
 from cpjax.runtime import sharding
 from cpjax.selection import policies, scores
 
@@ -340,17 +340,16 @@ def scoring_pass_step(state: TrainState, batch: dict[str, jax.Array], *, model: 
   return jnp.stack([score_fn(logits, batch["label"]), confidence, correct], axis=-1)
 
 
-def predict(fn, state: TrainState, split: splits.Split, mesh: jax.sharding.Mesh,
-            batch_size: int) -> np.ndarray:
-  """`fn(state, batch)` over every example of `split` once, in row order, on every host.
+def predict(fn, state: TrainState, data: splits.Split | readers.HostReader,
+            mesh: jax.sharding.Mesh, batch_size: int) -> np.ndarray:
+  """`fn(state, batch)` over every example of `data` once, in row order, on every host.
 
   The sharded batched forward pass of evaluation and scoring: padded batches
   (mask 0 on padding) go to the mesh, and the per-example outputs (logits
-  [N, K], or scores [N]) are gathered; padding rows are dropped.
+  [N, K], or scores [N]) are gathered; padding rows are dropped. `data` is a
+  reader (cpjax.data.readers: the run's device or host reader) or a host split.
   """
-  rows = sharding.process_rows(mesh, batch_size)
-  outputs = []
-  for batch in splits.eval_batches(split, batch_size):
-    local = {k: v[rows] for k, v in batch.items()}
-    outputs.append(fn(state, sharding.to_global(mesh, local, batch_size)))
-  return np.concatenate(sharding.to_host(outputs))[:len(split)]
+  reader = data if isinstance(data, readers.HostReader) else readers.HostReader(data, mesh)
+  rows, masks = (np.stack(parts) for parts in zip(*splits.eval_rows(len(reader), batch_size)))
+  outputs = [fn(state, batch) for batch in reader.batches(rows, masks)]
+  return np.concatenate(sharding.to_host(outputs))[:len(reader)]

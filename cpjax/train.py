@@ -24,7 +24,7 @@ import optax
 
 from cpjax import config_validation, evaluation, models, optim, run_context, run_state, steps
 from cpjax.calibration import gamma_net, losses
-from cpjax.data import input_pipeline, specs, splits
+from cpjax.data import readers, specs, splits
 
 # Run and NonFiniteLossError are part of this module's interface (users catch the error).
 from cpjax.run_context import NonFiniteLossError, Run
@@ -90,7 +90,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   run = _setup(config, workdir)
   train_fn = _jit_train_step(config, run.model, run.tx)
-  chooser = selector.Selector(config, run.splits["train"], run.mesh)
+  chooser = selector.Selector(config, run.readers["train"], run.mesh)
   run.epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                                  config.budget_steps)
   writer = run_logging.create_writer(workdir)
@@ -184,10 +184,10 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                       spec=steps.step_spec(config)),
                     compiler_options=compiler_options.compiler_options(
                         "inference", config.xla_cpu_options))
-  return Run(config, workdir, mesh, model, tx, checkpointer,
-             input_pipeline.get_datasets(config.dataset), eval_fn, saved["train"],
-             jax.tree.map(np.asarray, saved["selection"]), meta.get("epoch", 0),
-             _partial_from_checkpoint(saved["partial"], meta, config))
+  data_splits, data_readers = readers.load(config.dataset, mesh)
+  return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
+             eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
+             meta.get("epoch", 0), _partial_from_checkpoint(saved["partial"], meta, config))
 
 
 def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
@@ -305,7 +305,6 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   order = splits.epoch_order(config.seed, epoch, plan.rows, config.batch_size)
   if run.epoch_steps:  # A step budget cuts the last epoch short (else this keeps all).
     order = order[:run.epoch_steps[epoch]]
-  local_rows = sharding.process_rows(run.mesh, config.batch_size)
   loss_hparams = {k: np.float32(v) for k, v in losses.scheduled_hparams(config.loss, epoch).items()}
   done = plan.done or {"steps": 0, "totals": None, "outputs": None}
   epoch_start_step = int(jax.device_get(state.step)) - done["steps"]
@@ -313,12 +312,10 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   outputs, window = [], []
   row_weights = _row_weights(plan, len(run.splits["train"]))
   epoch_learning_rate = _learning_rate(run, epoch, epoch_start_step)
-  for i in range(done["steps"], len(order)):
+  train_batches = run.readers["train"].batches(order[done["steps"]:], row_weights=row_weights)
+  for i, train_batch in enumerate(train_batches, start=done["steps"]):
     learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
-    batch = sharding.to_global(run.mesh, {**splits.batch_at(
-        run.splits["train"], order[i][local_rows],
-        weights=None if row_weights is None else row_weights[order[i][local_rows]]),
-        **_meta_batch(run, epoch_start_step + i, local_rows)}, config.batch_size)
+    batch = {**train_batch, **_meta_batch(run, epoch_start_step + i)}
     state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
     epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
     totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
@@ -351,14 +348,14 @@ def _learning_rate(run: Run, epoch: int, step: int) -> np.float32:
                                                 run.total_steps, run.config.num_epochs))
 
 
-def _meta_batch(run: Run, step: int, local_rows: slice) -> dict[str, np.ndarray]:
-  """This process's part of global step `step`'s meta-validation batch (FL_gamma runs; else
-  nothing): a reshuffling walk over the meta-validation split, a function of the step."""
-  meta_split = run.splits.get("meta_val")
+def _meta_batch(run: Run, step: int) -> dict[str, jax.Array]:
+  """Global step `step`'s meta-validation batch (FL_gamma runs; else nothing): a reshuffling
+  walk over the meta-validation split, a function of the step."""
+  meta_split = run.readers.get("meta_val")
   if meta_split is None:
     return {}
   rows = splits.cycled_rows(run.config.seed, step, len(meta_split), run.config.batch_size)
-  meta = splits.batch_at(meta_split, rows[local_rows])
+  meta = meta_split.batch(rows)
   return {"meta_image": meta["image"], "meta_label": meta["label"]}
 
 

@@ -32,8 +32,11 @@ def test_epoch_cost_smoke_on_real_fashion_mnist(fashion_mnist_tfds, tmp_path):
                          f"--data-dir={fashion_mnist_tfds[0]}", "--fractions", "0.3",
                          "--batch-size=32", "--score-batch-size=64", tmp_path=tmp_path)
   epochs = results["epochs"]
-  assert epochs["full"]["k"] == 600 and epochs["top_k 30% train_pass"]["k"] == 180
-  assert epochs["top_k 30% fresh"]["k"] == 180
+  for reader in ("host", "device"):
+    assert epochs[f"{reader} full"]["k"] == 600
+    assert epochs[f"{reader} top_k 30% train_pass"]["k"] == 180
+    assert epochs[f"{reader} top_k 30% fresh"]["k"] == 180
+    assert epochs[f"{reader} full"]["ratio_to_full"] == 1.0
   for case in epochs.values():  # Every phase measured, and the total is their sum.
     phases = [case[f"{p}_seconds"] for p in ("scoring", "selection", "training")]
     assert min(phases) >= 0 and case["total_seconds"] == sum(phases)

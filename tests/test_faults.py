@@ -124,9 +124,11 @@ def _slurm_env(tmp_path, tag: str, port: int) -> dict[str, str]:
 
 def _sbatch(tmp_path, tag: str, workdir: str, port: int) -> subprocess.Popen:
   """Runs scripts/slurm/train.sbatch as SLURM would run the batch script of a 2-task job,
-  on helpers.SELECTED_FLAGS (the config of conftest's `selected_run`)."""
+  on helpers.SELECTED_FLAGS (the config of conftest's `selected_run`), with the host reader:
+  each process gathers its half of every batch in host memory (`selected_run`, one process,
+  reads on device)."""
   return subprocess.Popen(["bash", SBATCH, "configs/test.py", workdir, *SELECTED_FLAGS,
-                           "--config.log_every_steps=1"],
+                           "--config.log_every_steps=1", "--config.dataset.reader=host"],
                           cwd=REPO, env=_slurm_env(tmp_path, tag, port), start_new_session=True,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

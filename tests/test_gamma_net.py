@@ -333,8 +333,20 @@ def test_report_of_an_flgamma_run_holds_its_test_gammas(meta_run, digits):
   report_dir = os.path.join(meta_run.workdir, "report")
   saved = np.load(os.path.join(report_dir, "gamma_test.npz"))
   gamma, correct = saved["gamma"], saved["correct"]
+  config = meta_run.config
   assert gamma.shape == correct.shape == (len(digits["test"]),)
-  assert np.all(np.isfinite(gamma)) and np.all((gamma >= 0) & (gamma <= 10.0))
+  assert np.all(np.isfinite(gamma)) and np.all((gamma >= 0) & (gamma <= config.meta.max_gamma))
+  # Independently: the formula in NumPy on the final checkpoint's eval-mode features.
+  state = helpers.restore_checkpoint(meta_run.workdir)["train"]
+  data = specs.DATASETS[config.dataset.name]
+  model = models.create_model(config.model.name, data.num_classes)
+  _, features = model.apply({"params": state["params"], "batch_stats": state["batch_stats"]},
+                            augment.normalize(digits["test"].images, data.mean, data.std),
+                            train=False)
+  phi = jax.tree.map(lambda a: np.asarray(a, np.float64), state["meta_params"])
+  np.testing.assert_allclose(gamma, _numpy_gamma(
+      np.asarray(features, np.float64), phi["prototypes"], phi["projection"],
+      config.meta.temperature, config.meta.max_gamma), rtol=1e-4, atol=1e-6)
   with open(os.path.join(report_dir, "results.json")) as f:
     results = json.load(f)
   assert correct.mean() == pytest.approx(results["metrics"]["test"]["before_ts"]["accuracy"])

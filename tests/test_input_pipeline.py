@@ -55,9 +55,9 @@ def test_epoch_order_is_a_pure_function_covering_every_row():
 @pytest.mark.parametrize("batch_size", [1, 7, 64, 360, 1000])
 def test_eval_batches_see_every_example_exactly_once(digits, batch_size):
   seen = []
-  for batch in splits.eval_batches(digits["test"], batch_size):
-    assert len(batch["id"]) == batch_size
-    seen.extend(batch["id"][batch["mask"] > 0])
+  for rows, mask in splits.eval_rows(len(digits["test"]), batch_size):
+    assert len(rows) == len(mask) == batch_size
+    seen.extend(digits["test"].ids[rows[mask > 0]])
   np.testing.assert_array_equal(np.sort(seen), np.sort(digits["test"].ids))
   assert len(seen) == len(digits["test"])
 

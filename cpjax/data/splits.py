@@ -18,7 +18,7 @@ from cpjax.data import specs
 @dataclasses.dataclass(frozen=True)
 class Split:
   """One split in host memory, rows sorted by id."""
-  images: np.ndarray  # uint8 [N, H, W, C]
+  images: np.ndarray | None  # uint8 [N, H, W, C]; None when streamed (cpjax.data.readers)
   labels: np.ndarray  # int32 [N]
   ids: np.ndarray  # int32 [N], stable example ids
 
@@ -111,10 +111,11 @@ def batch_at(split: Split, rows: np.ndarray, mask: np.ndarray | None = None,
   return batch
 
 
-def eval_batches(split: Split, batch_size: int):
-  """Yields padded batches covering every row of `split` exactly once."""
-  for start in range(0, len(split), batch_size):
-    rows = np.arange(start, min(start + batch_size, len(split)))
+def eval_rows(num_rows: int, batch_size: int):
+  """Yields (rows [batch_size], mask [batch_size]) covering rows 0..num_rows-1 exactly once in
+  order; the last batch is padded with row 0 under mask 0."""
+  for start in range(0, num_rows, batch_size):
+    rows = np.arange(start, min(start + batch_size, num_rows))
     mask = np.zeros(batch_size, np.float32)
     mask[:len(rows)] = 1.0
-    yield batch_at(split, np.pad(rows, (0, batch_size - len(rows))), mask)
+    yield np.pad(rows, (0, batch_size - len(rows))), mask

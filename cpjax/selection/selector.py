@@ -18,15 +18,15 @@ import ml_collections
 import numpy as np
 
 from cpjax import steps
-from cpjax.data import specs, splits
+from cpjax.data import readers, specs, splits
 from cpjax.selection import bookkeeping, policies, score_files, scores, sources
 
 
 class Selector:
   """Chooses each epoch's training rows and keeps the selection state's accounting."""
 
-  def __init__(self, config: ml_collections.ConfigDict, train_split: splits.Split,
-               mesh: jax.sharding.Mesh):
+  def __init__(self, config: ml_collections.ConfigDict,
+               train_split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh):
     self._config, self._selection, self._split, self._mesh = (
         config, config.selection, train_split, mesh)
     self._num_classes = specs.DATASETS[config.dataset.name].num_classes

@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 
 from cpjax import models, run_state, steps
-from cpjax.data import specs, splits
+from cpjax.data import readers, specs, splits
 from cpjax.runtime import checkpointing, compiler_options
 from cpjax.selection import bookkeeping, score_files, scores
 
@@ -73,8 +73,9 @@ class ScoringPass:
   """
   learns_from_training = False
 
-  def __init__(self, score_fn, split: splits.Split, mesh: jax.sharding.Mesh, batch_size: int,
-               rescore_every: int, target: "Target | None" = None):
+  def __init__(self, score_fn, split: splits.Split | readers.HostReader,
+               mesh: jax.sharding.Mesh, batch_size: int, rescore_every: int,
+               target: "Target | None" = None):
     self._score_fn, self._split, self._mesh = score_fn, split, mesh
     self._batch_size, self._rescore_every, self._target = batch_size, rescore_every, target
     self._calibration = None  # The last pass's (confidence, correct), this process only.
@@ -120,7 +121,7 @@ class WithIrreducibleLoss:
   and are never recomputed (a resumed run restores them with the state).
   """
 
-  def __init__(self, source: ScoreSource, loss_fn, split: splits.Split,
+  def __init__(self, source: ScoreSource, loss_fn, split: splits.Split | readers.HostReader,
                mesh: jax.sharding.Mesh, batch_size: int, target: "Target"):
     self._source, self._loss_fn, self._split = source, loss_fn, split
     self._mesh, self._batch_size, self._target = mesh, batch_size, target
@@ -173,7 +174,8 @@ def check_target(config: ml_collections.ConfigDict) -> None:
 
   Raises:
     FileNotFoundError: no recorded scores (target_recorded) or no checkpoint (target).
-    ValueError: the target run did not train on the same train/validation split.
+    ValueError: the target run did not train on the same train/validation split (a model
+      target may differ in meta_val_size: a gamma-Net run can score a cross-entropy run).
   """
   selection = config.selection
   recorded = selection.scoring == "target_recorded"
@@ -184,19 +186,24 @@ def check_target(config: ml_collections.ConfigDict) -> None:
           f"selection.scoring='target_recorded' needs the target's recorded scores, e.g. "
           f"{first}; train the target with --config.selection.record_scores=True")
   target = read_run_config(selection.target_workdir)
-  # A target that scores with its model may have held out meta-validation rows (a gamma-Net
-  # run): it never saw this run's validation or test rows, which is what matters. Recorded
-  # scores exist only for the rows the target trained on, so there its split must be ours.
-  fields = ("name", "val_size", "split_seed", "train_examples") + (
-      ("meta_val_size",) if recorded else ())
-  for field in fields:
+  for field in ("name", "val_size", "split_seed", "train_examples", "meta_val_size"):
     # .get: runs from before meta-validation existed have no meta_val_size (it was 0).
     theirs, ours = target.dataset.get(field, 0), config.dataset[field]
-    if theirs != ours:
-      raise ValueError(
-          f"target run {selection.target_workdir} has dataset.{field}={theirs!r}, this run "
-          f"{ours!r}: the target must be trained on the same "
-          f"{'train/validation' if recorded else 'validation'} split")
+    if theirs == ours:
+      continue
+    if field == "meta_val_size" and not recorded:
+      # A gamma-Net target held its meta-validation rows out of training; it never saw this
+      # run's validation or test rows either, so its model may score this run's rows. Recorded
+      # scores exist only for the rows the target trained on: there the split must be ours.
+      logging.warning(
+          "Target run %s held %d meta-validation rows out of its training: it scores them "
+          "out of sample (higher entropy and loss than the rows it trained on), which favours "
+          "them under hardest-first policies.", selection.target_workdir, theirs)
+      continue
+    raise ValueError(
+        f"target run {selection.target_workdir} has dataset.{field}={theirs!r}, this run "
+        f"{ours!r}: the target must be trained on the same train/validation split"
+        + ("" if recorded else " (only meta_val_size may differ when it scores with its model)"))
 
 
 def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_name: str,
@@ -211,7 +218,7 @@ def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_n
       compiler_options=compiler_options.compiler_options("inference", preset))
 
 
-def create_source(config: ml_collections.ConfigDict, split: splits.Split,
+def create_source(config: ml_collections.ConfigDict, split: splits.Split | readers.HostReader,
                   mesh: jax.sharding.Mesh) -> ScoreSource:
   """The score source of `config.selection.scoring` for the training `split` (under
   score=reducible_loss, with the target's irreducible losses added)."""
@@ -224,7 +231,7 @@ def create_source(config: ml_collections.ConfigDict, split: splits.Split,
                              target)
 
 
-def _scoring_source(config: ml_collections.ConfigDict, split: splits.Split,
+def _scoring_source(config: ml_collections.ConfigDict, split: splits.Split | readers.HostReader,
                     mesh: jax.sharding.Mesh) -> ScoreSource:
   selection = config.selection
   if selection.scoring == "train_pass":

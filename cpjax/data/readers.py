@@ -1,0 +1,197 @@
+"""Readers: how rows of a split become a global batch on the device mesh.
+
+  host    the split stays in host memory; each process gathers its rows of a batch
+          there and transfers the images (`splits.batch_at`, then `sharding.to_global`).
+  device  the split's uint8 images, labels and ids are put on every device once
+          (replicated); a batch is gathered on the devices from int32 row indices,
+          so per batch the host sends B int32 numbers instead of B images, and no
+          host-side gathering slows the fresh scoring pass or evaluation.
+  stream  the images stay in array_record files (cpjax.data.array_records, written by
+          scripts/write_array_records.py); each process reads only its own rows of each
+          batch, by index, and grain's threads read the next batches ahead. Memory holds
+          labels and ids (8 bytes per example) and the read-ahead buffer, not the set.
+  auto    stream when `dataset.stream_dir` is set and the training split is larger than
+          `dataset.host_memory_mb`; else device when the splits fit
+          `dataset.device_memory_mb` on each device (Fashion-MNIST: 52 MiB, CIFAR-10:
+          176 MiB; on CPU, where every device is host memory, all copies together);
+          else host.
+
+Every reader gives the same batch dict (image, label, id, mask, and weight when
+given), bit for bit, so the steps cannot tell them apart. `batch` builds one
+batch; `batches` a sequence of them (the stream reader reads those ahead).
+"""
+
+from collections.abc import Iterator, Mapping
+import functools
+import logging
+import math
+
+import jax
+import ml_collections
+import numpy as np
+
+from cpjax.data import array_records, input_pipeline, specs, splits
+from cpjax.runtime import sharding
+
+READERS = ("auto", "host", "device", "stream")
+
+
+class HostReader:
+  """Rows of `split` gathered in host memory, each process its own part of a batch."""
+  kind = "host"
+
+  def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh):
+    self.split, self.mesh = split, mesh
+
+  def __len__(self) -> int:
+    return len(self.split)
+
+  @property
+  def labels(self) -> np.ndarray:  # Host copies, for the selection's bookkeeping.
+    return self.split.labels
+
+  @property
+  def ids(self) -> np.ndarray:
+    return self.split.ids
+
+  def batch(self, rows: np.ndarray, mask: np.ndarray | None = None,
+            weights: np.ndarray | None = None) -> dict[str, jax.Array]:
+    """The global batch of split rows `rows` [B] (mask [B]: 1 = real row; weights [B]: the
+    rows' loss weights)."""
+    local = sharding.process_rows(self.mesh, len(rows))
+    host = splits.batch_at(self.split, rows[local], _part(mask, local), _part(weights, local))
+    return sharding.to_global(self.mesh, host, len(rows))
+
+  def batches(self, row_blocks: np.ndarray, masks: np.ndarray | None = None,
+              row_weights: np.ndarray | None = None) -> Iterator[dict[str, jax.Array]]:
+    """`batch` of each block of `row_blocks` [S, B] in order (masks [S, B]; row_weights: one
+    per split row, looked up for each block)."""
+    for s, rows in enumerate(row_blocks):
+      yield self.batch(rows, None if masks is None else masks[s],
+                       None if row_weights is None else row_weights[rows])
+
+
+def _part(values: np.ndarray | None, local: slice) -> np.ndarray | None:
+  return None if values is None else values[local]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _gather(out_sharding, arrays: dict[str, jax.Array], rows: jax.Array
+            ) -> dict[str, jax.Array]:
+  """arrays[rows] for every array, laid out as a batch (rows sharded on `data`)."""
+  return {key: jax.lax.with_sharding_constraint(value[rows], out_sharding)
+          for key, value in arrays.items()}
+
+
+class DeviceReader(HostReader):
+  """Rows of `split` gathered on the devices from a copy of the split on each of them."""
+  kind = "device"
+
+  def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh):
+    super().__init__(split, mesh)
+    self._arrays = sharding.replicate(mesh, {"image": split.images, "label": split.labels,
+                                             "id": split.ids})
+
+  def batch(self, rows, mask=None, weights=None):
+    local = sharding.process_rows(self.mesh, len(rows))
+    small = {"row": np.asarray(rows[local], np.int32),
+             "mask": np.ones(local.stop - local.start, np.float32) if mask is None
+             else np.asarray(mask[local], np.float32)}
+    if weights is not None:
+      small["weight"] = np.asarray(weights[local], np.float32)
+    small = sharding.to_global(self.mesh, small, len(rows))
+    gathered = _gather(sharding.batch_sharded(self.mesh), self._arrays, small.pop("row"))
+    return {**gathered, **small}
+
+
+class StreamReader(HostReader):
+  """Rows of a split read from its array_record files, each process only its own rows."""
+  kind = "stream"
+
+  def __init__(self, images: array_records.RecordImages, split: splits.Split,
+               mesh: jax.sharding.Mesh, num_threads: int = 4, buffer_size: int = 8):
+    super().__init__(split, mesh)
+    self.images, self._threads, self._buffer = images, num_threads, buffer_size
+
+  def batch(self, rows, mask=None, weights=None):
+    local = sharding.process_rows(self.mesh, len(rows))
+    return self._global(rows, self.images.read(rows[local]), mask, weights)
+
+  def batches(self, row_blocks, masks=None, row_weights=None):
+    local = sharding.process_rows(self.mesh, row_blocks.shape[1])
+    read_ahead = self.images.prefetched(row_blocks[:, local], self._threads, self._buffer)
+    for s, images in enumerate(read_ahead):
+      yield self._global(row_blocks[s], images, None if masks is None else masks[s],
+                         None if row_weights is None else row_weights[row_blocks[s]])
+
+  def _global(self, rows, local_images, mask, weights) -> dict[str, jax.Array]:
+    """The global batch of `rows` from this process's images of its part of them."""
+    local = sharding.process_rows(self.mesh, len(rows))
+    host = {"image": local_images, "label": self.split.labels[rows[local]],
+            "id": self.split.ids[rows[local]],
+            "mask": (np.ones(len(local_images), np.float32) if mask is None
+                     else np.asarray(mask[local], np.float32))}
+    if weights is not None:
+      host["weight"] = np.asarray(weights[local], np.float32)
+    return sharding.to_global(self.mesh, host, len(rows))
+
+
+def split_bytes(split_by_name: Mapping[str, splits.Split]) -> int:
+  """Bytes of images, labels and ids of every split: what the device reader puts on a device."""
+  return sum(s.images.nbytes + s.labels.nbytes + s.ids.nbytes for s in split_by_name.values())
+
+
+def train_bytes(dataset: ml_collections.ConfigDict) -> int:
+  """The full training split's image bytes, from the dataset's facts (nothing is read)."""
+  spec = specs.DATASETS[dataset.name]
+  return spec.num_train * math.prod(spec.image_shape)
+
+
+def streams(dataset: ml_collections.ConfigDict) -> bool:
+  """Whether a run of `dataset` reads its splits from array_record files."""
+  return dataset.reader == "stream" or (
+      dataset.reader == "auto" and bool(dataset.stream_dir)
+      and train_bytes(dataset) > dataset.host_memory_mb * 2**20)
+
+
+def choose(name: str, num_bytes: int, budget_mb: float, copies: int = 1) -> str:
+  """The in-memory reader a config asks for: `name`, or for auto, device when `copies` copies
+  of `num_bytes` fit `budget_mb` (CPU "devices" share host memory: one copy each)."""
+  if name not in READERS:
+    raise ValueError(f"dataset.reader={name!r}; valid: {', '.join(READERS)}")
+  fits = num_bytes * copies <= budget_mb * 2**20
+  if name == "device" and not fits:
+    logging.warning("dataset.reader='device' puts %.1f MiB x %d on the devices, over "
+                    "dataset.device_memory_mb=%.0f.", num_bytes / 2**20, copies, budget_mb)
+  if name != "auto":
+    return name
+  return "device" if fits else "host"
+
+
+def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+         ) -> tuple[dict[str, splits.Split], dict[str, HostReader]]:
+  """A run's splits (train, val, test, and meta_val with a meta_val_size) and their readers.
+
+  Streamed splits have no images in memory (`Split.images` is None)."""
+  if streams(dataset):
+    names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
+    by_name = {}
+    for name in names:
+      split, image_shape, paths = array_records.read_index(dataset.stream_dir, name, dataset)
+      by_name[name] = StreamReader(array_records.RecordImages(paths, image_shape), split, mesh)
+    _log("stream", dataset, sum(len(r) for r in by_name.values()) * 8)
+    return {name: r.split for name, r in by_name.items()}, by_name
+  split_by_name = input_pipeline.get_datasets(dataset)
+  num_bytes = split_bytes(split_by_name)
+  # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
+  copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
+  kind = choose(dataset.reader, num_bytes, dataset.device_memory_mb, copies)
+  _log(kind, dataset, num_bytes)
+  reader = DeviceReader if kind == "device" else HostReader
+  return split_by_name, {name: reader(split, mesh) for name, split in split_by_name.items()}
+
+
+def _log(kind: str, dataset: ml_collections.ConfigDict, num_bytes: int) -> None:
+  logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
+               "budget %.0f MiB.", kind, dataset.reader, num_bytes / 2**20,
+               dataset.device_memory_mb)

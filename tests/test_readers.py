@@ -1,0 +1,236 @@
+"""Readers (cpjax.data.readers): the device and stream readers' batches are the host reader's,
+bit for bit, on 1 and 8 devices, and so is a whole run; `auto` picks by size; the stream
+reader reads only this process's rows (2 processes on 127.0.0.1) and stays under a memory cap
+on a generated set several times its size."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from cpjax import config_validation, train
+from cpjax.data import array_records, input_pipeline, readers
+from cpjax.runtime import preemption, sharding
+from tests import helpers
+from tests.helpers import read_metrics, tiny_config
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_device_batches_are_the_host_split_rows(digits, num_devices):
+  mesh = sharding.create_mesh(jax.devices()[:num_devices])
+  split = digits["train"]
+  rng = np.random.default_rng(num_devices)
+  rows = rng.integers(0, len(split), 64)  # Repeats allowed, as in a cycled last batch.
+  mask = (rng.random(64) < 0.8).astype(np.float32)
+  weights = rng.random(64).astype(np.float32)
+  host = readers.HostReader(split, mesh).batch(rows, mask, weights)
+  device = readers.DeviceReader(split, mesh).batch(rows, mask, weights)
+  expected = {"image": split.images[rows], "label": split.labels[rows], "id": split.ids[rows],
+              "mask": mask, "weight": weights}  # Straight NumPy indexing of the split.
+  assert set(host) == set(device) == set(expected)
+  for key, value in expected.items():
+    for batch in (host, device):
+      assert batch[key].sharding.is_equivalent_to(sharding.batch_sharded(mesh), 1)
+      np.testing.assert_array_equal(np.asarray(batch[key]), value)
+      assert np.asarray(batch[key]).dtype == value.dtype, key
+
+
+def test_auto_picks_device_when_the_splits_fit_the_budget():
+  assert readers.choose("auto", 100 * 2**20, 100.0) == "device"  # Exactly the budget fits.
+  assert readers.choose("auto", 100 * 2**20 + 1, 100.0) == "host"
+  assert readers.choose("auto", 25 * 2**20, 100.0, copies=4) == "device"  # 4 CPU devices.
+  assert readers.choose("auto", 25 * 2**20 + 1, 100.0, copies=4) == "host"
+  assert readers.choose("host", 1, 100.0) == "host"  # An explicit choice is kept.
+  assert readers.choose("device", 10**12, 100.0) == "device"
+  with pytest.raises(ValueError, match="dataset.reader='disk'; valid: auto, host, device, "
+                                       "stream"):
+    readers.choose("disk", 1, 100.0)
+  with pytest.raises(config_validation.ConfigError, match="dataset.reader"):
+    config_validation.validate(tiny_config(**{"dataset.reader": "disk"}))
+
+
+@pytest.mark.parametrize("overrides", [
+    # Subsets with per-example loss weights.
+    {"selection.method": "infobatch", "selection.score": "loss"},
+    # gamma-Net's meta-validation batches, and a fresh scoring pass over the training split.
+    {"loss.name": "flgamma_dece", "dataset.meta_val_size": 128, "selection.method": "top_k",
+     "selection.scoring": "fresh"}], ids=["infobatch", "flgamma_fresh"])
+def test_a_run_is_the_same_with_every_reader(overrides, tmp_path, monkeypatch):
+  """On 8 devices: the host, device and stream readers train the same run, bit for bit; the
+  streamed run is stopped 1 step into epoch 1 and resumed (it reads on from that step)."""
+  overrides = {**overrides, "selection.warmup_epochs": 1, "num_epochs": 2,
+               "evaluation.ood": "", "dataset.stream_dir": str(tmp_path / "records")}
+  dataset = tiny_config(**overrides).dataset
+  array_records.write_splits(input_pipeline.get_datasets(dataset), dataset.stream_dir, dataset)
+  runs = {}
+  for kind in ("host", "device", "stream"):
+    runs[kind] = str(tmp_path / kind)
+    config = tiny_config(**overrides, **{"dataset.reader": kind})
+    if kind == "stream":
+      # One step into epoch 1 (the top_k run's epoch 1 has 2 steps).
+      stop = -(-int(helpers.read_metrics(runs["host"])[0]["selected_k"]) // 64) + 1
+      monkeypatch.setattr(preemption.PreemptionGuard, "should_stop",
+                          lambda self, step: step == stop)
+      with pytest.raises(preemption.Preempted):
+        train.train_and_evaluate(config, runs[kind])
+      monkeypatch.undo()
+    train.train_and_evaluate(config, runs[kind])
+  trees = {kind: helpers.restore_checkpoint(workdir) for kind, workdir in runs.items()}
+  for tree in trees.values():
+    del tree["selection"]["seconds"]
+  for kind in ("device", "stream"):
+    # A run resumed inside a freshly scored epoch has no scorer_ece for it (the scoring pass's
+    # predictions are not checkpointed; README): compare the rest.
+    records = [helpers.without_timing(read_metrics(runs[k])) for k in (kind, "host")]
+    if kind == "stream":
+      records = [[{k: v for k, v in r.items() if k != "scorer_ece"} for r in run]
+                 for run in records]
+    assert records[0] == records[1], kind
+    jax.tree.map(np.testing.assert_array_equal, trees[kind], trees["host"])
+
+
+def _generated_image(example_id: int, shape) -> np.ndarray:
+  """GENERATED data (not a dataset): the image of an id, random bytes seeded by it."""
+  return np.random.default_rng(example_id).integers(0, 256, shape, np.uint8)
+
+
+def _write_generated(directory: str, num: int, shape) -> None:
+  examples = ((i, i % 10, _generated_image(i, shape)) for i in range(num))
+  array_records.write_split(examples, num, directory, "train", {"name": "generated"}, 4)
+
+
+def _stream_reader(directory, mesh, name="train", dataset=None):
+  split, shape, paths = array_records.read_index(directory, name, dataset)
+  return readers.StreamReader(array_records.RecordImages(paths, shape), split, mesh)
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_streamed_batches_are_the_host_split_rows_read_ahead_or_not(digits, num_devices,
+                                                                   tmp_path):
+  mesh = sharding.create_mesh(jax.devices()[:num_devices])
+  dataset = tiny_config().dataset
+  array_records.write_splits({"train": digits["train"]}, str(tmp_path), dataset, num_shards=3)
+  stream = _stream_reader(str(tmp_path), mesh, dataset=dataset)
+  host = readers.HostReader(digits["train"], mesh)
+  rng = np.random.default_rng(num_devices)
+  blocks = rng.integers(0, len(host), (5, 64))
+  masks = (rng.random((5, 64)) < 0.9).astype(np.float32)
+  weights = rng.random(len(host)).astype(np.float32)
+  expected = list(host.batches(blocks, masks, weights))
+  ahead = list(stream.batches(blocks, masks, weights))
+  one_by_one = [stream.batch(rows, masks[s], weights[rows]) for s, rows in enumerate(blocks)]
+  assert stream.images.rows_read == 2 * blocks.size  # Only the rows asked for, each time.
+  for want, *gots in zip(expected, ahead, one_by_one):
+    for got in gots:
+      assert set(got) == set(want)
+      for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+  assert stream.split.images is None  # The images stay in the files.
+
+
+def test_stream_files_of_another_split_config_are_refused(digits, tmp_path):
+  dataset = tiny_config().dataset
+  array_records.write_splits({"train": digits["train"]}, str(tmp_path), dataset, num_shards=2)
+  other = tiny_config(**{"dataset.val_size": 100}).dataset
+  with pytest.raises(ValueError, match="dataset.val_size=180, this run has 100"):
+    array_records.read_index(str(tmp_path), "train", other)
+  with pytest.raises(FileNotFoundError, match="no array_record split 'test'"):
+    array_records.read_index(str(tmp_path), "test", dataset)
+  with pytest.raises(config_validation.ConfigError, match="needs config.dataset.stream_dir"):
+    config_validation.validate(tiny_config(**{"dataset.reader": "stream"}))
+  with pytest.raises(config_validation.ConfigError, match="corrupts the test images in memory"):
+    config_validation.validate(tiny_config(**{"dataset.reader": "stream",
+                                              "dataset.stream_dir": str(tmp_path),
+                                              "evaluation.ood": "gaussian_noise"}))
+
+
+_STREAM_WORKER = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["REPO"])
+import jax
+jax.config.update("jax_num_cpu_devices", int(os.environ["DEVICES"]))
+pid, num_processes, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if num_processes > 1:
+  jax.distributed.initialize(os.environ["COORDINATOR"], num_processes, pid)
+import numpy as np
+from cpjax.data import array_records, input_pipeline, readers
+from cpjax.runtime import preemption, sharding
+
+def rss_mb():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+mesh = sharding.create_mesh()
+split, shape, paths = array_records.read_index(directory, "train")
+reader = readers.StreamReader(array_records.RecordImages(paths, shape), split, mesh)
+blocks = np.load(os.environ["BLOCKS"])
+next(iter(reader.batches(blocks[:1])))  # Threads and buffers up before the baseline.
+warmup_rows = reader.images.rows_read
+start, peak, local_ids, mismatches = rss_mb(), 0.0, [], 0
+for batch in reader.batches(blocks):
+  by_start = lambda shards: sorted(shards, key=lambda shard: shard.index[0].start or 0)
+  for id_shard, image_shard in zip(by_start(batch["id"].addressable_shards),
+                                   by_start(batch["image"].addressable_shards)):
+    ids, images = np.asarray(id_shard.data), np.asarray(image_shard.data)
+    local_ids += ids.tolist()
+    mismatches += sum(int(not np.array_equal(image, np.random.default_rng(int(i)).integers(
+        0, 256, shape, np.uint8))) for i, image in zip(ids, images))
+  peak = max(peak, rss_mb())
+print("RESULT " + json.dumps({"ids": local_ids, "mismatches": mismatches,
+                              "rows_read": reader.images.rows_read - warmup_rows,
+                              "growth_mb": peak - start}), flush=True)
+"""
+
+
+def _stream_processes(directory, blocks, num_processes, devices):
+  blocks_path = os.path.join(directory, "blocks.npy")
+  np.save(blocks_path, blocks)
+  env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
+         "REPO": helpers.REPO, "COORDINATOR": f"127.0.0.1:{helpers.free_port()}",
+         "JAX_PLATFORMS": "cpu", "DEVICES": str(devices), "BLOCKS": blocks_path}
+  procs = [subprocess.Popen([sys.executable, "-c", _STREAM_WORKER, str(pid), str(num_processes),
+                             directory], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for pid in range(num_processes)]
+  results = []
+  for proc in procs:
+    try:
+      stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      raise
+    assert proc.returncode == 0, stderr[-3000:]
+    (line,) = [s for s in stdout.splitlines() if s.startswith("RESULT ")]
+    results.append(json.loads(line[len("RESULT "):]))
+  return results
+
+
+def test_two_processes_read_disjoint_halves_whose_union_is_the_global_batch(tmp_path):
+  """2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed), generated records."""
+  _write_generated(str(tmp_path), 300, (8, 8, 1))
+  blocks = np.random.default_rng(0).permutation(300)[:6 * 16].reshape(6, 16)
+  first, second = _stream_processes(str(tmp_path), blocks, 2, devices=2)
+  for result in (first, second):
+    assert result["mismatches"] == 0 and result["rows_read"] == blocks.size // 2
+  assert not set(first["ids"]) & set(second["ids"])
+  assert sorted(first["ids"] + second["ids"]) == sorted(blocks.ravel().tolist())
+  # Each process holds the first or second half of every global batch (rows sharded on data).
+  np.testing.assert_array_equal(np.reshape(first["ids"], (6, 8)), blocks[:, :8])
+
+
+def test_streaming_a_set_four_times_the_memory_cap_stays_under_the_cap(tmp_path):
+  """60,000 GENERATED 32x32x3 images (176 MB of uncompressed records) streamed in one epoch of
+  batches of 256 by a fresh process: its resident memory grows by less than 40 MB."""
+  num, cap_mb = 60_000, 40.0
+  _write_generated(str(tmp_path), num, (32, 32, 3))
+  on_disk = sum(os.path.getsize(os.path.join(tmp_path, f)) for f in os.listdir(tmp_path)
+                if ".array_record-" in f)
+  assert on_disk > 4 * cap_mb * 2**20
+  blocks = np.random.default_rng(1).permutation(num)[:num // 256 * 256].reshape(-1, 256)
+  (result,) = _stream_processes(str(tmp_path), blocks, 1, devices=1)
+  assert result["mismatches"] == 0 and len(result["ids"]) == blocks.size
+  assert result["growth_mb"] < cap_mb, result["growth_mb"]
