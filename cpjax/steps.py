@@ -9,6 +9,7 @@ one eval-mode forward (`eval_step`), so a score is always a function of exactly
 the logits that evaluation sees.
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -351,5 +352,6 @@ def predict(fn, state: TrainState, data: splits.Split | readers.HostReader,
   """
   reader = data if isinstance(data, readers.HostReader) else readers.HostReader(data, mesh)
   rows, masks = (np.stack(parts) for parts in zip(*splits.eval_rows(len(reader), batch_size)))
-  outputs = [fn(state, batch) for batch in reader.batches(rows, masks)]
+  with contextlib.closing(reader.batches(rows, masks)) as batches:
+    outputs = [fn(state, batch) for batch in batches]
   return np.concatenate(sharding.to_host(outputs))[:len(reader)]

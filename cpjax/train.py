@@ -8,6 +8,7 @@ checkpoint when `run_context.due`, and write the calibration report after the la
 (cpjax.evaluation).
 """
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -24,7 +25,7 @@ import optax
 
 from cpjax import config_validation, evaluation, models, optim, run_context, run_state, steps
 from cpjax.calibration import gamma_net, losses
-from cpjax.data import readers, specs, splits
+from cpjax.data import input_pipeline, specs, splits
 
 # Run and NonFiniteLossError are part of this module's interface (users catch the error).
 from cpjax.run_context import NonFiniteLossError, Run
@@ -184,7 +185,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                       spec=steps.step_spec(config)),
                     compiler_options=compiler_options.compiler_options(
                         "inference", config.xla_cpu_options))
-  data_splits, data_readers = readers.load(config.dataset, mesh)
+  data_splits, data_readers = input_pipeline.load(config.dataset, mesh)
   return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
              eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
              meta.get("epoch", 0), _partial_from_checkpoint(saved["partial"], meta, config))
@@ -312,26 +313,29 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   outputs, window = [], []
   row_weights = _row_weights(plan, len(run.splits["train"]))
   epoch_learning_rate = _learning_rate(run, epoch, epoch_start_step)
-  train_batches = run.readers["train"].batches(order[done["steps"]:], row_weights=row_weights)
-  for i, train_batch in enumerate(train_batches, start=done["steps"]):
-    learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
-    batch = {**train_batch, **_meta_batch(run, epoch_start_step + i)}
-    state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
-    epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
-    totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
-    window.append(batch_metrics)
-    outputs.append(per_example)
-    hooks.progress(epoch_start_step + i + 1)
-    if (i + 1) % config.log_every_steps == 0:
-      _log_train_window(run, hooks.writer, window, epoch_start_step + i + 1, epoch,
-                        epoch_start_step, learning_rate)
-      window = []
-    if hooks.guard is not None and hooks.guard.should_stop(epoch_start_step + i + 1):
-      if i + 1 == len(order):  # The epoch is complete: the loop saves it whole, then stops.
-        hooks.stop_after_epoch = True
-      else:
-        _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
-                        i + 1, epoch_start_step, hooks.guard.signal_name)
+  # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
+  # read-ahead.
+  with contextlib.closing(run.readers["train"].batches(
+      order[done["steps"]:], row_weights=row_weights)) as train_batches:
+    for i, train_batch in enumerate(train_batches, start=done["steps"]):
+      learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
+      batch = {**train_batch, **_meta_batch(run, epoch_start_step + i)}
+      state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
+      epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
+      totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
+      window.append(batch_metrics)
+      outputs.append(per_example)
+      hooks.progress(epoch_start_step + i + 1)
+      if (i + 1) % config.log_every_steps == 0:
+        _log_train_window(run, hooks.writer, window, epoch_start_step + i + 1, epoch,
+                          epoch_start_step, learning_rate)
+        window = []
+      if hooks.guard is not None and hooks.guard.should_stop(epoch_start_step + i + 1):
+        if i + 1 == len(order):  # The epoch is complete: the loop saves it whole, then stops.
+          hooks.stop_after_epoch = True
+        else:
+          _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
+                          i + 1, epoch_start_step, hooks.guard.signal_name)
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
   per_example = _host_outputs(outputs, done["outputs"])

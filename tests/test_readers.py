@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -103,25 +104,26 @@ def _write_generated(directory: str, num: int, shape) -> None:
   array_records.write_split(examples, num, directory, "train", {"name": "generated"}, 4)
 
 
-def _stream_reader(directory, mesh, name="train", dataset=None):
-  split, shape, paths = array_records.read_index(directory, name, dataset)
-  return readers.StreamReader(array_records.RecordImages(paths, shape), split, mesh)
-
-
 @pytest.mark.parametrize("num_devices", [1, 8])
 def test_streamed_batches_are_the_host_split_rows_read_ahead_or_not(digits, num_devices,
                                                                    tmp_path):
   mesh = sharding.create_mesh(jax.devices()[:num_devices])
   dataset = tiny_config().dataset
   array_records.write_splits({"train": digits["train"]}, str(tmp_path), dataset, num_shards=3)
-  stream = _stream_reader(str(tmp_path), mesh, dataset=dataset)
+  stream = array_records.stream_reader(str(tmp_path), "train", mesh, dataset)
   host = readers.HostReader(digits["train"], mesh)
   rng = np.random.default_rng(num_devices)
   blocks = rng.integers(0, len(host), (5, 64))
   masks = (rng.random((5, 64)) < 0.9).astype(np.float32)
   weights = rng.random(len(host)).astype(np.float32)
   expected = list(host.batches(blocks, masks, weights))
-  ahead = list(stream.batches(blocks, masks, weights))
+  reading = stream.batches(blocks, masks, weights)
+  ahead = [next(reading)]
+  deadline = time.monotonic() + 10
+  while stream.images.rows_read <= 64 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert stream.images.rows_read > 64  # grain's threads read the next batches ahead.
+  ahead += list(reading)
   one_by_one = [stream.batch(rows, masks[s], weights[rows]) for s, rows in enumerate(blocks)]
   assert stream.images.rows_read == 2 * blocks.size  # Only the rows asked for, each time.
   for want, *gots in zip(expected, ahead, one_by_one):
@@ -130,6 +132,26 @@ def test_streamed_batches_are_the_host_split_rows_read_ahead_or_not(digits, num_
       for key in want:
         np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
   assert stream.split.images is None  # The images stay in the files.
+
+
+def test_uneven_shards_bad_images_and_empty_splits(tmp_path):
+  """9 rows in 4 shards: every shard written (2, 2, 2, 3 rows) and read back in row order."""
+  mesh = sharding.create_mesh(jax.devices()[:1])
+  _write_generated(str(tmp_path), 9, (4, 4, 1))
+  reader = array_records.stream_reader(str(tmp_path), "train", mesh)
+  assert len(os.listdir(tmp_path)) == 5  # 4 shards + the index.
+  images = reader.images.read(np.arange(9)[::-1])
+  for row, image in zip(range(8, -1, -1), images):
+    np.testing.assert_array_equal(image, _generated_image(row, (4, 4, 1)))
+  with pytest.raises(ValueError, match="image dtype float32, must be uint8"):
+    array_records.write_split([(0, 0, np.zeros((2, 2, 1), np.float32))], 1, str(tmp_path), "x",
+                              {})
+  with pytest.raises(ValueError, match="0 examples in 1 shards"):
+    array_records.write_split([], 0, str(tmp_path), "empty", {})
+  with pytest.raises(ValueError, match="3 examples written, 4 announced"):
+    array_records.write_split([(i, 0, np.zeros((2, 2, 1), np.uint8)) for i in range(3)], 4,
+                              str(tmp_path), "short", {})
+  assert not os.path.exists(tmp_path / "short.index.npz")  # No index for a partial write.
 
 
 def test_stream_files_of_another_split_config_are_refused(digits, tmp_path):
@@ -165,30 +187,42 @@ def rss_mb():
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 mesh = sharding.create_mesh()
-split, shape, paths = array_records.read_index(directory, "train")
-reader = readers.StreamReader(array_records.RecordImages(paths, shape), split, mesh)
-blocks = np.load(os.environ["BLOCKS"])
-next(iter(reader.batches(blocks[:1])))  # Threads and buffers up before the baseline.
+reader = array_records.stream_reader(directory, "train", mesh)
+shape = reader.images.image_shape
+blocks, masks, weights = (np.load(os.environ["BLOCKS"] + suffix)
+                          for suffix in (".blocks.npy", ".masks.npy", ".weights.npy"))
+warmup = reader.batches(blocks[:1])
+next(warmup)  # Threads and buffers up before the baseline.
+warmup.close()
 warmup_rows = reader.images.rows_read
-start, peak, local_ids, mismatches = rss_mb(), 0.0, [], 0
-for batch in reader.batches(blocks):
-  by_start = lambda shards: sorted(shards, key=lambda shard: shard.index[0].start or 0)
-  for id_shard, image_shard in zip(by_start(batch["id"].addressable_shards),
-                                   by_start(batch["image"].addressable_shards)):
+start, peak, mismatches = rss_mb(), 0.0, 0
+local = {"id": [], "mask": [], "weight": []}
+by_start = lambda shards: sorted(shards, key=lambda shard: shard.index[0].start or 0)
+for batch in reader.batches(blocks, masks, weights):
+  shards = {key: by_start(batch[key].addressable_shards) for key in ("id", "image", *local)}
+  for key in local:
+    local[key] += np.concatenate([np.asarray(s.data) for s in shards[key]]).tolist()
+  for id_shard, image_shard in zip(shards["id"], shards["image"]):
     ids, images = np.asarray(id_shard.data), np.asarray(image_shard.data)
-    local_ids += ids.tolist()
     mismatches += sum(int(not np.array_equal(image, np.random.default_rng(int(i)).integers(
         0, 256, shape, np.uint8))) for i, image in zip(ids, images))
   peak = max(peak, rss_mb())
-print("RESULT " + json.dumps({"ids": local_ids, "mismatches": mismatches,
+print("RESULT " + json.dumps({**local, "mismatches": mismatches,
                               "rows_read": reader.images.rows_read - warmup_rows,
                               "growth_mb": peak - start}), flush=True)
 """
 
 
 def _stream_processes(directory, blocks, num_processes, devices):
-  blocks_path = os.path.join(directory, "blocks.npy")
-  np.save(blocks_path, blocks)
+  """Runs _STREAM_WORKER in `num_processes` processes over `blocks` [S, B] of rows, with
+  random masks [S, B] and per-row weights; returns (their results, masks, weights)."""
+  rng = np.random.default_rng(blocks.size)
+  masks = (rng.random(blocks.shape) < 0.8).astype(np.float32)
+  weights = rng.random(int(blocks.max()) + 1).astype(np.float32)
+  blocks_path = os.path.join(directory, "rows")
+  for suffix, value in ((".blocks.npy", blocks), (".masks.npy", masks),
+                        (".weights.npy", weights)):
+    np.save(blocks_path + suffix, value)
   env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
          "REPO": helpers.REPO, "COORDINATOR": f"127.0.0.1:{helpers.free_port()}",
          "JAX_PLATFORMS": "cpu", "DEVICES": str(devices), "BLOCKS": blocks_path}
@@ -206,20 +240,25 @@ def _stream_processes(directory, blocks, num_processes, devices):
     assert proc.returncode == 0, stderr[-3000:]
     (line,) = [s for s in stdout.splitlines() if s.startswith("RESULT ")]
     results.append(json.loads(line[len("RESULT "):]))
-  return results
+  return results, masks, weights
 
 
 def test_two_processes_read_disjoint_halves_whose_union_is_the_global_batch(tmp_path):
   """2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed), generated records."""
   _write_generated(str(tmp_path), 300, (8, 8, 1))
   blocks = np.random.default_rng(0).permutation(300)[:6 * 16].reshape(6, 16)
-  first, second = _stream_processes(str(tmp_path), blocks, 2, devices=2)
+  (first, second), masks, weights = _stream_processes(str(tmp_path), blocks, 2, devices=2)
   for result in (first, second):
     assert result["mismatches"] == 0 and result["rows_read"] == blocks.size // 2
-  assert not set(first["ids"]) & set(second["ids"])
-  assert sorted(first["ids"] + second["ids"]) == sorted(blocks.ravel().tolist())
-  # Each process holds the first or second half of every global batch (rows sharded on data).
-  np.testing.assert_array_equal(np.reshape(first["ids"], (6, 8)), blocks[:, :8])
+  assert not set(first["id"]) & set(second["id"])
+  assert sorted(first["id"] + second["id"]) == sorted(blocks.ravel().tolist())
+  # Each process holds the first or second half of every global batch (rows sharded on data),
+  # with those rows' masks and weights.
+  for result, half in ((first, slice(0, 8)), (second, slice(8, 16))):
+    np.testing.assert_array_equal(np.reshape(result["id"], (6, 8)), blocks[:, half])
+    np.testing.assert_array_equal(np.reshape(result["mask"], (6, 8)), masks[:, half])
+    np.testing.assert_array_equal(np.reshape(result["weight"], (6, 8)),
+                                  weights[blocks[:, half]])
 
 
 def test_streaming_a_set_four_times_the_memory_cap_stays_under_the_cap(tmp_path):
@@ -231,6 +270,7 @@ def test_streaming_a_set_four_times_the_memory_cap_stays_under_the_cap(tmp_path)
                 if ".array_record-" in f)
   assert on_disk > 4 * cap_mb * 2**20
   blocks = np.random.default_rng(1).permutation(num)[:num // 256 * 256].reshape(-1, 256)
-  (result,) = _stream_processes(str(tmp_path), blocks, 1, devices=1)
-  assert result["mismatches"] == 0 and len(result["ids"]) == blocks.size
+  (result,), _, _ = _stream_processes(str(tmp_path), blocks, 1, devices=1)
+  assert result["mismatches"] == 0 and len(result["id"]) == blocks.size
+  assert result["rows_read"] == blocks.size  # Each row once, nothing beyond the epoch.
   assert result["growth_mb"] < cap_mb, result["growth_mb"]

@@ -8,25 +8,26 @@ A split `name` in `directory` is
                                          and the dataset config fields that decide the
                                          split's ids (so a mismatched directory is refused)
 
-so a reader holds 8 bytes per example in memory, never the images. `write_split`
-takes an iterator of (id, label, image), so a set larger than memory can be
-written as it is read; `write_splits` writes the splits of a dataset config.
-`StreamReader` (cpjax.data.readers' interface) reads each process's rows of a
-batch with grain's ArrayRecordDataSource and prefetches upcoming batches in
-background threads (grain's MapDataset -> IterDataset with ReadOptions).
+so a reader holds labels and ids (8 bytes per example) and array_record's
+per-record offsets in memory, never the images. `write_split` takes an iterator
+of (id, label, image), so a set larger than memory can be written as it is read;
+`write_splits` writes the splits of a dataset config. `stream_reader` builds a
+`readers.StreamReader` over `RecordImages`, which reads rows with grain's
+ArrayRecordDataSource and reads upcoming batches ahead in background threads
+(grain's MapDataset -> IterDataset with ReadOptions).
 """
 
 from collections.abc import Iterable, Mapping
-import glob
 import os
 import threading
 
 from array_record.python import array_record_module
 import grain
+import jax
 import ml_collections
 import numpy as np
 
-from cpjax.data import splits
+from cpjax.data import readers, splits
 
 # The dataset config fields that decide which ids each split holds (cpjax.data.splits).
 SPLIT_FIELDS = ("name", "val_size", "split_seed", "train_examples", "meta_val_size")
@@ -41,29 +42,45 @@ def write_split(examples: Iterable[tuple[int, int, np.ndarray]], num_examples: i
                 directory: str, name: str, split_key: Mapping[str, object],
                 num_shards: int = 1) -> list[str]:
   """Writes `num_examples` (id, label, uint8 image) in order as split `name`; returns the
-  shard paths. Rows go to shards in contiguous blocks, so row r is in shard r // ceil(N/S)."""
+  shard paths. Shard i holds rows [i N // S, (i + 1) N // S): none is empty when N >= S.
+
+  Raises:
+    ValueError: no examples, more shards than examples, an image that is not uint8 or not
+      of the first image's shape, or fewer or more examples than `num_examples`.
+  """
+  if not 0 < num_shards <= num_examples:
+    raise ValueError(f"split {name}: {num_examples} examples in {num_shards} shards; need "
+                     "1 <= shards <= examples")
   os.makedirs(directory, exist_ok=True)
   paths = _shard_paths(directory, name, num_shards)
-  per_shard = -(-num_examples // num_shards)
+  shard_of_start = {i * num_examples // num_shards: i for i in range(num_shards)}
   labels, ids = np.zeros(num_examples, np.int32), np.zeros(num_examples, np.int32)
-  image_shape, writer, row = None, None, -1
-  for row, (example_id, label, image) in enumerate(examples):
-    if row % per_shard == 0:
-      if writer is not None:
-        writer.close()
-      # One record per group, no codec: a row is read alone and costs no decompression.
-      writer = array_record_module.ArrayRecordWriter(paths[row // per_shard],
-                                                     "group_size:1,uncompressed")
-    image = np.ascontiguousarray(image, np.uint8)
-    image_shape = image.shape if image_shape is None else image_shape
-    if image.shape != image_shape:
-      raise ValueError(f"row {row} of {name} has image shape {image.shape}, not {image_shape}")
-    writer.write(image.tobytes())
-    labels[row], ids[row] = label, example_id
-  if writer is not None:
-    writer.close()
-  if row + 1 != num_examples:
-    raise ValueError(f"split {name}: {row + 1} examples written, {num_examples} announced")
+  image_shape, writer, written = None, None, 0
+  try:
+    for row, (example_id, label, image) in enumerate(examples):
+      if row >= num_examples:
+        raise ValueError(f"split {name}: more than the {num_examples} examples announced")
+      if row in shard_of_start:
+        if writer is not None:
+          writer.close()
+        # One record per group, no codec: a row is read alone and costs no decompression.
+        writer = array_record_module.ArrayRecordWriter(paths[shard_of_start[row]],
+                                                       "group_size:1,uncompressed")
+      image = np.asarray(image)
+      if image.dtype != np.uint8:
+        raise ValueError(f"row {row} of {name}: image dtype {image.dtype}, must be uint8")
+      image_shape = image.shape if image_shape is None else image_shape
+      if image.shape != image_shape:
+        raise ValueError(f"row {row} of {name} has image shape {image.shape}, not {image_shape}")
+      writer.write(np.ascontiguousarray(image).tobytes())
+      labels[row], ids[row] = label, example_id
+      written = row + 1
+  finally:
+    if writer is not None:
+      writer.close()
+  if written != num_examples:
+    raise ValueError(f"split {name}: {written} examples written, {num_examples} announced")
+  # The index last: a directory whose index exists was written whole.
   np.savez(os.path.join(directory, f"{name}.index.npz"), labels=labels, ids=ids,
            image_shape=np.asarray(image_shape, np.int64), num_shards=num_shards,
            **{f"split_{k}": np.asarray(v) for k, v in split_key.items()})
@@ -86,11 +103,11 @@ def write_splits(split_by_name: Mapping[str, splits.Split], directory: str,
 def read_index(directory: str, name: str, dataset: ml_collections.ConfigDict | None = None
                ) -> tuple[splits.Split, tuple[int, ...], list[str]]:
   """(the split without images, image shape, shard paths) of split `name`; with `dataset`,
-  raises if the files were written for other split ids.
+  raises unless the files hold exactly that config's ids of the split.
 
   Raises:
-    FileNotFoundError: no such split in `directory`.
-    ValueError: the directory was written with other SPLIT_FIELDS than `dataset`'s.
+    FileNotFoundError: no such split in `directory`, or a shard file is missing.
+    ValueError: the files were written for other split ids than `dataset`'s.
   """
   path = os.path.join(directory, f"{name}.index.npz")
   if not os.path.exists(path):
@@ -98,25 +115,39 @@ def read_index(directory: str, name: str, dataset: ml_collections.ConfigDict | N
         f"no array_record split {name!r} in {directory!r} ({path} is missing); write it with "
         "python -m scripts.write_array_records --config=... --out=DIR")
   index = np.load(path)
-  if dataset is not None:
-    for field, ours in split_key(dataset).items():
-      theirs = index[f"split_{field}"].item()
-      if theirs != ours:
-        raise ValueError(f"{directory} holds splits written with dataset.{field}={theirs!r}, "
-                         f"this run has {ours!r}: rewrite them for this config")
-  paths = sorted(glob.glob(os.path.join(directory, f"{name}.array_record-*")))
-  if len(paths) != int(index["num_shards"]):
-    raise FileNotFoundError(f"{directory}: {len(paths)} shard files of {name}, the index "
-                            f"names {int(index['num_shards'])}")
   split = splits.Split(None, index["labels"], index["ids"])
+  if dataset is not None:
+    _check_written_for(index, split, name, directory, dataset)
+  paths = _shard_paths(directory, name, int(index["num_shards"]))
+  missing = [p for p in paths if not os.path.exists(p)]
+  if missing:
+    raise FileNotFoundError(f"{directory}: shard files of {name} are missing: {missing}")
   return split, tuple(int(d) for d in index["image_shape"]), paths
+
+
+def _check_written_for(index, split: splits.Split, name: str, directory: str,
+                       dataset: ml_collections.ConfigDict) -> None:
+  """Raises unless `index` was written with `dataset`'s split fields and holds its ids."""
+  for field, ours in split_key(dataset).items():
+    key = f"split_{field}"
+    theirs = index[key].item() if key in index.files else "(not recorded)"
+    if theirs != ours:
+      raise ValueError(f"{directory} holds splits written with dataset.{field}={theirs!r}, "
+                       f"this run has {ours!r}: rewrite them for this config")
+  expected = splits.split_ids(dataset).get(name)  # The test split's ids are its own.
+  if expected is not None and not np.array_equal(split.ids, expected):
+    raise ValueError(f"{directory}: split {name} holds {len(split)} ids that are not this "
+                     f"config's {len(expected)} {name} ids: rewrite it for this config")
 
 
 class RecordImages:
   """Random access to a split's images by row: grain's ArrayRecordDataSource over its shards."""
 
-  def __init__(self, paths: list[str], image_shape: tuple[int, ...]):
+  def __init__(self, paths: list[str], image_shape: tuple[int, ...], num_rows: int):
     self._source = grain.sources.ArrayRecordDataSource(paths)
+    if len(self._source) != num_rows:  # E.g. an old index beside rewritten shards.
+      raise ValueError(f"{len(self._source)} records in {paths[0]} ..., the index names "
+                       f"{num_rows} rows: rewrite the split")
     self.image_shape = image_shape
     self.rows_read = 0  # Rows this process has read (grain's threads add to it).
     self._lock = threading.Lock()
@@ -137,3 +168,10 @@ class RecordImages:
     blocks = grain.MapDataset.range(len(row_blocks)).map(lambda s: self.read(row_blocks[s]))
     yield from blocks.to_iter_dataset(grain.ReadOptions(num_threads=num_threads,
                                                         prefetch_buffer_size=buffer_size))
+
+
+def stream_reader(directory: str, name: str, mesh: jax.sharding.Mesh,
+                  dataset: ml_collections.ConfigDict | None = None) -> readers.StreamReader:
+  """The stream reader of split `name` in `directory` (checked against `dataset` if given)."""
+  split, image_shape, paths = read_index(directory, name, dataset)
+  return readers.StreamReader(RecordImages(paths, image_shape, len(split)), split, mesh)

@@ -1,4 +1,5 @@
-"""The tfds edge of the input pipeline: datasets read once into host arrays.
+"""The edge of the input pipeline: datasets read once into host arrays through tfds, or
+indexed in array_record files; `load` gives a run its splits and their readers.
 
 Data is read once through tfds into host memory (CIFAR-size sets are a few
 hundred MB at most) as uint8 images, sorted by example id; normalisation and
@@ -10,12 +11,13 @@ tfds's built-in ones download only when asked.
 import contextlib
 import logging
 
+import jax
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.download import downloader as tfds_downloader
 
-from cpjax.data import datasets, specs, splits
+from cpjax.data import array_records, datasets, readers, specs, splits
 from cpjax.data.splits import Split
 
 
@@ -134,6 +136,35 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
     result["meta_val"] = full_train.take(ids["meta_val"])
   logging.info("Dataset %s: %s", config.name, {k: len(v) for k, v in result.items()})
   return result
+
+
+def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+         ) -> tuple[dict[str, Split], dict[str, readers.HostReader]]:
+  """A run's splits (train, val, test, and meta_val with a meta_val_size) and the readers
+  (cpjax.data.readers) that put their batches on `mesh`. Streamed splits hold no images."""
+  if readers.streams(dataset):
+    names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
+    by_name = {name: array_records.stream_reader(dataset.stream_dir, name, mesh, dataset)
+               for name in names}
+    _log_reader("stream", dataset, sum(len(r) for r in by_name.values()) * 8)
+    return {name: r.split for name, r in by_name.items()}, by_name
+  if dataset.stream_dir:
+    logging.info("dataset.stream_dir=%s is not read: dataset.reader=%r and the training split "
+                 "fits dataset.host_memory_mb.", dataset.stream_dir, dataset.reader)
+  split_by_name = get_datasets(dataset)
+  num_bytes = readers.split_bytes(split_by_name)
+  # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
+  copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
+  kind = readers.choose(dataset.reader, num_bytes, dataset.device_memory_mb, copies)
+  _log_reader(kind, dataset, num_bytes)
+  reader = readers.DeviceReader if kind == "device" else readers.HostReader
+  return split_by_name, {name: reader(split, mesh) for name, split in split_by_name.items()}
+
+
+def _log_reader(kind: str, dataset: ml_collections.ConfigDict, num_bytes: int) -> None:
+  logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
+               "budget %.0f MiB.", kind, dataset.reader, num_bytes / 2**20,
+               dataset.device_memory_mb)
 
 
 def _print_stats(name: str) -> None:

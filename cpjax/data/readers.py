@@ -18,19 +18,21 @@
 
 Every reader gives the same batch dict (image, label, id, mask, and weight when
 given), bit for bit, so the steps cannot tell them apart. `batch` builds one
-batch; `batches` a sequence of them (the stream reader reads those ahead).
+batch; `batches` a sequence of them (the stream reader reads those ahead; close
+the generator when leaving it early). `input_pipeline.load` builds a run's readers.
 """
 
 from collections.abc import Iterator, Mapping
 import functools
 import logging
 import math
+from typing import Protocol
 
 import jax
 import ml_collections
 import numpy as np
 
-from cpjax.data import array_records, input_pipeline, specs, splits
+from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 
 READERS = ("auto", "host", "device", "stream")
@@ -104,11 +106,22 @@ class DeviceReader(HostReader):
     return {**gathered, **small}
 
 
+class RowImages(Protocol):
+  """Images of a split's rows read from files (cpjax.data.array_records.RecordImages)."""
+  rows_read: int
+
+  def read(self, rows: np.ndarray) -> np.ndarray: ...
+
+  def prefetched(self, row_blocks: np.ndarray, num_threads: int,
+                 buffer_size: int) -> Iterator[np.ndarray]: ...
+
+
 class StreamReader(HostReader):
-  """Rows of a split read from its array_record files, each process only its own rows."""
+  """Rows of a split read from its array_record files: each process reads the images of its
+  own rows of each batch only (labels and ids, 8 bytes per example, are in memory)."""
   kind = "stream"
 
-  def __init__(self, images: array_records.RecordImages, split: splits.Split,
+  def __init__(self, images: RowImages, split: splits.Split,
                mesh: jax.sharding.Mesh, num_threads: int = 4, buffer_size: int = 8):
     super().__init__(split, mesh)
     self.images, self._threads, self._buffer = images, num_threads, buffer_size
@@ -166,32 +179,3 @@ def choose(name: str, num_bytes: int, budget_mb: float, copies: int = 1) -> str:
   if name != "auto":
     return name
   return "device" if fits else "host"
-
-
-def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
-         ) -> tuple[dict[str, splits.Split], dict[str, HostReader]]:
-  """A run's splits (train, val, test, and meta_val with a meta_val_size) and their readers.
-
-  Streamed splits have no images in memory (`Split.images` is None)."""
-  if streams(dataset):
-    names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
-    by_name = {}
-    for name in names:
-      split, image_shape, paths = array_records.read_index(dataset.stream_dir, name, dataset)
-      by_name[name] = StreamReader(array_records.RecordImages(paths, image_shape), split, mesh)
-    _log("stream", dataset, sum(len(r) for r in by_name.values()) * 8)
-    return {name: r.split for name, r in by_name.items()}, by_name
-  split_by_name = input_pipeline.get_datasets(dataset)
-  num_bytes = split_bytes(split_by_name)
-  # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
-  copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
-  kind = choose(dataset.reader, num_bytes, dataset.device_memory_mb, copies)
-  _log(kind, dataset, num_bytes)
-  reader = DeviceReader if kind == "device" else HostReader
-  return split_by_name, {name: reader(split, mesh) for name, split in split_by_name.items()}
-
-
-def _log(kind: str, dataset: ml_collections.ConfigDict, num_bytes: int) -> None:
-  logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
-               "budget %.0f MiB.", kind, dataset.reader, num_bytes / 2**20,
-               dataset.device_memory_mb)
