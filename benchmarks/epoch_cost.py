@@ -11,7 +11,9 @@ host memory, `device` on the devices from int32 row ids). `cifar_sized` is 50,00
 random 32x32x3 uint8 images (timing only, not a dataset); `fashion_mnist` is the
 real 60,000-image training split from Debian's dataset-fashion-mnist package.
 The ratio column is the epoch's total time over the same reader's full-data
-epoch's.
+epoch's; "fwd share" is the scoring pass's speed as a share of the model's pure
+forward speed (the scoring step run over as many batches on one batch already on
+the device: no gathering, no transfer).
 """
 
 import argparse
@@ -98,6 +100,32 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
   return result
 
 
+def measure_pure_forward(split, dataset, model_name, score_batch_size,
+                         xla_cpu_options="tuned") -> float:
+  """Seconds of the scoring step alone over ceil(N / B) batches of B: one batch kept on the
+  device and scored again and again, so no data moves (the model's pure forward speed)."""
+  spec = specs.DATASETS[dataset]
+  mesh = sharding.create_mesh()
+  model = models.create_model(model_name, spec.num_classes, "float32")
+  config = _config(dataset, model_name, 128, "full", 1.0, "train_pass", score_batch_size,
+                   xla_cpu_options)
+  state = steps.create_train_state(jax.random.PRNGKey(0), model,
+                                   optim.create_optimizer(config.optimizer), spec.image_shape,
+                                   mesh)
+  score_fn = jax.jit(functools.partial(
+      steps.scoring_pass_step, model=model, spec=steps.step_spec(config),
+      score_fn=scores.normalized_entropy),
+      compiler_options=compiler_options.compiler_options("inference", xla_cpu_options))
+  sample = split.take(np.arange(min(score_batch_size, len(split))))
+  batch = readers.DeviceReader(sample, mesh).batch(np.arange(score_batch_size) % len(sample))
+  jax.block_until_ready(score_fn(state, batch))  # Compile.
+  start = time.perf_counter()
+  for _ in range(-(-len(split) // score_batch_size)):
+    out = score_fn(state, batch)
+  jax.block_until_ready(out)
+  return time.perf_counter() - start
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", default="cifar_sized", choices=["cifar_sized", "fashion_mnist"])
@@ -125,14 +153,22 @@ def main():
       full = rows.get(f"{reader} full", row)  # The same reader's full epoch.
       rows[f"{reader} {name}"] = {**row, "ratio_to_full": row["total_seconds"]
                                   / full["total_seconds"]}
+  forward = measure_pure_forward(split, dataset, args.model, args.score_batch_size,
+                                 args.xla_cpu_options)
+  for r in rows.values():  # The scoring pass's speed as a share of the pure forward's.
+    r["scoring_share_of_forward"] = forward / r["scoring_seconds"] if r["scoring_seconds"] else None
   machine = throughput.machine()
   print(json.dumps(machine), f"data={args.data} n={len(split)} model={args.model} "
         f"batch={args.batch_size}")
+  print(f"pure forward (scoring step on one resident batch, {len(split)} images): "
+        f"{forward:.3f} s")
   print(f"{'case':<30}{'k':>8}{'scoring s':>11}{'select s':>10}{'train s':>10}{'total s':>10}"
-        f"{'x full':>8}")
+        f"{'x full':>8}{'fwd share':>10}")
   for name, r in rows.items():
+    share = r["scoring_share_of_forward"]
     print(f"{name:<30}{r['k']:>8}{r['scoring_seconds']:>11.3f}{r['selection_seconds']:>10.3f}"
-          f"{r['training_seconds']:>10.3f}{r['total_seconds']:>10.3f}{r['ratio_to_full']:>8.3f}")
+          f"{r['training_seconds']:>10.3f}{r['total_seconds']:>10.3f}{r['ratio_to_full']:>8.3f}"
+          f"{'' if share is None else f'{share:.2f}':>10}")
   throughput.write_json(args.json, {"machine": machine, "args": vars(args), "epochs": rows})
 
 

@@ -370,16 +370,6 @@ def test_gamma_step_is_gamma_net_on_the_eval_mode_features(digits):
   np.testing.assert_array_equal(got[:, 1], np.argmax(logits, -1) == batch["label"])
 
 
-@pytest.mark.parametrize("loss", ["flgamma_sece"])
-def test_main_trains_flgamma_end_to_end(loss, tmp_path):
-  result = helpers.run_main(str(tmp_path), f"--config.loss.name={loss}",
-                            "--config.dataset.meta_val_size=128", "--config.num_epochs=1")
-  assert result.returncode == 0, result.stderr[-3000:]
-  record = read_metrics(str(tmp_path))[-1]
-  assert record["epoch"] == 0 and 0.0 <= record["test_ece"] <= 1.0
-  assert (tmp_path / "report" / "results.json").exists()
-
-
 def test_gamma_summary_by_correctness_is_the_hand_worked_one():
   summary = report.gamma_summary(np.array([0.0, 1.0, 2.0, 3.0, 4.0]),
                                  np.array([1.0, 1.0, 0.0, 1.0, 0.0]))
