@@ -38,7 +38,7 @@ def test_epoch_cost_smoke_on_real_fashion_mnist(fashion_mnist_tfds, tmp_path):
     assert epochs[f"{reader} top_k 30% fresh"]["k"] == 180
     assert epochs[f"{reader} full"]["ratio_to_full"] == 1.0
   fresh = epochs["device top_k 30% fresh"]["scoring_share_of_forward"]
-  assert fresh > 0 and epochs["device full"]["scoring_share_of_forward"] is None
+  assert fresh > 0 and epochs["device top_k 30% train_pass"]["scoring_share_of_forward"] is None
   for case in epochs.values():  # Every phase measured, and the total is their sum.
     phases = [case[f"{p}_seconds"] for p in ("scoring", "selection", "training")]
     assert min(phases) >= 0 and case["total_seconds"] == sum(phases)
