@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import ml_collections
@@ -118,3 +120,42 @@ def restore_checkpoint(workdir: str, step: int | None = None) -> dict:
 def checkpoint_steps(workdir: str) -> list[int]:
   """The steps of a run's checkpoints, oldest first (read with orbax directly)."""
   return sorted(ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).all_steps())
+
+
+def run_processes(code: str, args: list[list[str]], env: dict[str, str] | None = None,
+                  timeout: float = 240) -> list[tuple[dict, str]]:
+  """Runs `python -c code` once per argument list, side by side, as the processes of one JAX
+  job on CPU with a coordinator on 127.0.0.1 (env REPO, COORDINATOR, JAX_PLATFORMS=cpu, plus
+  `env`); each must exit 0 and print one line "RESULT <json>". Returns (result, stderr) each."""
+  env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
+         "REPO": REPO, "COORDINATOR": f"127.0.0.1:{free_port()}", "JAX_PLATFORMS": "cpu",
+         **(env or {})}
+  procs = [subprocess.Popen([sys.executable, "-c", code, *a], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for a in args]
+  results = []
+  for proc in procs:
+    try:
+      stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      raise
+    assert proc.returncode == 0, stderr[-3000:]
+    (line,) = [s for s in stdout.splitlines() if s.startswith("RESULT ")]
+    results.append((json.loads(line[len("RESULT "):]), stderr))
+  return results
+
+
+def sigkill_once_saved(workdir: str, flags, step: int, env: dict[str, str]) -> None:
+  """Starts main.py on `workdir`, SIGKILLs it as soon as its checkpoint at global `step` is on
+  disk (no chance to clean up), and checks that it was killed, not finished."""
+  proc = subprocess.Popen(main_command(workdir, *flags), cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  saved = os.path.join(workdir, "checkpoints", str(step))
+  deadline = time.monotonic() + 240
+  while not os.path.isdir(saved) and time.monotonic() < deadline:
+    assert proc.poll() is None, f"the run ended before its checkpoint at step {step}"
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL and os.path.isdir(saved)

@@ -10,8 +10,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -19,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cpjax.runtime import checkpoint_integrity, checkpointing, sharding
-from tests.helpers import REPO, free_port
+from tests.helpers import run_processes
 
 # When orbax's restore of a damaged step fails, tensorstore reads still in flight finish
 # after orbax closed its private asyncio loop; their callbacks then raise "Event loop is
@@ -408,24 +406,8 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _two_processes(phase: str, workdir: str) -> list[dict]:
-  env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
-         "REPO": REPO, "COORDINATOR": f"127.0.0.1:{free_port()}", "JAX_PLATFORMS": "cpu"}
-  procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(pid), phase, workdir], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for pid in range(2)]
-  results = []
-  for proc in procs:
-    try:
-      stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      raise
-    assert proc.returncode == 0, stderr[-3000:]
-    (line,) = [s for s in stdout.splitlines() if s.startswith("RESULT ")]
-    results.append((json.loads(line[len("RESULT "):]), stderr))
-  return results
+def _two_processes(phase: str, workdir: str) -> list[tuple[dict, str]]:
+  return run_processes(_WORKER, [[str(pid), phase, workdir] for pid in range(2)])
 
 
 def test_two_processes_agree_process_0_moves_aside_and_the_step_is_redone(tmp_path):

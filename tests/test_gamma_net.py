@@ -10,9 +10,7 @@ import functools
 import json
 import os
 import re
-import signal
 import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
@@ -309,16 +307,7 @@ def test_flgamma_main_py_killed_with_sigkill_resumes_exactly(meta_run, tmp_path)
   flags = [f"--config.{k}={v}" for k, v in META.items()]
   env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  proc = subprocess.Popen(helpers.main_command(workdir, *flags), cwd=helpers.REPO, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  after_epoch_0 = os.path.join(workdir, "checkpoints", str(STEPS))
-  deadline = time.monotonic() + 240
-  while not os.path.isdir(after_epoch_0) and time.monotonic() < deadline:
-    assert proc.poll() is None, "the run ended before its checkpoint after epoch 0"
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert proc.returncode == -signal.SIGKILL
+  helpers.sigkill_once_saved(workdir, flags, STEPS, env)  # After epoch 0.
   assert not os.path.isdir(os.path.join(workdir, "checkpoints", str(2 * STEPS)))
   resumed = subprocess.run(helpers.main_command(workdir, *flags), cwd=helpers.REPO, env=env,
                            capture_output=True, text=True, timeout=300)

@@ -3,10 +3,7 @@ bit for bit, on 1 and 8 devices, and so is a whole run; `auto` picks by size; th
 reader reads only this process's rows (2 processes on 127.0.0.1) and stays under a memory cap
 on a generated set several times its size."""
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import jax
@@ -179,8 +176,8 @@ pid, num_processes, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 if num_processes > 1:
   jax.distributed.initialize(os.environ["COORDINATOR"], num_processes, pid)
 import numpy as np
-from cpjax.data import array_records, input_pipeline, readers
-from cpjax.runtime import preemption, sharding
+from cpjax.data import array_records
+from cpjax.runtime import sharding
 
 def rss_mb():
   with open("/proc/self/statm") as f:
@@ -223,23 +220,11 @@ def _stream_processes(directory, blocks, num_processes, devices):
   for suffix, value in ((".blocks.npy", blocks), (".masks.npy", masks),
                         (".weights.npy", weights)):
     np.save(blocks_path + suffix, value)
-  env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
-         "REPO": helpers.REPO, "COORDINATOR": f"127.0.0.1:{helpers.free_port()}",
-         "JAX_PLATFORMS": "cpu", "DEVICES": str(devices), "BLOCKS": blocks_path}
-  procs = [subprocess.Popen([sys.executable, "-c", _STREAM_WORKER, str(pid), str(num_processes),
-                             directory], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for pid in range(num_processes)]
-  results = []
-  for proc in procs:
-    try:
-      stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      raise
-    assert proc.returncode == 0, stderr[-3000:]
-    (line,) = [s for s in stdout.splitlines() if s.startswith("RESULT ")]
-    results.append(json.loads(line[len("RESULT "):]))
+  results = helpers.run_processes(
+      _STREAM_WORKER, [[str(pid), str(num_processes), directory]
+                       for pid in range(num_processes)],
+      {"DEVICES": str(devices), "BLOCKS": blocks_path})
+  results = [result for result, _ in results]
   return results, masks, weights
 
 

@@ -9,9 +9,6 @@ compile-once test; `other_model_run` the shape-mismatch test.
 import json
 import os
 import shutil
-import signal
-import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
@@ -138,18 +135,8 @@ def _final_state(workdir):
 
 def test_sigkill_and_rerun_reproduces_the_uninterrupted_run(main_run, tmp_path):
   killed = str(tmp_path / "killed")
-  proc = subprocess.Popen(helpers.main_command(killed, *helpers.MAIN_RUN_FLAGS), cwd=helpers.REPO,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  after_epoch_2 = os.path.join(killed, "checkpoints", str(2 * STEPS_PER_EPOCH))
-  deadline = time.monotonic() + 240
-  while not os.path.isdir(after_epoch_2) and time.monotonic() < deadline:
-    assert proc.poll() is None, "the run ended before its checkpoint after epoch 2"
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert proc.returncode == -signal.SIGKILL  # Killed midway, not finished.
-  assert os.path.isdir(after_epoch_2)
+  helpers.sigkill_once_saved(killed, helpers.MAIN_RUN_FLAGS, 2 * STEPS_PER_EPOCH,
+                             {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
   assert not os.path.isdir(os.path.join(killed, "checkpoints", str(4 * STEPS_PER_EPOCH)))
   # A damaged metrics.jsonl must not stop the rerun: an older duplicate of epoch 0 (the
   # last record of an epoch wins) and a torn final line (dropped with a warning).

@@ -77,6 +77,17 @@ def _part(values: np.ndarray | None, local: slice) -> np.ndarray | None:
   return None if values is None else values[local]
 
 
+def _mask_and_weight(local: slice, mask: np.ndarray | None,
+                     weights: np.ndarray | None) -> dict[str, np.ndarray]:
+  """This process's `mask` (all ones when None) and `weight` (when given) of a batch, as
+  `splits.batch_at` gives them."""
+  out = {"mask": np.ones(local.stop - local.start, np.float32) if mask is None
+         else np.asarray(mask[local], np.float32)}
+  if weights is not None:
+    out["weight"] = np.asarray(weights[local], np.float32)
+  return out
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _gather(out_sharding, arrays: dict[str, jax.Array], rows: jax.Array
             ) -> dict[str, jax.Array]:
@@ -97,10 +108,7 @@ class DeviceReader(HostReader):
   def batch(self, rows, mask=None, weights=None):
     local = sharding.process_rows(self.mesh, len(rows))
     small = {"row": np.asarray(rows[local], np.int32),
-             "mask": np.ones(local.stop - local.start, np.float32) if mask is None
-             else np.asarray(mask[local], np.float32)}
-    if weights is not None:
-      small["weight"] = np.asarray(weights[local], np.float32)
+             **_mask_and_weight(local, mask, weights)}
     small = sharding.to_global(self.mesh, small, len(rows))
     gathered = _gather(sharding.batch_sharded(self.mesh), self._arrays, small.pop("row"))
     return {**gathered, **small}
@@ -141,11 +149,7 @@ class StreamReader(HostReader):
     """The global batch of `rows` from this process's images of its part of them."""
     local = sharding.process_rows(self.mesh, len(rows))
     host = {"image": local_images, "label": self.split.labels[rows[local]],
-            "id": self.split.ids[rows[local]],
-            "mask": (np.ones(len(local_images), np.float32) if mask is None
-                     else np.asarray(mask[local], np.float32))}
-    if weights is not None:
-      host["weight"] = np.asarray(weights[local], np.float32)
+            "id": self.split.ids[rows[local]], **_mask_and_weight(local, mask, weights)}
     return sharding.to_global(self.mesh, host, len(rows))
 
 

@@ -195,10 +195,11 @@ def check_target(config: ml_collections.ConfigDict) -> None:
       # A gamma-Net target held its meta-validation rows out of training; it never saw this
       # run's validation or test rows either, so its model may score this run's rows. Recorded
       # scores exist only for the rows the target trained on: there the split must be ours.
-      logging.warning(
-          "Target run %s held %d meta-validation rows out of its training: it scores them "
-          "out of sample (higher entropy and loss than the rows it trained on), which favours "
-          "them under hardest-first policies.", selection.target_workdir, theirs)
+      if theirs > ours:  # Else the target trained on every row this run trains on.
+        logging.warning(
+            "Target run %s held %d meta-validation rows out of its training: it scores them "
+            "out of sample (higher entropy and loss than the rows it trained on), which "
+            "favours them under hardest-first policies.", selection.target_workdir, theirs)
       continue
     raise ValueError(
         f"target run {selection.target_workdir} has dataset.{field}={theirs!r}, this run "
