@@ -23,6 +23,15 @@ def get_config() -> ml_collections.ConfigDict:
   # Examples carved out of the training split (disjoint from val and test) for the held-out
   # meta-validation batches of the flgamma_* losses; 0 = none (every other loss).
   config.dataset.meta_val_size = 0
+  # Share of the training labels flipped uniformly to another class (generated symmetric
+  # noise on the real images, seeded by label_noise_seed); validation and test stay clean.
+  config.dataset.label_noise = 0.0
+  config.dataset.label_noise_seed = 0  # Seed of which labels flip and to what.
+  # A seeded share of the training rows held out (RHO-LOSS's irreducible-loss holdout):
+  # train_part="holdout" trains on it (the target), "rest" on the other rows (the selecting
+  # run), "all" ignores it (then holdout_fraction must be 0).
+  config.dataset.holdout_fraction = 0.0
+  config.dataset.train_part = "all"
   # How batches reach the devices (cpjax.data.readers): device (the splits live on every
   # device, batches gathered there from int32 row indices), host (gathered in host memory,
   # images sent per batch), stream (read by index from array_record files in stream_dir, each

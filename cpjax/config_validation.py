@@ -106,6 +106,10 @@ def spine_schema() -> dict[str, Check]:
       "dataset.split_seed": integer(0, 2**31 - 1),
       "dataset.train_examples": integer(0),
       "dataset.meta_val_size": integer(0),
+      "dataset.label_noise": number(0.0, 1.0, high_open=True),
+      "dataset.label_noise_seed": integer(0, 2**31 - 1),
+      "dataset.holdout_fraction": number(0.0, 1.0, high_open=True),
+      "dataset.train_part": choice(list(splits.TRAIN_PARTS)),
       "dataset.reader": choice(list(readers.READERS)),
       "dataset.device_memory_mb": number(0.0),
       "dataset.host_memory_mb": number(0.0),
@@ -352,9 +356,14 @@ def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
     return [f"config.dataset.meta_val_size={config.dataset.meta_val_size} must be below the "
             f"{num_rows} training examples left after validation"]
   num_rows -= config.dataset.meta_val_size
+  if problems := _holdout_problems(config.dataset, num_rows):
+    return problems
+  num_rows = splits.num_train_examples(
+      ml_collections.ConfigDict({**config.dataset.to_dict(), "train_examples": 0}))
   if config.dataset.train_examples > num_rows:
     return [f"config.dataset.train_examples={config.dataset.train_examples} exceeds the "
-            f"{num_rows} training examples left after validation and meta-validation"]
+            f"{num_rows} training examples left after validation, meta-validation and "
+            "holdout"]
   num_rows = config.dataset.train_examples or num_rows
   selection = config.selection
   if selection.count > num_rows:
@@ -365,6 +374,22 @@ def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
   if selection.method == "stratified" and k > kept:
     return [f"config.selection.stratify_drop={selection.stratify_drop} leaves {kept} of "
             f"{num_rows} training examples, fewer than the subset size {k}"]
+  return []
+
+
+def _holdout_problems(dataset: ml_collections.ConfigDict, pool_size: int) -> list[str]:
+  """A holdout share is used by exactly the runs that train on one side of it."""
+  fraction, part = dataset.holdout_fraction, dataset.train_part
+  if part == "all":
+    return [] if fraction == 0 else [
+        f"config.dataset.holdout_fraction={fraction} is unused with dataset.train_part='all': "
+        "set train_part='holdout' (train the irreducible-loss target on the held-out rows) or "
+        "'rest' (train on the other rows), or holdout_fraction=0"]
+  holdout = int(round(fraction * pool_size))
+  if not 0 < holdout < pool_size:
+    return [f"config.dataset.holdout_fraction={fraction} holds out {holdout} of the "
+            f"{pool_size} training examples; dataset.train_part={part!r} needs at least one "
+            "row on each side"]
   return []
 
 
@@ -420,6 +445,10 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
 def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:
   """A streamed run needs its array_record directory and keeps no test images in memory."""
   dataset = config.dataset
+  if dataset.label_noise and dataset.stream_dir:
+    return [f"config.dataset.label_noise={dataset.label_noise} flips labels in memory; a "
+            "streamed run reads its labels from dataset.stream_dir: set stream_dir='' "
+            "(in-memory readers) or label_noise=0"]
   if dataset.reader == "stream" and not dataset.stream_dir:
     return ["config.dataset.reader='stream' needs config.dataset.stream_dir (the output of "
             "python -m scripts.write_array_records for this dataset config)"]

@@ -14,7 +14,7 @@ import numpy as np
 from cpjax import run_context, run_state, steps
 from cpjax.calibration import report
 from cpjax.data import corruptions, input_pipeline, readers, specs, splits
-from cpjax.runtime import compiler_options
+from cpjax.runtime import compiler_options, files
 
 
 def evaluate(run: run_context.Run, state: steps.TrainState) -> dict[str, float]:
@@ -73,9 +73,10 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
   config = run.config
 
   ood = _ood_split(run)
+  test_logits = finite_logits(run, state, run.readers["test"], "test")
   results = report.build_report(
       (finite_logits(run, state, run.readers["val"], "val"), run.splits["val"].labels),
-      (finite_logits(run, state, run.readers["test"], "test"), run.splits["test"].labels),
+      (test_logits, run.splits["test"].labels),
       specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
       None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
                                              config.eval_batch_size))
@@ -86,6 +87,12 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
     results["gamma"] = report.gamma_summary(*gamma)
   if jax.process_index() == 0:
     paths = report.write_report(os.path.join(run.workdir, "report"), results, gamma)
+    # Per-example test logits (ids in the test split's order): paired comparisons of runs
+    # on the same test images (e.g. a paired bootstrap of accuracy differences).
+    paths.append(os.path.join(run.workdir, "report", "test_logits.npz"))
+    files.atomic_write(paths[-1], lambda f: np.savez_compressed(
+        f, logits=test_logits.astype(np.float32), labels=run.splits["test"].labels,
+        ids=run.splits["test"].ids))
     logging.info("Wrote the calibration report: %s", ", ".join(paths))
   return results
 

@@ -22,7 +22,7 @@ COLUMNS = (("accuracy", "before_ts", "accuracy"), ("ece", "before_ts", "ece"),
            ("ece_left_closed", "before_ts", "ece_left_closed"), ("ece_after_ts", "after_ts", "ece"))
 
 
-def _apply(config: ml_collections.ConfigDict, overrides: dict[str, Any]):
+def apply(config: ml_collections.ConfigDict, overrides: dict[str, Any]):
   """A copy of `config` with dotted-name overrides, type-checked by ml_collections."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.update_from_flattened_dict(overrides)
@@ -34,7 +34,7 @@ def run_cell(base, overrides: dict[str, Any], workdir: str) -> dict[str, Any]:
   report_path = os.path.join(workdir, "report", "results.json")
   if not os.path.exists(report_path):
     start = time.time()
-    train.train_and_evaluate(_apply(base, overrides), workdir)
+    train.train_and_evaluate(apply(base, overrides), workdir)
     with open(os.path.join(workdir, "wall_seconds.txt"), "w") as f:
       f.write(str(time.time() - start))
   with open(report_path) as f:

@@ -56,8 +56,8 @@ POLICIES = {  # name: overrides of a selected run (method and policy parameters)
     "sampled": {"selection.method": "sampled", "selection.temperature": 0.1},
 }
 INFOBATCH = {"selection.method": "infobatch", "selection.score": "loss",
-             "selection.prune_ratio": 0.5,
-             "selection.anneal_fraction": 0.17}  # floor(0.17 * 6) = 1: the last epoch full.
+             "selection.prune_ratio": 0.5,  # The authors' defaults: floor(0.875 * 6) = 5 pruned
+             "selection.anneal_fraction": 0.125}  # epochs, the last on all data.
 
 
 def budget_steps(config, fraction: float) -> int:

@@ -282,11 +282,32 @@ def test_infobatch_edge_cases_annealing_and_determinism():
     np.testing.assert_array_equal(policies.select_infobatch(constant, ids, 0, 1, 0.5, 9)[0], ids)
 
 
-@pytest.mark.parametrize("num_epochs, fraction, first", [
-    (200, 0.125, 175), (8, 0.125, 7), (3, 0.125, 3), (10, 0.3, 7), (4, 0.25, 3), (5, 0.0, 5),
-    (100, 0.29, 71)])
-def test_infobatch_anneals_the_last_floor_of_fraction_times_epochs(num_epochs, fraction, first):
-  assert policies.anneal_start(num_epochs, fraction) == first
+def _reference_pruned_epochs(num_epochs: int, delta: Fraction) -> list[int]:
+  """The epochs that InfoBatch's reference sampler prunes, replayed from its counter: its
+  constructor resets once (the counter goes 0 -> 1), each epoch's iterator resets again, and a
+  reset prunes while the counter is at most num_epochs * delta (exact fractions here, so that
+  the reference's float products do not blur the integer cases)."""
+  iterations, pruned = 1, []  # After the constructor's reset.
+  for epoch in range(num_epochs):
+    if not iterations > num_epochs * delta:
+      pruned.append(epoch)
+    iterations += 1
+  return pruned
+
+
+@pytest.mark.parametrize("delta", ["7/8", "9/10", "4/5", "7/10", "1/2", "29/40"])
+def test_infobatch_anneals_where_the_reference_sampler_stops_pruning(delta):
+  delta = Fraction(delta)
+  for num_epochs in range(1, 301):
+    pruned = _reference_pruned_epochs(num_epochs, delta)
+    assert pruned == list(range(len(pruned)))  # A prefix of the run.
+    assert policies.anneal_start(num_epochs, float(1 - delta)) == len(pruned), num_epochs
+
+
+@pytest.mark.parametrize("num_epochs, first", [(6, 5), (10, 8), (20, 17), (8, 7), (200, 175)])
+def test_infobatch_default_keeps_a_full_data_epoch_at_the_end(num_epochs, first):
+  # Hand-worked: floor(0.875 C); C = 6 and 10 anneal 1 and 2 epochs (the reference's rounding).
+  assert policies.anneal_start(num_epochs, 0.125) == first
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -130,6 +130,10 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
     raise ValueError(f"{spec.tfds_name}: expected train ids 0..{spec.num_train - 1}, "
                      f"got {len(full_train)} examples")
   ids = splits.split_ids(config)
+  if config.get("label_noise", 0.0):  # Generated noise on real images; val and test stay clean.
+    full_train = Split(full_train.images, splits.noisy_labels(
+        full_train.labels, ids["pool"], config.label_noise, config.label_noise_seed,
+        spec.num_classes), full_train.ids)
   result = {"train": full_train.take(ids["train"]), "val": full_train.take(ids["val"]),
             "test": _read_split(builder, spec.test_split)}
   if len(ids["meta_val"]):

@@ -43,20 +43,36 @@ def carve_validation(num_train: int, val_size: int, seed: int) -> tuple[np.ndarr
   return np.sort(perm[:-val_size]), np.sort(perm[-val_size:])
 
 
+TRAIN_PARTS = ("all", "rest", "holdout")
+
+
+def _holdout_size(pool_size: int, holdout_fraction: float) -> int:
+  return int(round(holdout_fraction * pool_size))
+
+
 def num_train_examples(config: ml_collections.ConfigDict) -> int:
-  """Training examples after the validation and meta-validation carve-outs and any
+  """Training examples after the validation, meta-validation and holdout carve-outs and any
   `train_examples` cap."""
-  # .get: the configs saved by runs from before meta-validation existed have no such field.
-  return config.train_examples or (specs.DATASETS[config.name].num_train - config.val_size
-                                   - config.get("meta_val_size", 0))
+  if config.train_examples:
+    return config.train_examples
+  # .get: the configs saved by older runs have no meta_val_size or holdout fields.
+  pool = (specs.DATASETS[config.name].num_train - config.val_size
+          - config.get("meta_val_size", 0))
+  holdout = _holdout_size(pool, config.get("holdout_fraction", 0.0))
+  return {"all": pool, "rest": pool - holdout, "holdout": holdout}[
+      config.get("train_part", "all")]
 
 
 def split_ids(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-  """{"train", "val", "meta_val"} ids of `config.dataset`, each sorted and disjoint.
+  """{"train", "val", "meta_val", "pool"} ids of `config.dataset`, each sorted.
 
   Validation is carved first (`carve_validation`); the meta-validation ids (FL_gamma's
   held-out batches, `meta_val_size`, none by default) are a seeded draw from the rest, so
-  they never overlap validation or test; `train_examples` then caps what is left.
+  they never overlap validation or test. What is left is the training pool ("pool", where
+  `label_noise` applies). A `holdout_fraction` of the pool is a further seeded draw: a run
+  with `train_part="holdout"` trains on it (RHO-LOSS's irreducible-loss model, Mindermann et
+  al., ICML 2022), one with `train_part="rest"` on the other rows, and "all" on the whole
+  pool. `train_examples` then caps the training ids.
   """
   spec = specs.DATASETS[config.name]
   train_ids, val_ids = carve_validation(spec.num_train, config.val_size, config.split_seed)
@@ -65,10 +81,46 @@ def split_ids(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
   meta_ids = np.sort(drawn[:meta_size])
   if meta_size:  # Without a carve-out the training ids stay exactly as they were.
     train_ids = np.sort(drawn[meta_size:])
+  pool_ids = train_ids
+  part = config.get("train_part", "all")
+  if part != "all":
+    holdout = _holdout_size(len(pool_ids), config.get("holdout_fraction", 0.0))
+    drawn = np.random.default_rng([config.split_seed, 4]).permutation(pool_ids)
+    train_ids = np.sort(drawn[:holdout] if part == "holdout" else drawn[holdout:])
   if config.train_examples:  # A seeded subset of the training ids, for quick studies.
     train_ids = np.sort(np.random.default_rng([config.split_seed, 1]).choice(
         train_ids, config.train_examples, replace=False))
-  return {"train": train_ids, "val": val_ids, "meta_val": meta_ids}
+  return {"train": train_ids, "val": val_ids, "meta_val": meta_ids, "pool": pool_ids}
+
+
+def noisy_labels(labels: np.ndarray, pool_rows: np.ndarray, fraction: float, seed: int,
+                 num_classes: int) -> np.ndarray:
+  """Labels with round(fraction * P) of the P `pool_rows` flipped uniformly to another class.
+
+  Symmetric ("uniform to another class") label noise, the usual synthetic benchmark
+  (e.g. RHO-LOSS's and the noisy-label literature's): the flipped rows are a seeded draw
+  from the pool, and each gets label (y + o) mod K with o uniform on 1..K-1, so it never
+  keeps its class. Rows outside the pool (validation, test) keep their labels. A pure
+  function of (seed, pool): a run trained on part of the pool sees the same noisy labels
+  as one trained on the rest.
+
+  Args:
+    labels: int [N] labels of the whole split.
+    pool_rows: int [P] rows of `labels` that are training data, in increasing id order.
+    fraction: share of the pool to flip, in [0, 1).
+    seed: the noise seed (`dataset.label_noise_seed`).
+    num_classes: K >= 2.
+
+  Returns:
+    int32 [N] labels.
+  """
+  rng = np.random.default_rng([seed, 5])
+  flipped = rng.permutation(len(pool_rows))[:int(round(fraction * len(pool_rows)))]
+  offsets = rng.integers(1, num_classes, size=len(flipped))
+  out = np.array(labels, np.int32)
+  rows = np.asarray(pool_rows)[flipped]
+  out[rows] = (out[rows] + offsets) % num_classes
+  return out
 
 
 def cycled_rows(seed: int, step: int, num_rows: int, batch_size: int) -> np.ndarray:

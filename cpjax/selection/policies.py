@@ -278,12 +278,16 @@ def random_without_replacement(ids: np.ndarray, k: int, seed: int,
 
 
 def anneal_start(num_epochs: int, anneal_fraction: float) -> int:
-  """InfoBatch's first annealing epoch: the last floor(anneal_fraction * num_epochs) epochs
-  train on all data (the paper prunes in the first delta * C epochs, delta = 1 - fraction).
+  """InfoBatch's first annealing epoch: floor(delta * C), delta = 1 - anneal_fraction.
 
-  The product is rounded to 6 decimals first, so that 0.3 * 10 counts as 3 epochs.
+  The authors' sampler (InfoBatch's `IBSampler`, Qin et al., ICLR 2024) counts
+  its resets from 1 at the first epoch and prunes while the count is at most
+  delta * C, so epochs 0 .. floor(delta * C) - 1 are pruned and the remaining
+  C - floor(delta * C) train on all data: with the default delta = 0.875,
+  C = 6 prunes 5 epochs and anneals 1, C = 20 prunes 17 and anneals 3. The
+  product is rounded to 6 decimals first, so that 0.7 * 10 counts as 7.
   """
-  return num_epochs - math.floor(round(anneal_fraction * num_epochs, 6))
+  return math.floor(round((1.0 - anneal_fraction) * num_epochs, 6))
 
 
 def select_infobatch(scores: np.ndarray, ids: np.ndarray, seed: int, epoch: int,

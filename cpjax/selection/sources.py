@@ -186,10 +186,15 @@ def check_target(config: ml_collections.ConfigDict) -> None:
           f"selection.scoring='target_recorded' needs the target's recorded scores, e.g. "
           f"{first}; train the target with --config.selection.record_scores=True")
   target = read_run_config(selection.target_workdir)
-  for field in ("name", "val_size", "split_seed", "train_examples", "meta_val_size"):
-    # .get: runs from before meta-validation existed have no meta_val_size (it was 0).
-    theirs, ours = target.dataset.get(field, 0), config.dataset[field]
+  defaults = {"train_part": "all"}
+  for field in ("name", "val_size", "split_seed", "train_examples", "meta_val_size",
+                "label_noise", "label_noise_seed", "holdout_fraction", "train_part"):
+    # .get: runs from before these fields existed had none (0, clean labels, no holdout).
+    theirs, ours = target.dataset.get(field, defaults.get(field, 0)), config.dataset[field]
     if theirs == ours:
+      continue
+    if field == "train_part" and not recorded:
+      _check_target_part(theirs, ours, selection.target_workdir)
       continue
     if field == "meta_val_size" and not recorded:
       # A gamma-Net target held its meta-validation rows out of training; it never saw this
@@ -205,6 +210,19 @@ def check_target(config: ml_collections.ConfigDict) -> None:
         f"target run {selection.target_workdir} has dataset.{field}={theirs!r}, this run "
         f"{ours!r}: the target must be trained on the same train/validation split"
         + ("" if recorded else " (only meta_val_size may differ when it scores with its model)"))
+
+
+def _check_target_part(theirs: str, ours: str, target_workdir: str) -> None:
+  """A model target may train on another part of the holdout split than this run: the
+  RHO-LOSS setup is a target on the held-out rows scoring a run on the rest."""
+  if theirs == "holdout" and ours == "rest":
+    return  # Disjoint rows: the target scores this run's rows out of sample.
+  if ours == "holdout":
+    raise ValueError(f"this run trains on the held-out rows (dataset.train_part='holdout'), "
+                     f"the target run {target_workdir} on {theirs!r}: train the selecting run "
+                     "with train_part='rest' and the target with train_part='holdout'")
+  logging.warning("Target run %s trained on dataset.train_part=%r and this run on %r: it has "
+                  "seen the rows it scores (in-sample scores).", target_workdir, theirs, ours)
 
 
 def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_name: str,

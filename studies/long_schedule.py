@@ -1,0 +1,527 @@
+"""Does selection (and calibration) still pay when the model is trained properly?
+
+Every run is configs/fashion_mnist_long.py (small_cnn, crop+flip, 54,000
+training images, 20 epochs of cosine SGD, epoch 0 on all data, test on the
+10,000 test images) with one arm:
+
+  clean labels      full; same_budget-P (all data, cut to a P % run's optimizer
+                    steps); random-P; rs2-P (RS2, without replacement);
+                    topk_entropy-P (train-pass entropy); topk_fresh-10 (an
+                    eval-mode scoring pass every epoch, its cost counted);
+                    sampled-P (Gumbel-top-k, T = 0.1); infobatch (r = 0.5,
+                    delta = 0.875)
+  calibration       flsd53_full, flgamma_full (FL_gamma-SECE); topk_flsd53-P and
+                    topk_flgamma-P (top-k entropy with the current model trained by
+                    that loss); topk_mixup_target-P (a mixup target's recorded
+                    entropies, as Tata et al. 2022) and topk_gamma_target-P (the
+                    flgamma_full seed-0 run's model scoring once)
+  noisy labels      20 % of the training labels flipped uniformly to another class
+                    (generated noise on the real images; validation and test labels
+                    clean): noisy_full, noisy_random-30, noisy_topk_entropy-30,
+                    noisy_sampled-30, noisy_infobatch, and noisy_rho-30 (RHO-LOSS:
+                    reducible loss with a target trained on a held-out 10 % of the
+                    training split, the selecting run trained on the other 90 %)
+  schedule check    full_e10, full_e30 (seed 0): validation accuracy of 10- and
+                    30-epoch schedules beside the 20-epoch one
+
+for P in 10 and 30, seeds 0, 1, 2. Targets are trained once (seed 0) and
+their cost is reported apart and added to the arms that need them. The arms
+run in tiers (A: the answers, B: more policies and the calibrated targets, C:
+the 10 % variants of B), each tier seed by seed, so a study cut short has
+every seed of the most important arms. After every run the summary
+(summary.md, summary.json) and the figures are rewritten from what finished.
+A run whose report exists is not retrained and an interrupted run resumes
+from its checkpoint, so rerunning the command continues the study:
+
+  python -m studies.long_schedule --out=studies/out/long_schedule
+
+Costs are counted in example passes (a forward pass of one example counts 1,
+forward + backward 3; evaluation passes, the same in every arm, are left out)
+and in measured seconds of the loop's scoring + selection + training phases.
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+import traceback
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from configs import fashion_mnist_long  # noqa: E402
+from cpjax.calibration import metrics  # noqa: E402
+from cpjax.data import splits  # noqa: E402
+from cpjax.selection import policies  # noqa: E402
+from studies import grid  # noqa: E402
+
+SEEDS = (0, 1, 2)
+NOISE = {"dataset.label_noise": 0.2, "dataset.label_noise_seed": 0}
+META_VAL_SIZE = 5000  # FL_gamma's meta-validation carve-out (as the meta-calibration study).
+HOLDOUT = 0.1  # RHO-LOSS: share of the training split held out for the target.
+SAMPLED = {"selection.method": "sampled", "selection.temperature": 0.1}
+INFOBATCH = {"selection.method": "infobatch", "selection.score": "loss",
+             "selection.prune_ratio": 0.5, "selection.anneal_fraction": 0.125}
+FLGAMMA = {"loss.name": "flgamma_sece", "dataset.meta_val_size": META_VAL_SIZE}
+# Targets: trained once with seed 0, whatever the arm's seed.
+TARGETS = {
+    "target_mixup": {"loss.mixup_alpha": 0.15, "selection.record_scores": True},
+    "target_rho": {**NOISE, "dataset.holdout_fraction": HOLDOUT,
+                   "dataset.train_part": "holdout"},
+}
+CONFIDENCE = 0.9  # Every interval of the summary.
+BOOTSTRAP = 1000  # Paired bootstrap resamples of the test images.
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  overrides: dict
+  tier: str  # A, B or C: the order in which arms run.
+  regime: str = "clean"  # clean or noisy: the panel and the references it is paired with.
+  budget: int = 0  # Per cent kept per selected epoch; 0 = no fixed budget.
+  target: str = ""  # A TARGETS name, or an arm whose seed-0 run is the target.
+  seeds: tuple = SEEDS
+
+
+def _top_k(fraction: float, **extra) -> dict:
+  return {"selection.method": "top_k", "selection.fraction": fraction, **extra}
+
+
+def arms(base) -> list[Arm]:
+  """Every arm of the study, in the order the tiers run them."""
+  out = [Arm("full", {}, "A"),
+         Arm("full_e10", {"num_epochs": 10}, "A", seeds=(0,)),
+         Arm("flsd53_full", {"loss.name": "flsd53"}, "A"),
+         Arm("noisy_full", NOISE, "A", "noisy"),
+         Arm("infobatch", INFOBATCH, "A"),
+         Arm("noisy_infobatch", {**NOISE, **INFOBATCH}, "B", "noisy"),
+         Arm("flgamma_full", FLGAMMA, "B"),
+         Arm("full_e30", {"num_epochs": 30}, "B", seeds=(0,))]
+  for pct in (30, 10):
+    f = pct / 100
+    later = "B" if pct == 30 else "C"
+    out += [
+        Arm(f"random-{pct}", {"selection.method": "random", "selection.fraction": f}, "A",
+            budget=pct),
+        Arm(f"topk_entropy-{pct}", _top_k(f), "A", budget=pct),
+        Arm(f"topk_flsd53-{pct}", _top_k(f, **{"loss.name": "flsd53"}),
+            "A" if pct == 30 else "C", budget=pct),
+        Arm(f"same_budget-{pct}", {"budget_steps": budget_steps(base, f),
+                                   "optimizer.schedule_unit": "step"}, later, budget=pct),
+        Arm(f"rs2-{pct}", {"selection.method": "random_without_replacement",
+                           "selection.fraction": f}, later, budget=pct),
+        Arm(f"sampled-{pct}", {**SAMPLED, "selection.fraction": f}, later, budget=pct),
+        Arm(f"topk_flgamma-{pct}", _top_k(f, **FLGAMMA), later, budget=pct),
+        Arm(f"topk_mixup_target-{pct}", _top_k(f, **{"selection.scoring": "target_recorded"}),
+            later, budget=pct, target="target_mixup"),
+        Arm(f"topk_gamma_target-{pct}", _top_k(f, **{"selection.scoring": "target",
+                                                     "selection.rescore_every": 0}),
+            later, budget=pct, target="flgamma_full")]
+  out += [Arm("topk_fresh-10", _top_k(0.1, **{"selection.scoring": "fresh"}), "B", budget=10),
+          Arm("noisy_random-30", {**NOISE, "selection.method": "random",
+                                  "selection.fraction": 0.3}, "A", "noisy", 30),
+          Arm("noisy_topk_entropy-30", {**NOISE, **_top_k(0.3)}, "A", "noisy", 30),
+          Arm("noisy_rho-30", {**NOISE, **_top_k(0.3, **{"selection.score": "reducible_loss"}),
+                               "dataset.holdout_fraction": HOLDOUT,
+                               "dataset.train_part": "rest"}, "A", "noisy", 30,
+              target="target_rho"),
+          Arm("noisy_sampled-30", {**NOISE, **SAMPLED, "selection.fraction": 0.3}, "B",
+              "noisy", 30)]
+  return sorted(out, key=lambda arm: arm.tier)  # Stable: the order above within a tier.
+
+
+def budget_steps(config, fraction: float) -> int:
+  """Optimizer steps of a run keeping `fraction` per selected epoch: the warm-up epochs
+  in full, then ceil(k / batch) steps per epoch."""
+  num_rows = splits.num_train_examples(config.dataset)
+  k = policies.subset_size(fraction, 0, num_rows)
+  full, subset = -(-num_rows // config.batch_size), -(-k // config.batch_size)
+  warmup = config.selection.warmup_epochs
+  return warmup * full + (config.num_epochs - warmup) * subset
+
+
+# ---------------------------------------------------------------------------------------------
+# One run's numbers.
+
+
+def _records(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def example_passes(config, records: list[dict]) -> np.ndarray:
+  """Cumulative example passes after each epoch: 3 per example trained (forward + backward),
+  1 per example of a scoring pass, 1 per meta-validation example of a gamma-Net step."""
+  batch = config.batch_size
+  per_step = 3 * batch + (batch if config.loss.name.startswith("flgamma") else 0)
+  num_train = splits.num_train_examples(config.dataset)
+  steps_left = config.budget_steps or math.inf
+  passes, selection = [], config.selection
+  for i, record in enumerate(records):
+    steps = min(-(-record["selected_k"] // batch), steps_left)
+    steps_left -= steps
+    scoring = 0
+    selected = selection.method != "full" and record["epoch"] >= selection.warmup_epochs
+    if selected and selection.scoring == "fresh":
+      scoring = num_train  # rescore_every = 1: every selected epoch.
+    first_selected = selected and record["epoch"] == selection.warmup_epochs
+    if first_selected and (selection.scoring == "target" or selection.score == "reducible_loss"):
+      scoring = num_train  # Scored once by the target's model (rescore_every = 0).
+    passes.append(per_step * steps + scoring)
+  return np.cumsum(passes, dtype=np.float64)
+
+
+def run_row(base, arm_overrides: dict, workdir: str) -> dict:
+  """Trains one run unless its report exists; returns its numbers and curves."""
+  config = grid.apply(base, arm_overrides)
+  row = grid.run_cell(base, arm_overrides, workdir)
+  records = _records(workdir)
+  passes = example_passes(config, records)
+  compute = np.cumsum([sum(r[f"{p}_seconds"] for p in ("scoring", "selection", "training"))
+                       for r in records])
+  evaluated = [i for i, r in enumerate(records) if "test_accuracy" in r]
+  with np.load(os.path.join(workdir, "report", "test_logits.npz")) as f:
+    logits, labels = f["logits"], f["labels"]
+  selected = [r for r in records if "subset_class_kl" in r]
+  row.update(
+      val_accuracy=records[-1]["val_accuracy"],
+      passes=float(passes[-1]), compute_seconds=float(compute[-1]),
+      curve_epoch=[records[i]["epoch"] + 1 for i in evaluated],
+      curve_passes=[float(passes[i]) for i in evaluated],
+      curve_seconds=[float(compute[i]) for i in evaluated],
+      curve_accuracy=[records[i]["test_accuracy"] for i in evaluated],
+      class_kl=float(np.mean([r["subset_class_kl"] for r in selected])) if selected else 0.0,
+      correct=(np.argmax(logits, -1) == labels).astype(np.int8).tolist(),
+      confidence=np.max(metrics.softmax(logits), -1).astype(np.float32).tolist())
+  return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired statistics.
+
+
+def seed_interval(differences) -> tuple[float, float, float]:
+  """(mean, low, high): a t interval at CONFIDENCE over the per-seed differences."""
+  d = np.asarray(differences, np.float64)
+  if len(d) < 2:
+    return float(d.mean()), math.nan, math.nan
+  half = stats.t.ppf(0.5 + CONFIDENCE / 2, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+  return float(d.mean()), float(d.mean() - half), float(d.mean() + half)
+
+
+def _ece(confidence: np.ndarray, correct: np.ndarray, num_bins: int = 15) -> np.ndarray:
+  """ECE of each row of [R, n] arrays (equal-width bins, right-closed as the report's)."""
+  bins = np.clip(np.ceil(confidence * num_bins).astype(np.int64) - 1, 0, num_bins - 1)
+  rows = np.arange(len(confidence))[:, None] * num_bins + bins
+  size = confidence.shape[1]
+  gap = (np.bincount(rows.ravel(), (confidence - correct).ravel(), len(confidence) * num_bins))
+  return np.abs(gap.reshape(len(confidence), num_bins)).sum(1) / size
+
+
+def test_interval(arm: dict, reference: dict, seeds: list[int], key: str,
+                  rng_seed: int = 0) -> tuple[float, float]:
+  """A paired bootstrap over the test images of the seed-mean difference (arm - reference)
+  in accuracy ("accuracy") or ECE ("ece"): the same resampled images for both runs of a
+  seed and for every seed. The test set's own sampling interval at CONFIDENCE."""
+  n = len(arm["correct"][0])
+  index = np.random.default_rng(rng_seed).integers(0, n, (BOOTSTRAP, n))
+  total = np.zeros(BOOTSTRAP)
+  for a, r in ((arm["seed_index"][s], reference["seed_index"][s]) for s in seeds):
+    for sign, run, i in ((1, arm, a), (-1, reference, r)):
+      correct = np.asarray(run["correct"][i], np.float64)[index]
+      if key == "accuracy":
+        total += sign * correct.mean(1)
+      else:
+        total += sign * _ece(np.asarray(run["confidence"][i], np.float64)[index], correct)
+  low, high = np.quantile(total / len(seeds), [0.5 - CONFIDENCE / 2, 0.5 + CONFIDENCE / 2])
+  return float(low), float(high)
+
+
+def paired(arm: dict, reference: dict) -> dict | None:
+  """Per-seed differences arm - reference over the seeds both finished."""
+  seeds = sorted(set(arm["seed_index"]) & set(reference["seed_index"]))
+  if not seeds:
+    return None
+  out = {"seeds": seeds}
+  for key in ("accuracy", "ece", "ece_after_ts"):
+    d = [arm[key][arm["seed_index"][s]] - reference[key][reference["seed_index"][s]]
+         for s in seeds]
+    out[key] = seed_interval(d)
+  for key in ("accuracy", "ece"):
+    out[f"{key}_test"] = test_interval(arm, reference, seeds, key)
+  return out
+
+
+def references(arm: Arm) -> dict[str, str]:
+  """{label: arm name} of the runs an arm is paired with."""
+  prefix = "noisy_" if arm.regime == "noisy" else ""
+  refs = {"full": f"{prefix}full"}
+  if arm.budget:
+    refs["random"] = f"{prefix}random-{arm.budget}"
+  if arm.name.startswith(("topk_flsd53", "topk_flgamma", "topk_mixup", "topk_gamma",
+                          "topk_fresh")):
+    refs["ce_topk"] = f"topk_entropy-{arm.budget}"  # The seed question: vs a CE scorer.
+  if arm.name in ("flsd53_full", "flgamma_full"):
+    refs = {"full": "full"}
+  return {label: name for label, name in refs.items() if name != arm.name}
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary.
+
+
+def _pct(value: float, digits: int = 2) -> str:
+  return "—" if value is None or not np.isfinite(value) else f"{100 * value:+.{digits}f}"
+
+
+def _interval(triple) -> str:
+  mean, low, high = triple
+  if not np.isfinite(low):
+    return f"{_pct(mean)} (1 seed)"
+  return f"{_pct(mean)} [{_pct(low)}, {_pct(high)}]"
+
+
+def _saving(passes: float, full: float | None) -> str:
+  return "—" if not full else f"{100 * (1 - passes / full):.0f} %"
+
+
+def summarise(all_arms: list[Arm], results: dict, targets: dict) -> dict:
+  """Means, savings and paired differences of every arm with a finished run."""
+  full_passes = np.mean(results["full"]["passes"]) if "full" in results else None
+  full_seconds = np.mean(results["full"]["compute_seconds"]) if "full" in results else None
+  by_name = {a.name: a for a in all_arms}
+  summary = {}
+  for name, r in results.items():
+    arm = by_name[name]
+    target_passes = targets.get(arm.target, {}).get("passes", 0.0)
+    target_seconds = targets.get(arm.target, {}).get("compute_seconds", 0.0)
+    row = {key: (float(np.mean(r[key])), float(np.std(r[key], ddof=1)) if len(r[key]) > 1
+                 else 0.0) for key in ("accuracy", "ece", "ece_after_ts", "val_accuracy")}
+    row.update(seeds=sorted(r["seed_index"]), passes=float(np.mean(r["passes"])),
+               compute_seconds=float(np.mean(r["compute_seconds"])),
+               target_passes=target_passes, target_seconds=target_seconds,
+               class_kl=float(np.mean(r["class_kl"])))
+    if full_passes:
+      row["saving_passes"] = 1 - row["passes"] / full_passes
+      row["saving_passes_with_target"] = 1 - (row["passes"] + target_passes) / full_passes
+      row["saving_seconds"] = 1 - row["compute_seconds"] / full_seconds
+      row["saving_seconds_with_target"] = 1 - (row["compute_seconds"] + target_seconds) / (
+          full_seconds)
+    row["paired"] = {label: paired(r, results[ref]) for label, ref in references(arm).items()
+                     if ref in results}
+    summary[name] = row
+  return summary
+
+
+def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
+             command: str) -> str:
+  order = [a.name for a in all_arms if a.name in summary]
+  lines = ["# Selection on a long schedule: Fashion-MNIST, clean and noisy labels", "",
+           f"`{command}`; configs/fashion_mnist_long.py: small_cnn, crop+flip, 54,000 train / "
+           "6,000 val / 10,000 test images, 20 epochs (epoch 0 on all data), batch 128, cosine "
+           "SGD. Test accuracy and ECE (15 bins) in %, mean ± std over seeds. Paired "
+           "differences (arm - reference, in points): the mean over seeds with a 90 % t "
+           "interval across seeds, then [in brackets after 'test:'] the 90 % paired bootstrap "
+           f"interval over the test images ({BOOTSTRAP} resamples) of the same mean. Saving = "
+           "1 - cost / full's cost, in example passes (forward 1, forward + backward 3; "
+           "evaluation left out) and in measured seconds of the scoring + selection + training "
+           "phases; 'with target' adds the target run's whole cost to the arm.", ""]
+  lines += ["## Arms", "",
+            "| arm | seeds | test acc % | test ECE % | ECE after TS % | val acc % | saving "
+            "passes / with target | saving seconds / with target | class KL |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for name in order:
+    s = summary[name]
+    ms = lambda key: f"{100 * s[key][0]:.2f} ± {100 * s[key][1]:.2f}"  # noqa: E731
+    lines.append(
+        f"| {name} | {len(s['seeds'])} | {ms('accuracy')} | {ms('ece')} | "
+        f"{ms('ece_after_ts')} | {ms('val_accuracy')} | "
+        f"{_saving_cell(s, 'passes')} | {_saving_cell(s, 'seconds')} | {s['class_kl']:.3f} |")
+  lines += ["", "## Paired differences", "",
+            "| arm | vs | seeds | Δ acc (points) | test: Δ acc | Δ ECE | test: Δ ECE | Δ ECE "
+            "after TS |", "|---|---|---|---|---|---|---|---|"]
+  for name in order:
+    for label, p in summary[name]["paired"].items():
+      if p is None:
+        continue
+      lines.append(
+          f"| {name} | {label} | {len(p['seeds'])} | {_interval(p['accuracy'])} | "
+          f"[{_pct(p['accuracy_test'][0])}, {_pct(p['accuracy_test'][1])}] | "
+          f"{_interval(p['ece'])} | [{_pct(p['ece_test'][0])}, {_pct(p['ece_test'][1])}] | "
+          f"{_interval(p['ece_after_ts'])} |")
+  if targets:
+    lines += ["", "Targets (seed 0, trained once): " + "; ".join(
+        f"{name}: {t['passes'] / 1e6:.2f} M passes, {t['compute_seconds']:.0f} s, test acc "
+        f"{100 * t['accuracy']:.2f} %" for name, t in targets.items())]
+  if failures:
+    lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
+  return "\n".join(lines) + "\n"
+
+
+def _saving_cell(s: dict, unit: str) -> str:
+  if f"saving_{unit}" not in s:
+    return "—"
+  return (f"{100 * s[f'saving_{unit}']:.0f} % / "
+          f"{100 * s[f'saving_{unit}_with_target']:.0f} %")
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures.
+
+
+PANELS = (("clean", 10), ("clean", 30), ("clean", 0), ("noisy", 30), ("noisy", 0))
+STYLES = [(c, ls) for ls in ("-", "--") for c in plt.get_cmap("tab10").colors]
+
+
+def plot_curves(all_arms: list[Arm], results: dict, path: str) -> None:
+  """Test accuracy vs cumulative example passes, one panel per (regime, budget); the line is
+  the mean over seeds and the band the seeds' range. Full data is drawn in every panel."""
+  fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 5))
+  for ax, (regime, budget) in zip(axes, PANELS):
+    late = []  # Mean accuracies of the second half of each run: the panel's y range.
+    names = [a.name for a in all_arms if a.regime == regime and a.budget == budget
+             and a.name in results and not a.name.startswith("full_e")]
+    reference = "noisy_full" if regime == "noisy" else "full"
+    if budget and reference in results:
+      names = [reference, *names]
+    for (colour, style), name in zip(STYLES, names):
+      r = results[name]
+      passes = np.mean([c for c in r["curve_passes"]], axis=0) / 1e6
+      accuracy = 100 * np.asarray(r["curve_accuracy"], np.float64)
+      ax.plot(passes, accuracy.mean(0), style, color=colour, marker=".",
+              label=f"{name} ({len(accuracy)} seeds)")
+      ax.fill_between(passes, accuracy.min(0), accuracy.max(0), color=colour, alpha=0.15)
+      late += list(accuracy.mean(0)[len(passes) // 2:])
+    if late:
+      ax.set_ylim(min(late) - 1.5, max(late) + 0.5)
+    ax.set_title(f"{regime} labels, " + (f"{budget} % kept per selected epoch" if budget
+                                         else "no fixed budget"))
+    ax.set_xlabel("cumulative example passes (millions)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  axes[0].set_ylabel("test accuracy % (line: mean; band: range over seeds)")
+  fig.suptitle("Fashion-MNIST, small_cnn, 20 epochs with crop+flip: accuracy vs training cost")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_differences(all_arms: list[Arm], summary: dict, path: str) -> None:
+  """Paired accuracy differences vs per-epoch random and vs full data: thick bar = 90 % seed
+  interval, thin bar = the test images' 90 % bootstrap interval, dot = mean."""
+  labels = ("random", "full")
+  fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(summary) + 2), sharey=True)
+  names = [a.name for a in all_arms if a.name in summary][::-1]
+  for ax, label in zip(axes, labels):
+    for y, name in enumerate(names):
+      p = summary[name]["paired"].get(label)
+      if p is None:
+        continue
+      mean, low, high = (100 * v for v in p["accuracy"])
+      test_low, test_high = (100 * v for v in p["accuracy_test"])
+      ax.plot([test_low, test_high], [y, y], color="grey", linewidth=1)
+      if np.isfinite(low):
+        ax.plot([low, high], [y, y], color="C0", linewidth=4, alpha=0.6)
+      ax.plot(mean, y, "o", color="C3")
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_title(f"test accuracy: arm - {label} (points)")
+    ax.grid(alpha=0.3, axis="x")
+  axes[0].set_yticks(range(len(names)), names, fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def _add(results: dict, name: str, seed: int, row: dict) -> None:
+  entry = results.setdefault(name, {"seed_index": {}})
+  if seed in entry["seed_index"]:
+    return
+  entry["seed_index"][seed] = len(entry["seed_index"])
+  for key, value in row.items():
+    entry.setdefault(key, []).append(value)
+
+
+def write_outputs(out: str, all_arms, results, targets, failures, command) -> None:
+  summary = summarise(all_arms, results, targets)
+  slim = {name: {k: v for k, v in r.items() if k not in ("correct", "confidence")}
+          for name, r in results.items()}
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump({"summary": summary, "runs": slim, "targets": targets, "failures": failures},
+              f, indent=1, default=lambda o: o if not isinstance(o, np.generic) else o.item())
+  with open(os.path.join(out, "summary.md"), "w") as f:
+    f.write(markdown(all_arms, summary, targets, failures, command))
+  plot_curves(all_arms, results, os.path.join(out, "time_to_accuracy.png"))
+  plot_differences(all_arms, summary, os.path.join(out, "paired_differences.png"))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default="studies/out/long_schedule")
+  parser.add_argument("--tiers", default="ABC", help="tiers to run, in order (default ABC)")
+  parser.add_argument("--only", nargs="*", default=None, help="run only these arms")
+  parser.add_argument("--summarise-only", action="store_true",
+                      help="rewrite the summary from finished runs, train nothing")
+  args = parser.parse_args()
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+  base = fashion_mnist_long.get_config()
+  base.evaluation.bootstrap_resamples = 200  # The report's ECE intervals (not used here).
+  base.evaluation.ood = ""
+  command = f"python -m studies.long_schedule --out={args.out}"
+  os.makedirs(args.out, exist_ok=True)
+  all_arms = [a for a in arms(base) if args.only is None or a.name in args.only]
+  todo = [(a, seed) for tier in args.tiers for a in all_arms if a.tier == tier
+          for seed in a.seeds]
+  todo.sort(key=lambda item: (item[0].tier, item[1]))  # Tier by tier, seed by seed.
+  results, targets, failures = {}, {}, {}
+  for done, (arm, seed) in enumerate(todo):
+    workdir = os.path.join(args.out, arm.name, f"seed{seed}")
+    finished = os.path.exists(os.path.join(workdir, "report", "results.json"))
+    if args.summarise_only and not finished:
+      continue
+    try:
+      overrides = {**arm.overrides, "seed": seed}
+      if arm.target:
+        overrides["selection.target_workdir"] = _target(args.out, base, arm.target, targets,
+                                                        args.summarise_only)
+      print(f"[{time.strftime('%H:%M:%S')}] run {done + 1}/{len(todo)}: tier {arm.tier} "
+            f"{arm.name} seed {seed}" + (" (finished)" if finished else ""), flush=True)
+      _add(results, arm.name, seed, run_row(base, overrides, workdir))
+    except Exception as err:  # One failed run must not stop the study: it is reported.
+      failures[f"{arm.name} seed {seed}"] = f"{type(err).__name__}: {str(err)[:300]}"
+      print(f"[{time.strftime('%H:%M:%S')}] FAILED {arm.name} seed {seed}: "
+            f"{traceback.format_exc()}", flush=True)
+    write_outputs(args.out, all_arms, results, targets, failures, command)
+  print(f"[{time.strftime('%H:%M:%S')}] done: {args.out}/summary.md", flush=True)
+
+
+def _target(out: str, base, name: str, targets: dict, summarise_only: bool) -> str:
+  """The workdir of target `name`, trained (seed 0) first if needed; records its cost."""
+  workdir = (os.path.join(out, name, "seed0") if name not in TARGETS
+             else os.path.join(out, name))
+  if name not in targets:
+    overrides = {**TARGETS.get(name, {}), "seed": 0}
+    if name not in TARGETS:  # An arm's seed-0 run.
+      overrides = {**{a.name: a for a in arms(base)}[name].overrides, "seed": 0}
+    if summarise_only and not os.path.exists(os.path.join(workdir, "report")):
+      raise FileNotFoundError(f"target {name} has not run")
+    print(f"[{time.strftime('%H:%M:%S')}] target {name}", flush=True)
+    row = run_row(base, overrides, workdir)
+    targets[name] = {k: row[k] for k in ("passes", "compute_seconds", "accuracy")}
+  return workdir
+
+
+if __name__ == "__main__":
+  main()
