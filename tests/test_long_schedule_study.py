@@ -1,0 +1,62 @@
+"""The long-schedule study's accounting and statistics against hand-worked cases and a second
+implementation (the report's ECE)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from cpjax.calibration import metrics
+from studies import long_schedule
+from tests.helpers import tiny_config
+
+
+def test_the_studys_bootstrap_ece_equals_the_reports_ece():
+  rng = np.random.default_rng(0)
+  confidence = rng.uniform(0.1, 1.0, (4, 500))
+  confidence[0, :5] = [1 / 15, 2 / 15, 1.0, 0.5, 14 / 15]  # Bin edges: right-closed bins.
+  correct = (rng.uniform(size=(4, 500)) < confidence).astype(np.float64)
+  ours = long_schedule._ece(confidence, correct)
+  for row in range(4):
+    assert ours[row] == pytest.approx(
+        metrics.ece_from_confidences(confidence[row], correct[row], 15), abs=1e-12)
+
+
+def _records(*selected_k):
+  return [{"epoch": e, "selected_k": k} for e, k in enumerate(selected_k)]
+
+
+def test_example_passes_count_training_scoring_and_meta_batches_by_hand():
+  # configs/test.py has 1,257 training rows; batches of 10 here.
+  fresh = tiny_config(**{"batch_size": 10, "selection.method": "top_k", "num_epochs": 2,
+                         "selection.warmup_epochs": 1, "selection.scoring": "fresh"})
+  # Epoch 0: 95 rows -> 10 steps -> 300 passes. Epoch 1: 30 rows -> 3 steps -> 90, plus a
+  # scoring pass over the 1,257 training rows.
+  np.testing.assert_array_equal(long_schedule.example_passes(fresh, _records(95, 30)),
+                                [300, 300 + 90 + 1257])
+  budget = tiny_config(**{"batch_size": 10, "budget_steps": 12})
+  np.testing.assert_array_equal(long_schedule.example_passes(budget, _records(95, 95)),
+                                [300, 360])  # 10 steps, then the 2 left of the budget.
+  meta = tiny_config(**{"batch_size": 10, "loss.name": "flgamma_sece",
+                        "dataset.meta_val_size": 100})
+  np.testing.assert_array_equal(long_schedule.example_passes(meta, _records(20)),
+                                [80])  # 2 steps of 10 trained (3 each) + 10 meta rows (1).
+
+
+def test_seed_interval_is_the_t_interval_by_hand():
+  mean, low, high = long_schedule.seed_interval([1.0, 2.0, 3.0])
+  half = 2.919986 / math.sqrt(3)  # t(0.95, 2 df) * sd 1 / sqrt(3), from a t table.
+  assert (mean, low, high) == pytest.approx((2.0, 2.0 - half, 2.0 + half), abs=1e-5)
+  assert np.isnan(long_schedule.seed_interval([0.5])[1])
+
+
+def test_paired_bootstrap_of_a_run_with_itself_is_zero_and_brackets_a_known_gap():
+  rng = np.random.default_rng(1)
+  correct = (rng.uniform(size=2000) < 0.8).astype(np.int8)
+  run = {"seed_index": {0: 0}, "correct": [correct], "confidence": [np.full(2000, 0.8)]}
+  assert long_schedule.test_interval(run, run, [0], "accuracy") == (0.0, 0.0)
+  better = correct.copy()
+  better[np.flatnonzero(correct == 0)[:100]] = 1  # 100 of 2,000 more right: +5 points.
+  other = {**run, "correct": [better]}
+  low, high = long_schedule.test_interval(other, run, [0], "accuracy")
+  assert low < 0.05 < high and low > 0.03  # Paired: only the 100 changed images vary.
