@@ -1,6 +1,7 @@
 """The optimizer (optax SGD, PyTorch-style) and the learning-rate schedules.
 
-PyTorch's SGD with coupled weight decay and clipping is, in order (spec §1.3):
+PyTorch's SGD with coupled weight decay and clipping is, in order
+(docs/methods.md#optimiser-and-schedules):
 clip(raw grad) -> add wd * theta -> momentum buffer -> theta -= lr * buffer,
 i.e. optax `chain(clip_by_global_norm, add_decayed_weights, sgd)`. The learning
 rate is injected as a hyper-parameter and set by the train step from the
@@ -8,7 +9,7 @@ epoch's value, so schedules keep their epoch shape whatever the number of
 steps per epoch (subset selection shrinks it). With `schedule_unit="step"` the
 same schedule is stretched over the run's optimizer steps instead and changes
 at every step: a run cut to a step budget (`budget_steps`, the "same budget"
-baseline of issue 12) still decays to its end.
+baseline) still decays to its end.
 """
 
 import math

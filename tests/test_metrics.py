@@ -19,7 +19,7 @@ def _two_class(confidences, correct):
 
 
 def test_ece_hand_worked_case_both_conventions():
-  # Spec §3.1: bins (13/15, 14/15] holds .95,.95 (acc 1/2), (8/15, 9/15] holds .55,
+  # docs/methods.md#ece: bins (13/15, 14/15] holds .95,.95 (acc 1/2), (8/15, 9/15] holds .55,
   # and 1.0 is in the last bin (right-closed) or in no bin (left-closed).
   probs, labels = _two_class([0.95, 0.95, 0.55, 1.0], [1, 0, 1, 1])
   assert metrics.ece(probs, labels) == pytest.approx((2 * 0.45 + 0.45 + 0.0) / 4, abs=1e-12)
@@ -193,8 +193,8 @@ def test_metrics_on_10000_by_100_match_the_loop_references():
 
 
 def _torch_like_seed_ece(logits, labels, num_bins=15):
-  """The seed's ECE re-derived per sample: float32 softmax, left-closed float32 bins,
-  divided by the number of binned samples (spec §3.1, seed convention)."""
+  """Tata et al. 2022's code's ECE re-derived per sample: float32 softmax, left-closed float32 bins,
+  divided by the number of binned samples (docs/methods.md#ece, left-closed)."""
   z = np.asarray(logits, np.float32)
   total, binned, sums = 0, 0, {}
   for row, label in zip(z, labels):
@@ -214,7 +214,8 @@ def _torch_like_seed_ece(logits, labels, num_bins=15):
 
 def test_seed_ece_drops_float32_saturated_samples_as_the_seed_does():
   # Two samples with a top-logit margin of 30: float32 softmax gives exactly 1.0, so
-  # the seed's left-closed bins hold neither; only the two 0.75-confidence rows count.
+  # the left-closed bins of Tata et al.'s code hold neither; only the two 0.75-confidence rows
+  # count.
   logits = np.array([[30.0, 0.0], [30.0, 0.0], [np.log(3.0), 0.0], [np.log(3.0), 0.0]])
   labels = np.array([1, 1, 0, 1])  # The saturated ones are wrong: a float64 softmax bins them.
   assert np.float32(1.0) == metrics.softmax_float32(logits)[0, 0]
