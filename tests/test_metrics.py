@@ -179,6 +179,21 @@ def test_bootstrap_basic_interval_reflects_percentiles():
   assert iv.low == pytest.approx(2 * 4.5 - pct.high) and iv.high == pytest.approx(2 * 4.5 - pct.low)
 
 
+@pytest.mark.parametrize("kind", bootstrap.KINDS)
+def test_bootstrap_matches_scipy_stats_bootstrap(kind):
+  """scipy.stats.bootstrap (resampling row indices, so that probs [N, K] and labels [N] stay
+  paired) draws the same resamples from the same generator and gives the same interval."""
+  rng = np.random.default_rng(1)
+  probs, labels = _random_probs(rng, 400, 5, scale=2.0)
+  ours = bootstrap.bootstrap_interval(metrics.ece, (probs, labels), num_resamples=200, kind=kind,
+                                      seed=3)
+  theirs = scipy.stats.bootstrap(
+      (np.arange(400),), lambda rows: metrics.ece(probs[rows], labels[rows]), n_resamples=200,
+      confidence_level=0.9, method=kind, vectorized=False, rng=np.random.default_rng(3))
+  assert ours.low == pytest.approx(theirs.confidence_interval.low, rel=1e-12)
+  assert ours.high == pytest.approx(theirs.confidence_interval.high, rel=1e-12)
+
+
 def test_metrics_on_10000_by_100_match_the_loop_references():
   # The vectorised metrics at a realistic size (their cost is tracked in
   # benchmarks/, never timed here) agree with the slow loops above.

@@ -52,6 +52,10 @@ def bootstrap_interval(metric: Callable[..., float], arrays: tuple[np.ndarray, .
   size = len(arrays[0])
   point = float(metric(*arrays))
   rng = np.random.default_rng(seed)
+  # Not scipy.stats.bootstrap: it draws the same resamples from the same generator and gives
+  # the same interval (tests/test_metrics.py checks it) but differs in the last bit, which
+  # would change reported numbers; it has no "mid" and needs index arrays to keep probs
+  # [N, K] paired with labels [N].
   values = np.empty(num_resamples)
   for b in range(num_resamples):
     rows = rng.integers(0, size, size)
