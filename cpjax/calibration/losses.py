@@ -92,9 +92,8 @@ def focal_gamma_threshold(p0: float) -> float:
   """gamma*(p0): g(p, gamma) <= 1 for all p >= p0 once gamma >= gamma*(p0).
 
   Proposition 2 of Mukhoti et al. 2020 (docs/methods.md#sample-dependent-focal-loss-flsd),
-  with a = 1 - p0,
-  b = p0 log p0: gamma* = a/b + W_{-1}(-(a^(1 - a/b) / b) log a) / log a, W_{-1}
-  the lower branch of Lambert W (SciPy; never on the training path). The
+  with a = 1 - p0, b = p0 log p0: gamma* = a/b + W_{-1}(-(a^(1 - a/b) / b) log a) / log a,
+  W_{-1} the lower branch of Lambert W (SciPy; never on the training path). The
   1e-12 keeps the argument >= -1/e under round-off, as in the reference.
   gamma*(0.2) = 4.8506 and gamma*(0.25) = 3.0702: hence FLSD's 5 and 3.
   """
