@@ -33,7 +33,9 @@ FORBIDDEN = {
         r"\bseed[ -](?:paper|code|repo(?:sitory)?|convention|binning|method|README|text)s?\b"
         r"|\b[Tt]he seed's\b",
     "the slides": r"\b[Tt]he slides\b|\bslides'",
-    "development history": r"\bdev machine\b|\bis developed on\b|\banother session\b",
+    "development history":
+        r"\bdev(?:elopment)? (?:machine|VM)\b|\bis developed on\b|\banother session\b"
+        r"|\blent to this task\b",
 }
 PATTERNS = {reason: re.compile(pattern) for reason, pattern in FORBIDDEN.items()}
 
@@ -51,7 +53,8 @@ MUST_CATCH = {
                                "spec §3.1, seed convention"],
     "the slides": ["Choices the slides leave open", "the slides' claim"],
     "development history": ["on the 2-core dev machine", "the machine this project is developed on",
-                            "another session's full run"],
+                            "another session's full run", "The dev VM: nproc = 2",
+                            "no GPU was lent to this task"],
 }
 # Ordinary prose that must stay allowed.
 MUST_ALLOW = ["split_seed = 42", "reports the seeds it finished", "mean over 3 seeds",
