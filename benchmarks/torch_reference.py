@@ -1,4 +1,5 @@
-"""The same CIFAR ResNets in PyTorch eager, as the seed paper's repository runs them.
+"""The same CIFAR ResNets in PyTorch eager, as the code of Tata et al. 2022
+("Can Calibration Improve Sample Prioritization?") runs them.
 
 kuangliu/pytorch-cifar layout (3x3 stem, no max-pool, BasicBlocks [2,2,2,2] /
 [3,4,6,3], 4x4 average pool, linear head): the layer shapes of cpjax's

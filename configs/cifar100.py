@@ -1,4 +1,5 @@
-"""CIFAR-100 with the seed paper's recipe (Tata et al. 2022; spec §5.4).
+"""CIFAR-100 with the recipe of Tata et al. 2022, "Can Calibration Improve Sample
+Prioritization?" (NeurIPS HITY workshop; docs/methods.md#calibration-guided-sample-prioritization).
 
 As configs/cifar10.py with 100 classes and lr 0.1.
 """
@@ -9,8 +10,8 @@ from configs import cifar10
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """Returns the seed paper's CIFAR-100 configuration."""
+  """Returns Tata et al. 2022's CIFAR-100 configuration."""
   config = cifar10.get_config()
   config.dataset.name = "cifar100"  # tfds built-in; must be prepared beforehand.
-  config.optimizer.learning_rate = 0.1  # Seed CIFAR-100 rate.
+  config.optimizer.learning_rate = 0.1  # Tata et al.'s CIFAR-100 rate.
   return config

@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss = ml_collections.ConfigDict()
   config.loss.name = "cross_entropy"  # One of cpjax.calibration.losses.LOSSES.
   config.loss.reduction = "mean"  # Batch reduction of the per-example loss: mean or sum.
-  config.loss.mixup_alpha = 0.0  # Mixup Beta(alpha, alpha) per batch; 0 = off (seed: 0.15).
+  config.loss.mixup_alpha = 0.0  # Mixup Beta(alpha, alpha) per batch; 0 = off (Tata et al.: 0.15).
   config.loss.label_smoothing = 0.05  # label_smoothing: alpha.
   # label_smoothing: uniform (alpha/K) or off_target (alpha/(K-1)).
   config.loss.ls_convention = "uniform"
@@ -70,12 +70,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss.dece_t_b = 0.01  # ce_dece: soft-binning temperature.
   config.loss.sece_bandwidth = 0.05  # ce_sece, flgamma_sece: Gaussian kernel bandwidth h.
 
-  # gamma-Net meta-calibration, loss.name = flgamma_sece / flgamma_dece (spec §2.11-2.13;
+  # gamma-Net meta-calibration, loss.name = flgamma_sece / flgamma_dece (docs/methods.md#gamma-net;
   # Wang & Golebiowski): focal loss with a per-example gamma from gamma-Net, whose parameters
   # minimise s-ECE / DECE on meta-validation batches (dataset.meta_val_size, needed).
   config.meta = ml_collections.ConfigDict()
   config.meta.learning_rate = 1e-3  # Adam on gamma-Net's parameters (Meta-Calibration's).
-  config.meta.ce_weight = 0.0  # Meta-loss = surrogate + ce_weight * CE (0: [MR] Algorithm 1).
+  config.meta.ce_weight = 0.0  # Meta-loss = surrogate + ce_weight * CE (0: as Algorithm 1).
   config.meta.num_prototypes = 0  # gamma-Net's k learned prototypes; 0 = number of classes.
   config.meta.temperature = 0.4  # gamma = |x~ W| / temperature.
   config.meta.max_gamma = 10.0  # Clamp gamma to [0, max_gamma]; 0 = no clamp.
@@ -108,12 +108,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection.num_strata = 50  # stratified (CCS): equal-width score strata.
   config.selection.prune_ratio = 0.5  # infobatch: P(prune) of a below-mean-loss example, r.
   config.selection.anneal_fraction = 0.125  # infobatch: last share of epochs on all data (1-delta).
-  # Priority score (cpjax.selection.scores.NAMES); entropy = the seed paper's; reducible_loss =
+  # Priority score (cpjax.selection.scores.NAMES); entropy = Tata et al. 2022's; reducible_loss =
   # RHO-LOSS: this run's loss less the target_workdir run's loss (scoring train_pass or fresh).
   config.selection.score = "entropy"
   config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (unused by infobatch).
   config.selection.count = 0  # k as a count; > 0 overrides fraction (unused by infobatch).
-  config.selection.warmup_epochs = 2  # Epochs on all data before selection starts (seed: 10).
+  config.selection.warmup_epochs = 2  # All-data epochs before selection (Tata et al.: 10).
   # Where scores come from: train_pass (reference), fresh, target or target_recorded.
   config.selection.scoring = "train_pass"
   config.selection.rescore_every = 1  # fresh/target: epochs between scoring passes; 0 = once.

@@ -1,4 +1,4 @@
-"""The selection study's base run (issue 12): the full Fashion-MNIST on 2 CPU cores.
+"""The selection study's base run (studies/selection.py): the full Fashion-MNIST on 2 CPU cores.
 
 Debian's `dataset-fashion-mnist` (real data, no network): 54,000 training and
 6,000 validation images from the 60,000-image training split, the 10,000-image

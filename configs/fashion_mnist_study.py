@@ -16,9 +16,9 @@ def get_config() -> ml_collections.ConfigDict:
   config = fashion_mnist.get_config()
   config.dataset.val_size = 1000  # Enough to fit the temperature; small to keep eval cheap.
   config.dataset.train_examples = 5000  # Seeded subset of the 59,000 remaining images.
-  config.num_epochs = 6  # Short CPU schedule (seed: 200).
+  config.num_epochs = 6  # Short CPU schedule (Tata et al.: 200).
   config.batch_size = 128  # 40 steps per full epoch.
-  config.selection.warmup_epochs = 2  # Full-data epochs before selection (seed: 10 of 200).
+  config.selection.warmup_epochs = 2  # Full-data epochs before selection (Tata et al.: 10 of 200).
   config.eval_every_epochs = 6  # Evaluate only at the end.
   config.checkpoint_every_epochs = 6  # One checkpoint, at the end.
   config.log_every_steps = 20  # 40 steps per full epoch.

@@ -1,8 +1,9 @@
 """Image classifiers chosen by config name; each returns (logits, features).
 
-- CIFAR-style ResNet-18/34/50/110 (kuangliu/pytorch-cifar layout, spec §1.2):
-  3x3 stem with 64 channels, no max-pool, four stages 64/128/256/512 with
-  first-block strides 1/2/2/2, projection shortcuts (1x1 conv + BN).
+- CIFAR-style ResNet-18/34/50/110 (kuangliu/pytorch-cifar layout;
+  docs/methods.md#data-splits-and-architectures): 3x3 stem with 64 channels, no
+  max-pool, four stages 64/128/256/512 with first-block strides 1/2/2/2, projection
+  shortcuts (1x1 conv + BN).
 - He et al. (2016) CIFAR ResNet-20/32/56: 16/32/64 channels, 3 stages of n
   basic blocks (depth 6n+2), parameter-free shortcuts ("option A": stride-2
   subsampling and zero channel padding).
@@ -42,7 +43,8 @@ class _Layers(nn.Module):
 
 
 class BasicBlock(_Layers):
-  """Two 3x3 convs; projection shortcut when the shape changes (spec §1.2)."""
+  """Two 3x3 convs; projection shortcut when the shape changes
+  (docs/methods.md#data-splits-and-architectures)."""
   features: int = 64
   stride: int = 1
   shortcut: str = "projection"  # or "zero_pad" (He et al. option A)

@@ -211,7 +211,8 @@ def lookahead_head(head: dict[str, jax.Array], features: jax.Array, labels: jax.
                    spec: StepSpec) -> dict[str, jax.Array]:
   """One SGD step of the classifier head alone on the focal loss with per-example `gamma`,
   the features fixed: head - lr grad_head L, L = the reduced FL(features head, y; gamma)
-  (spec §2.13 step 2; differentiable in gamma, so phi gets a meta-gradient through it)."""
+  (docs/methods.md#meta-calibration-step, step 2; differentiable in gamma, so phi gets a
+  meta-gradient through it)."""
   def loss(h):
     per_example = losses.focal_loss(gamma_net_lib.head_logits(features, h), labels, gamma)
     return _reduce(per_example, mask, spec)
@@ -224,8 +225,8 @@ def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
                     meta_tx: optax.GradientTransformation, objective: gamma_net_lib.MetaObjective,
                     score_fn: scores.ScoreFn, spec: StepSpec, leak_meta_gradient: bool = False
                     ) -> tuple[MetaTrainState, dict[str, jax.Array], dict[str, jax.Array]]:
-  """One bilevel step of FL_gamma with a meta-learned gamma (spec §2.13, the Meta-Calibration
-  scheme of Bohdal et al. as [MR] extends it):
+  """One bilevel step of FL_gamma with a meta-learned gamma (docs/methods.md#meta-calibration-step:
+  the Meta-Calibration scheme of Bohdal et al. 2023 as Wang & Golebiowski 2024 extend it):
 
   1. train-mode forward of the train batch: logits z, features x (BatchNorm statistics
      updated as in `train_step`);

@@ -288,6 +288,9 @@ _global_norm = jax.jit(optax.tree.norm)
 @jax.jit
 def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array]):
   """Sums batch metrics on device (min for the first non-finite step)."""
+  # Not clu.metrics (Average / Accuracy .merge): the same float32 additions, but the sums are
+  # checkpointed mid-epoch as plain arrays (run_state's "partial") and first_bad_step is a
+  # min, which clu.metrics has no metric for; a Collection would wrap three additions.
   return {k: jnp.minimum(v, batch_metrics[k]) if k == "first_bad_step" else v + batch_metrics[k]
           for k, v in totals.items()}
 

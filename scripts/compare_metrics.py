@@ -1,6 +1,6 @@
 """Compares two runs' metrics.jsonl field by field, leaving out wall-clock fields.
 
-  python scripts/compare_metrics.py RUN_A/metrics.jsonl RUN_B/metrics.jsonl [--rtol 0]
+  python -m scripts.compare_metrics RUN_A/metrics.jsonl RUN_B/metrics.jsonl [--rtol 0]
 
 Prints each field that differs (epoch, field, both values, relative difference)
 and a one-line verdict; exits 0 if every non-timing field is equal (bit for bit

@@ -1,6 +1,6 @@
 """How much logging the gradient norm changes training: the train step with and without it.
 
-  python scripts/grad_norm_regrouping.py [--config=configs/default.py] [--steps=20]
+  python -m scripts.grad_norm_regrouping [--config=configs/default.py] [--steps=20]
       [--xla-cpu-options=tuned|xla_default]
 
 The train step returns the global gradient norm for the per-step train metrics.

@@ -4,7 +4,7 @@ A cell is (name, overrides); each (cell, seed) trains in its own workdir under
 `out`, and a workdir whose report exists is not retrained, so a study can be
 interrupted and rerun. The summary holds mean ± std over seeds of test
 accuracy, ECE (15 bins, right-closed), ECE after temperature scaling, the
-fitted temperature and the seed convention's ECE, plus wall time and its
+fitted temperature and the left-closed ECE of Tata et al. 2022, plus wall time and its
 scoring / selection / training split.
 """
 
@@ -74,7 +74,7 @@ def _markdown(results, seeds, title) -> str:
   keys = ("accuracy", "ece", "ece_after_ts", "temperature", "ece_left_closed", "wall_seconds",
           "scoring_seconds", "selection_seconds", "training_seconds")
   lines = [f"# {title}", "", f"Mean ± std over seeds {seeds}; test set; fractions; ECE with 15 "
-           "right-closed bins (ece_left_closed: the seed repository's convention).", "",
+           "right-closed bins (ece_left_closed: Tata et al. 2022's convention).", "",
            "| cell | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
   for name, values in results.items():
     cells = []

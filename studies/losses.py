@@ -1,4 +1,4 @@
-"""Issue 3 study: test accuracy and ECE of each calibration loss on the default job.
+"""Study: test accuracy and ECE of each calibration loss on the default job.
 
 configs/default.py (digits, ResNet-18, 8 epochs) once per loss, seed 0:
 

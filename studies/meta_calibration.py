@@ -1,4 +1,4 @@
-"""Issue 13 study: does gamma-Net meta-calibration (FL_gamma-SECE / -DECE) beat FLSD-53?
+"""Study: does gamma-Net meta-calibration (FL_gamma-SECE / -DECE) beat FLSD-53?
 
 Seven losses x 3 seeds on two real datasets that ship offline, with the selection study's
 model and optimizer (small_cnn, SGD 0.9, lr 0.05 cosine, batch 128, no OOD):
@@ -9,12 +9,13 @@ model and optimizer (small_cnn, SGD 0.9, lr 0.05 cosine, batch 128, no OOD):
                  6,000 val / 10,000 test), 6 epochs, exactly the selection study's "full" run
 
 Losses: cross_entropy, focal (gamma = 3), flsd53, ce_sece and ce_dece (CE + 0.5 x surrogate,
-our reading of the slides' CE-SECE / CE-DECE), flgamma_sece and flgamma_dece (gamma-Net,
-meta-validation carved from the training split: `META_VAL_SIZE` images, so the FL_gamma runs
-train on that many fewer). Every run writes the calibration report: accuracy, ECE, AdaECE and
-classwise ECE before and after temperature scaling with 90 % bootstrap intervals (200
-resamples), and for FL_gamma runs the test set's gammas. The summary states whether
-FL_gamma-SECE reaches a lower ECE than FLSD-53 at equal accuracy, the slides' claim.
+our reading of Wang & Golebiowski 2024's CE-SECE / CE-DECE), flgamma_sece and flgamma_dece
+(gamma-Net, meta-validation carved from the training split: `META_VAL_SIZE` images, so the
+FL_gamma runs train on that many fewer). Every run writes the calibration report: accuracy,
+ECE, AdaECE and classwise ECE before and after temperature scaling with 90 % bootstrap
+intervals (200 resamples), and for FL_gamma runs the test set's gammas. The summary states whether
+FL_gamma-SECE reaches a lower ECE than FLSD-53 at equal accuracy, the claim of
+Wang & Golebiowski, "Towards Unbiased Calibration using Meta-Regularization" (TMLR 2024).
 
 Digits first (all seeds, ~6 min), then Fashion-MNIST seed by seed (~25 min a seed on 2 CPU
 cores); summary.md, summary.json and gamma_histogram.png are rewritten after every seed, and a
@@ -103,7 +104,8 @@ def _compare(ours: dict, theirs: dict, key: str) -> tuple[float, float, str]:
 
 def verdict(results: dict) -> str:
   """Whether FL_gamma-SECE reaches a lower test ECE than FLSD-53 without losing accuracy (the
-  slides' claim: lower ECE at equal accuracy), before and after temperature scaling."""
+  claim of Wang & Golebiowski 2024: lower ECE at equal accuracy), before and after temperature
+  scaling."""
   ours, theirs = results.get("flgamma_sece"), results.get("flsd53")
   if not ours or not theirs:
     return "not yet: both runs are needed."
@@ -165,14 +167,15 @@ def gamma_figure(all_results: dict, path: str) -> None:
 
 
 def write_summary(all_results: dict, seeds: dict, out: str, command: str) -> None:
-  lines = ["# gamma-Net meta-calibration against fixed calibration losses (issue 13)", "",
+  lines = ["# gamma-Net meta-calibration against fixed calibration losses", "",
            f"`{command}`. small_cnn, SGD 0.9, lr 0.05 cosine, batch 128; digits 30 epochs, "
            "Fashion-MNIST 6 epochs (the selection study's full run). Test set; mean ± std over "
            "seeds, percent; (±x): mean half-width of each run's 90 % basic bootstrap interval "
            "(200 resamples). ECE family with 15 right-closed bins; T: temperature fitted on the "
            "validation split by ECE grid. FL_gamma runs train on META_VAL_SIZE fewer images "
            f"({META_VAL_SIZE}), held out as meta-validation. ce_sece / ce_dece: CE + 0.5 x "
-           "surrogate, our reading of the slides' baselines (spec §9.19).", ""]
+           "surrogate, our reading of Wang & Golebiowski 2024's baselines "
+           "(docs/methods.md#ce-plus-a-calibration-surrogate).", ""]
   for dataset, results in all_results.items():
     lines += summary_lines(dataset, results, seeds[dataset])
   lines.append("Gamma distributions: gamma_histogram.png.")

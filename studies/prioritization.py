@@ -1,4 +1,4 @@
-"""Issue 5 study: does entropy selection beat random subsets on Fashion-MNIST?
+"""Study: does entropy selection beat random subsets on Fashion-MNIST?
 
 CE, FLSD-53 and mixup (alpha 0.15), each on full data and on 30 % / 10 %
 subsets chosen by max normalised entropy (train-pass scores, the reference) or

@@ -1,4 +1,4 @@
-"""Issue 12 study: which selection policy pays on the full Fashion-MNIST?
+"""Study: which selection policy pays on the full Fashion-MNIST?
 
 Every run is configs/fashion_mnist_selection.py (small_cnn, 54,000 training images,
 6 epochs, the first on all data, test on the 10,000 test images) with one policy:
@@ -7,7 +7,7 @@ Every run is configs/fashion_mnist_selection.py (small_cnn, 54,000 training imag
   same_budget-P         all data, cut to the optimizer steps of a P % run, cosine over them
   random-P              a fresh uniform P % each epoch
   rs2-P                 random without replacement across epochs (RS2)
-  topk_entropy-P        max train-pass entropy (the seed method with a CE scorer)
+  topk_entropy-P        max train-pass entropy (Tata et al. 2022's method, CE scorer)
   topk_entropy_target-P the same with the recorded entropies of a calibrated target run
                         (mixup alpha 0.15, full data, seed 0; trained once, its cost is
                         reported apart)
@@ -202,7 +202,7 @@ def main():
   with open(os.path.join(target, "wall_seconds.txt")) as f:
     target_seconds = float(f.read())
   grid_cells = [c for c in cells(base, target) if args.only is None or c[0] in args.only]
-  header = (f"# Selection on the full Fashion-MNIST (issue 12)\n\n`python -m studies.selection "
+  header = (f"# Selection on the full Fashion-MNIST\n\n`python -m studies.selection "
             f"--out={args.out}`; configs/fashion_mnist_selection.py: small_cnn, 54,000 train / "
             "6,000 val / 10,000 test images, 6 epochs (epoch 0 on all data), batch 128. "
             "Accuracy and ECE (15 bins) on the test set, mean ± std over seeds; ± columns: mean "

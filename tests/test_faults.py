@@ -192,7 +192,7 @@ def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_
   workdir = str(tmp_path)
   train.train_and_evaluate(tiny_config(**{"num_epochs": 1, "keep_checkpoints": 1}), workdir)
   assert checkpointing.Checkpointer(workdir, 1).latest_step() == STEPS_PER_EPOCH
-  # The case: lr=100 (its loss passes 1e9 in the first epoch and turns non-finite in
+  # A diverging run: lr=100 (its loss passes 1e9 in the first epoch and turns non-finite in
   # the second; over 10 epochs the cosine schedule keeps the rate high for long enough).
   diverging = tiny_config(**{"num_epochs": 10, "keep_checkpoints": 1,
                              "optimizer.learning_rate": 100.0})

@@ -1,4 +1,5 @@
-"""gamma-Net and the bilevel meta step (issue 13): formula, look-ahead, meta-gradient, no leak.
+"""gamma-Net and the bilevel meta step (docs/methods.md#gamma-net): formula, look-ahead,
+meta-gradient, no leak.
 
 References are independent of the code under test: the gamma-Net formula and the focal
 loss's head gradient written out in NumPy, central finite differences of the meta-loss for
@@ -63,7 +64,7 @@ def test_gamma_is_non_negative_finite_and_blind_to_feature_gradients():
 
 @pytest.mark.parametrize("width", [128, 512])
 def test_initial_mean_gamma_is_of_order_one_whatever_the_feature_width(width):
-  """The spec (§9.17) asks for an initial mean gamma in ~[1, 5]; relu-like features."""
+  """The initial mean gamma is of order one (docs/methods.md#gamma-net); relu-like features."""
   x = jnp.abs(jax.random.normal(jax.random.PRNGKey(2), (256, width)))
   net = gamma_net.GammaNet(num_prototypes=10)
   means = [float(jnp.mean(net.apply(net.init(jax.random.PRNGKey(s), x), x))) for s in range(5)]

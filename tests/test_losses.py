@@ -1,4 +1,4 @@
-"""Losses against the spec's hand-worked values, NumPy references, finite differences."""
+"""Losses against hand-worked values (docs/methods.md), NumPy references, finite differences."""
 
 import functools
 
@@ -52,12 +52,13 @@ def test_spec_check_values_brier_mbls_mmce_dece():
 
 
 def g_bound(p, gamma):
-  """Spec §2.4: g(p, gamma) = (1-p)^g - g p (1-p)^(g-1) log p."""
+  """docs/methods.md#focal-loss: g(p, gamma) = (1-p)^g - g p (1-p)^(g-1) log p."""
   return (1 - p) ** gamma - gamma * p * (1 - p) ** (gamma - 1) * np.log(p)
 
 
 def gamma_star(p0):
-  """Spec §2.6 / Proposition 2 of Mukhoti et al., through Lambert W_{-1} (SciPy)."""
+  """docs/methods.md#sample-dependent-focal-loss-flsd / Proposition 2 of Mukhoti et al., through
+  Lambert W_{-1} (SciPy)."""
   a, b = 1 - p0, p0 * np.log(p0)
   return a / b + lambertw(-(a ** (1 - a / b) / b) * np.log(a) + 1e-12, k=-1).real / np.log(a)
 

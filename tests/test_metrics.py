@@ -19,7 +19,7 @@ def _two_class(confidences, correct):
 
 
 def test_ece_hand_worked_case_both_conventions():
-  # Spec §3.1: bins (13/15, 14/15] holds .95,.95 (acc 1/2), (8/15, 9/15] holds .55,
+  # docs/methods.md#ece: bins (13/15, 14/15] holds .95,.95 (acc 1/2), (8/15, 9/15] holds .55,
   # and 1.0 is in the last bin (right-closed) or in no bin (left-closed).
   probs, labels = _two_class([0.95, 0.95, 0.55, 1.0], [1, 0, 1, 1])
   assert metrics.ece(probs, labels) == pytest.approx((2 * 0.45 + 0.45 + 0.0) / 4, abs=1e-12)
@@ -179,6 +179,21 @@ def test_bootstrap_basic_interval_reflects_percentiles():
   assert iv.low == pytest.approx(2 * 4.5 - pct.high) and iv.high == pytest.approx(2 * 4.5 - pct.low)
 
 
+@pytest.mark.parametrize("kind", bootstrap.KINDS)
+def test_bootstrap_matches_scipy_stats_bootstrap(kind):
+  """scipy.stats.bootstrap (resampling row indices, so that probs [N, K] and labels [N] stay
+  paired) draws the same resamples from the same generator and gives the same interval."""
+  rng = np.random.default_rng(1)
+  probs, labels = _random_probs(rng, 400, 5, scale=2.0)
+  ours = bootstrap.bootstrap_interval(metrics.ece, (probs, labels), num_resamples=200, kind=kind,
+                                      seed=3)
+  theirs = scipy.stats.bootstrap(
+      (np.arange(400),), lambda rows: metrics.ece(probs[rows], labels[rows]), n_resamples=200,
+      confidence_level=0.9, method=kind, vectorized=False, rng=np.random.default_rng(3))
+  assert ours.low == pytest.approx(theirs.confidence_interval.low, rel=1e-12)
+  assert ours.high == pytest.approx(theirs.confidence_interval.high, rel=1e-12)
+
+
 def test_metrics_on_10000_by_100_match_the_loop_references():
   # The vectorised metrics at a realistic size (their cost is tracked in
   # benchmarks/, never timed here) agree with the slow loops above.
@@ -193,8 +208,8 @@ def test_metrics_on_10000_by_100_match_the_loop_references():
 
 
 def _torch_like_seed_ece(logits, labels, num_bins=15):
-  """The seed's ECE re-derived per sample: float32 softmax, left-closed float32 bins,
-  divided by the number of binned samples (spec §3.1, seed convention)."""
+  """Tata et al. 2022's code's ECE re-derived per sample: float32 softmax, left-closed float32 bins,
+  divided by the number of binned samples (docs/methods.md#ece, left-closed)."""
   z = np.asarray(logits, np.float32)
   total, binned, sums = 0, 0, {}
   for row, label in zip(z, labels):
@@ -214,7 +229,8 @@ def _torch_like_seed_ece(logits, labels, num_bins=15):
 
 def test_seed_ece_drops_float32_saturated_samples_as_the_seed_does():
   # Two samples with a top-logit margin of 30: float32 softmax gives exactly 1.0, so
-  # the seed's left-closed bins hold neither; only the two 0.75-confidence rows count.
+  # the left-closed bins of Tata et al.'s code hold neither; only the two 0.75-confidence rows
+  # count.
   logits = np.array([[30.0, 0.0], [30.0, 0.0], [np.log(3.0), 0.0], [np.log(3.0), 0.0]])
   labels = np.array([1, 1, 0, 1])  # The saturated ones are wrong: a float64 softmax bins them.
   assert np.float32(1.0) == metrics.softmax_float32(logits)[0, 0]

@@ -1,6 +1,7 @@
-"""The subset policies of issue 12 against references written differently (loops, sorting by
-Python keys, exact fractions, closed forms), on 1 and 8 devices where they rank globally; and
-InfoBatch's soft pruning against a per-example loop over the same uniform draws."""
+"""The subset policies (docs/methods.md#selection-policies) against references written
+differently (loops, sorting by Python keys, exact fractions, closed forms), on 1 and 8 devices
+where they rank globally; and InfoBatch's soft pruning against a per-example loop over the same
+uniform draws."""
 
 from fractions import Fraction
 import math

@@ -48,7 +48,7 @@ def _target_logits(workdir, split):
 
 
 def _numpy_entropy(logits):
-  """The seed code's normalised entropy, -sum p log(p + 1e-6) / log K, in float64."""
+  """Tata et al. 2022's normalised entropy, -sum p log(p + 1e-6) / log K, in float64."""
   z = np.asarray(logits, np.float64)
   p = np.exp(z - z.max(1, keepdims=True))
   p /= p.sum(1, keepdims=True)

@@ -34,7 +34,7 @@ def _setup(config, devices):
 
 
 def _numpy_entropy(logits):
-  """The seed code's normalised entropy, -sum p log(p + 1e-6) / log K, in float64."""
+  """Tata et al. 2022's normalised entropy, -sum p log(p + 1e-6) / log K, in float64."""
   z = np.asarray(logits, np.float64)
   p = np.exp(z - z.max(1, keepdims=True))
   p /= p.sum(1, keepdims=True)
@@ -48,7 +48,8 @@ def _numpy_global_norm(tree):
 
 
 def _numpy_scores(logits, labels):
-  """Every registered priority score, written plainly in float64 NumPy (spec §5.2)."""
+  """Every registered priority score, written plainly in float64 NumPy
+  (docs/methods.md#calibration-guided-sample-prioritization)."""
   z = np.asarray(logits, np.float64)
   p = np.exp(z - z.max(1, keepdims=True))
   p /= p.sum(1, keepdims=True)

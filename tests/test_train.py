@@ -194,7 +194,11 @@ def _check_report(report_dir):
       pixels = np.asarray(image.convert("L"))
     assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 10, name
   with open(os.path.join(report_dir, "results.md")) as f:
-    assert "Temperature (grid_ece" in f.read()
+    markdown = f.read()
+  assert "Temperature (grid_ece" in markdown
+  # The footer names its sources, so a user's report stands without the repository.
+  assert "Tata et al. 2022, 'Can Calibration Improve Sample Prioritization?'" in markdown
+  assert "Mukhoti et al. 2020, 'Calibrating Deep Neural Networks using Focal Loss'" in markdown
   with open(os.path.join(report_dir, "results.json")) as f:
     report = json.load(f)
   fit = report["temperature"]

@@ -1,7 +1,8 @@
 """Bootstrap confidence intervals for any metric of (probs, labels) data.
 
 Following the focal-loss paper's error bars (Mukhoti et al. 2020 App. G, code
-from Kumar et al. 2019; spec §3.9): B resamples of size N with replacement,
+from Kumar et al. 2019; docs/methods.md#bootstrap-intervals): B resamples of size N
+with replacement,
 the metric recomputed on each, and by default the basic (pivotal) interval
 [2 t - q_hi, 2 t - q_lo] around the full-data value t, with "mid" 2 t - q_50.
 The percentile interval [q_lo, q_hi] is the alternative. The seed is explicit
@@ -51,6 +52,10 @@ def bootstrap_interval(metric: Callable[..., float], arrays: tuple[np.ndarray, .
   size = len(arrays[0])
   point = float(metric(*arrays))
   rng = np.random.default_rng(seed)
+  # Not scipy.stats.bootstrap: it draws the same resamples from the same generator and gives
+  # the same interval (tests/test_metrics.py checks it) but differs in the last bit, which
+  # would change reported numbers; it has no "mid" and needs index arrays to keep probs
+  # [N, K] paired with labels [N].
   values = np.empty(num_resamples)
   for b in range(num_resamples):
     rows = rng.integers(0, size, size)

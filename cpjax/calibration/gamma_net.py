@@ -1,7 +1,7 @@
 """gamma-Net, a per-example focal gamma from the backbone's features, and its meta-objectives.
 
 Wang & Golebiowski, "Towards Unbiased Calibration using Meta-Regularization"
-(spec §2.12, ambiguity §9.17): for penultimate features x [B, d],
+(TMLR 2024; docs/methods.md#gamma-net): for penultimate features x [B, d],
 
   a = x A  (A in R^{d x k}, k learned prototypes),  pi = softmax(a) row-wise,
   x~ = pi A^T  (attention reconstruction),  gamma = |x~ W| / tau  (W in R^{d x 1}),
@@ -12,8 +12,8 @@ calibration error on held-out data through a look-ahead of the classifier head
 (cpjax.steps.meta_train_step). The features enter as stop_gradient: gamma-Net
 reads the backbone, it never trains it.
 
-Choices the slides leave open (spec §9.17), all configurable under `meta.*`:
-k = the number of classes; A ~ N(0, 1/d) as the spec recommends; W ~ N(0, 1),
+Choices the paper leaves open (docs/methods.md#gamma-net), all configurable under `meta.*`:
+k = the number of classes; A ~ N(0, 1/d); W ~ N(0, 1),
 not N(0, 1/d), so that the initial gamma does not shrink with the feature
 width d (x~ is a mixture of prototypes of norm ~1, so x~ W ~ N(0, |x~|^2) and
 the initial mean gamma is ~0.8 |x~| / tau whatever d is); tau = 0.4; gamma
@@ -34,7 +34,7 @@ META_OBJECTIVES = ("sece", "dece")
 
 
 class GammaNet(nn.Module):
-  """features [B, d] -> gamma [B] >= 0 (spec §2.12)."""
+  """features [B, d] -> gamma [B] >= 0 (docs/methods.md#gamma-net)."""
   num_prototypes: int = 10  # k.
   temperature: float = 0.4  # tau.
   max_gamma: float = 10.0  # Clamp gamma to [0, max_gamma]; 0 = no clamp.
@@ -73,9 +73,10 @@ def meta_objective(name: str, ce_weight: float = 0.0, bandwidth: float = 0.05,
                    num_bins: int = 15, t_a: float = 100.0, t_b: float = 0.01) -> MetaObjective:
   """The meta-loss of a meta-validation batch: (logits [B, K], labels [B]) -> scalar.
 
-  sece: s-ECE (spec §2.11, FL_gamma-SECE); dece: DECE (spec §2.10, FL_gamma-DECE); plus
-  `ce_weight` * mean cross-entropy (Meta-Calibration's CE + 0.5 DECE has ce_weight 1 on a
-  DECE weight of 0.5; the [MR] Algorithm 1 default is the surrogate alone, ce_weight 0).
+  sece: s-ECE (docs/methods.md#s-ece, FL_gamma-SECE); dece: DECE (docs/methods.md#dece,
+  FL_gamma-DECE); plus `ce_weight` * mean cross-entropy (Meta-Calibration's CE + 0.5 DECE
+  has ce_weight 1 on a DECE weight of 0.5; Wang & Golebiowski's Algorithm 1 uses the
+  surrogate alone, ce_weight 0).
   """
   if name not in META_OBJECTIVES:
     raise ValueError(f"meta objective {name!r}; valid: {', '.join(META_OBJECTIVES)}")

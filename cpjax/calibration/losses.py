@@ -5,7 +5,7 @@ Every loss is `loss(logits [B, K], labels, **hyper) -> [B]`, a pure function;
 loss allows them (mixup). Batch-level penalties (MMCE, DECE, s-ECE) are
 computed over the whole global batch and added to every example's loss, so
 the mean (or sum) over the batch is the sources' objective. Formulas, defaults
-and check values: ../shared/methods-spec.md §2. `get_loss(config.loss)` binds
+and check values: docs/methods.md#training-losses. `get_loss(config.loss)` binds
 the config's hyper-parameters; epoch-dependent ones (a scheduled focal gamma)
 come from `scheduled_hparams` and are passed per call by the train step.
 """
@@ -35,7 +35,7 @@ def _targets(labels: jax.Array, num_classes: int) -> jax.Array:
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """CE_i = -sum_k t_ik log softmax(z_i)_k (spec §2.1), from optax."""
+  """CE_i = -sum_k t_ik log softmax(z_i)_k (docs/methods.md#cross-entropy), from optax."""
   if labels.ndim == 1:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   return optax.softmax_cross_entropy(logits, labels)
@@ -43,7 +43,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def label_smoothing(logits: jax.Array, labels: jax.Array, alpha: float,
                     convention: str = "uniform") -> jax.Array:
-  """CE against smoothed targets (spec §2.2; Szegedy et al. 2016).
+  """CE against smoothed targets (docs/methods.md#label-smoothing; Szegedy et al. 2016).
 
   uniform (PyTorch, seed, MbLS): t = (1 - alpha) onehot(y) + alpha / K.
   off_target (focal-loss paper): t_y = 1 - alpha, t_k = alpha / (K - 1), k != y.
@@ -68,7 +68,8 @@ def _power(x: jax.Array, gamma: jax.Array) -> jax.Array:
 
 
 def focal_loss(logits: jax.Array, labels: jax.Array, gamma: float | jax.Array) -> jax.Array:
-  """FL_i = -(1 - p_iy)^gamma log p_iy (spec §2.4; Lin et al. 2017, Mukhoti et al. 2020).
+  """FL_i = -(1 - p_iy)^gamma log p_iy (docs/methods.md#focal-loss;
+  Lin et al. 2017, Mukhoti et al. 2020).
 
   1 - p is computed as -expm1(log p), exact where p rounds to 1 in float32.
   The weight is not detached (as in the reference). gamma: scalar or [B].
@@ -79,7 +80,7 @@ def focal_loss(logits: jax.Array, labels: jax.Array, gamma: float | jax.Array) -
 
 
 def focal_gradient_bound(p: float, gamma: float) -> float:
-  """g(p, gamma) = (1-p)^gamma - gamma p (1-p)^(gamma-1) log p (spec §2.4).
+  """g(p, gamma) = (1-p)^gamma - gamma p (1-p)^(gamma-1) log p (docs/methods.md#focal-loss).
 
   ||dFL/dw|| <= g(p, gamma) ||dCE/dw|| for last-layer weights (Mukhoti et al.
   2020, Prop. 1): focal loss shrinks the gradient where g < 1.
@@ -90,9 +91,9 @@ def focal_gradient_bound(p: float, gamma: float) -> float:
 def focal_gamma_threshold(p0: float) -> float:
   """gamma*(p0): g(p, gamma) <= 1 for all p >= p0 once gamma >= gamma*(p0).
 
-  Proposition 2 of Mukhoti et al. 2020 (spec §2.6), with a = 1 - p0,
-  b = p0 log p0: gamma* = a/b + W_{-1}(-(a^(1 - a/b) / b) log a) / log a, W_{-1}
-  the lower branch of Lambert W (SciPy; never on the training path). The
+  Proposition 2 of Mukhoti et al. 2020 (docs/methods.md#sample-dependent-focal-loss-flsd),
+  with a = 1 - p0, b = p0 log p0: gamma* = a/b + W_{-1}(-(a^(1 - a/b) / b) log a) / log a,
+  W_{-1} the lower branch of Lambert W (SciPy; never on the training path). The
   1e-12 keeps the argument >= -1/e under round-off, as in the reference.
   gamma*(0.2) = 4.8506 and gamma*(0.25) = 3.0702: hence FLSD's 5 and 3.
   """
@@ -103,7 +104,8 @@ def focal_gamma_threshold(p0: float) -> float:
 
 
 def flsd_gamma(logits: jax.Array, labels: jax.Array, high_p_gamma: float) -> jax.Array:
-  """Sample-dependent focal gamma (spec §2.6; FLSD-53 / FLSD-532 of Mukhoti et al.).
+  """Sample-dependent focal gamma (docs/methods.md#sample-dependent-focal-loss-flsd;
+  FLSD-53 / FLSD-532 of Mukhoti et al.).
 
   gamma_i = 5 if p_iy < 0.2, 3 if p_iy < 0.5, else `high_p_gamma` (3 for
   FLSD-53, 2 for FLSD-532); chosen from stop_gradient(p_iy), strict "<".
@@ -118,19 +120,21 @@ def flsd_loss(logits: jax.Array, labels: jax.Array, high_p_gamma: float) -> jax.
 
 
 def brier_score(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Brier_i = sum_k (p_ik - t_ik)^2 (spec §2.7; Brier 1950)."""
+  """Brier_i = sum_k (p_ik - t_ik)^2 (docs/methods.md#brier-score; Brier 1950)."""
   probs = jax.nn.softmax(logits)
   return jnp.sum((probs - _targets(labels, logits.shape[-1])) ** 2, axis=-1)
 
 
 def mbls_penalty(logits: jax.Array, margin: float) -> jax.Array:
-  """mean_k ReLU(max_j z_ij - z_ik - margin) per example (spec §2.9; Liu et al. 2022)."""
+  """mean_k ReLU(max_j z_ij - z_ik - margin) per example
+  (docs/methods.md#margin-based-label-smoothing-mbls; Liu et al. 2022)."""
   distances = jnp.max(logits, axis=-1, keepdims=True) - logits
   return jnp.mean(jax.nn.relu(distances - margin), axis=-1)
 
 
 def mbls_loss(logits: jax.Array, labels: jax.Array, margin: float, lam: float) -> jax.Array:
-  """Margin-based label smoothing: CE_i + lam * mean_k ReLU(d_ik - m) (spec §2.9)."""
+  """Margin-based label smoothing: CE_i + lam * mean_k ReLU(d_ik - m)
+  (docs/methods.md#margin-based-label-smoothing-mbls)."""
   return cross_entropy(logits, labels) + lam * mbls_penalty(logits, margin)
 
 
@@ -152,19 +156,21 @@ def _with_batch_penalty(logits: jax.Array, labels: jax.Array, penalty: jax.Array
 
 def mmce_loss(logits: jax.Array, labels: jax.Array, lam: float, form: str,
               kernel_width: float) -> jax.Array:
-  """CE + lam * weighted MMCE (spec §2.8; Kumar et al. 2018)."""
+  """CE + lam * weighted MMCE (docs/methods.md#mmce; Kumar et al. 2018)."""
   penalty = surrogates.mmce_weighted(logits, labels, kernel_width, form)
   return _with_batch_penalty(logits, labels, penalty, lam)
 
 
 def ce_dece_loss(logits, labels, lam: float, num_bins: int, t_a: float, t_b: float):
-  """CE + lam * DECE (spec §2.10, §9.19: our reading of [MR]'s "CE-DECE")."""
+  """CE + lam * DECE (docs/methods.md#ce-plus-a-calibration-surrogate: our reading of
+  Wang & Golebiowski 2024's "CE-DECE")."""
   penalty = surrogates.dece(logits, labels, num_bins, t_a, t_b)
   return _with_batch_penalty(logits, labels, penalty, lam)
 
 
 def ce_sece_loss(logits, labels, lam: float, bandwidth: float):
-  """CE + lam * s-ECE (spec §2.11, §9.19: "our SECE", our reading of "CE-SECE")."""
+  """CE + lam * s-ECE (docs/methods.md#ce-plus-a-calibration-surrogate: "our SECE",
+  our reading of Wang & Golebiowski 2024's "CE-SECE")."""
   return _with_batch_penalty(logits, labels, surrogates.sece(logits, labels, bandwidth), lam)
 
 
@@ -198,14 +204,16 @@ LOSSES: dict[str, LossSpec] = {
                                                  "t_a": c.dece_t_a, "t_b": c.dece_t_b}, False),
     "ce_sece": LossSpec(ce_sece_loss, lambda c: {"lam": c.surrogate_lambda,
                                                  "bandwidth": c.sece_bandwidth}, False),
-    # Wang & Golebiowski's FL_gamma-SECE / FL_gamma-DECE (spec §2.11-2.13): gamma per example.
+    # Wang & Golebiowski's FL_gamma-SECE / FL_gamma-DECE (docs/methods.md#gamma-net): gamma per
+    # example.
     "flgamma_sece": LossSpec(focal_loss, lambda c: {}, False, meta_objective="sece"),
     "flgamma_dece": LossSpec(focal_loss, lambda c: {}, False, meta_objective="dece"),
 }
 
 
 def scheduled_hparams(config: ml_collections.ConfigDict, epoch: int) -> dict[str, float]:
-  """Epoch-dependent loss hyper-parameters (FLSc gamma, spec §2.5), else {}.
+  """Epoch-dependent loss hyper-parameters (docs/methods.md#scheduled-focal-loss-flsc):
+  the FLSc gamma, else {}.
 
   gamma = g1 for epoch < b1, g2 for b1 <= epoch < b2, g3 after
   (`config.gamma_boundaries`, (100, 250) for the 350-epoch CIFAR recipe).

@@ -3,13 +3,13 @@
 Confidence metrics take probabilities `probs [N, K]` (rows of a softmax; use
 `softmax(logits / T)` for a temperature) and integer `labels [N]`; `nll` and
 the OOD scores take logits because logs of saturated probabilities underflow.
-The one float32 path is `seed_ece`, which reproduces the seed repository's
-number from logits (see there). Every result is a fraction, not a percentage.
+The one float32 path is `seed_ece`, which reproduces the ECE of Tata et al.
+2022's code from logits (see there). Every result is a fraction, not a percentage.
 All binned metrics share one binning core, `bin_statistics`, so ECE, MCE,
 classwise ECE and the reliability diagram can never disagree about which
 sample is in which bin. A non-finite probability (a diverged model) makes
 every calibration metric NaN, never a number computed from the finite rest.
-Definitions follow ../shared/methods-spec.md §3 (Guo et al. 2017; Mukhoti et
+Definitions: docs/methods.md#evaluation-metrics (Guo et al. 2017; Mukhoti et
 al. 2020 for AdaECE, classwise ECE and S99; Błasiok & Nakkiran 2023 for the
 smooth ECE).
 """
@@ -39,7 +39,7 @@ def softmax_float32(logits: np.ndarray) -> np.ndarray:
   exp(z - max z) / sum, every operation in float32: the top probability is
   exactly 1.0 once the other terms of the sum fall below half an ulp of 1
   (2^-24), i.e. for a top-logit margin above about 17 (more with many
-  classes). Use it only to reproduce the seed repository (`seed_ece`).
+  classes). Use it only to reproduce Tata et al. 2022's code (`seed_ece`).
   """
   z = np.asarray(logits, np.float32)
   e = np.exp(z - z.max(axis=-1, keepdims=True))
@@ -60,7 +60,7 @@ def bin_index(values: np.ndarray, edges: np.ndarray, convention: str) -> np.ndar
 
   right_closed: bin m holds e_m < c <= e_{m+1} (focal-loss / MbLS code; a
   confidence of exactly 1.0 is in the last bin). left_closed: e_m <= c <
-  e_{m+1} (the seed repository; a confidence of exactly 1.0 is in no bin).
+  e_{m+1} (Tata et al. 2022's code; a confidence of exactly 1.0 is in no bin).
   """
   if convention not in CONVENTIONS:
     raise ValueError(f"convention={convention!r}; valid choices: {', '.join(CONVENTIONS)}")
@@ -78,7 +78,7 @@ def bin_statistics(confidences: np.ndarray, correct: np.ndarray, edges: np.ndarr
     edges: [M + 1] increasing bin edges.
     convention: "right_closed" (weights divide by N) or "left_closed"
       (weights divide by the number of binned samples: samples in no bin leave
-      numerator and denominator, as in the seed repository).
+      numerator and denominator, as in Tata et al. 2022's code).
   """
   num_bins = len(edges) - 1
   confidences = np.asarray(confidences, np.float64)
@@ -127,7 +127,7 @@ def equal_width_edges(num_bins: int) -> np.ndarray:
 
 def ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
         convention: str = "right_closed") -> float:
-  """Expected calibration error with equal-width bins (spec §3.1).
+  """Expected calibration error with equal-width bins (docs/methods.md#ece).
 
   ECE = sum_m |B_m| / N |acc(B_m) - conf(B_m)| over bins of the top-label
   confidence (Guo et al. 2017). Hand-worked: c = (.95, .95, .55, 1.0),
@@ -144,9 +144,9 @@ def ece_from_confidences(confidences: np.ndarray, correct: np.ndarray, num_bins:
 
 
 def seed_ece(logits: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
-  """ECE exactly as the seed repository computes it (spec §3.1, seed convention).
+  """ECE exactly as Tata et al. 2022's code computes it (docs/methods.md#ece, left-closed).
 
-  The seed (tataganesh/Calib-Sample-Prioritization, `calibration_metrics.
+  That code (tataganesh/Calib-Sample-Prioritization, `calibration_metrics.
   calibration`) takes a float32 PyTorch softmax of the logits and bins the top
   probability into left-closed bins e_m <= c < e_{m+1} with float32 edges,
   weighting by the number of binned samples. So a confidence that is exactly
@@ -155,8 +155,8 @@ def seed_ece(logits: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> floa
   labels, convention="left_closed")` bins the float64 softmax instead, where
   such a sample is at 1 - 4e-8 and stays in the last bin: on saturated
   models the two differ by up to about 0.02. Here the softmax, the top label
-  and the bin comparisons are float32 as in the seed; only the per-bin sums
-  are float64 (the seed's float32 sums differ by ~1e-7). The edges are
+  and the bin comparisons are float32 as in that code; only the per-bin sums
+  are float64 (its float32 sums differ by ~1e-7). The edges are
   float32(m / M); torch.linspace's float32 edges can differ from these by one
   ulp, which matters only for a confidence that equals an edge bit for bit.
 
@@ -166,7 +166,7 @@ def seed_ece(logits: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> floa
     num_bins: M equal-width bins.
 
   Returns:
-    The seed's ECE as a fraction; NaN for non-finite logits.
+    That code's ECE as a fraction; NaN for non-finite logits.
   """
   conf, correct = top_label(softmax_float32(logits), labels)
   edges = equal_width_edges(num_bins).astype(np.float32)  # Exact in float64 below.
@@ -175,13 +175,13 @@ def seed_ece(logits: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> floa
 
 def mce(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
         convention: str = "right_closed") -> float:
-  """Maximum calibration error: max_m |acc(B_m) - conf(B_m)|, empty bins 0 (spec §3.2)."""
+  """Maximum calibration error: max_m |acc(B_m) - conf(B_m)|, empty bins 0 (docs/methods.md#mce)."""
   conf, correct = top_label(probs, labels)
   return float(_gaps(bin_statistics(conf, correct, equal_width_edges(num_bins), convention)).max())
 
 
 def adaptive_ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
-  """AdaECE: ECE with equal-mass bins (spec §3.3, Mukhoti et al. 2020 code).
+  """AdaECE: ECE with equal-mass bins (docs/methods.md#adaece, Mukhoti et al. 2020 code).
 
   Edges interpolate the sorted confidences at positions linspace(0, N, M+1)
   (np.interp over 0..N-1, so e_0 = min c and e_M = max c); bins are (e_m,
@@ -195,7 +195,8 @@ def adaptive_ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> f
 
 def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
                   num_bins: int = 15) -> float:
-  """Classwise ECE: mean over classes k of the ECE of the event y = k (spec §3.4).
+  """Classwise ECE: mean over classes k of the ECE of the event y = k
+  (docs/methods.md#classwise-ece).
 
   For class k, every sample is binned on p_ik (right-closed bins), accuracy
   is the share of the bin whose label is k, weights are |B_mk| / N.
@@ -218,7 +219,8 @@ def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
 
 
 class ReliabilityBins(NamedTuple):
-  """Reliability-diagram data (spec §3.7); NaN confidence/accuracy in empty bins."""
+  """Reliability-diagram data (docs/methods.md#reliability-diagrams); NaN confidence and
+  accuracy in empty bins."""
   edges: np.ndarray
   count: np.ndarray
   confidence: np.ndarray
@@ -252,7 +254,8 @@ def top_k_accuracy(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
   it plus the number equal to it at a higher index; it is a hit if that is
   below k. So a tie is not a free hit: in a saturated softmax row, where many
   probabilities are exactly 0.0, a label with one of the lowest logits is a
-  miss. Pass logits (spec §3.5: "among the 5 largest logits") where you have
+  miss. Pass logits (docs/methods.md#nll-top-k-accuracy-and-brier: "among the 5 largest
+  logits") where you have
   them: they do not tie where the probabilities underflow.
 
   Args:
@@ -271,7 +274,8 @@ def top_k_accuracy(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
 
 
 def nll(logits: np.ndarray, labels: np.ndarray) -> float:
-  """Mean negative log-likelihood: mean_i -log softmax(z_i)[y_i] (spec §3.5)."""
+  """Mean negative log-likelihood: mean_i -log softmax(z_i)[y_i]
+  (docs/methods.md#nll-top-k-accuracy-and-brier)."""
   return float(-np.mean(log_softmax(logits)[np.arange(len(labels)), labels]))
 
 
@@ -285,7 +289,7 @@ def brier(probs: np.ndarray, labels: np.ndarray) -> float:
 def s99(probs: np.ndarray, labels: np.ndarray, threshold: float = 0.99) -> tuple[float, float]:
   """Share of samples with confidence >= threshold, and their accuracy (NaN if none).
 
-  Mukhoti et al. 2020 App. H (spec §3.6, ">= 0.99" by §9.13).
+  Mukhoti et al. 2020 App. H (docs/methods.md#s99: ">= 0.99").
   """
   conf, correct = top_label(probs, labels)
   if not _all_finite(conf):
@@ -351,7 +355,8 @@ def smooth_ece(probs: np.ndarray, labels: np.ndarray, resolution: int = 200) -> 
 
 
 def ood_scores(logits: np.ndarray) -> dict[str, np.ndarray]:
-  """Per-sample out-of-distribution scores, higher = more likely OOD (spec §3.8).
+  """Per-sample out-of-distribution scores, higher = more likely OOD
+  (docs/methods.md#ood-detection).
 
   entropy: -sum_k p_k log p_k; max_softmax: -max_k p_k (Hendrycks & Gimpel
   2017); max_logit: -max_k z_k (Hendrycks et al. 2022); energy: the free

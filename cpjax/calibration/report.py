@@ -31,7 +31,7 @@ def _metric_functions(num_classes: int, num_bins: int):
       "accuracy": lambda p, z, y: metrics.accuracy(p, y),
       "nll": lambda p, z, y: metrics.nll(z, y),
       "ece": lambda p, z, y: metrics.ece(p, y, num_bins),
-      "ece_left_closed": lambda p, z, y: metrics.seed_ece(z, y, num_bins),  # float32, as the seed.
+      "ece_left_closed": lambda p, z, y: metrics.seed_ece(z, y, num_bins),  # float32.
       "adaptive_ece": lambda p, z, y: metrics.adaptive_ece(p, y, num_bins),
       "classwise_ece": lambda p, z, y: metrics.classwise_ece(p, y, num_classes, num_bins),
       "mce": lambda p, z, y: metrics.mce(p, y, num_bins),
@@ -50,9 +50,9 @@ def calibration_metrics(logits: np.ndarray, labels: np.ndarray, num_classes: int
   Every metric is computed from the float64 softmax of the logits (ECE family:
   right-closed bins), except: `nll` from the logits; `top5_accuracy` ranks the
   logits (no ties where the probabilities underflow to 0); `ece_left_closed`
-  is `metrics.seed_ece`, the seed repository's ECE, which takes a float32
-  softmax of the logits and left-closed bins, so a confidence that is exactly
-  1.0 in float32 (top-logit margin above ~17) is in no bin, as in the seed.
+  is `metrics.seed_ece`, the ECE of Tata et al. 2022's code, which takes a
+  float32 softmax of the logits and left-closed bins, so a confidence that is
+  exactly 1.0 in float32 (top-logit margin above ~17) is in no bin, as there.
   """
   functions = _metric_functions(num_classes, num_bins)
   probs = metrics.softmax(logits)
@@ -170,8 +170,13 @@ def _markdown(report: dict[str, Any]) -> str:
           f"{v:.3f}" for k, v in stats.items() if k != "count") + " |")
   num_bins = len(report["reliability"]["before_ts"]["edges"]) - 1
   lines += ["", f"Fractions, not percent. ECE family: {num_bins} right-closed equal-width bins "
-            "unless named otherwise; ece_left_closed is the seed repository's ECE (float32 "
-            "softmax, left-closed bins)."]
+            "unless named otherwise; ece_left_closed is the ECE of Tata et al. 2022, 'Can "
+            "Calibration Improve Sample Prioritization?' (NeurIPS HITY workshop), as their code "
+            "computes it (float32 softmax, left-closed bins). Temperature scaling: Guo et al. "
+            "2017, 'On Calibration of Modern Neural Networks' (ICML); AdaECE, classwise ECE, "
+            "S99 and the basic bootstrap interval: Mukhoti et al. 2020, 'Calibrating Deep "
+            "Neural Networks using Focal Loss' (NeurIPS); smooth ECE: Blasiok & Nakkiran 2024 "
+            "(ICLR). Definitions: docs/methods.md in the cpjax repository."]
   return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ def _laplacian_kernel(r: jax.Array, width: float) -> jax.Array:
 
 def mmce_unweighted(logits: jax.Array, labels: jax.Array, width: float = 0.4) -> jax.Array:
   """MMCE_m = (1/N^2) sum_ij (a_i - r_i)(a_j - r_j) k(r_i, r_j), no square root
-  (spec §2.8; Kumar et al. 2018, as returned by the focal-loss code)."""
+  (docs/methods.md#mmce; Kumar et al. 2018, as returned by the focal-loss code)."""
   r, a = _confidence_and_correct(logits, labels)
   e = a - r
   return jnp.sum(e[:, None] * e[None, :] * _laplacian_kernel(r, width)) / r.shape[0] ** 2
@@ -33,7 +33,7 @@ def mmce_unweighted(logits: jax.Array, labels: jax.Array, width: float = 0.4) ->
 
 def mmce_weighted(logits: jax.Array, labels: jax.Array, width: float = 0.4,
                   form: str = "code") -> jax.Array:
-  """Weighted MMCE over the batch (spec §2.8; Kumar et al. 2018).
+  """Weighted MMCE over the batch (docs/methods.md#mmce; Kumar et al. 2018).
 
   With C the correct and I the incorrect examples (m = |C|, n = |I|) and
   S_CC = sum_{i,j in C} (1-r_i)(1-r_j) k, S_II = sum_{i,j in I} r_i r_j k,
@@ -63,7 +63,7 @@ def mmce_weighted(logits: jax.Array, labels: jax.Array, width: float = 0.4,
 
 def dece(logits: jax.Array, labels: jax.Array, num_bins: int = 15, t_a: float = 100.0,
          t_b: float = 0.01) -> jax.Array:
-  """Differentiable ECE (spec §2.10; Bohdal et al. 2023, Meta-Calibration).
+  """Differentiable ECE (docs/methods.md#dece; Bohdal et al. 2023, Meta-Calibration).
 
   Soft bins: h_ij = (j c_i - j(j-1)/(2M)) / t_b, B = softmax_j(h), then
   B <- (B + 1e-6) / (1 + (M+1) 1e-6) (the reference's renormaliser). Soft
@@ -85,7 +85,7 @@ def dece(logits: jax.Array, labels: jax.Array, num_bins: int = 15, t_a: float = 
 
 
 def sece(logits: jax.Array, labels: jax.Array, bandwidth: float = 0.05) -> jax.Array:
-  """Smooth ECE, "our SECE" (spec §2.11, §9.16; after Wang & Golebiowski 2024).
+  """Smooth ECE, "our SECE" (docs/methods.md#s-ece; after Wang & Golebiowski 2024).
 
   sACC_i = sum_j a_j k(c_i, c_j) / sum_j k(c_i, c_j) with the Gaussian kernel
   k = exp(-(c - c')^2 / (2 h^2)), hard accuracy a_j, self term included;

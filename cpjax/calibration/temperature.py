@@ -1,4 +1,5 @@
-"""Post-hoc temperature scaling: fit one T > 0 on validation logits (spec §4).
+"""Post-hoc temperature scaling: fit one T > 0 on validation logits
+(docs/methods.md#temperature-scaling).
 
 Scaled logits z / T keep the accuracy and change the confidence (Guo et al.
 2017). Three fits:

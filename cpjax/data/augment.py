@@ -25,8 +25,8 @@ def random_crop_flip(key: jax.Array, images: jax.Array, padding: int,
 
   Args:
     key: PRNG key for this batch.
-    images: [B, H, W, C] raw pixels, before `normalize`: as in the seed code
-      (PIL crop, then ToTensor + Normalize) the padding is black, not the mean.
+    images: [B, H, W, C] raw pixels, before `normalize`: as in Tata et al. 2022's
+      code (PIL crop, then ToTensor + Normalize) the padding is black, not the mean.
     padding: pixels of zero padding on each side (0 = no crop).
     flip: whether to flip half of the examples left-right.
 
@@ -49,7 +49,7 @@ def random_crop_flip(key: jax.Array, images: jax.Array, padding: int,
 
 def mixup(key: jax.Array, images: jax.Array, targets: jax.Array,
           alpha: float) -> tuple[jax.Array, jax.Array]:
-  """Mixup with one lambda and one permutation per batch (spec §2.3; Zhang et al. 2018).
+  """Mixup with one lambda and one permutation per batch (docs/methods.md#mixup; Zhang et al. 2018).
 
   lambda ~ Beta(alpha, alpha) (lambda = 1 if alpha <= 0), pi a random
   permutation: x~ = lambda x + (1 - lambda) x[pi], t~ = lambda t + (1 - lambda) t[pi].

@@ -28,7 +28,8 @@ DATASETS = {
     # tfds's own builder: needs the network once (config.dataset.download=True).
     "fashion_mnist_tfds": DatasetSpec("fashion_mnist", (28, 28, 1), 10, 60000,
                                       (0.2860,), (0.3530,), local=False),
-    # The seed code's CIFAR statistics (spec §1.1).
+    # The CIFAR statistics of Tata et al. 2022's code
+    # (docs/methods.md#data-splits-and-architectures).
     "cifar10": DatasetSpec("cifar10", (32, 32, 3), 10, 50000, (0.4914, 0.4822, 0.4465),
                            (0.2023, 0.1994, 0.2010), local=False),
     "cifar100": DatasetSpec("cifar100", (32, 32, 3), 100, 50000, (0.5071, 0.4865, 0.4409),

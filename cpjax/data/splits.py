@@ -33,11 +33,11 @@ def carve_validation(num_train: int, val_size: int, seed: int) -> tuple[np.ndarr
   """Seeded split of ids 0..num_train-1 into (train ids, val ids), each sorted.
 
   A NumPy permutation of the train split whose last `val_size` ids become
-  validation. The shape of the seed code's split (a permutation, the tail is
-  validation) but not its ids: the seed draws `torch.randperm` with
-  `manual_seed(42)` through `random_split` (spec §1.1), which NumPy cannot
-  reproduce without depending on torch. Runs compared with the seed repository
-  therefore validate (and, for the train split, train) on different examples.
+  validation. The shape of Tata et al. 2022's split (a permutation, the tail
+  is validation) but not its ids: their code draws `torch.randperm` with
+  `manual_seed(42)` through `random_split`, which NumPy cannot reproduce
+  without depending on torch (docs/methods.md#data-splits-and-architectures). Runs compared
+  with that code therefore validate (and train) on different examples.
   """
   perm = np.random.default_rng(seed).permutation(num_train)
   return np.sort(perm[:-val_size]), np.sort(perm[-val_size:])

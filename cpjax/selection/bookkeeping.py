@@ -98,7 +98,7 @@ def subset_record(state: SelectionState, rows: np.ndarray, labels: np.ndarray,
 def class_kl(subset_counts: np.ndarray, full_counts: np.ndarray) -> float:
   """KL(p || q) = sum_c p_c log(p_c / q_c) in nats, p and q the class shares of the subset
   and of the full set (0 log 0 = 0): 0 for a stratified subset; large when selection
-  starves classes (the failure of max-entropy top-k on Fashion-MNIST, issue 12)."""
+  starves classes (max-entropy top-k on Fashion-MNIST does: studies/results/selection.md)."""
   p = subset_counts / subset_counts.sum()
   q = full_counts / full_counts.sum()
   held = p > 0
@@ -128,7 +128,8 @@ def scorer_record(calibration: tuple[np.ndarray, np.ndarray], rows: np.ndarray,
                   num_bins: int) -> dict:
   """ECE of the scorer's own predictions (the last scoring pass's [N] confidences and
   correctness) on the rows the epoch trained: how far to trust the ranking that chose them
-  (the seed paper's premise is that a calibrated scorer ranks better)."""
+  (the premise of Tata et al. 2022, 'Can Calibration Improve Sample Prioritization?', is that
+  a calibrated scorer ranks better)."""
   confidence, correct = calibration
   return {"scorer_ece": metrics.ece_from_confidences(confidence[rows], correct[rows], num_bins)}
 

@@ -11,8 +11,8 @@ NumPy draw that is a pure function of (seed, a tag per policy, epoch), so a
 resumed run redraws the same subsets and nothing about them needs
 checkpointing.
 
-  top_k                       the k highest scores (the seed paper's selection)
-  uniform_sorted              every floor(N/k)-th of the ranking (the seed's "uniform")
+  top_k                       the k highest scores (Tata et al. 2022's selection)
+  uniform_sorted              every floor(N/k)-th of the ranking (their code's "uniform")
   class_balanced              per-class quotas proportional to class frequencies, top-k
                               inside each class
   stratified                  CCS (Zheng et al., ICLR 2023): drop the hardest share,
@@ -104,7 +104,7 @@ def select_top_k(scores: np.ndarray, ids: np.ndarray, k: int,
 
 def select_uniform_sorted(scores: np.ndarray, ids: np.ndarray, k: int,
                           mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """The seed repository's "uniform" criterion: every floor(N/k)-th of the sorted list.
+  """Tata et al. 2022's code's "uniform" criterion: every floor(N/k)-th of the sorted list.
 
   Spreads the subset over the whole score range instead of its top.
   """

@@ -2,9 +2,9 @@
 
 Every score of SCORES is `score(logits [B, K], labels [B]) -> [B]` in float32
 (labels are ignored by the label-free scores). The default, normalised
-predictive entropy, is the seed paper's ("Can Calibration Improve Sample
-Prioritization?", spec §5.2) exactly: H = -sum_k p_k log(p_k + 1e-6) / log K,
-on probabilities that carry no gradient.
+predictive entropy, is exactly that of Tata et al. 2022 ("Can Calibration
+Improve Sample Prioritization?", NeurIPS HITY workshop; docs/methods.md#scores):
+H = -sum_k p_k log(p_k + 1e-6) / log K, on probabilities that carry no gradient.
 
 `reducible_loss` (RHO-LOSS) is a score of two models: the forward passes of the
 current model compute its `loss`, and the selector subtracts another run's
@@ -24,7 +24,7 @@ def _probs(logits: jax.Array) -> jax.Array:
 
 
 def normalized_entropy(logits: jax.Array, labels: jax.Array | None = None) -> jax.Array:
-  """H(p) / log K with the seed code's +1e-6 inside the log (ranking unaffected)."""
+  """H(p) / log K with Tata et al.'s +1e-6 inside the log (ranking unaffected)."""
   del labels
   p = _probs(logits)
   return -jnp.sum(p * jnp.log(p + 1e-6), axis=-1) / jnp.log(p.shape[-1])

@@ -1,0 +1,110 @@
+"""Every script, benchmark and study runs as `python -m ...` from the checkout, at tiny sizes
+(the benchmarks that train: tests/test_benchmarks.py). Each smoke run checks its output against
+what the inputs imply, not only that it exits 0."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cpjax.data import array_records, input_pipeline
+from tests.helpers import REPO, subprocess_env, tiny_config
+
+
+def _module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+  """`python -m module args` from the checkout, as the docs tell a user to run it."""
+  result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def test_metrics_speed_smoke(tmp_path):
+  out = tmp_path / "metrics_speed.json"
+  stdout = _module("benchmarks.metrics_speed", "--n=300", "--k=5", "--resamples=10",
+                   f"--json={out}").stdout
+  result = json.loads(out.read_text())
+  seconds = result["seconds"]
+  metric_names = ("ece", "adaptive_ece", "classwise_ece", "mce", "smooth_ece", "nll", "brier",
+                  "top5")
+  assert all(seconds[name] > 0 for name in metric_names)
+  assert math.isclose(seconds["all_metrics"], sum(seconds[name] for name in metric_names))
+  assert seconds["bootstrap_ece"] > 0 and seconds["bootstrap_adaptive_ece"] > 0
+  assert result["resamples"] == 10 and "bootstrap 10 x ece" in stdout
+
+
+def _write_jsonl(path, records):
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_compare_metrics_finds_exactly_the_changed_field(tmp_path):
+  """Timing fields are ignored, null and NaN both mean "no number", one changed value counts."""
+  base = [{"epoch": 0, "train_loss": 0.5, "val_ece": None, "train_seconds": 1.0},
+          {"epoch": 1, "train_loss": 0.25, "val_ece": 0.125, "train_seconds": 2.0}]
+  _write_jsonl(tmp_path / "a.jsonl", base)
+  _write_jsonl(tmp_path / "same.jsonl", [{**r, "train_seconds": 9.0} for r in base])
+  _write_jsonl(tmp_path / "other.jsonl", [base[0], {**base[1], "val_ece": 0.25}])
+  same = _module("scripts.compare_metrics", str(tmp_path / "a.jsonl"), str(tmp_path / "same.jsonl"))
+  assert "2 epochs, 3 non-timing fields: all equal" in same.stdout
+  result = subprocess.run([sys.executable, "-m", "scripts.compare_metrics",
+                           str(tmp_path / "a.jsonl"), str(tmp_path / "other.jsonl")], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert "epoch 1 val_ece: 0.125 vs 0.25" in result.stdout and "1 differences" in result.stdout
+
+
+def test_grad_norm_regrouping_smoke():
+  stdout = _module("scripts.grad_norm_regrouping", "--config=configs/test.py", "--steps=2").stdout
+  differences = re.findall(r"^step (\d+): max relative parameter difference (\S+)$", stdout,
+                           re.MULTILINE)
+  assert [step for step, _ in differences] == ["1", "2"], stdout
+  assert all(0.0 <= float(value) < 1e-3 for _, value in differences), stdout
+
+
+def test_write_array_records_reads_back_the_config_splits(tmp_path):
+  out = tmp_path / "stream"
+  stdout = _module("scripts.write_array_records", "--config=configs/test.py", f"--out={out}",
+                   "--num_shards=2").stdout
+  dataset = tiny_config().dataset
+  expected = input_pipeline.get_datasets(dataset)
+  for name, split in expected.items():
+    assert f"{name}: {len(split)} examples" in stdout
+    index, shape, paths = array_records.read_index(str(out), name, dataset)
+    np.testing.assert_array_equal(index.ids, split.ids)
+    np.testing.assert_array_equal(index.labels, split.labels)
+    rows = np.array([0, len(split) // 2, len(split) - 1])
+    images = array_records.RecordImages(paths, shape, len(split)).read(rows)
+    np.testing.assert_array_equal(images, split.images[rows])
+
+
+@pytest.mark.parametrize("module, flag", [
+    ("studies.losses", "--out"), ("studies.prioritization", "--out"),
+    ("studies.selection", "--out"), ("studies.meta_calibration", "--out"),
+    # Timed in-process at a tiny size in tests/test_benchmarks.py; here its command line.
+    ("benchmarks.xla_cpu_variants", "--batch-size")])
+def test_long_entry_points_start(module, flag):
+  """A study trains for minutes to hours; here its command line parses and lists `flag`."""
+  assert flag in _module(module, "--help").stdout
+
+
+def test_every_entry_point_has_a_smoke_test():
+  """A new script or benchmark with a __main__ must get a smoke run here or in
+  tests/test_benchmarks.py."""
+  tested = ""
+  for name in ("test_entry_points.py", "test_benchmarks.py"):
+    with open(os.path.join(REPO, "tests", name)) as f:
+      tested += f.read()
+  for directory in ("scripts", "benchmarks", "studies"):
+    for file in sorted(os.listdir(os.path.join(REPO, directory))):
+      if not file.endswith(".py"):
+        continue
+      with open(os.path.join(REPO, directory, file)) as f:
+        if '__name__ == "__main__"' not in f.read():
+          continue
+      module = f"{directory}.{file[:-3]}"
+      assert f'"{module}"' in tested, f"{module} has no smoke test"

@@ -1,0 +1,102 @@
+"""pyproject.toml declares every third-party distribution that `import cpjax.*` and
+`python main.py` import, and nothing it cannot account for; requirements.txt pins them all.
+
+The imports are read with `ast` from the source (every `import`, also inside functions), so a
+new import without a declared dependency fails here rather than in a user's fresh venv.
+"""
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import sys
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Import name -> distribution name, where they differ or the distribution may be absent here.
+DISTRIBUTION_OF = {
+    "absl": "absl-py", "array_record": "array-record", "clu": "clu", "etils": "etils",
+    "flax": "flax", "grain": "grain", "jax": "jax", "matplotlib": "matplotlib",
+    "ml_collections": "ml-collections", "numpy": "numpy", "optax": "optax",
+    "orbax": "orbax-checkpoint", "PIL": "pillow", "scipy": "scipy", "sklearn": "scikit-learn",
+    "tensorflow_datasets": "tensorflow-datasets", "yaml": "pyyaml",
+}
+# Declared but not imported by cpjax, each with the reason it must be installed.
+NOT_IMPORTED = {
+    "importlib-resources": "tensorflow-datasets imports it for its built-in builders",
+    "tensorflow-cpu": "clu's TensorBoard writer and tfds's CIFAR/SVHN builders import tensorflow",
+    "tensorboard": "the `tensorboard` command that reads a run's event files",
+}
+
+
+def _normalized(name: str) -> str:
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _top_level_imports(paths) -> dict[str, set[str]]:
+  """Third-party top-level module names -> the files importing them."""
+  found = {}
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        names = [node.module]
+      else:
+        continue
+      for name in names:
+        top = name.split(".")[0]
+        if top not in sys.stdlib_module_names and top != "cpjax":
+          found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+  return found
+
+
+def _package_imports() -> dict[str, set[str]]:
+  return _top_level_imports([*sorted((ROOT / "cpjax").rglob("*.py")), ROOT / "main.py"])
+
+
+def _declared() -> set[str]:
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    dependencies = tomllib.load(f)["project"]["dependencies"]
+  return {_normalized(re.match(r"[A-Za-z0-9._-]+", d).group(0)) for d in dependencies}
+
+
+def test_the_import_scan_sees_known_imports():
+  imports = _package_imports()
+  assert "cpjax/data/array_records.py" in imports["grain"]
+  assert "cpjax/calibration/report.py" in imports["matplotlib"]  # Imported inside a function.
+  assert "main.py" in imports["absl"]
+  assert not {"os", "json", "cpjax"} & set(imports)
+
+
+def test_every_import_has_a_known_distribution():
+  unknown = sorted(set(_package_imports()) - set(DISTRIBUTION_OF))
+  assert not unknown, f"add these imports to DISTRIBUTION_OF (and pyproject.toml): {unknown}"
+
+
+def test_distribution_table_agrees_with_the_installed_metadata():
+  installed = importlib.metadata.packages_distributions()
+  for module, distribution in DISTRIBUTION_OF.items():
+    if module in installed:
+      assert _normalized(distribution) in {_normalized(d) for d in installed[module]}, module
+
+
+def test_pyproject_declares_every_imported_distribution():
+  needed = {_normalized(DISTRIBUTION_OF[m]): files for m, files in _package_imports().items()
+            if m in DISTRIBUTION_OF}
+  missing = {d: sorted(f) for d, f in needed.items() if d not in _declared()}
+  assert not missing, f"imported but not in pyproject.toml's dependencies: {missing}"
+
+
+def test_pyproject_declares_nothing_unaccounted_for():
+  imported = {_normalized(DISTRIBUTION_OF[m]) for m in _package_imports() if m in DISTRIBUTION_OF}
+  extra = _declared() - imported - {_normalized(d) for d in NOT_IMPORTED}
+  assert not extra, f"declared, neither imported nor listed in NOT_IMPORTED: {sorted(extra)}"
+
+
+def test_requirements_pin_every_declared_distribution():
+  pinned = {_normalized(m.group(1)) for m in re.finditer(
+      r"^([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==", (ROOT / "requirements.txt").read_text(), re.M)}
+  unpinned = sorted(_declared() - pinned)
+  assert not unpinned, f"pyproject.toml dependencies without a pin in requirements.txt: {unpinned}"
