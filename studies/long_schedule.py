@@ -295,12 +295,15 @@ def _saving(passes: float, full: float | None) -> str:
 
 def summarise(all_arms: list[Arm], results: dict, targets: dict) -> dict:
   """Means, savings and paired differences of every arm with a finished run."""
-  full_passes = np.mean(results["full"]["passes"]) if "full" in results else None
-  full_seconds = np.mean(results["full"]["compute_seconds"]) if "full" in results else None
   by_name = {a.name: a for a in all_arms}
   summary = {}
   for name, r in results.items():
     arm = by_name[name]
+    # Savings against full data of the arm's own regime (else the other one's: same cost).
+    full = [f for f in (references(arm).get("full", name), "full", "noisy_full")
+            if f in results]
+    full_passes = np.mean(results[full[0]]["passes"]) if full else None
+    full_seconds = np.mean(results[full[0]]["compute_seconds"]) if full else None
     target_passes = targets.get(arm.target, {}).get("passes", 0.0)
     target_seconds = targets.get(arm.target, {}).get("compute_seconds", 0.0)
     row = {key: (float(np.mean(r[key])), float(np.std(r[key], ddof=1)) if len(r[key]) > 1
@@ -406,7 +409,10 @@ def plot_curves(all_arms: list[Arm], results: dict, path: str) -> None:
                                          else "no fixed budget"))
     ax.set_xlabel("cumulative example passes (millions)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if names:
+      ax.legend(fontsize=7)
+    else:
+      ax.text(0.5, 0.5, "no finished runs yet", ha="center", transform=ax.transAxes)
   axes[0].set_ylabel("test accuracy % (line: mean; band: range over seeds)")
   fig.suptitle("Fashion-MNIST, small_cnn, 20 epochs with crop+flip: accuracy vs training cost")
   fig.tight_layout()
@@ -472,6 +478,8 @@ def main():
   parser.add_argument("--out", default="studies/out/long_schedule")
   parser.add_argument("--tiers", default="ABC", help="tiers to run, in order (default ABC)")
   parser.add_argument("--only", nargs="*", default=None, help="run only these arms")
+  parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                      help="run only these seeds (default 0 1 2)")
   parser.add_argument("--summarise-only", action="store_true",
                       help="rewrite the summary from finished runs, train nothing")
   args = parser.parse_args()
@@ -483,7 +491,7 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   all_arms = [a for a in arms(base) if args.only is None or a.name in args.only]
   todo = [(a, seed) for tier in args.tiers for a in all_arms if a.tier == tier
-          for seed in a.seeds]
+          for seed in a.seeds if seed in args.seeds]
   todo.sort(key=lambda item: (item[0].tier, item[1]))  # Tier by tier, seed by seed.
   results, targets, failures = {}, {}, {}
   for done, (arm, seed) in enumerate(todo):

@@ -1,6 +1,7 @@
 """The long-schedule study's accounting and statistics against hand-worked cases and a second
 implementation (the report's ECE)."""
 
+import json
 import math
 
 import numpy as np
@@ -60,3 +61,33 @@ def test_paired_bootstrap_of_a_run_with_itself_is_zero_and_brackets_a_known_gap(
   other = {**run, "correct": [better]}
   low, high = long_schedule.test_interval(other, run, [0], "accuracy")
   assert low < 0.05 < high and low > 0.03  # Paired: only the 100 changed images vary.
+
+
+def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
+  """Three arms on configs/test.py (3 epochs, 1 of warm-up), one seed: the RHO-LOSS arm
+  trains its held-out target first; the summary pairs each arm with its references and the
+  figures are written. Digits stand in for Fashion-MNIST to keep it to seconds."""
+  def tiny_base():
+    return tiny_config(**{"num_epochs": 3, "selection.warmup_epochs": 1,
+                          "eval_every_epochs": 2})
+  monkeypatch.setattr(long_schedule.fashion_mnist_long, "get_config", tiny_base)
+  monkeypatch.setattr("sys.argv", ["long_schedule", f"--out={tmp_path}", "--seeds", "0",
+                                   "--only", "noisy_full", "noisy_random-30", "noisy_rho-30"])
+  long_schedule.main()
+  with open(tmp_path / "summary.json") as f:
+    out = json.load(f)
+  assert not out["failures"] and set(out["summary"]) == {"noisy_full", "noisy_random-30",
+                                                         "noisy_rho-30"}
+  rho = out["summary"]["noisy_rho-30"]
+  assert set(rho["paired"]) == {"full", "random"}
+  runs = out["runs"]
+  accuracy = rho["paired"]["random"]["accuracy"][0]
+  assert accuracy == pytest.approx(runs["noisy_rho-30"]["accuracy"][0]
+                                   - runs["noisy_random-30"]["accuracy"][0])
+  assert out["targets"]["target_rho"]["passes"] > 0
+  # The RHO arm's saving with its target counts the target's passes on top of its own.
+  full = runs["noisy_full"]["passes"][0]
+  assert rho["saving_passes_with_target"] == pytest.approx(
+      1 - (runs["noisy_rho-30"]["passes"][0] + out["targets"]["target_rho"]["passes"]) / full)
+  for name in ("summary.md", "time_to_accuracy.png", "paired_differences.png"):
+    assert (tmp_path / name).stat().st_size > 0
