@@ -279,7 +279,7 @@ def _meta_problems(config: ml_collections.ConfigDict, spec: losses.LossSpec) -> 
     problems.append(f"config.dataset.meta_val_size={meta_size} must be at least "
                     f"config.batch_size={batch_size} for loss.name={config.loss.name!r}: each "
                     "step draws a full meta-validation batch of distinct examples")
-  if config.selection.method in policies.WEIGHTED_METHODS:
+  if policies.weights_loss(config.selection.method):
     problems.append(f"config.selection.method={config.selection.method!r} weights the loss per "
                     f"example, which loss.name={config.loss.name!r} does not support")
   return problems
@@ -470,7 +470,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
     problems.append(f"config.selection.warmup_epochs={config.selection.warmup_epochs} leaves no "
                     f"epoch of the {config.num_epochs} (config.num_epochs) to select in; "
                     f"selection.method={config.selection.method!r} would never run")
-  if config.selection.method in policies.WEIGHTED_METHODS and (
+  if policies.weights_loss(config.selection.method) and (
       config.budget_steps or config.optimizer.schedule_unit == "step"):
     # An infobatch epoch's size is drawn when it starts: the run's steps are not known ahead.
     problems.append(f"config.budget_steps={config.budget_steps} and optimizer.schedule_unit="

@@ -95,7 +95,7 @@ def test_gammas(run: run_context.Run, state: steps.MetaTrainState
   """An FL_gamma run's (gamma [N], correct [N]) on the test split, eval-mode features."""
   gamma_fn = jax.jit(functools.partial(steps.gamma_step, model=run.model,
                                        gamma_net=run_state.meta_parts(run.config)[0],
-                                       spec=steps.step_spec(run.config)),
+                                       spec=steps.step_spec(run.config.dataset)),
                      compiler_options=compiler_options.compiler_options(
                          "inference", run.config.xla_cpu_options))  # As run.eval_fn.
   out = steps.predict(gamma_fn, state, run.readers["test"], run.mesh,

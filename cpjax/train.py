@@ -92,8 +92,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   run = _setup(config, workdir)
-  train_fn = _jit_train_step(config, run.model, run.tx)
   chooser = selector.Selector(config, run.readers["train"], run.mesh)
+  train_fn = _jit_train_step(config, run.model, run.tx, chooser.weighted)
   run.epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                                  config.budget_steps)
   writer = run_logging.create_writer(workdir)
@@ -179,12 +179,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   initial = {"train": steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx,
                                                data.image_shape, mesh,
                                                run_state.meta_parts(config)),
-             "selection": sharding.replicate(mesh, run_state.initial_selection(config)),
-             "partial": sharding.replicate(mesh, run_state.empty_partial(config))}
+             "selection": sharding.replicate(mesh, bookkeeping.initial_state_of(
+                 config.dataset, config.selection)),
+             "partial": sharding.replicate(mesh, run_state.empty_partial(config.dataset,
+                                                                         config.batch_size))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = jax.jit(functools.partial(steps.eval_step, model=model,
-                                      spec=steps.step_spec(config)),
+                                      spec=steps.step_spec(config.dataset)),
                     compiler_options=compiler_options.compiler_options(
                         "inference", config.xla_cpu_options))
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh)
@@ -257,25 +259,28 @@ def _save(run: Run, state: steps.TrainState, selection_state: bookkeeping.Select
                              f"{run_context.last_good(run)}")
   run.checkpointer.save(step, {
       "train": state, "selection": sharding.replicate(run.mesh, selection_state),
-      "partial": sharding.replicate(run.mesh, partial or run_state.empty_partial(run.config))},
+      "partial": sharding.replicate(run.mesh, partial or run_state.empty_partial(
+          run.config.dataset, run.config.batch_size))},
       {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
        "config": run.config.to_json_best_effort(sort_keys=True)})
   return step
 
 
-def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
+def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool):
   """The train step with the config's model, optimizer, loss and score bound; jitted once.
-  FL_gamma losses train with the bilevel `steps.meta_train_step` instead."""
+  `weighted`: batches carry loss weights (the selector's). FL_gamma losses train with the
+  bilevel `steps.meta_train_step` instead."""
   score_fn = scores.forward_score(config.selection.score)
   meta = run_state.meta_parts(config)
+  spec = steps.step_spec(config.dataset, config.loss, weighted)
   if meta is None:
     step = functools.partial(steps.train_step, model=model, tx=tx,
-                             loss_fn=losses.get_loss(config.loss), score_fn=score_fn,
-                             spec=steps.step_spec(config))
+                             loss_fn=losses.get_loss(config.loss), score_fn=score_fn, spec=spec)
   else:
     step = functools.partial(steps.meta_train_step, model=model, gamma_net=meta[0], tx=tx,
-                             meta_tx=meta[1], objective=gamma_net.create_meta_objective(config),
-                             score_fn=score_fn, spec=steps.step_spec(config),
+                             meta_tx=meta[1],
+                             objective=gamma_net.create_meta_objective(config.loss, config.meta),
+                             score_fn=score_fn, spec=spec,
                              leak_meta_gradient=config.meta.leak_meta_gradient)
   return jax.jit(step, donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train",
@@ -399,7 +404,7 @@ def _save_preempted(run: Run, state: steps.TrainState, plan: EpochPlan, totals, 
   """Saves the state after `epoch_step` steps of `plan.epoch`, waits for it, raises Preempted."""
   _raise_if_bad(run, totals, plan.epoch, epoch_start_step)  # Never save a diverged state.
   totals = jax.device_get(totals)
-  partial = run_state.empty_partial(run.config)
+  partial = run_state.empty_partial(run.config.dataset, run.config.batch_size)
   partial.update({k: np.float32(totals[k]) for k in ("loss_sum", "correct", "count")})
   for k in run_state.PER_EXAMPLE:
     partial[f"each_{k}"][:len(outputs[k])] = outputs[k]

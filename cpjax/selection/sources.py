@@ -214,7 +214,7 @@ def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_n
   model = models.create_model(model_config.model.name,
                               specs.DATASETS[model_config.dataset.name].num_classes, dtype)
   return jax.jit(
-      functools.partial(step_fn, model=model, spec=steps.step_spec(model_config),
+      functools.partial(step_fn, model=model, spec=steps.step_spec(model_config.dataset),
                         score_fn=scores.forward_score(score_name)),
       compiler_options=compiler_options.compiler_options("inference", preset))
 
@@ -259,4 +259,6 @@ def _target_scorer(config: ml_collections.ConfigDict, score_name: str,
                              config.xla_cpu_options, step_fn)
   logging.info("Scoring with target run %s (%s).", selection.target_workdir,
                target_config.model.name)
-  return score_fn, Target(selection.target_workdir, run_state.abstract(target_config, mesh))
+  return score_fn, Target(selection.target_workdir, run_state.abstract(
+      target_config, mesh, bookkeeping.initial_state_of(target_config.dataset,
+                                                        target_config.selection)))
