@@ -66,6 +66,7 @@ class LoopHooks:
   progress: Any
   guard: preemption.PreemptionGuard | None = None
   stop_after_epoch: bool = False  # A stop was requested at an epoch's last step.
+  compiled: bool = False  # The train step has run once in this process (compiled).
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -99,10 +100,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(run.start_epoch)
+  epoch_writer = run_logging.create_epoch_writer(writer, epoch_log)  # TensorBoard + jsonl.
   progress = run_logging.create_progress_reporter(run.total_steps, writer,
                                                   config.log_every_steps)
   if run.start_epoch == 0 and run.partial is None:
-    writer.write_hparams({"config": config.to_json_best_effort()})
+    writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
   state, selection_state, record = run.state, run.selection, {}
   with preemption.PreemptionGuard() as guard:
     hooks = LoopHooks(writer, progress, guard)
@@ -120,11 +122,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         selection_state, selection_record = chooser.after_epoch(
             epoch, selection_state, order, per_example, timings, workdir)
         record.update(selection_record)
-        record.update(evaluation.evaluate_when_due(run, state, epoch))
+        step = int(jax.device_get(state.step))
+        record.update(evaluation.evaluate_when_due(run, state, epoch, writer, step))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
-        writer.write_scalars(int(jax.device_get(state.step)), {
-            k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
-        epoch_log.write(record)
+        epoch_writer.write_scalars(step, record)
         if run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
             hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
@@ -330,7 +331,15 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
                                                   start=done["steps"]):
       learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
       batch = {**train_batch, **meta_batch}
+      if not hooks.compiled:
+        compile_start = time.perf_counter()
+        logging.info("Compiling the train step (the first step waits for it)...")
       state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
+      if not hooks.compiled:  # Waits for the first step once, to time the compile.
+        jax.block_until_ready(batch_metrics)
+        logging.info("Train step compiled; the first step took %.1f s.",
+                     time.perf_counter() - compile_start)
+        hooks.compiled = True
       epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
       totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
       window.append(batch_metrics)

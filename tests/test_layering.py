@@ -48,6 +48,7 @@ RANKS = {
     "data.splits": 1,
     "calibration": 1,
     "calibration.bootstrap": 1,
+    "calibration.figures": 1,
     "calibration.gamma_net": 1,
     "calibration.losses": 1,
     "calibration.metrics": 1,

@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import time
 from typing import Any, Protocol
 
 import jax
@@ -87,10 +88,15 @@ class ScoringPass:
   def refresh(self, epoch, train_state, state):
     if not self._due(epoch, state):
       return state
+    start = time.perf_counter()
+    logging.info("Scoring pass for epoch %d: %d training examples with %s...", epoch,
+                 len(self._split), f"the target run {self._target.workdir}" if self._target
+                 else "the current model")
     model_state = self._target.restore() if self._target else train_state
     columns = steps.predict(self._score_fn, model_state, self._split, self._mesh,
                             self._batch_size).astype(np.float32)  # [N, 3]
     self._calibration = columns[:, 1], columns[:, 2]
+    logging.info("Scoring pass for epoch %d done in %.1f s.", epoch, time.perf_counter() - start)
     return {**state, "scores": columns[:, 0], "scored_epoch": np.array(epoch, np.int32)}
 
   def scorer_calibration(self):
