@@ -3,17 +3,21 @@ calibration images and after-temperature-scaling scalars, the progress lines of 
 
 import io
 import json
+import logging
 import math
 import os
 
 from clu import metric_writers
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from cpjax.runtime import run_logging
+from cpjax.runtime import run_logging, sharding
+from cpjax.selection import bookkeeping, sources
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
 
 
@@ -142,3 +146,17 @@ def test_the_log_reports_the_first_compile_and_the_report(main_run):
   assert "Building the calibration report after epoch 4" in log
   assert "100 bootstrap resamples" in log
   assert "Report built: T = " in log
+
+
+def test_a_scoring_pass_logs_its_start_and_its_duration(digits, caplog):
+  mesh = sharding.create_mesh()
+  # A stand-in for the scoring step: [B, 3] columns (score, confidence, correct) = the label.
+  score_fn = jax.jit(lambda state, batch: jnp.stack([batch["label"].astype(jnp.float32)] * 3,
+                                                    axis=-1))
+  source = sources.ScoringPass(score_fn, digits["train"], mesh, 64, rescore_every=1)
+  with caplog.at_level(logging.INFO):
+    state = source.refresh(3, None, bookkeeping.initial_state(len(digits["train"].ids)))
+  np.testing.assert_array_equal(state["scores"], digits["train"].labels)  # One pass, in order.
+  lines = [r.getMessage() for r in caplog.records]
+  assert "Scoring pass for epoch 3: 1257 training examples with the current model..." in lines
+  assert any(line.startswith("Scoring pass for epoch 3 done in ") for line in lines), lines
