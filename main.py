@@ -5,7 +5,10 @@
       --config.loss.name=cross_entropy --config.num_epochs=5
   python main.py --config=configs/default.py --workdir=/tmp/cpjax --mode=evaluate
 
-Rerunning the same command resumes from the latest checkpoint in --workdir.
+Rerunning the same command resumes from the latest checkpoint in --workdir. A choice sets
+what it needs unless the command line or the config file sets it (logged): e.g.
+--config.selection.method=infobatch implies --config.selection.score=loss. A bad config
+prints its problems and exits with status 2 (a usage error).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
@@ -23,6 +26,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
+from configs import default
 from cpjax import config_validation, train
 from cpjax.runtime import distributed, preemption
 
@@ -37,6 +41,7 @@ flags.DEFINE_string("coordinator_address", None,
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
 flags.DEFINE_integer("process_id", None, "This process's index (with --coordinator_address).")
 flags.mark_flags_as_required(["config", "workdir"])
+USAGE_ERROR = 2  # Exit status of a bad command line or config (as absl's and argparse's).
 
 
 def _quiet_library_info(record: std_logging.LogRecord) -> bool:
@@ -56,15 +61,39 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_quiet_library_info)
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  config = _config_with_implied_settings()
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
   try:
     if FLAGS.mode == "train":
-      train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+      train.train_and_evaluate(config, FLAGS.workdir)
     else:
-      train.evaluate_only(FLAGS.config, FLAGS.workdir)
+      train.evaluate_only(config, FLAGS.workdir)
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     sys.exit(preemption.EXIT_CODE)
+
+
+def _config_with_implied_settings():
+  """--config with what its choices imply set (logged), validated: a bad one exits with its
+  problems alone. Set by the user: the command-line overrides and the fields the config file
+  changed from configs/default.py."""
+  explicit = set(FLAGS["config"].override_values) | config_validation.changed_fields(
+      FLAGS.config, default.get_config())
+  implied = config_validation.implied_settings(FLAGS.config, explicit)
+  for name, (value, reason) in implied.items():
+    logging.info("Implied config.%s=%r: %s (set --config.%s to choose otherwise).", name,
+                 value, reason, name)
+  config = config_validation.with_settings(FLAGS.config, {k: v for k, (v, _) in implied.items()})
+  try:
+    config_validation.validate(config)
+  except config_validation.ConfigError as err:
+    _usage_exit(str(err))
+  return config
+
+
+def _usage_exit(message: str):
+  print(f"FATAL {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
 
 
 def _load_config(path: str):
@@ -75,13 +104,24 @@ def _load_config(path: str):
   return module.get_config()
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+  """The value of `--name=value` or `--name value` in argv (the last one), else None."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with an unknown `--config.FIELD` reported as a one-line error."""
   try:
     return FLAGS(argv)
   except (AttributeError, KeyError) as err:  # ml_collections: the override's field is unknown.
     overrides = [a.split("=", 1)[0][len("--config."):] for a in argv if a.startswith("--config.")]
-    config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    config_path = _flag_value(argv, "config")
     if config_path is None:
       raise
     config = _load_config(config_path)
@@ -90,7 +130,7 @@ def parse_flags(argv: list[str]) -> list[str]:
       raise
     message = config_validation.unknown_field_message(config, unknown[0])
     print(f"FATAL Flags parsing error: {message} ({err})", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(USAGE_ERROR)
 
 
 if __name__ == "__main__":

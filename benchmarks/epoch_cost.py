@@ -73,7 +73,7 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
   tx = optim.create_optimizer(config.optimizer)
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
   train_fn = jax.jit(functools.partial(
-      steps.train_step, model=model, tx=tx, spec=steps.step_spec(config),
+      steps.train_step, model=model, tx=tx, spec=steps.step_spec(config.dataset, config.loss),
       loss_fn=losses.get_loss(config.loss), score_fn=scores.normalized_entropy),
       donate_argnums=0,
       compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
@@ -113,7 +113,7 @@ def measure_pure_forward(split, dataset, model_name, score_batch_size,
                                    optim.create_optimizer(config.optimizer), spec.image_shape,
                                    mesh)
   score_fn = jax.jit(functools.partial(
-      steps.scoring_pass_step, model=model, spec=steps.step_spec(config),
+      steps.scoring_pass_step, model=model, spec=steps.step_spec(config.dataset, config.loss),
       score_fn=scores.normalized_entropy),
       compiler_options=compiler_options.compiler_options("inference", xla_cpu_options))
   sample = split.take(np.arange(min(score_batch_size, len(split))))

@@ -77,7 +77,7 @@ def train_setup(model_name: str, batch_size: int, image_size: int, xla_cpu_optio
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx,
                                    (image_size, image_size, 3), mesh)
   step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx,
-                                   spec=steps.step_spec(config),
+                                   spec=steps.step_spec(config.dataset, config.loss),
                                    loss_fn=losses.get_loss(config.loss),
                                    score_fn=scores.normalized_entropy), donate_argnums=0,
                  compiler_options=(compiler_options.compiler_options("train", xla_cpu_options)
@@ -107,7 +107,8 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
   score_batch = _batch(mesh, score_batch_size, image_size, spec.num_classes)
   for dtype in ("float32", "bfloat16"):
     scorer = jax.jit(functools.partial(
-        steps.score_step, spec=steps.step_spec(config), score_fn=scores.normalized_entropy,
+        steps.score_step, spec=steps.step_spec(config.dataset),
+        score_fn=scores.normalized_entropy,
         model=models.create_model(model_name, spec.num_classes, dtype)),
         compiler_options=compiler_options.compiler_options("inference", xla_cpu_options))
     results[f"score_{dtype}_images_per_s"] = _rate(

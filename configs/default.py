@@ -21,7 +21,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.split_seed = 42  # Seed of the train/validation carve-out (fixed per study).
   config.dataset.train_examples = 0  # Train on a seeded subset of this many examples; 0 = all.
   # Examples carved out of the training split (disjoint from val and test) for the held-out
-  # meta-validation batches of the flgamma_* losses; 0 = none (every other loss).
+  # meta-validation batches of the flgamma_* losses; 0 = none (every other loss). Left at 0
+  # with an flgamma_* loss, main.py sets a tenth of the rows left after validation (>= a batch).
   config.dataset.meta_val_size = 0
   # Share of the training labels flipped uniformly to another class (generated symmetric
   # noise on the real images, seeded by label_noise_seed); validation and test stay clean.
@@ -99,7 +100,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection = ml_collections.ConfigDict()
   # full, or a policy of cpjax.selection.policies: top_k, uniform_sorted, class_balanced,
   # stratified, mixed, sampled, random (per epoch), static_random, random_without_replacement,
-  # infobatch (needs score=loss, scoring=train_pass, direction=hardest; fraction and count unused).
+  # infobatch (needs score=loss, scoring=train_pass, direction=hardest, which main.py sets
+  # unless given; fraction and count unused).
   config.selection.method = "full"
   config.selection.direction = "hardest"  # Scored policies: hardest (highest) or easiest first.
   config.selection.random_share = 0.5  # mixed: share of the subset drawn uniformly at random.

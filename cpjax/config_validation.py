@@ -3,9 +3,15 @@
 An unknown field, a missing field, a wrong type or an out-of-range value raises
 `ConfigError` naming the field and what would be valid. Choices come from the
 registries of the modules that own them (datasets, models, losses).
+
+`implied_settings` lists what a choice needs and the user left unset (main.py applies it
+before validating): `selection.method='infobatch'` implies its score, scoring and direction;
+an `flgamma_*` loss implies a meta-validation split. An explicit setting that contradicts
+the choice is still refused by `validate`.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+import copy
 import difflib
 import math
 import os
@@ -277,7 +283,7 @@ def _meta_problems(config: ml_collections.ConfigDict, spec: losses.LossSpec) -> 
     problems.append(f"config.dataset.meta_val_size={meta_size} must be at least "
                     f"config.batch_size={batch_size} for loss.name={config.loss.name!r}: each "
                     "step draws a full meta-validation batch of distinct examples")
-  if config.selection.method in policies.WEIGHTED_METHODS:
+  if policies.weights_loss(config.selection.method):
     problems.append(f"config.selection.method={config.selection.method!r} weights the loss per "
                     f"example, which loss.name={config.loss.name!r} does not support")
   return problems
@@ -325,13 +331,16 @@ def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
   return problems
 
 
+# InfoBatch's scores are the losses of the train pass: `loss` (cross-entropy) on train_pass.
+INFOBATCH_NEEDS = {"score": "loss", "scoring": "train_pass", "direction": "hardest"}
+
+
 def _infobatch_problems(config: ml_collections.ConfigDict) -> list[str]:
   """InfoBatch prunes by each example's own training loss, before its annealing epochs."""
   selection, problems = config.selection, []
   if selection.method != "infobatch":
     return problems
-  # Its scores are the losses of the train pass: `loss` (cross-entropy) on train_pass.
-  for field, needed in (("score", "loss"), ("scoring", "train_pass"), ("direction", "hardest")):
+  for field, needed in INFOBATCH_NEEDS.items():
     if selection[field] != needed:
       problems.append(f"config.selection.{field}={selection[field]!r} does not work with "
                       f"selection.method='infobatch' (it prunes by the train pass's own "
@@ -343,6 +352,67 @@ def _infobatch_problems(config: ml_collections.ConfigDict) -> list[str]:
                     f"selection.warmup_epochs={selection.warmup_epochs}: infobatch would "
                     "never prune")
   return problems
+
+
+def default_meta_val_size(dataset: ml_collections.ConfigDict, batch_size: int) -> int:
+  """The meta-validation split an flgamma_* loss gets when `dataset.meta_val_size` is unset:
+  10 % of the training examples left after validation, at least one batch (each step draws
+  a full batch of distinct meta-validation examples)."""
+  num_rows = specs.DATASETS[dataset.name].num_train - dataset.val_size
+  return max(batch_size, num_rows // 10)
+
+
+def changed_fields(config: ml_collections.ConfigDict,
+                   reference: ml_collections.ConfigDict) -> set[str]:
+  """Dotted names of the fields of `config` whose value differs from (or is absent in)
+  `reference`: what a config file set, compared with configs/default.py."""
+  reference_leaves = _leaves(reference)
+  return {name for name, value in _leaves(config).items()
+          if name not in reference_leaves or reference_leaves[name] != value}
+
+
+def implied_settings(config: ml_collections.ConfigDict,
+                     explicit: Collection[str]) -> dict[str, tuple[Any, str]]:
+  """The fields that the config's choices need and the user did not set.
+
+  Args:
+    config: the run configuration, before validation.
+    explicit: dotted names of the fields the user set (command-line overrides, and the
+      fields a config file changed); these are never implied, so a contradicting one is
+      refused by `validate` with its reason.
+
+  Returns:
+    {dotted field: (value to set, the choice that implies it)}; empty when nothing is implied.
+  """
+  implied = {}
+  if config.selection.method == "infobatch":
+    for field, needed in INFOBATCH_NEEDS.items():
+      name = f"selection.{field}"
+      if name not in explicit and config.selection[field] != needed:
+        implied[name] = (needed, "selection.method='infobatch' prunes by the train pass's "
+                                 "own per-example loss")
+  name = "dataset.meta_val_size"
+  if (config.loss.name in losses.LOSSES and losses.LOSSES[config.loss.name].meta_objective
+      and name not in explicit and not config.dataset.meta_val_size
+      and config.dataset.name in specs.DATASETS  # Bad values: left to `validate` to name.
+      and _is_int(config.dataset.val_size) and _is_int(config.batch_size)):
+    implied[name] = (default_meta_val_size(config.dataset, config.batch_size),
+                     f"loss.name={config.loss.name!r} trains gamma-Net on held-out "
+                     "meta-validation batches (10 % of the training examples)")
+  return implied
+
+
+def with_settings(config: ml_collections.ConfigDict,
+                  settings: dict[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of `config` with each dotted field of `settings` set to its value."""
+  config = copy.deepcopy(config)
+  for name, value in settings.items():
+    *parents, leaf = name.split(".")
+    section = config
+    for parent in parents:
+      section = section[parent]
+    section[leaf] = value
+  return config
 
 
 def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -425,7 +495,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
     problems.append(f"config.selection.warmup_epochs={config.selection.warmup_epochs} leaves no "
                     f"epoch of the {config.num_epochs} (config.num_epochs) to select in; "
                     f"selection.method={config.selection.method!r} would never run")
-  if config.selection.method in policies.WEIGHTED_METHODS and (
+  if policies.weights_loss(config.selection.method) and (
       config.budget_steps or config.optimizer.schedule_unit == "step"):
     # An infobatch epoch's size is drawn when it starts: the run's steps are not known ahead.
     problems.append(f"config.budget_steps={config.budget_steps} and optimizer.schedule_unit="

@@ -8,25 +8,59 @@ import logging
 import os
 from typing import Any
 
+from clu import metric_writers
 import jax
 import numpy as np
 
 from cpjax import run_context, run_state, steps
-from cpjax.calibration import report
+from cpjax.calibration import figures, metrics, report
 from cpjax.data import corruptions, input_pipeline, readers, specs, splits
 from cpjax.runtime import compiler_options, files
 
 
-def evaluate(run: run_context.Run, state: steps.TrainState) -> dict[str, float]:
-  """Accuracy, NLL and the ECE family of the validation and test splits."""
+def evaluate(run: run_context.Run, state: steps.TrainState,
+             writer: metric_writers.MetricWriter | None = None, step: int = 0
+             ) -> dict[str, float]:
+  """Accuracy, NLL and the ECE family of the validation and test splits; with `writer`,
+  also the test split's reliability diagram and confidence histogram as images at `step`."""
   num_classes = specs.DATASETS[run.config.dataset.name].num_classes
+  num_bins = run.config.evaluation.num_bins
   results = {}
   for name in ("val", "test"):
     logits = finite_logits(run, state, run.readers[name], name)
-    values = report.calibration_metrics(logits, run.splits[name].labels, num_classes,
-                                        run.config.evaluation.num_bins)
+    labels = run.splits[name].labels
+    values = report.calibration_metrics(logits, labels, num_classes, num_bins)
     results.update({f"{name}_{metric}": value for metric, value in values.items()})
+    if writer is not None and name == "test":
+      bins = metrics.reliability_bins(metrics.softmax(logits), labels, num_bins)
+      write_calibration_images(writer, step, {"before_ts": {
+          k: np.asarray(v).tolist() for k, v in bins._asdict().items()}})
   return results
+
+
+def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
+                             reliability: dict[str, dict[str, list]]) -> None:
+  """The test split's reliability diagram of each scaling in `reliability` (before_ts, and
+  after_ts in the final report) and its confidence histogram, as TensorBoard images
+  (process 0 only: the others' writers only log)."""
+  if jax.process_index() != 0:
+    return
+  images = {f"test/reliability_{tag}": figures.reliability_figure(
+      bins, f"test, {tag.replace('_', ' ')}, step {step}") for tag, bins in reliability.items()}
+  images["test/confidence_histogram"] = figures.histogram_figure(reliability)
+  writer.write_images(step, {tag: figures.rgb(fig)[None] for tag, fig in images.items()})
+
+
+def _write_report_summaries(writer: metric_writers.MetricWriter, step: int,
+                            results: dict[str, Any]) -> None:
+  """The final report in TensorBoard: after-TS metrics, the temperature (fitted on val) and
+  the reliability images before and after temperature scaling."""
+  scalars = {f"{split}/after_ts/{name}": value
+             for split, by_tag in results["metrics"].items()
+             for name, value in by_tag["after_ts"].items()}
+  scalars["val/temperature"] = results["temperature"]["temperature"]
+  writer.write_scalars(step, scalars)
+  write_calibration_images(writer, step, results["reliability"])
 
 
 def finite_logits(run: run_context.Run, state: steps.TrainState,
@@ -43,17 +77,22 @@ def finite_logits(run: run_context.Run, state: steps.TrainState,
   return logits
 
 
-def evaluate_when_due(run: run_context.Run, state: steps.TrainState,
-                      epoch: int) -> dict[str, float]:
+def evaluate_when_due(run: run_context.Run, state: steps.TrainState, epoch: int,
+                      writer: metric_writers.MetricWriter | None = None, step: int = 0
+                      ) -> dict[str, float]:
   """The epoch's val/test metrics: from the final report after the last epoch, from an
-  evaluation every `eval_every_epochs`, else none."""
+  evaluation every `eval_every_epochs`, else none. With `writer`, the evaluation's
+  calibration figures (and the report's after-TS metrics and temperature) go to it at
+  global `step`."""
   config = run.config
   if epoch + 1 == run.num_epochs:  # The report's before-TS numbers are the last eval.
     results = write_final_report(run, state, epoch + 1)
+    if writer is not None:
+      _write_report_summaries(writer, step, results)
     return {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
             for split in ("val", "test") for name in report.EPOCH_METRICS}
   if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
-    return evaluate(run, state)
+    return evaluate(run, state, writer, step)
   return {}
 
 
@@ -71,7 +110,9 @@ def _ood_split(run: run_context.Run) -> splits.Split | None:
 def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int) -> dict[str, Any]:
   """Builds the calibration report of `state` and writes it to workdir/report."""
   config = run.config
-
+  logging.info("Building the calibration report after epoch %d: temperature fit, metrics, "
+               "%d bootstrap resamples per interval.", epoch,
+               config.evaluation.bootstrap_resamples)
   ood = _ood_split(run)
   test_logits = finite_logits(run, state, run.readers["test"], "test")
   results = report.build_report(
@@ -85,6 +126,10 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
   gamma = test_gammas(run, state) if isinstance(state, steps.MetaTrainState) else None
   if gamma is not None:
     results["gamma"] = report.gamma_summary(*gamma)
+  seconds = results["seconds"]
+  logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s.",
+               results["temperature"]["temperature"], seconds["metrics_and_temperature"],
+               seconds["bootstrap"])
   if jax.process_index() == 0:
     paths = report.write_report(os.path.join(run.workdir, "report"), results, gamma)
     # Per-example test logits (ids in the test split's order): paired comparisons of runs
@@ -102,7 +147,7 @@ def test_gammas(run: run_context.Run, state: steps.MetaTrainState
   """An FL_gamma run's (gamma [N], correct [N]) on the test split, eval-mode features."""
   gamma_fn = jax.jit(functools.partial(steps.gamma_step, model=run.model,
                                        gamma_net=run_state.meta_parts(run.config)[0],
-                                       spec=steps.step_spec(run.config)),
+                                       spec=steps.step_spec(run.config.dataset)),
                      compiler_options=compiler_options.compiler_options(
                          "inference", run.config.xla_cpu_options))  # As run.eval_fn.
   out = steps.predict(gamma_fn, state, run.readers["test"], run.mesh,

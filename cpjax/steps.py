@@ -4,11 +4,14 @@ Every step is a pure function of pytrees; the loop (cpjax.train) and the score
 sources (cpjax.selection.sources) bind its keyword arguments with
 `functools.partial` and jit it once over the 1-D `data` mesh. Steps bind a
 small `StepSpec` (normalisation statistics, augmentation, loss reduction and
-weighting), not the whole config, and never mutate their inputs. Evaluation and scoring share
+weighting), not the whole config, and never mutate their inputs. The score a
+step computes per example is a function passed in (`score_fn`, from
+cpjax.selection.scores): the steps know nothing of selection. Evaluation and scoring share
 one eval-mode forward (`eval_step`), so a score is always a function of exactly
 the logits that evaluation sees.
 """
 
+from collections.abc import Callable
 import contextlib
 import dataclasses
 from typing import Any
@@ -25,8 +28,9 @@ from cpjax.calibration import gamma_net as gamma_net_lib
 from cpjax.calibration import losses
 from cpjax.data import augment, readers, specs, splits
 from cpjax.runtime import sharding
-from cpjax.selection import policies, scores
 
+# A per-example score of logits [B, K] and labels [B] -> [B] (cpjax.selection.scores).
+ScoreFn = Callable[[jax.Array, jax.Array], jax.Array]
 NO_BAD_STEP = np.iinfo(np.int32).max  # `first_bad_step` when every loss was finite.
 
 
@@ -63,13 +67,22 @@ class StepSpec:
   weighted: bool = False
 
 
-def step_spec(config: ml_collections.ConfigDict) -> StepSpec:
-  """The StepSpec of a run config (its dataset, augmentation and loss reduction)."""
-  data = specs.DATASETS[config.dataset.name]
+def step_spec(dataset: ml_collections.ConfigDict, loss: ml_collections.ConfigDict | None = None,
+              weighted: bool = False) -> StepSpec:
+  """The StepSpec of a run's config sections.
+
+  Args:
+    dataset: config.dataset (normalisation, classes, augmentation).
+    loss: config.loss (mixup, reduction), for the train steps; None for the eval-mode
+      steps (evaluation, scoring), which use neither.
+    weighted: batches carry loss weights (the selection policy's choice: Selector.weighted).
+  """
+  data = specs.DATASETS[dataset.name]
+  train_parts = {} if loss is None else {"mixup_alpha": loss.mixup_alpha,
+                                         "reduction": loss.reduction}
   return StepSpec(mean=data.mean, std=data.std, num_classes=data.num_classes,
-                  crop_padding=config.dataset.crop_padding, flip=config.dataset.flip,
-                  mixup_alpha=config.loss.mixup_alpha, reduction=config.loss.reduction,
-                  weighted=config.selection.method in policies.WEIGHTED_METHODS)
+                  crop_padding=dataset.crop_padding, flip=dataset.flip, weighted=weighted,
+                  **train_parts)
 
 
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
@@ -117,7 +130,7 @@ def _with_learning_rate(opt_state: Any, learning_rate: jax.Array) -> Any:
 def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: jax.Array,
                loss_hparams: dict[str, jax.Array], *, model: nn.Module,
                tx: optax.GradientTransformation, loss_fn: losses.LossFn,
-               score_fn: scores.ScoreFn, spec: StepSpec
+               score_fn: ScoreFn, spec: StepSpec
                ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
   """One SGD step on a global batch: augment, (mixup,) forward, loss, backward, update.
 
@@ -182,7 +195,7 @@ def _sgd_update(state: TrainState, grads: Any, batch_stats: Any, learning_rate: 
 
 def _step_outputs(state: TrainState, batch: dict[str, jax.Array], logits: jax.Array,
                   per_example: jax.Array, loss: jax.Array, grads: Any,
-                  score_fn: scores.ScoreFn) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+                  score_fn: ScoreFn) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """A train step's summable batch metrics and per-example outputs (see `train_step`)."""
   mask = batch["mask"]
   confidence, correct = _confidence_and_correct(logits, batch["label"])
@@ -223,7 +236,7 @@ def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
                     learning_rate: jax.Array, loss_hparams: dict[str, jax.Array], *,
                     model: nn.Module, gamma_net: nn.Module, tx: optax.GradientTransformation,
                     meta_tx: optax.GradientTransformation, objective: gamma_net_lib.MetaObjective,
-                    score_fn: scores.ScoreFn, spec: StepSpec, leak_meta_gradient: bool = False
+                    score_fn: ScoreFn, spec: StepSpec, leak_meta_gradient: bool = False
                     ) -> tuple[MetaTrainState, dict[str, jax.Array], dict[str, jax.Array]]:
   """One bilevel step of FL_gamma with a meta-learned gamma (docs/methods.md#meta-calibration-step:
   the Meta-Calibration scheme of Bohdal et al. 2023 as Wang & Golebiowski 2024 extend it):
@@ -327,13 +340,13 @@ def gamma_step(state: MetaTrainState, batch: dict[str, jax.Array], *, model: nn.
 
 
 def score_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
-               spec: StepSpec, score_fn: scores.ScoreFn) -> jax.Array:
+               spec: StepSpec, score_fn: ScoreFn) -> jax.Array:
   """Priority scores [B] of `eval_step`'s logits (the fresh and target scoring passes)."""
   return score_fn(eval_step(state, batch, model=model, spec=spec), batch["label"])
 
 
 def scoring_pass_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
-                      spec: StepSpec, score_fn: scores.ScoreFn) -> jax.Array:
+                      spec: StepSpec, score_fn: ScoreFn) -> jax.Array:
   """[B, 3] per example: `score_step`'s score, the top-class probability and 1.0 where the
   top class is the label. One forward pass gives a scoring pass both the ranking and the
   scorer's own calibration on the rows it picks (the `scorer_ece` diagnostic)."""

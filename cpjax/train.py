@@ -66,6 +66,7 @@ class LoopHooks:
   progress: Any
   guard: preemption.PreemptionGuard | None = None
   stop_after_epoch: bool = False  # A stop was requested at an epoch's last step.
+  compiled: bool = False  # The train step has run once in this process (compiled).
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -92,17 +93,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   run = _setup(config, workdir)
-  train_fn = _jit_train_step(config, run.model, run.tx)
   chooser = selector.Selector(config, run.readers["train"], run.mesh)
+  train_fn = _jit_train_step(config, run.model, run.tx, chooser.weighted)
   run.epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                                  config.budget_steps)
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(run.start_epoch)
+  epoch_writer = run_logging.create_epoch_writer(writer, epoch_log)  # TensorBoard + jsonl.
   progress = run_logging.create_progress_reporter(run.total_steps, writer,
                                                   config.log_every_steps)
   if run.start_epoch == 0 and run.partial is None:
-    writer.write_hparams({"config": config.to_json_best_effort()})
+    writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
   state, selection_state, record = run.state, run.selection, {}
   with preemption.PreemptionGuard() as guard:
     hooks = LoopHooks(writer, progress, guard)
@@ -120,11 +122,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         selection_state, selection_record = chooser.after_epoch(
             epoch, selection_state, order, per_example, timings, workdir)
         record.update(selection_record)
-        record.update(evaluation.evaluate_when_due(run, state, epoch))
+        step = int(jax.device_get(state.step))
+        record.update(evaluation.evaluate_when_due(run, state, epoch, writer, step))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
-        writer.write_scalars(int(jax.device_get(state.step)), {
-            k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
-        epoch_log.write(record)
+        epoch_writer.write_scalars(step, record)
         if run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
             hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
@@ -179,12 +180,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   initial = {"train": steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx,
                                                data.image_shape, mesh,
                                                run_state.meta_parts(config)),
-             "selection": sharding.replicate(mesh, run_state.initial_selection(config)),
-             "partial": sharding.replicate(mesh, run_state.empty_partial(config))}
+             "selection": sharding.replicate(mesh, bookkeeping.initial_state_of(
+                 config.dataset, config.selection)),
+             "partial": sharding.replicate(mesh, run_state.empty_partial(config.dataset,
+                                                                         config.batch_size))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = jax.jit(functools.partial(steps.eval_step, model=model,
-                                      spec=steps.step_spec(config)),
+                                      spec=steps.step_spec(config.dataset)),
                     compiler_options=compiler_options.compiler_options(
                         "inference", config.xla_cpu_options))
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh)
@@ -257,25 +260,28 @@ def _save(run: Run, state: steps.TrainState, selection_state: bookkeeping.Select
                              f"{run_context.last_good(run)}")
   run.checkpointer.save(step, {
       "train": state, "selection": sharding.replicate(run.mesh, selection_state),
-      "partial": sharding.replicate(run.mesh, partial or run_state.empty_partial(run.config))},
+      "partial": sharding.replicate(run.mesh, partial or run_state.empty_partial(
+          run.config.dataset, run.config.batch_size))},
       {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
        "config": run.config.to_json_best_effort(sort_keys=True)})
   return step
 
 
-def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
+def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool):
   """The train step with the config's model, optimizer, loss and score bound; jitted once.
-  FL_gamma losses train with the bilevel `steps.meta_train_step` instead."""
+  `weighted`: batches carry loss weights (the selector's). FL_gamma losses train with the
+  bilevel `steps.meta_train_step` instead."""
   score_fn = scores.forward_score(config.selection.score)
   meta = run_state.meta_parts(config)
+  spec = steps.step_spec(config.dataset, config.loss, weighted)
   if meta is None:
     step = functools.partial(steps.train_step, model=model, tx=tx,
-                             loss_fn=losses.get_loss(config.loss), score_fn=score_fn,
-                             spec=steps.step_spec(config))
+                             loss_fn=losses.get_loss(config.loss), score_fn=score_fn, spec=spec)
   else:
     step = functools.partial(steps.meta_train_step, model=model, gamma_net=meta[0], tx=tx,
-                             meta_tx=meta[1], objective=gamma_net.create_meta_objective(config),
-                             score_fn=score_fn, spec=steps.step_spec(config),
+                             meta_tx=meta[1],
+                             objective=gamma_net.create_meta_objective(config.loss, config.meta),
+                             score_fn=score_fn, spec=spec,
                              leak_meta_gradient=config.meta.leak_meta_gradient)
   return jax.jit(step, donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train",
@@ -328,7 +334,15 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
                                                   start=done["steps"]):
       learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
       batch = {**train_batch, **meta_batch}
+      if not hooks.compiled:
+        compile_start = time.perf_counter()
+        logging.info("Compiling the train step (the first step waits for it)...")
       state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
+      if not hooks.compiled:  # Waits for the first step once, to time the compile.
+        jax.block_until_ready(batch_metrics)
+        logging.info("Train step compiled; the first step took %.1f s.",
+                     time.perf_counter() - compile_start)
+        hooks.compiled = True
       epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
       totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
       window.append(batch_metrics)
@@ -402,7 +416,7 @@ def _save_preempted(run: Run, state: steps.TrainState, plan: EpochPlan, totals, 
   """Saves the state after `epoch_step` steps of `plan.epoch`, waits for it, raises Preempted."""
   _raise_if_bad(run, totals, plan.epoch, epoch_start_step)  # Never save a diverged state.
   totals = jax.device_get(totals)
-  partial = run_state.empty_partial(run.config)
+  partial = run_state.empty_partial(run.config.dataset, run.config.batch_size)
   partial.update({k: np.float32(totals[k]) for k in ("loss_sum", "correct", "count")})
   for k in run_state.PER_EXAMPLE:
     partial[f"each_{k}"][:len(outputs[k])] = outputs[k]

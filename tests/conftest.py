@@ -99,6 +99,7 @@ class TrainedRun:
   record: dict  # The last epoch's metrics record.
   train_step_traces: int = 0  # How often steps.train_step was traced during the run.
   train_step_executables: int = 0  # Compiled executables of the run's jitted train step.
+  log: str = ""  # The run's stderr (absl log lines), for runs made in a subprocess.
 
 
 @pytest.fixture(scope="session")
@@ -164,4 +165,4 @@ def main_run(tmp_path_factory) -> TrainedRun:
   workdir = str(tmp_path_factory.mktemp("main"))
   result = helpers.run_main(workdir, *helpers.MAIN_RUN_FLAGS)
   assert result.returncode == 0, result.stderr[-3000:]
-  return TrainedRun(workdir, None, helpers.read_metrics(workdir)[-1])
+  return TrainedRun(workdir, None, helpers.read_metrics(workdir)[-1], log=result.stderr)

@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cpjax.runtime import checkpoint_integrity, checkpointing, sharding
+from cpjax.runtime import checkpoint_integrity, checkpointing, orbax_layout, sharding
 from tests.helpers import run_processes
 
 # When orbax's restore of a damaged step fails, tensorstore reads still in flight finish
@@ -235,6 +235,27 @@ def test_truncated_data_file_falls_back_and_redoes_the_step(saved, caplog):
 def test_damaged_or_missing_metadata_is_damage_not_a_mismatch(saved, caplog, damage, reason):
   damage(os.path.join(_checkpoints(saved), "20"))
   _assert_fell_back_and_redoes(saved, caplog, reason)
+
+
+def test_the_installed_orbax_writes_the_step_layout_cpjax_recognises(saved):
+  """orbax_layout names files orbax does not promise: if an orbax release lays a step out
+  otherwise, this fails, saying what to update, before a run mistakes every good step for a
+  damaged one (and moves it aside)."""
+  step_dir = os.path.join(_checkpoints(saved), "20")
+  assert orbax_layout.step_directory(_checkpoints(saved), 20) == step_dir
+  written = sorted(os.path.relpath(os.path.join(folder, name), step_dir)
+                   for folder, _, names in os.walk(step_dir) for name in names)
+  missing = [f for f in orbax_layout.expected_files(checkpointing.ITEMS) if f not in written]
+  assert not missing, (
+      f"orbax-checkpoint {ocp.__version__} wrote a committed step without {missing} (it "
+      f"wrote {written}): update COMMIT_MARKER / STEP_METADATA in "
+      "cpjax/runtime/orbax_layout.py to its layout; until then every checkpoint looks damaged")
+  assert orbax_layout.step_problem(step_dir, checkpointing.ITEMS) is None
+  # A step still under orbax's temporary name (a save cut short) is not finalized.
+  unfinished = os.path.join(_checkpoints(saved), "30.orbax-checkpoint-tmp-0")
+  shutil.copytree(step_dir, unfinished)
+  assert orbax_layout.step_problem(unfinished, checkpointing.ITEMS) == (
+      "orbax does not consider the step finalized")
 
 
 def test_edited_meta_fails_its_hash(saved, caplog):

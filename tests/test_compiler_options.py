@@ -32,7 +32,7 @@ _USERS_LEVEL = {"xla_backend_optimization_level": 3}
 
 
 def _compiled_steps(preset: str, config, model, tx, state, batch, extra_options):
-  spec = steps.step_spec(config)
+  spec = steps.step_spec(config.dataset, config.loss)
   train_fn = jax.jit(functools.partial(
       steps.train_step, model=model, tx=tx, loss_fn=losses.get_loss(config.loss),
       score_fn=scores.normalized_entropy, spec=spec),

@@ -1,5 +1,8 @@
 """Config validation: bad values are named with the valid choices, before any work."""
 
+import os
+import subprocess
+
 import pytest
 
 from configs import (
@@ -14,7 +17,7 @@ from configs import (
 )
 from cpjax import config_validation, train
 from cpjax.data import input_pipeline
-from tests.helpers import tiny_config
+from tests.helpers import REPO, main_command, subprocess_env, tiny_config
 
 
 @pytest.mark.parametrize("module", [default, cifar10, cifar100, cifar10_target, cifar100_target,
@@ -193,3 +196,84 @@ def test_sizes_that_train_padded_steps_are_warned_about():
       **{"selection.method": "top_k", "selection.fraction": 0.01}))
   assert len(small_subset) == 1 and "k=13" in small_subset[0]
   assert "config.batch_size=64" in small_subset[0]
+
+
+# The choices of main.py's command line: what a choice implies, and how a bad config exits.
+INFOBATCH = {"num_epochs": 4, "selection.method": "infobatch", "selection.warmup_epochs": 1}
+
+
+def test_infobatch_alone_implies_its_score_unless_the_user_chose_one():
+  config = tiny_config(**INFOBATCH)
+  with pytest.raises(config_validation.ConfigError, match="selection.score='entropy'"):
+    config_validation.validate(config)  # The library itself implies nothing.
+  implied = config_validation.implied_settings(config, explicit=set(INFOBATCH))
+  assert {k: v for k, (v, _) in implied.items()} == {"selection.score": "loss"}
+  assert "infobatch" in implied["selection.score"][1]  # The reason names the choice.
+  completed = config_validation.with_settings(config, {"selection.score": "loss"})
+  config_validation.validate(completed)
+  assert config.selection.score == "entropy"  # with_settings copies.
+  # An explicit contradicting score is never overwritten: validate refuses it, naming why.
+  explicit = config_validation.implied_settings(config, {*INFOBATCH, "selection.score"})
+  assert explicit == {}
+  with pytest.raises(config_validation.ConfigError,
+                     match="config.selection.score='entropy' does not work with "
+                           "selection.method='infobatch'.*valid: 'loss'"):
+    config_validation.validate(config)
+
+
+def test_an_flgamma_loss_implies_a_tenth_of_the_training_rows_for_meta_validation():
+  config = tiny_config(**{"loss.name": "flgamma_sece"})
+  implied = config_validation.implied_settings(config, explicit={"loss.name"})
+  # digits: 1,437 train-split rows less 180 for validation = 1,257; a tenth is 125 >= 64.
+  assert {k: v for k, (v, _) in implied.items()} == {"dataset.meta_val_size": 125}
+  config_validation.validate(config_validation.with_settings(config, {"dataset.meta_val_size":
+                                                                      125}))
+  # At least one batch: with a batch of 256, a tenth (125) would be too few.
+  big_batch = tiny_config(**{"loss.name": "flgamma_dece", "batch_size": 256})
+  assert config_validation.implied_settings(big_batch, {"loss.name", "batch_size"})[
+      "dataset.meta_val_size"][0] == 256
+  # The user's explicit 0 is refused with the reason, not replaced.
+  assert config_validation.implied_settings(config, {"loss.name",
+                                                     "dataset.meta_val_size"}) == {}
+  with pytest.raises(config_validation.ConfigError, match="meta_val_size=0 must be at least"):
+    config_validation.validate(config)
+  assert config_validation.implied_settings(tiny_config(), explicit=set()) == {}
+
+
+def test_changed_fields_are_those_a_config_file_sets():
+  changed = config_validation.changed_fields(fashion_mnist.get_config(), default.get_config())
+  assert "dataset.name" in changed and "seed" not in changed
+  assert config_validation.changed_fields(default.get_config(), default.get_config()) == set()
+
+
+def _run_main_fast(tmp_path, *flags):
+  """main.py on configs/test.py with `flags`, for command lines that stop before training."""
+  return subprocess.run(main_command(str(tmp_path / "w"), *flags), cwd=REPO,
+                        env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+
+
+def test_a_bad_config_prints_its_problem_alone_and_exits_with_a_usage_status(tmp_path):
+  # "--config.num_epochs 0" (space, not "="): absl's flag form reaches the config too.
+  result = _run_main_fast(tmp_path, "--config.num_epochs", "0")
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert lines == ["FATAL invalid config:", "  config.num_epochs: must be in [1, None], got 0"]
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_main_logs_the_implied_fields_and_refuses_an_explicit_contradiction(tmp_path):
+  # infobatch alone: score=loss is implied (logged); warmup 5 of 2 epochs stops it before work.
+  result = _run_main_fast(tmp_path, "--config.selection.method", "infobatch",
+                          "--config.selection.warmup_epochs=5")
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "Implied config.selection.score='loss': selection.method='infobatch'" in result.stderr
+  assert "selection.score" not in result.stderr.split("FATAL", 1)[1]
+  assert "config.selection.warmup_epochs=5 leaves no epoch" in result.stderr
+  assert "Traceback" not in result.stderr
+  result = _run_main_fast(tmp_path, "--config.selection.method=infobatch",
+                          "--config.selection.score=entropy", "--config.num_epochs=4",
+                          "--config.selection.warmup_epochs=1")
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "Implied" not in result.stderr
+  assert ("config.selection.score='entropy' does not work with selection.method='infobatch'"
+          in result.stderr)

@@ -210,10 +210,11 @@ def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_
       assert all(np.isfinite(numbers)), record
 
 
-def test_an_unknown_override_fails_in_one_line_without_creating_the_workdir(tmp_path):
-  result = subprocess.run(main_command(str(tmp_path / "w"), "--config.foo=1"), cwd=REPO,
+@pytest.mark.parametrize("override", [("--config.foo=1",), ("--config.foo", "1")])
+def test_an_unknown_override_fails_in_one_line_without_creating_the_workdir(tmp_path, override):
+  result = subprocess.run(main_command(str(tmp_path / "w"), *override), cwd=REPO,
                           env=subprocess_env(1), capture_output=True, text=True, timeout=120)
-  assert result.returncode == 1
+  assert result.returncode == 2  # A usage error.
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert len(lines) == 1, result.stderr[-2000:]
   assert lines[0].startswith("FATAL Flags parsing error: config.foo: unknown field; known "

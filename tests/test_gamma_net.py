@@ -91,7 +91,7 @@ def test_lookahead_is_one_hand_written_focal_step_of_the_head():
   mask = np.array([1, 1, 1, 1, 1, 1, 0, 0], float)  # Padding rows take no part.
   gamma = rng.uniform(0.5, 4.0, 8)
   head = {"kernel": rng.normal(size=(6, 4)), "bias": rng.normal(size=4)}
-  spec = steps.step_spec(tiny_config())
+  spec = steps.step_spec(tiny_config().dataset, tiny_config().loss)
   got = steps.lookahead_head({k: jnp.asarray(v, jnp.float32) for k, v in head.items()},
                              jnp.asarray(x, jnp.float32), jnp.asarray(labels),
                              jnp.asarray(mask, jnp.float32), jnp.asarray(gamma, jnp.float32),
@@ -112,7 +112,7 @@ def _setup(objective="dece", leak=False, meta_tx=None, devices=None):
   meta_tx = meta_tx or optax.adam(1e-3)
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, data.image_shape, mesh,
                                    (net, meta_tx))
-  spec = steps.step_spec(config)
+  spec = steps.step_spec(config.dataset, config.loss)
   step = jax.jit(functools.partial(
       steps.meta_train_step, model=model, gamma_net=net, tx=tx, meta_tx=meta_tx,
       objective=gamma_net.meta_objective(objective), score_fn=scores.normalized_entropy,

@@ -263,7 +263,7 @@ def test_every_registered_loss_lowers_its_loss_in_jitted_train_steps(name, fixed
   step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx,
                                    loss_fn=losses.get_loss(config.loss),
                                    score_fn=scores.normalized_entropy,
-                                   spec=steps.step_spec(config)))
+                                   spec=steps.step_spec(config.dataset, config.loss)))
   hparams = losses.scheduled_hparams(config.loss, 0)
   loss_sums = []
   for _ in range(6):  # The 6th step's loss is that of the parameters after 5 updates.

@@ -282,9 +282,12 @@ def test_reducible_loss_of_the_target_itself_is_zero_and_its_pass_runs_once(othe
       "selection.score": "reducible_loss", "selection.target_workdir": other_model_run.workdir})
   mesh = sharding.create_mesh()
   current = sources.Target(other_model_run.workdir,
-                           run_state.abstract(other_model_run.config, mesh)).restore()
+                           run_state.abstract(other_model_run.config, mesh,
+                                              bookkeeping.initial_state_of(
+                                                  other_model_run.config.dataset,
+                                                  other_model_run.config.selection))).restore()
   source = sources.create_source(config, digits["train"], mesh)
-  state = source.refresh(1, current, run_state.initial_selection(config))
+  state = source.refresh(1, current, bookkeeping.initial_state_of(config.dataset, config.selection))
   np.testing.assert_array_equal(state["scores"], state["irreducible"])
   assert int(state["scored_epoch"]) == 1
   assert int(state["irreducible_step"]) == helpers.checkpoint_steps(other_model_run.workdir)[-1]

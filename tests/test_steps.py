@@ -11,12 +11,14 @@ from cpjax import models, optim, steps
 from cpjax.calibration import losses
 from cpjax.data import augment, specs, splits
 from cpjax.runtime import sharding
-from cpjax.selection import scores
+from cpjax.selection import policies, scores
 from tests.helpers import tiny_config
 
 
 def _setup(config, devices):
-  """Mesh, model, fresh state and the jitted train step of `config` on `devices`."""
+  """Mesh, model, fresh state and the jitted train step of `config` on `devices` (with loss
+  weights where the config's selection method gives them, as the loop's selector decides)."""
+  weighted = policies.weights_loss(config.selection.method)
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes)
   tx = optim.create_optimizer(config.optimizer)
@@ -29,7 +31,7 @@ def _setup(config, devices):
   step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx,
                                    loss_fn=losses.get_loss(config.loss),
                                    score_fn=scores.normalized_entropy,
-                                   spec=steps.step_spec(config)))
+                                   spec=steps.step_spec(config.dataset, config.loss, weighted)))
   return mesh, model, state, step
 
 
@@ -64,11 +66,13 @@ def _numpy_scores(logits, labels):
 
 def test_step_spec_holds_the_data_and_loss_facts_of_the_config():
   config = tiny_config(**{"loss.mixup_alpha": 0.2, "loss.reduction": "sum"})
-  assert steps.step_spec(config) == steps.StepSpec(
+  assert steps.step_spec(config.dataset, config.loss) == steps.StepSpec(
       mean=(0.3054,), std=(0.3762,), num_classes=10, crop_padding=1, flip=False,
       mixup_alpha=0.2, reduction="sum")
-  assert not steps.step_spec(config).weighted  # Only infobatch runs weigh the loss.
-  assert steps.step_spec(tiny_config(**{"selection.method": "infobatch"})).weighted
+  # Eval-mode steps need no loss facts; the loss weights are the selector's to decide.
+  assert steps.step_spec(config.dataset) == steps.StepSpec(
+      mean=(0.3054,), std=(0.3762,), num_classes=10, crop_padding=1, flip=False)
+  assert steps.step_spec(config.dataset, config.loss, weighted=True).weighted
 
 
 def test_train_step_lowers_the_loss_on_a_fixed_batch(digits):
@@ -205,7 +209,7 @@ def test_predict_sees_every_id_once_and_scores_are_the_entropy_of_eval_logits(di
   seen = steps.predict(jax.jit(id_step), state, split, mesh, 104)
   np.testing.assert_array_equal(seen, split.ids)  # Every id once, in row order.
 
-  spec = steps.step_spec(config)
+  spec = steps.step_spec(config.dataset, config.loss)
   score_fn = jax.jit(functools.partial(steps.score_step, model=model, spec=spec,
                                        score_fn=scores.normalized_entropy))
   eval_fn = jax.jit(functools.partial(steps.eval_step, model=model, spec=spec))
@@ -233,7 +237,7 @@ def test_train_step_never_mutates_its_inputs(digits):
   # whole compiles once instead of op by op (tens of seconds on CPU).
   new_state, metrics, _ = jax.jit(lambda: steps.train_step(
       state, batch, jnp.float32(0.5), hparams, model=model, tx=tx, loss_fn=loss_fn,
-      score_fn=scores.normalized_entropy, spec=steps.step_spec(config)))()
+      score_fn=scores.normalized_entropy, spec=steps.step_spec(config.dataset, config.loss)))()
 
   after = jax.tree.map(np.array, (state, batch, hparams))
   assert jax.tree.structure(after) == jax.tree.structure(before)
@@ -252,7 +256,7 @@ def test_train_step_never_mutates_its_inputs(digits):
 def test_score_step_is_the_registered_score_of_eval_step_logits(name, digits):
   config = tiny_config()
   mesh, model, state, step = _setup(config, jax.devices())
-  spec = steps.step_spec(config)
+  spec = steps.step_spec(config.dataset, config.loss)
   host = splits.batch_at(digits["train"], np.arange(64))
   batch = sharding.to_global(mesh, host, 64)
   state, _, _ = step(state, batch, np.float32(0.1), {})  # Trained BatchNorm statistics.

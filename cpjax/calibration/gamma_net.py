@@ -52,20 +52,20 @@ class GammaNet(nn.Module):
     return jnp.minimum(gamma, self.max_gamma) if self.max_gamma > 0 else gamma
 
 
-def create_gamma_net(config: ml_collections.ConfigDict, num_classes: int) -> GammaNet:
-  """gamma-Net of `config.meta` (num_prototypes 0 = one prototype per class)."""
-  return GammaNet(num_prototypes=config.meta.num_prototypes or num_classes,
-                  temperature=config.meta.temperature, max_gamma=config.meta.max_gamma)
+def create_gamma_net(meta: ml_collections.ConfigDict, num_classes: int) -> GammaNet:
+  """gamma-Net of `meta` (config.meta; num_prototypes 0 = one prototype per class)."""
+  return GammaNet(num_prototypes=meta.num_prototypes or num_classes,
+                  temperature=meta.temperature, max_gamma=meta.max_gamma)
 
 
 MetaObjective = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def create_meta_objective(config: ml_collections.ConfigDict) -> MetaObjective:
-  """The meta-objective of `config.loss.name` (flgamma_sece / flgamma_dece), with the
-  surrogates' hyper-parameters of `config.loss` and `config.meta.ce_weight`."""
-  loss = config.loss
-  return meta_objective(losses.LOSSES[loss.name].meta_objective, config.meta.ce_weight,
+def create_meta_objective(loss: ml_collections.ConfigDict,
+                          meta: ml_collections.ConfigDict) -> MetaObjective:
+  """The meta-objective of `loss.name` (flgamma_sece / flgamma_dece), with the surrogates'
+  hyper-parameters of `loss` (config.loss) and `meta.ce_weight` (config.meta)."""
+  return meta_objective(losses.LOSSES[loss.name].meta_objective, meta.ce_weight,
                         loss.sece_bandwidth, loss.dece_bins, loss.dece_t_a, loss.dece_t_b)
 
 

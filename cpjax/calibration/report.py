@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cpjax.calibration import bootstrap, metrics, temperature
+from cpjax.calibration import bootstrap, figures, metrics, temperature
 from cpjax.runtime import files
 
 EPOCH_METRICS = ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce")
@@ -180,38 +180,8 @@ def _markdown(report: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _reliability_figure(path: str, bins: dict[str, list], title: str) -> None:
-  import matplotlib  # Heavy; only the drawing functions need it.
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  edges = np.asarray(bins["edges"])
-  width = np.diff(edges)
-  accuracy = np.nan_to_num(np.asarray(bins["accuracy"], float))
-  fig, ax = plt.subplots(figsize=(4, 4))
-  ax.bar(edges[:-1], accuracy, width, align="edge", edgecolor="black", label="accuracy")
-  ax.bar(edges[:-1], np.nan_to_num(np.asarray(bins["confidence"], float)) - accuracy, width,
-         bottom=accuracy, align="edge", color="red", alpha=0.3, label="gap")
-  ax.plot([0, 1], [0, 1], "k--", linewidth=1)
-  ax.set(xlabel="confidence", ylabel="accuracy", title=title, xlim=(0, 1), ylim=(0, 1))
-  ax.legend(loc="upper left")
-  fig.tight_layout()
+def _save_png(path: str, fig: Any) -> None:
   files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
-  plt.close(fig)
-
-
-def _histogram_figure(path: str, reliability: dict[str, dict[str, list]]) -> None:
-  import matplotlib  # Heavy; only the drawing functions need it.
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  for tag, bins in reliability.items():
-    count = np.asarray(bins["count"], float)
-    ax.stairs(count / max(count.sum(), 1), bins["edges"], label=tag.replace("_", " "))
-  ax.set(xlabel="top-label confidence", ylabel="share of test samples", xlim=(0, 1))
-  ax.legend()
-  fig.tight_layout()
-  files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
-  plt.close(fig)
 
 
 def _gamma_figure(path: str, gamma: np.ndarray, correct: np.ndarray) -> None:
@@ -242,8 +212,9 @@ def write_report(report_dir: str, report: dict[str, Any],
   files.atomic_write(paths[0], json.dumps(report, indent=1, default=float))
   files.atomic_write(paths[1], _markdown(report))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
-    _reliability_figure(path, report["reliability"][tag], f"test, {tag.replace('_', ' ')}")
-  _histogram_figure(paths[4], report["reliability"])
+    _save_png(path, figures.reliability_figure(report["reliability"][tag],
+                                               f"test, {tag.replace('_', ' ')}"))
+  _save_png(paths[4], figures.histogram_figure(report["reliability"]))
   if gamma is not None:
     paths += [os.path.join(report_dir, name) for name in ("gamma_test.npz", "gamma_histogram.png")]
     files.atomic_write(paths[5], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))

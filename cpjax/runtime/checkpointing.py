@@ -12,8 +12,9 @@ with its path, shape and dtype, one digest over all of them, and a digest of the
 rest of `meta`). The hashes are computed on the host from the very arrays handed to orbax, before
 `save` returns. `restore_latest` checks, newest step first:
 
-  * the step's own files: `commit_success.txt` (step and items) and a readable
-    `_CHECKPOINT_METADATA`; the `meta` JSON and its integrity record;
+  * the step's own files (cpjax.runtime.orbax_layout, the one module that knows orbax's
+    file names): finalized, its commit markers (step and items) and a readable step
+    metadata file; the `meta` JSON and its integrity record;
   * the `state` item metadata (`state/_METADATA`): unreadable or missing is
     damage; readable but disagreeing with the recorded shapes is damage;
   * the fit to the target: readable metadata whose shapes or array names differ
@@ -52,7 +53,6 @@ Read-only use (another run's checkpoints, `read_only=True`): damaged steps are
 skipped with a warning but left in place, and `save` is refused.
 """
 
-import json
 import logging
 import os
 import time
@@ -64,11 +64,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cpjax.runtime import checkpoint_integrity as integrity
+from cpjax.runtime import orbax_layout
 
 CORRUPT_DIR = "corrupt"  # Under checkpoints/: damaged steps, moved aside.
 _DAMAGE_NOTE = "CPJAX_DAMAGE.txt"
-_COMMIT_MARKER = "commit_success.txt"
-_STEP_METADATA = "_CHECKPOINT_METADATA"
+ITEMS = ("state", "meta")  # The items of every checkpoint.
 _OK, _DAMAGED, _MISMATCH = 0, 1, 2
 
 
@@ -236,7 +236,7 @@ class Checkpointer:
   # Restoring one step.
 
   def _step_directory(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))  # orbax's default step naming.
+    return orbax_layout.step_directory(self.directory, step)
 
   def _try_step(self, step: int, abstract_state: Any) -> tuple[int, Any]:
     """(_OK, (state, meta, verified)), (_DAMAGED, reason) or (_MISMATCH, error)."""
@@ -283,17 +283,9 @@ class Checkpointer:
 
   def _check_step_files(self, step: int) -> None:
     """The commit markers and step metadata that orbax writes with every committed step."""
-    directory = self._step_directory(step)
-    for marker in (_COMMIT_MARKER, os.path.join("state", _COMMIT_MARKER),
-                   os.path.join("meta", _COMMIT_MARKER)):
-      if not os.path.isfile(os.path.join(directory, marker)):
-        raise integrity.Damaged(f"commit marker {marker} is missing")
-    try:
-      with open(os.path.join(directory, _STEP_METADATA), encoding="utf-8") as f:
-        if not isinstance(json.load(f), dict):
-          raise ValueError("not a JSON object")
-    except (OSError, ValueError) as err:
-      raise integrity.Damaged(f"{_STEP_METADATA} is unreadable ({_describe(err)})") from err
+    problem = orbax_layout.step_problem(self._step_directory(step), ITEMS)
+    if problem is not None:
+      raise integrity.Damaged(problem)
 
   def _read_meta(self, step: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]] | None]:
     """(meta without the record, the record's leaves or None for an old checkpoint)."""

@@ -1,12 +1,18 @@
 """Where a run's metrics go: clu writers (TensorBoard + console) and metrics.jsonl.
 
 Only process 0 writes. Training metrics of every `log_every_steps` window go to
-the clu writer (TensorBoard and the log); one JSON record per completed epoch
-goes to `metrics.jsonl` and the writer. On resume, records of epochs after the
+the clu writer (TensorBoard and the log); one record per completed epoch goes
+through `create_epoch_writer`, a clu MultiWriter of that writer and `EpochLog`
+(metrics.jsonl, itself a clu MetricWriter). On resume, records of epochs after the
 restored checkpoint (written before a crash, then redone) are dropped, so the
 file never holds duplicates; see EpochLog for damaged files and NaN.
+
+metrics.jsonl keeps the record's own keys (`train_loss`, `test_ece`, ...); TensorBoard
+gets each scalar under a tag family (`tensorboard_tag`): train/, val/, test/,
+selection/, meta/ (gamma-Net's meta-learning) and perf/ (times, throughput).
 """
 
+from collections.abc import Mapping
 import json
 import logging
 import os
@@ -19,8 +25,12 @@ import numpy as np
 from cpjax.runtime import files
 
 
-class EpochLog:
+class EpochLog(metric_writers.MetricWriter):
   """One JSON record per epoch in `workdir/metrics.jsonl` (process 0 writes).
+
+  As a clu MetricWriter, `write_scalars(step, record)` writes the epoch record (it must
+  hold "epoch"; the step is not stored: the record's keys are the file's); every other
+  kind of summary is not for this file and is ignored.
 
   Every write replaces the file atomically (files.atomic_write), so a crash
   leaves the old file or the new one. A file damaged anyway (a torn last line
@@ -47,6 +57,37 @@ class EpochLog:
   def _rewrite(self, records: list[dict[str, Any]]) -> None:
     files.atomic_write(self.path, "".join(
         json.dumps(json_safe(r), sort_keys=True, allow_nan=False) + "\n" for r in records))
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    del step  # The record carries its epoch.
+    self.write(dict(scalars))
+
+  def write_summaries(self, step, values, metadata=None):
+    del step, values, metadata
+
+  def write_images(self, step, images):
+    del step, images
+
+  def write_videos(self, step, videos):
+    del step, videos
+
+  def write_audios(self, step, audios, *, sample_rate):
+    del step, audios, sample_rate
+
+  def write_texts(self, step, texts):
+    del step, texts
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    del step, arrays, num_buckets
+
+  def write_hparams(self, hparams):
+    del hparams
+
+  def flush(self):
+    pass  # Every write is complete when it returns.
+
+  def close(self):
+    pass
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -76,9 +117,102 @@ def json_safe(value: Any) -> Any:
   return value
 
 
+# Record keys outside the prefix rules of `tensorboard_tag`.
+_TAGS = {"epoch": "train/epoch", "learning_rate": "train/epoch_learning_rate",
+         "gamma": "train/loss_gamma",  # A scheduled loss hyper-parameter (FLSc).
+         "steps_per_sec": "perf/steps_per_sec", "uptime": "perf/uptime",
+         "train/meta_loss": "meta/loss", "train/gamma_mean": "meta/gamma_mean"}
+FAMILIES = ("train/", "val/", "test/", "selection/", "meta/", "perf/")
+
+
+def tensorboard_tag(key: str) -> str:
+  """The TensorBoard tag of a metric key: train_loss -> train/epoch_loss (the epoch's mean;
+  train/loss is the window's), val_ece -> val/ece, test_nll -> test/nll, *_seconds ->
+  perf/*, a selection record's key (selected_k, subset_class_kl, ...) -> selection/*."""
+  if key in _TAGS:
+    return _TAGS[key]
+  if key.startswith(FAMILIES):
+    return key
+  if key.endswith("_seconds"):
+    return f"perf/{key}"
+  for split in ("val", "test"):
+    if key.startswith(split + "_"):
+      return f"{split}/{key[len(split) + 1:]}"
+  if key.startswith("train_"):
+    return f"train/epoch_{key[len('train_'):]}"
+  return f"selection/{key}"
+
+
+def _finite_number(value: Any) -> bool:
+  return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+          and bool(np.isfinite(value)))
+
+
+class TaggedWriter(metric_writers.MetricWriter):
+  """A clu writer that puts every scalar under its tag family (`tensorboard_tag`) and
+  leaves out what is not a finite number (lists, NaN: metrics.jsonl keeps those)."""
+
+  def __init__(self, writer: metric_writers.MetricWriter):
+    self._writer = writer
+
+  def write_scalars(self, step, scalars):
+    tagged = {tensorboard_tag(k): v for k, v in scalars.items() if _finite_number(v)}
+    if tagged:
+      self._writer.write_scalars(step, tagged)
+
+  def write_summaries(self, step, values, metadata=None):
+    self._writer.write_summaries(step, values, metadata)
+
+  def write_images(self, step, images):
+    self._writer.write_images(step, images)
+
+  def write_videos(self, step, videos):
+    self._writer.write_videos(step, videos)
+
+  def write_audios(self, step, audios, *, sample_rate):
+    self._writer.write_audios(step, audios, sample_rate=sample_rate)
+
+  def write_texts(self, step, texts):
+    self._writer.write_texts(step, texts)
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    self._writer.write_histograms(step, arrays, num_buckets)
+
+  def write_hparams(self, hparams):
+    self._writer.write_hparams(hparams)
+
+  def flush(self):
+    self._writer.flush()
+
+  def close(self):
+    self._writer.close()
+
+
 def create_writer(workdir: str) -> metric_writers.MetricWriter:
-  """clu's default writer: TensorBoard events + logging on process 0 only."""
-  return metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  """clu's default writer (TensorBoard events + logging; logging only on processes > 0),
+  every scalar under its tag family."""
+  return TaggedWriter(metric_writers.create_default_writer(
+      workdir, just_logging=jax.process_index() > 0))
+
+
+def create_epoch_writer(writer: metric_writers.MetricWriter,
+                        epoch_log: EpochLog) -> metric_writers.MetricWriter:
+  """The writer of epoch records: `writer` (TensorBoard, log) and metrics.jsonl together."""
+  return metric_writers.MultiWriter([writer, epoch_log])
+
+
+def flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
+  """A nested config dict as TensorBoard's HParams tab takes it: one entry per field,
+  dotted names ("optimizer.learning_rate"), sequences as their text ("(150, 250)")."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      flat.update(flat_hparams(value, f"{prefix}{key}."))
+    elif isinstance(value, (bool, int, float, str)):
+      flat[f"{prefix}{key}"] = value
+    else:
+      flat[f"{prefix}{key}"] = str(tuple(value) if isinstance(value, list) else value)
+  return flat
 
 
 def create_progress_reporter(num_train_steps: int, writer: metric_writers.MetricWriter,

@@ -8,9 +8,12 @@ irreducible loss and the target step it came from.
 Every function returns new arrays and leaves its inputs untouched.
 """
 
+import ml_collections
 import numpy as np
 
 from cpjax.calibration import metrics
+from cpjax.data import splits
+from cpjax.selection import scores
 
 PHASES = ("scoring", "selection", "training")
 SelectionState = dict[str, np.ndarray]
@@ -33,6 +36,14 @@ def initial_state(num_train: int, reducible: bool = False) -> SelectionState:
     state["irreducible"] = np.zeros(num_train, np.float32)  # The target's loss per row.
     state["irreducible_step"] = np.array(-1, np.int32)  # Its checkpoint's step; -1 = none yet.
   return state
+
+
+def initial_state_of(dataset: ml_collections.ConfigDict,
+                     selection: ml_collections.ConfigDict) -> SelectionState:
+  """`initial_state` of a run's config sections (config.dataset, config.selection): the
+  checkpoint's "selection" subtree before any epoch."""
+  return initial_state(splits.num_train_examples(dataset),
+                       reducible=selection.score == scores.REDUCIBLE_LOSS)
 
 
 def first_pass(order: np.ndarray, per_example: dict[str, np.ndarray]

@@ -38,7 +38,8 @@ from cpjax.runtime import sharding
 # The methods that train on k = subset_size(fraction, count, N) examples per selected epoch.
 FIXED_SIZE_METHODS = ("top_k", "uniform_sorted", "class_balanced", "stratified", "mixed",
                       "sampled", "random", "static_random", "random_without_replacement")
-# The methods whose subset size varies per epoch and that weight each example's loss.
+# The methods whose subset size varies per epoch and that weight each example's loss
+# (their batches carry a weight per example: `weights_loss`).
 WEIGHTED_METHODS = ("infobatch",)
 METHODS = ("full", *FIXED_SIZE_METHODS, *WEIGHTED_METHODS)
 # The methods that read scores (the others need no scoring pass).
@@ -59,6 +60,11 @@ class PolicyParams(NamedTuple):
   num_strata: int = 50  # stratified: equal-width score strata.
   first_epoch: int = 0  # random_without_replacement: the first selected epoch (warm-up).
   prune_ratio: float = 0.5  # infobatch: probability r of pruning a below-mean example.
+
+
+def weights_loss(method: str) -> bool:
+  """Whether selection `method` gives each training example a loss weight (infobatch)."""
+  return method in WEIGHTED_METHODS
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:

@@ -34,7 +34,7 @@ class Selector:
                                   len(train_split))  # Fixed-size methods only.
     # Weighted methods (infobatch) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
-    self.weighted = self._selection.method in policies.WEIGHTED_METHODS
+    self.weighted = policies.weights_loss(self._selection.method)
     self._reducible = self._selection.score == scores.REDUCIBLE_LOSS
     self._anneal_start = policies.anneal_start(config.num_epochs, self._selection.anneal_fraction)
     self._source = sources.create_source(config, train_split, mesh)

@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import time
 from typing import Any, Protocol
 
 import jax
@@ -87,10 +88,15 @@ class ScoringPass:
   def refresh(self, epoch, train_state, state):
     if not self._due(epoch, state):
       return state
+    start = time.perf_counter()
+    logging.info("Scoring pass for epoch %d: %d training examples with %s...", epoch,
+                 len(self._split), f"the target run {self._target.workdir}" if self._target
+                 else "the current model")
     model_state = self._target.restore() if self._target else train_state
     columns = steps.predict(self._score_fn, model_state, self._split, self._mesh,
                             self._batch_size).astype(np.float32)  # [N, 3]
     self._calibration = columns[:, 1], columns[:, 2]
+    logging.info("Scoring pass for epoch %d done in %.1f s.", epoch, time.perf_counter() - start)
     return {**state, "scores": columns[:, 0], "scored_epoch": np.array(epoch, np.int32)}
 
   def scorer_calibration(self):
@@ -232,7 +238,7 @@ def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_n
   model = models.create_model(model_config.model.name,
                               specs.DATASETS[model_config.dataset.name].num_classes, dtype)
   return jax.jit(
-      functools.partial(step_fn, model=model, spec=steps.step_spec(model_config),
+      functools.partial(step_fn, model=model, spec=steps.step_spec(model_config.dataset),
                         score_fn=scores.forward_score(score_name)),
       compiler_options=compiler_options.compiler_options("inference", preset))
 
@@ -277,4 +283,6 @@ def _target_scorer(config: ml_collections.ConfigDict, score_name: str,
                              config.xla_cpu_options, step_fn)
   logging.info("Scoring with target run %s (%s).", selection.target_workdir,
                target_config.model.name)
-  return score_fn, Target(selection.target_workdir, run_state.abstract(target_config, mesh))
+  return score_fn, Target(selection.target_workdir, run_state.abstract(
+      target_config, mesh, bookkeeping.initial_state_of(target_config.dataset,
+                                                        target_config.selection)))

@@ -1,0 +1,162 @@
+"""What a run writes for TensorBoard and metrics.jsonl: tag families, flattened hparams, the
+calibration images and after-temperature-scaling scalars, the progress lines of the log."""
+
+import io
+import json
+import logging
+import math
+import os
+
+from clu import metric_writers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+from tensorboard.util import tensor_util
+
+from cpjax.runtime import run_logging, sharding
+from cpjax.selection import bookkeeping, sources
+from tests.helpers import STEPS_PER_EPOCH, read_metrics
+
+
+@pytest.mark.parametrize("key, tag", [
+    ("train/loss", "train/loss"),  # The window's metrics keep their tags.
+    ("train_loss", "train/epoch_loss"),  # The epoch's mean: not the window's train/loss.
+    ("train_ece", "train/epoch_ece"),
+    ("learning_rate", "train/epoch_learning_rate"),
+    ("epoch", "train/epoch"),
+    ("val_ece", "val/ece"),
+    ("test_adaptive_ece", "test/adaptive_ece"),
+    ("total_scoring_seconds", "perf/total_scoring_seconds"),
+    ("epoch_seconds", "perf/epoch_seconds"),
+    ("steps_per_sec", "perf/steps_per_sec"),
+    ("subset_class_kl", "selection/subset_class_kl"),
+    ("selected_k", "selection/selected_k"),
+    ("train/meta_loss", "meta/loss"),
+    ("train/gamma_mean", "meta/gamma_mean"),
+])
+def test_every_key_gets_its_tag_family(key, tag):
+  assert run_logging.tensorboard_tag(key) == tag
+
+
+def test_hparams_are_flat_scalars_with_dotted_names():
+  flat = run_logging.flat_hparams({"seed": 0, "optimizer": {"learning_rate": 0.05,
+                                                            "milestones": [150, 250],
+                                                            "nesterov": False}})
+  assert flat == {"seed": 0, "optimizer.learning_rate": 0.05,
+                  "optimizer.milestones": "(150, 250)", "optimizer.nesterov": False}
+
+
+class _Recorder(metric_writers.MetricWriter):
+  """Keeps what it is given (a second, independent MetricWriter)."""
+
+  def __init__(self):
+    self.scalars = []
+
+  def write_scalars(self, step, scalars):
+    self.scalars.append((step, dict(scalars)))
+
+  def write_summaries(self, *a, **k): ...
+  def write_images(self, *a, **k): ...
+  def write_videos(self, *a, **k): ...
+  def write_audios(self, *a, **k): ...
+  def write_texts(self, *a, **k): ...
+  def write_histograms(self, *a, **k): ...
+  def write_hparams(self, *a, **k): ...
+  def flush(self): ...
+  def close(self): ...
+
+
+def test_an_epoch_record_reaches_jsonl_with_its_keys_and_tensorboard_tagged(tmp_path):
+  recorder = _Recorder()
+  epoch_log = run_logging.EpochLog(str(tmp_path))
+  writer = run_logging.create_epoch_writer(run_logging.TaggedWriter(recorder), epoch_log)
+  record = {"epoch": 0, "train_loss": 2.5, "test_ece": float("nan"), "selected_k": 10,
+            "subset_class_counts": [4, 6]}
+  writer.write_scalars(20, record)
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert [json.loads(line) for line in f] == [
+        {"epoch": 0, "train_loss": 2.5, "test_ece": None, "selected_k": 10,
+         "subset_class_counts": [4, 6]}]
+  # TensorBoard: finite numbers only, each under its family.
+  assert recorder.scalars == [(20, {"train/epoch": 0, "train/epoch_loss": 2.5,
+                                    "selection/selected_k": 10})]
+
+
+def _events(workdir):
+  accumulator = event_accumulator.EventAccumulator(
+      workdir, size_guidance={event_accumulator.TENSORS: 0})
+  accumulator.Reload()
+  return accumulator
+
+
+def _image(event):
+  """A TensorBoard image summary's first image as an RGB array (its PNG decoded)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  png = event.tensor_proto.string_val[2]
+  with Image.open(io.BytesIO(png)) as image:
+    return np.asarray(image.convert("RGB"))
+
+
+def test_tensorboard_shows_the_calibration_story(main_run):
+  """configs/test.py through main.py, 4 epochs: at every evaluation the test reliability
+  diagram and confidence histogram; after the last, the after-TS diagram, metrics and the
+  temperature, equal to the report's; every scalar under a family; flat hparams."""
+  events = _events(main_run.workdir)
+  tags = set(events.Tags()["tensors"])
+  steps = [STEPS_PER_EPOCH * e for e in (1, 2, 3, 4)]
+  for tag in ("test/reliability_before_ts", "test/confidence_histogram"):
+    assert [e.step for e in events.Tensors(tag)] == steps, tag
+  (after,) = events.Tensors("test/reliability_after_ts")
+  assert after.step == steps[-1]
+  pixels = _image(after)
+  assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 10
+  with open(os.path.join(main_run.workdir, "report", "results.json")) as f:
+    report = json.load(f)
+  scalar = lambda tag: float(tensor_util.make_ndarray(events.Tensors(tag)[-1].tensor_proto))
+  assert scalar("val/temperature") == pytest.approx(report["temperature"]["temperature"],
+                                                    rel=1e-6)
+  for split in ("val", "test"):
+    for name in ("ece", "nll", "adaptive_ece", "accuracy"):
+      assert scalar(f"{split}/after_ts/{name}") == pytest.approx(
+          report["metrics"][split]["after_ts"][name], rel=1e-6), (split, name)
+  scalar_tags = tags - {"_hparams_/session_start_info"}
+  assert all(t.startswith(run_logging.FAMILIES) for t in scalar_tags), sorted(scalar_tags)
+  assert {"train/loss", "train/epoch_loss", "test/ece", "perf/steps_per_sec",
+          "selection/selected_k"} <= scalar_tags
+  # The HParams tab: one entry per config field, with its value.
+  content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+  hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+  assert hparams["optimizer.learning_rate"].number_value == pytest.approx(0.05)
+  assert hparams["model.name"].string_value == "tiny"
+  assert hparams["num_epochs"].number_value == 4  # --config.num_epochs=4 of the run.
+  assert "config" not in hparams  # Not one JSON string.
+  # metrics.jsonl keeps its keys (studies read them).
+  record = read_metrics(main_run.workdir)[-1]
+  assert {"test_accuracy", "train_ece", "total_scoring_seconds", "selected_k"} <= set(record)
+  assert not math.isnan(record["test_accuracy"])
+
+
+def test_the_log_reports_the_first_compile_and_the_report(main_run):
+  log = main_run.log
+  assert "Compiling the train step (the first step waits for it)..." in log
+  assert "Train step compiled; the first step took" in log
+  assert "Building the calibration report after epoch 4" in log
+  assert "100 bootstrap resamples" in log
+  assert "Report built: T = " in log
+
+
+def test_a_scoring_pass_logs_its_start_and_its_duration(digits, caplog):
+  mesh = sharding.create_mesh()
+  # A stand-in for the scoring step: [B, 3] columns (score, confidence, correct) = the label.
+  score_fn = jax.jit(lambda state, batch: jnp.stack([batch["label"].astype(jnp.float32)] * 3,
+                                                    axis=-1))
+  source = sources.ScoringPass(score_fn, digits["train"], mesh, 64, rescore_every=1)
+  with caplog.at_level(logging.INFO):
+    state = source.refresh(3, None, bookkeeping.initial_state(len(digits["train"].ids)))
+  np.testing.assert_array_equal(state["scores"], digits["train"].labels)  # One pass, in order.
+  lines = [r.getMessage() for r in caplog.records]
+  assert "Scoring pass for epoch 3: 1257 training examples with the current model..." in lines
+  assert any(line.startswith("Scoring pass for epoch 3 done in ") for line in lines), lines
