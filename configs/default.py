@@ -139,4 +139,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 2  # Checkpoints kept on disk (the newest ones).
   config.log_every_steps = 10  # Log train metrics and progress, check the loss, every N steps.
   config.xla_cpu_options = "tuned"  # tuned (cpjax.runtime.compiler_options) or xla_default.
+  # JAX's transfer guard on device-to-host copies inside the step loop, logging points and
+  # checkpoints excepted: allow, log, disallow, log_explicit or disallow_explicit (the
+  # *_explicit levels also catch jax.device_get). Checks on a GPU/TPU that no step waits on
+  # the host; on CPU it never fires (device buffers are host memory).
+  config.step_transfer_guard = "allow"
   return config

@@ -183,10 +183,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              "partial": sharding.replicate(mesh, run_state.empty_partial(config))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
-  eval_fn = jax.jit(functools.partial(steps.eval_step, model=model,
-                                      spec=steps.step_spec(config)),
-                    compiler_options=compiler_options.compiler_options(
-                        "inference", config.xla_cpu_options))
+  eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh)
   return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
              eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
@@ -282,6 +279,13 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx):
                                                                     config.xla_cpu_options))
 
 
+def _jit_eval_step(config: ml_collections.ConfigDict, model):
+  """The eval step (float32 logits) of the config's model; jitted once."""
+  return jax.jit(functools.partial(steps.eval_step, model=model, spec=steps.step_spec(config)),
+                 compiler_options=compiler_options.compiler_options("inference",
+                                                                    config.xla_cpu_options))
+
+
 _global_norm = jax.jit(optax.tree.norm)
 
 
@@ -316,11 +320,15 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   row_weights = _row_weights(plan, len(run.splits["train"]))
   epoch_learning_rate = _learning_rate(run, epoch, epoch_start_step)
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
-  # read-ahead, of the training and of the meta-validation batches.
+  # read-ahead, of the training and of the meta-validation batches. The transfer guard
+  # (config.step_transfer_guard) covers the loop, its logging points and saves excepted
+  # (`_host_point`): a step that waits on a device value stalls an accelerator
+  # (tests/test_transfer_guard.py counts such reads on CPU, where the guard cannot fire).
   with contextlib.closing(run.readers["train"].batches(
       order[done["steps"]:], row_weights=row_weights)) as train_batches, \
       contextlib.closing(_meta_batches(run, epoch_start_step + done["steps"],
-                                       len(order) - done["steps"])) as meta_batches:
+                                       len(order) - done["steps"])) as meta_batches, \
+      _step_guard(config.step_transfer_guard):
     for i, (train_batch, meta_batch) in enumerate(zip(train_batches, meta_batches),
                                                   start=done["steps"]):
       learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
@@ -332,15 +340,17 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
       outputs.append(per_example)
       hooks.progress(epoch_start_step + i + 1)
       if (i + 1) % config.log_every_steps == 0:
-        _log_train_window(run, hooks.writer, window, epoch_start_step + i + 1, epoch,
-                          epoch_start_step, learning_rate)
+        with _host_point():
+          _log_train_window(run, hooks.writer, window, epoch_start_step + i + 1, epoch,
+                            epoch_start_step, learning_rate)
         window = []
       if hooks.guard is not None and hooks.guard.should_stop(epoch_start_step + i + 1):
         if i + 1 == len(order):  # The epoch is complete: the loop saves it whole, then stops.
           hooks.stop_after_epoch = True
         else:
-          _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
-                          i + 1, epoch_start_step, hooks.guard.signal_name)
+          with _host_point():
+            _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
+                            i + 1, epoch_start_step, hooks.guard.signal_name)
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
   per_example = _host_outputs(outputs, done["outputs"])
@@ -349,6 +359,17 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
             "learning_rate": float(epoch_learning_rate),  # At the epoch's first step.
             **{k: float(v) for k, v in loss_hparams.items()}}
   return state, record, order, per_example
+
+
+def _step_guard(level: str) -> contextlib.AbstractContextManager:
+  """JAX's transfer guard on device-to-host copies at `level`, around the step loop. It fires
+  on accelerators only: a CPU device's buffers are host memory, read without a copy."""
+  return jax.transfer_guard_device_to_host(level)
+
+
+def _host_point() -> contextlib.AbstractContextManager:
+  """Where the step loop may copy device values to the host (logging, a checkpoint)."""
+  return jax.transfer_guard_device_to_host("allow")
 
 
 def _learning_rate(run: Run, epoch: int, step: int) -> np.float32:
