@@ -166,6 +166,8 @@ def spine_schema() -> dict[str, Check]:
       "keep_checkpoints": integer(1),
       "log_every_steps": integer(1),
       "xla_cpu_options": choice(compiler_options.PRESETS),
+      "compilation_cache_dir": string(),
+      "compilation_cache_min_seconds": number(0.0),
       "step_transfer_guard": choice(["allow", "log", "disallow", "log_explicit",
                                      "disallow_explicit"]),
       **_loss_schema(),

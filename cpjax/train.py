@@ -33,6 +33,7 @@ from cpjax.data import input_pipeline, specs, splits
 from cpjax.run_context import NonFiniteLossError, Run
 from cpjax.runtime import (
   checkpointing,
+  compilation_cache,
   compiler_options,
   preemption,
   run_logging,
@@ -86,11 +87,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     The last epoch's metrics record.
   """
   _check_before_work(config, workdir)
-  with workdir_lock.WorkdirLock(workdir):
-    return _train_and_evaluate(config, workdir)
+  with workdir_lock.WorkdirLock(workdir), \
+      contextlib.closing(compilation_cache.CacheStats()) as cache_stats:
+    return _train_and_evaluate(config, workdir, cache_stats)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        cache_stats: compilation_cache.CacheStats) -> dict[str, Any]:
   run = _setup(config, workdir)
   train_fn = _jit_train_step(config, run.model, run.tx)
   chooser = selector.Selector(config, run.readers["train"], run.mesh)
@@ -125,6 +128,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         writer.write_scalars(int(jax.device_get(state.step)), {
             k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
         epoch_log.write(record)
+        if epoch == run.start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
+          logging.info("%s", cache_stats.summary(run.compilation_cache))
         if run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
             hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
@@ -172,6 +177,9 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
 
 def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """Builds the model and state, restores the latest checkpoint, reads the data."""
+  # Before anything compiles (jit of the initial state is the first).
+  cache_dir = compilation_cache.configure(config.compilation_cache_dir,
+                                          config.compilation_cache_min_seconds)
   mesh = sharding.create_mesh()
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
@@ -187,7 +195,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh)
   return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
              eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
-             meta.get("epoch", 0), _partial_from_checkpoint(saved["partial"], meta, config))
+             meta.get("epoch", 0), _partial_from_checkpoint(saved["partial"], meta, config),
+             compilation_cache=cache_dir)
 
 
 def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
