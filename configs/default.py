@@ -33,6 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.device_memory_mb = 1024.0
   config.dataset.host_memory_mb = 16384.0
   config.dataset.stream_dir = ""  # scripts/write_array_records.py's output for this dataset.
+  # host and stream readers: global batches put on the devices by a background thread ahead
+  # of the step (0 = none, each batch made when the step asks for it).
+  config.dataset.prefetch_depth = 2
   config.dataset.crop_padding = 1  # Random-crop zero padding in pixels (0 = no crop).
   config.dataset.flip = False  # Random horizontal flips (off: digits are not mirror-symmetric).
 

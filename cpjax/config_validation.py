@@ -110,6 +110,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.device_memory_mb": number(0.0),
       "dataset.host_memory_mb": number(0.0),
       "dataset.stream_dir": string(),
+      "dataset.prefetch_depth": integer(0, 64),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
       "model.name": choice(list(models.MODELS)),

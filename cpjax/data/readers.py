@@ -18,15 +18,24 @@
 
 Every reader gives the same batch dict (image, label, id, mask, and weight when
 given), bit for bit, so the steps cannot tell them apart. `batch` builds one
-batch; `batches` a sequence of them (the stream reader reads those ahead; close
-the generator when leaving it early). `input_pipeline.load` builds a run's readers.
+batch; `batches` a sequence of them (close the generator when leaving it early).
+`input_pipeline.load` builds a run's readers.
+
+Device prefetch (host and stream readers): `batches` builds the next `prefetch_depth`
+global batches (gathered or read, and put on the devices with their sharding) in a
+background thread while the loop's current step runs, so an accelerator does not wait for
+the host between steps; the batches and their order are the same as without it. The device
+reader builds its batches on the devices, by a gather dispatched asynchronously: it needs
+none.
 """
 
 from collections.abc import Iterator, Mapping
 import functools
 import logging
 import math
-from typing import Protocol
+import queue
+import threading
+from typing import Any, Protocol
 
 import jax
 import ml_collections
@@ -36,14 +45,17 @@ from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 
 READERS = ("auto", "host", "device", "stream")
+DEFAULT_PREFETCH_DEPTH = 2  # Global batches put on the devices ahead of the step.
 
 
 class HostReader:
   """Rows of `split` gathered in host memory, each process its own part of a batch."""
   kind = "host"
 
-  def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh):
+  def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh,
+               prefetch_depth: int = DEFAULT_PREFETCH_DEPTH):
     self.split, self.mesh = split, mesh
+    self.prefetch_depth = _checked_depth(prefetch_depth)
 
   def __len__(self) -> int:
     return len(self.split)
@@ -67,10 +79,69 @@ class HostReader:
   def batches(self, row_blocks: np.ndarray, masks: np.ndarray | None = None,
               row_weights: np.ndarray | None = None) -> Iterator[dict[str, jax.Array]]:
     """`batch` of each block of `row_blocks` [S, B] in order (masks [S, B]; row_weights: one
-    per split row, looked up for each block)."""
+    per split row, looked up for each block), `prefetch_depth` of them built ahead."""
+    return prefetched(self._batches(row_blocks, masks, row_weights), self.prefetch_depth)
+
+  def _batches(self, row_blocks, masks, row_weights) -> Iterator[dict[str, jax.Array]]:
     for s, rows in enumerate(row_blocks):
       yield self.batch(rows, None if masks is None else masks[s],
                        None if row_weights is None else row_weights[rows])
+
+
+def _checked_depth(depth: int) -> int:
+  if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+    raise ValueError(f"prefetch_depth={depth!r}: an integer >= 0 (0 = no prefetch)")
+  return depth
+
+
+def prefetched(items: Iterator[Any], depth: int) -> Iterator[Any]:
+  """`items` in order, the next `depth` of them made by a background thread while the
+  consumer works on the current one (depth 0: `items` itself, made on demand).
+
+  The thread stops, and `items` is closed, when this generator is exhausted or closed; an
+  error in making an item is raised here, in its place in the sequence.
+  """
+  if depth == 0:
+    yield from items
+    return
+  ready: queue.Queue = queue.Queue(maxsize=depth)
+  stop = threading.Event()
+
+  def put(entry) -> bool:
+    while not stop.is_set():  # Gives up when the consumer has left.
+      try:
+        ready.put(entry, timeout=0.05)
+        return True
+      except queue.Full:
+        pass
+    return False
+
+  def produce() -> None:
+    try:
+      for item in items:
+        if not put(("item", item)):
+          return
+      put(("end", None))
+    except Exception as err:  # pylint: disable=broad-except  Raised in the consumer.
+      put(("error", err))
+    finally:
+      close = getattr(items, "close", None)
+      if close is not None:
+        close()
+
+  thread = threading.Thread(target=produce, name="cpjax-prefetch", daemon=True)
+  thread.start()
+  try:
+    while True:
+      kind, value = ready.get()
+      if kind == "end":
+        return
+      if kind == "error":
+        raise value
+      yield value
+  finally:
+    stop.set()
+    thread.join()
 
 
 def _part(values: np.ndarray | None, local: slice) -> np.ndarray | None:
@@ -101,7 +172,7 @@ class DeviceReader(HostReader):
   kind = "device"
 
   def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh):
-    super().__init__(split, mesh)
+    super().__init__(split, mesh, prefetch_depth=0)  # Its gathers are dispatched async.
     self._arrays = sharding.replicate(mesh, {"image": split.images, "label": split.labels,
                                              "id": split.ids})
 
@@ -130,15 +201,16 @@ class StreamReader(HostReader):
   kind = "stream"
 
   def __init__(self, images: RowImages, split: splits.Split,
-               mesh: jax.sharding.Mesh, num_threads: int = 4, buffer_size: int = 8):
-    super().__init__(split, mesh)
+               mesh: jax.sharding.Mesh, num_threads: int = 4, buffer_size: int = 8,
+               prefetch_depth: int = DEFAULT_PREFETCH_DEPTH):
+    super().__init__(split, mesh, prefetch_depth)
     self.images, self._threads, self._buffer = images, num_threads, buffer_size
 
   def batch(self, rows, mask=None, weights=None):
     local = sharding.process_rows(self.mesh, len(rows))
     return self._global(rows, self.images.read(rows[local]), mask, weights)
 
-  def batches(self, row_blocks, masks=None, row_weights=None):
+  def _batches(self, row_blocks, masks, row_weights):
     local = sharding.process_rows(self.mesh, row_blocks.shape[1])
     read_ahead = self.images.prefetched(row_blocks[:, local], self._threads, self._buffer)
     for s, images in enumerate(read_ahead):
