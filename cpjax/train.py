@@ -299,6 +299,12 @@ _global_norm = jax.jit(optax.tree.norm)
 
 
 @jax.jit
+def _stack(window: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+  """A logging window's batch metrics stacked on device: [steps] per metric."""
+  return jax.tree.map(lambda *values: jnp.stack(values), *window)
+
+
+@jax.jit
 def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array]):
   """Sums batch metrics on device (min for the first non-finite step)."""
   return {k: jnp.minimum(v, batch_metrics[k]) if k == "first_bad_step" else v + batch_metrics[k]
@@ -451,7 +457,8 @@ def _log_train_window(run: Run, writer, window: list[dict[str, jax.Array]], step
                       epoch: int, epoch_start_step: int, learning_rate: np.float32) -> None:
   """Writes the train metrics of the steps up to global `step` (as flax and big_vision
   log them) and stops the run if one of their losses was not finite."""
-  window = jax.device_get(window)
+  stacked = jax.device_get(_stack(window))  # One transfer per metric, not per step.
+  window = [{k: v[i] for k, v in stacked.items()} for i in range(len(window))]
   _raise_if_bad(run, {"first_bad_step": min(m["first_bad_step"] for m in window)}, epoch,
                 epoch_start_step)
   count = sum(float(m["count"]) for m in window)

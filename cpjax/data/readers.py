@@ -167,6 +167,17 @@ def _gather(out_sharding, arrays: dict[str, jax.Array], rows: jax.Array
           for key, value in arrays.items()}
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _gather_block(out_sharding, arrays: dict[str, jax.Array], blocks: dict[str, jax.Array],
+                  step: jax.Array) -> dict[str, jax.Array]:
+  """Batch `step` of an epoch's `blocks` (row [S, B], mask and weight [S, B]): arrays[rows]
+  for every array, with the block's mask and weight, laid out as a batch."""
+  small = {key: value[step] for key, value in blocks.items()}
+  gathered = _gather(out_sharding, arrays, small.pop("row"))
+  return {**gathered, **{key: jax.lax.with_sharding_constraint(value, out_sharding)
+                         for key, value in small.items()}}
+
+
 class DeviceReader(HostReader):
   """Rows of `split` gathered on the devices from a copy of the split on each of them."""
   kind = "device"
@@ -183,6 +194,22 @@ class DeviceReader(HostReader):
     small = sharding.to_global(self.mesh, small, len(rows))
     gathered = _gather(sharding.batch_sharded(self.mesh), self._arrays, small.pop("row"))
     return {**gathered, **small}
+
+  def _batches(self, row_blocks, masks, row_weights):
+    """The blocks' rows, masks and weights go to the devices in one transfer; each batch is
+    then one gather dispatched on the devices (no host work per batch but the dispatch)."""
+    if len(row_blocks) == 0:
+      return
+    local = sharding.process_rows(self.mesh, row_blocks.shape[1])
+    small = {"row": np.asarray(row_blocks[:, local], np.int32),
+             "mask": (np.ones(row_blocks[:, local].shape, np.float32) if masks is None
+                      else np.asarray(masks[:, local], np.float32))}
+    if row_weights is not None:
+      small["weight"] = np.asarray(row_weights[row_blocks[:, local]], np.float32)
+    blocks = sharding.to_global_blocks(self.mesh, small, row_blocks.shape[1])
+    out_sharding = sharding.batch_sharded(self.mesh)
+    for s in range(len(row_blocks)):
+      yield _gather_block(out_sharding, self._arrays, blocks, np.int32(s))
 
 
 class RowImages(Protocol):
