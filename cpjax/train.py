@@ -299,16 +299,28 @@ _global_norm = jax.jit(optax.tree.norm)
 
 
 @jax.jit
-def _stack(window: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-  """A logging window's batch metrics stacked on device: [steps] per metric."""
-  return jax.tree.map(lambda *values: jnp.stack(values), *window)
-
-
-@jax.jit
 def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array]):
   """Sums batch metrics on device (min for the first non-finite step)."""
   return {k: jnp.minimum(v, batch_metrics[k]) if k == "first_bad_step" else v + batch_metrics[k]
           for k, v in totals.items()}
+
+
+def _fold_steps(totals: dict[str, jax.Array] | None, window: list[dict[str, jax.Array]]
+                ) -> dict[str, jax.Array] | None:
+  """`totals` (None: nothing yet) plus the epoch sums of each step's metrics, in order."""
+  for batch_metrics in window:
+    sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
+    totals = sums if totals is None else _accumulate(totals, sums)
+  return totals
+
+
+@jax.jit
+def _fold_window(totals: dict[str, jax.Array] | None, window: list[dict[str, jax.Array]]
+                 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """A logging window in one dispatch: `_fold_steps` (the same sums, in the same order) and
+  its metrics stacked for the log ([steps] per metric). Summing per window rather than per
+  step keeps the loop at one dispatch per step (the step's)."""
+  return _fold_steps(totals, window), jax.tree.map(lambda *v: jnp.stack(v), *window)
 
 
 def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, hooks: LoopHooks):
@@ -349,23 +361,24 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
       learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
       batch = {**train_batch, **meta_batch}
       state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
-      epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
-      totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
-      window.append(batch_metrics)
+      window.append(batch_metrics)  # Summed into `totals` at a logging point or a stop.
       outputs.append(per_example)
       hooks.progress(epoch_start_step + i + 1)
       if (i + 1) % config.log_every_steps == 0:
+        totals, stacked = _fold_window(totals, window)
         with _host_point():
-          _log_train_window(run, hooks.writer, window, epoch_start_step + i + 1, epoch,
+          _log_train_window(run, hooks.writer, stacked, epoch_start_step + i + 1, epoch,
                             epoch_start_step, learning_rate)
         window = []
       if hooks.guard is not None and hooks.guard.should_stop(epoch_start_step + i + 1):
         if i + 1 == len(order):  # The epoch is complete: the loop saves it whole, then stops.
           hooks.stop_after_epoch = True
         else:
+          totals, window = _fold_steps(totals, window), []
           with _host_point():
             _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
                             i + 1, epoch_start_step, hooks.guard.signal_name)
+  totals = _fold_steps(totals, window)  # The steps after the last logging point.
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
   per_example = _host_outputs(outputs, done["outputs"])
@@ -453,12 +466,12 @@ def _stop_preempted(run: Run, step: int, epoch: int, epoch_step: int, signal_nam
   raise preemption.Preempted(message, step)
 
 
-def _log_train_window(run: Run, writer, window: list[dict[str, jax.Array]], step: int,
+def _log_train_window(run: Run, writer, stacked: dict[str, jax.Array], step: int,
                       epoch: int, epoch_start_step: int, learning_rate: np.float32) -> None:
   """Writes the train metrics of the steps up to global `step` (as flax and big_vision
   log them) and stops the run if one of their losses was not finite."""
-  stacked = jax.device_get(_stack(window))  # One transfer per metric, not per step.
-  window = [{k: v[i] for k, v in stacked.items()} for i in range(len(window))]
+  stacked = jax.device_get(stacked)  # [steps] per metric: one transfer each.
+  window = [{k: v[i] for k, v in stacked.items()} for i in range(len(stacked["count"]))]
   _raise_if_bad(run, {"first_bad_step": min(m["first_bad_step"] for m in window)}, epoch,
                 epoch_start_step)
   count = sum(float(m["count"]) for m in window)

@@ -77,19 +77,23 @@ def test_epochs_run_without_per_step_host_reads(tmp_path, host_reads, overrides)
 
 
 def test_a_per_step_host_read_is_counted(tmp_path, host_reads, monkeypatch):
-  """A loss read back every step (as a `float(loss)` in the loop would) is counted once per
-  step after the first (the first step's metrics start the sums, without `_accumulate`);
-  the logging points' own reads (every 5 steps) are not."""
-  accumulate = train._accumulate  # pylint: disable=protected-access
+  """A loss read back after every step (as a `float(loss)` in the loop would) is counted once
+  per step; the logging points' own reads (every 5 steps) are not."""
+  jit_train_step = train._jit_train_step  # pylint: disable=protected-access
 
-  def syncing(totals, batch_metrics):
-    float(batch_metrics["loss_sum"])  # The per-step sync the count must catch.
-    return accumulate(totals, batch_metrics)
+  def syncing_step(*args, **kwargs):
+    step = jit_train_step(*args, **kwargs)
 
-  monkeypatch.setattr(train, "_accumulate", syncing)
+    def run_and_read(*step_args):
+      state, batch_metrics, per_example = step(*step_args)
+      float(batch_metrics["loss_sum"])  # The per-step sync the count must catch.
+      return state, batch_metrics, per_example
+    return run_and_read
+
+  monkeypatch.setattr(train, "_jit_train_step", syncing_step)
   config = helpers.tiny_config(**{**DEVICE_READER, "num_epochs": 1})
   train.train_and_evaluate(config, str(tmp_path))
-  assert [kind for kind, _, _ in host_reads] == ["value"] * (helpers.STEPS_PER_EPOCH - 1)
+  assert [kind for kind, _, _ in host_reads] == ["value"] * helpers.STEPS_PER_EPOCH
 
 
 def test_guard_levels_are_validated(tmp_path):
