@@ -4,7 +4,8 @@
           there and transfers the images (`splits.batch_at`, then `sharding.to_global`).
   device  the split's uint8 images, labels and ids are put on every device once
           (replicated); a batch is gathered on the devices from int32 row indices,
-          so per batch the host sends B int32 numbers instead of B images, and no
+          so the host sends B int32 numbers instead of B images (`batches`: those of
+          all its batches at once, then one gather dispatch per batch), and no
           host-side gathering slows the fresh scoring pass or evaluation.
   stream  the images stay in array_record files (cpjax.data.array_records, written by
           scripts/write_array_records.py); each process reads only its own rows of each
