@@ -39,6 +39,8 @@ def configure(directory: str, min_compile_seconds: float) -> str | None:
     The cache directory in use, or None when the cache is off.
   """
   if os.environ.get(ENV_DIR):
+    logging.info("Persistent compilation cache: %s (from %s).",
+                 jax.config.jax_compilation_cache_dir, ENV_DIR)
     return jax.config.jax_compilation_cache_dir
   path = os.path.abspath(os.path.expanduser(directory)) if directory else None
   if path is not None:
@@ -53,6 +55,7 @@ def configure(directory: str, min_compile_seconds: float) -> str | None:
     jax_cache.reset_cache()  # The next compile opens the cache at the new directory.
   if ENV_MIN_SECONDS not in os.environ:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+  logging.info("Persistent compilation cache: %s.", path or "off")
   return path
 
 
