@@ -43,6 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.device_memory_mb = 1024.0
   config.dataset.host_memory_mb = 16384.0
   config.dataset.stream_dir = ""  # scripts/write_array_records.py's output for this dataset.
+  # host and stream readers: global batches put on the devices by a background thread ahead
+  # of the step (0 = none, each batch made when the step asks for it).
+  config.dataset.prefetch_depth = 2
   config.dataset.crop_padding = 1  # Random-crop zero padding in pixels (0 = no crop).
   config.dataset.flip = False  # Random horizontal flips (off: digits are not mirror-symmetric).
 
@@ -150,4 +153,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 2  # Checkpoints kept on disk (the newest ones).
   config.log_every_steps = 10  # Log train metrics and progress, check the loss, every N steps.
   config.xla_cpu_options = "tuned"  # tuned (cpjax.runtime.compiler_options) or xla_default.
+  # JAX's persistent compilation cache, so a restart loads its compiled steps instead of
+  # compiling them again; "" = off. The JAX_COMPILATION_CACHE_DIR environment variable wins.
+  config.compilation_cache_dir = "~/.cache/cpjax/xla"
+  config.compilation_cache_min_seconds = 0.1  # Cache programs that take this long to compile.
+  # JAX's transfer guard on device-to-host copies inside the step loop, logging points and
+  # checkpoints excepted: allow, log, disallow, log_explicit or disallow_explicit (the
+  # *_explicit levels also catch jax.device_get). Checks on a GPU/TPU that no step waits on
+  # the host; on CPU it never fires (device buffers are host memory).
+  config.step_transfer_guard = "allow"
   return config

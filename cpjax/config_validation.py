@@ -120,6 +120,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.device_memory_mb": number(0.0),
       "dataset.host_memory_mb": number(0.0),
       "dataset.stream_dir": string(),
+      "dataset.prefetch_depth": integer(0, 64),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
       "model.name": choice(list(models.MODELS)),
@@ -176,6 +177,10 @@ def spine_schema() -> dict[str, Check]:
       "keep_checkpoints": integer(1),
       "log_every_steps": integer(1),
       "xla_cpu_options": choice(compiler_options.PRESETS),
+      "compilation_cache_dir": string(),
+      "compilation_cache_min_seconds": number(0.0),
+      "step_transfer_guard": choice(["allow", "log", "disallow", "log_explicit",
+                                     "disallow_explicit"]),
       **_loss_schema(),
   }
 

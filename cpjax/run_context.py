@@ -35,6 +35,7 @@ class Run:
   partial: dict[str, Any] | None = None  # Steps of `start_epoch` already trained (preempted).
   # Steps of each epoch the run trains (`_epoch_steps`); set by the loop once it knows them.
   epoch_steps: tuple[int, ...] = ()
+  compilation_cache: str | None = None  # The persistent cache's directory; None: off.
 
   @property
   def num_epochs(self) -> int:

@@ -33,6 +33,7 @@ from cpjax.data import input_pipeline, specs, splits
 from cpjax.run_context import NonFiniteLossError, Run
 from cpjax.runtime import (
   checkpointing,
+  compilation_cache,
   compiler_options,
   preemption,
   run_logging,
@@ -87,11 +88,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     The last epoch's metrics record.
   """
   _check_before_work(config, workdir)
-  with workdir_lock.WorkdirLock(workdir):
-    return _train_and_evaluate(config, workdir)
+  with workdir_lock.WorkdirLock(workdir), \
+      contextlib.closing(compilation_cache.CacheStats()) as cache_stats:
+    return _train_and_evaluate(config, workdir, cache_stats)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        cache_stats: compilation_cache.CacheStats) -> dict[str, Any]:
   run = _setup(config, workdir)
   chooser = selector.Selector(config, run.readers["train"], run.mesh)
   train_fn = _jit_train_step(config, run.model, run.tx, chooser.weighted)
@@ -126,6 +129,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         record.update(evaluation.evaluate_when_due(run, state, epoch, writer, step))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
         epoch_writer.write_scalars(step, record)
+        if epoch == run.start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
+          logging.info("%s", cache_stats.summary(run.compilation_cache))
         if run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
             hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
@@ -173,6 +178,9 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
 
 def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """Builds the model and state, restores the latest checkpoint, reads the data."""
+  # Before anything compiles (jit of the initial state is the first).
+  cache_dir = compilation_cache.configure(config.compilation_cache_dir,
+                                          config.compilation_cache_min_seconds)
   mesh = sharding.create_mesh()
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
@@ -186,14 +194,12 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                                                          config.batch_size))}
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
-  eval_fn = jax.jit(functools.partial(steps.eval_step, model=model,
-                                      spec=steps.step_spec(config.dataset)),
-                    compiler_options=compiler_options.compiler_options(
-                        "inference", config.xla_cpu_options))
+  eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh)
   return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
              eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
-             meta.get("epoch", 0), _partial_from_checkpoint(saved["partial"], meta, config))
+             meta.get("epoch", 0), _partial_from_checkpoint(saved["partial"], meta, config),
+             compilation_cache=cache_dir)
 
 
 def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
@@ -288,6 +294,14 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool
                                                                     config.xla_cpu_options))
 
 
+def _jit_eval_step(config: ml_collections.ConfigDict, model):
+  """The eval step (float32 logits) of the config's model; jitted once."""
+  return jax.jit(functools.partial(steps.eval_step, model=model,
+                                   spec=steps.step_spec(config.dataset)),
+                 compiler_options=compiler_options.compiler_options("inference",
+                                                                    config.xla_cpu_options))
+
+
 _global_norm = jax.jit(optax.tree.norm)
 
 
@@ -299,6 +313,24 @@ def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array
   # min, which clu.metrics has no metric for; a Collection would wrap three additions.
   return {k: jnp.minimum(v, batch_metrics[k]) if k == "first_bad_step" else v + batch_metrics[k]
           for k, v in totals.items()}
+
+
+def _fold_steps(totals: dict[str, jax.Array] | None, window: list[dict[str, jax.Array]]
+                ) -> dict[str, jax.Array] | None:
+  """`totals` (None: nothing yet) plus the epoch sums of each step's metrics, in order."""
+  for batch_metrics in window:
+    sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
+    totals = sums if totals is None else _accumulate(totals, sums)
+  return totals
+
+
+@jax.jit
+def _fold_window(totals: dict[str, jax.Array] | None, window: list[dict[str, jax.Array]]
+                 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """A logging window in one dispatch: `_fold_steps` (the same sums, in the same order) and
+  its metrics stacked for the log ([steps] per metric). Summing per window rather than per
+  step keeps the loop at one dispatch per step (the step's)."""
+  return _fold_steps(totals, window), jax.tree.map(lambda *v: jnp.stack(v), *window)
 
 
 def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, hooks: LoopHooks):
@@ -325,11 +357,15 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   row_weights = _row_weights(plan, len(run.splits["train"]))
   epoch_learning_rate = _learning_rate(run, epoch, epoch_start_step)
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
-  # read-ahead, of the training and of the meta-validation batches.
+  # read-ahead, of the training and of the meta-validation batches. The transfer guard
+  # (config.step_transfer_guard) covers the loop, its logging points and saves excepted
+  # (`_host_point`): a step that waits on a device value stalls an accelerator
+  # (tests/test_transfer_guard.py counts such reads on CPU, where the guard cannot fire).
   with contextlib.closing(run.readers["train"].batches(
       order[done["steps"]:], row_weights=row_weights)) as train_batches, \
       contextlib.closing(_meta_batches(run, epoch_start_step + done["steps"],
-                                       len(order) - done["steps"])) as meta_batches:
+                                       len(order) - done["steps"])) as meta_batches, \
+      _step_guard(config.step_transfer_guard):
     for i, (train_batch, meta_batch) in enumerate(zip(train_batches, meta_batches),
                                                   start=done["steps"]):
       learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
@@ -343,21 +379,24 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
         logging.info("Train step compiled; the first step took %.1f s.",
                      time.perf_counter() - compile_start)
         hooks.compiled = True
-      epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
-      totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
-      window.append(batch_metrics)
+      window.append(batch_metrics)  # Summed into `totals` at a logging point or a stop.
       outputs.append(per_example)
       hooks.progress(epoch_start_step + i + 1)
       if (i + 1) % config.log_every_steps == 0:
-        _log_train_window(run, hooks.writer, window, epoch_start_step + i + 1, epoch,
-                          epoch_start_step, learning_rate)
+        totals, stacked = _fold_window(totals, window)
+        with _host_point():
+          _log_train_window(run, hooks.writer, stacked, epoch_start_step + i + 1, epoch,
+                            epoch_start_step, learning_rate)
         window = []
       if hooks.guard is not None and hooks.guard.should_stop(epoch_start_step + i + 1):
         if i + 1 == len(order):  # The epoch is complete: the loop saves it whole, then stops.
           hooks.stop_after_epoch = True
         else:
-          _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
-                          i + 1, epoch_start_step, hooks.guard.signal_name)
+          totals, window = _fold_steps(totals, window), []
+          with _host_point():
+            _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
+                            i + 1, epoch_start_step, hooks.guard.signal_name)
+  totals = _fold_steps(totals, window)  # The steps after the last logging point.
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
   per_example = _host_outputs(outputs, done["outputs"])
@@ -366,6 +405,17 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
             "learning_rate": float(epoch_learning_rate),  # At the epoch's first step.
             **{k: float(v) for k, v in loss_hparams.items()}}
   return state, record, order, per_example
+
+
+def _step_guard(level: str) -> contextlib.AbstractContextManager:
+  """JAX's transfer guard on device-to-host copies at `level`, around the step loop. It fires
+  on accelerators only: a CPU device's buffers are host memory, read without a copy."""
+  return jax.transfer_guard_device_to_host(level)
+
+
+def _host_point() -> contextlib.AbstractContextManager:
+  """Where the step loop may copy device values to the host (logging, a checkpoint)."""
+  return jax.transfer_guard_device_to_host("allow")
 
 
 def _learning_rate(run: Run, epoch: int, step: int) -> np.float32:
@@ -434,11 +484,12 @@ def _stop_preempted(run: Run, step: int, epoch: int, epoch_step: int, signal_nam
   raise preemption.Preempted(message, step)
 
 
-def _log_train_window(run: Run, writer, window: list[dict[str, jax.Array]], step: int,
+def _log_train_window(run: Run, writer, stacked: dict[str, jax.Array], step: int,
                       epoch: int, epoch_start_step: int, learning_rate: np.float32) -> None:
   """Writes the train metrics of the steps up to global `step` (as flax and big_vision
   log them) and stops the run if one of their losses was not finite."""
-  window = jax.device_get(window)
+  stacked = jax.device_get(stacked)  # [steps] per metric: one transfer each.
+  window = [{k: v[i] for k, v in stacked.items()} for i in range(len(stacked["count"]))]
   _raise_if_bad(run, {"first_bad_step": min(m["first_bad_step"] for m in window)}, epoch,
                 epoch_start_step)
   count = sum(float(m["count"]) for m in window)

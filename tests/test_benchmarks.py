@@ -60,3 +60,35 @@ def test_xla_cpu_variants_smoke():
   for name in ("tuned (cpjax default)", "no YNNPACK"):
     result = xla_cpu_variants.measure("tiny", 16, 1, xla_cpu_variants.VARIANTS[name])
     assert result["compile_seconds"] > 0 and result["train_images_per_s"] > 0, name
+
+
+def test_lowering_smoke(tmp_path):
+  results, stdout = _run("benchmarks.lowering", "--models", "tiny:digits", "--batch-size=8",
+                         tmp_path=tmp_path)
+  steps = results["steps"]
+  assert len(steps) == 10  # 5 step kinds x 2 dtypes.
+  assert all(row["cuda_problems"] == row["tpu_problems"] == [] for row in steps)
+  assert all(row["flops_per_example"] > 0 for row in steps) and "MFLOP/ex" in stdout
+
+
+def test_restart_cache_smoke(tmp_path):
+  results, stdout = _run("benchmarks.restart_cache", "--config=configs/test.py", "--repeats=1",
+                         tmp_path=tmp_path)
+  assert results["fresh_seconds"]["first_step"] > results["fresh_seconds"]["imports"] > 0
+  assert results["cache_entries"] > 0 and len(results["restart_seconds"]) == 1
+  assert "speed-up" in stdout
+
+
+def test_prefetch_smoke(tmp_path):
+  results, stdout = _run("benchmarks.prefetch", "--model=tiny", "--batch-size=16", "--steps=4",
+                         "--repeats=1", "--delay-ms=1", "--depths", "0", "2",
+                         tmp_path=tmp_path)
+  assert sorted(results["epochs"]) == ["0", "2"] and results["epochs"]["0"]["ratio_to_first"] == 1
+  assert results["delay_seconds"] == 0.001 and "prefetch_depth" in stdout
+
+
+def test_loop_overhead_smoke(tmp_path):
+  results, stdout = _run("benchmarks.loop_overhead", "--batch-size=16", "--steps=5",
+                         "--log-every=2", "--repeats=1", "--profile", tmp_path=tmp_path)
+  assert results["trainer_steps_per_s"] > 0 and results["best_ratio"] > 0
+  assert "train_epoch" in results["profile_top_tottime"] and "trainer / bare" in stdout

@@ -26,6 +26,7 @@ RANKS = {
     "runtime": 0,
     "runtime.checkpoint_integrity": 0,
     "runtime.checkpointing": 0,
+    "runtime.compilation_cache": 0,
     "runtime.compiler_options": 0,
     "runtime.distributed": 0,
     "runtime.files": 0,

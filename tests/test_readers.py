@@ -37,6 +37,33 @@ def test_device_batches_are_the_host_split_rows(digits, num_devices):
       assert np.asarray(batch[key]).dtype == value.dtype, key
 
 
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_device_reader_epoch_blocks_are_the_split_rows(digits, num_devices):
+  """`batches` (the epoch's rows sent once, one gather per batch) gives NumPy's indexing of
+  the split, with masks and per-row weights, each batch sharded on `data`; none for S = 0."""
+  mesh = sharding.create_mesh(jax.devices()[:num_devices])
+  split = digits["train"]
+  rng = np.random.default_rng(num_devices)
+  blocks = rng.integers(0, len(split), (3, 64))
+  masks = (rng.random((3, 64)) < 0.8).astype(np.float32)
+  row_weights = rng.random(len(split)).astype(np.float32)
+  reader = readers.DeviceReader(split, mesh)
+  batches = list(reader.batches(blocks, masks, row_weights))
+  assert len(batches) == 3 and list(reader.batches(blocks[:0])) == []
+  for s, batch in enumerate(batches):
+    rows = blocks[s]
+    expected = {"image": split.images[rows], "label": split.labels[rows],
+                "id": split.ids[rows], "mask": masks[s], "weight": row_weights[rows]}
+    assert set(batch) == set(expected)
+    for key, value in expected.items():
+      assert batch[key].sharding.is_equivalent_to(sharding.batch_sharded(mesh), 1)
+      np.testing.assert_array_equal(np.asarray(batch[key]), value)
+      assert np.asarray(batch[key]).dtype == value.dtype, key
+  unmasked = list(reader.batches(blocks[:1]))[0]
+  assert set(unmasked) == {"image", "label", "id", "mask"} and np.all(
+      np.asarray(unmasked["mask"]) == 1)
+
+
 def test_auto_picks_device_when_the_splits_fit_the_budget():
   assert readers.choose("auto", 100 * 2**20, 100.0) == "device"  # Exactly the budget fits.
   assert readers.choose("auto", 100 * 2**20 + 1, 100.0) == "host"

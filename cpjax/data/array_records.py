@@ -174,4 +174,6 @@ def stream_reader(directory: str, name: str, mesh: jax.sharding.Mesh,
                   dataset: ml_collections.ConfigDict | None = None) -> readers.StreamReader:
   """The stream reader of split `name` in `directory` (checked against `dataset` if given)."""
   split, image_shape, paths = read_index(directory, name, dataset)
-  return readers.StreamReader(RecordImages(paths, image_shape, len(split)), split, mesh)
+  depth = readers.DEFAULT_PREFETCH_DEPTH if dataset is None else dataset.prefetch_depth
+  return readers.StreamReader(RecordImages(paths, image_shape, len(split)), split, mesh,
+                              prefetch_depth=depth)

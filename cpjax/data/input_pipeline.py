@@ -161,8 +161,11 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
   copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
   kind = readers.choose(dataset.reader, num_bytes, dataset.device_memory_mb, copies)
   _log_reader(kind, dataset, num_bytes)
-  reader = readers.DeviceReader if kind == "device" else readers.HostReader
-  return split_by_name, {name: reader(split, mesh) for name, split in split_by_name.items()}
+  if kind == "device":
+    return split_by_name, {name: readers.DeviceReader(split, mesh)
+                           for name, split in split_by_name.items()}
+  return split_by_name, {name: readers.HostReader(split, mesh, dataset.prefetch_depth)
+                         for name, split in split_by_name.items()}
 
 
 def _log_reader(kind: str, dataset: ml_collections.ConfigDict, num_bytes: int) -> None:

@@ -4,7 +4,8 @@
           there and transfers the images (`splits.batch_at`, then `sharding.to_global`).
   device  the split's uint8 images, labels and ids are put on every device once
           (replicated); a batch is gathered on the devices from int32 row indices,
-          so per batch the host sends B int32 numbers instead of B images, and no
+          so the host sends B int32 numbers instead of B images (`batches`: those of
+          all its batches at once, then one gather dispatch per batch), and no
           host-side gathering slows the fresh scoring pass or evaluation.
   stream  the images stay in array_record files (cpjax.data.array_records, written by
           scripts/write_array_records.py); each process reads only its own rows of each
@@ -18,15 +19,24 @@
 
 Every reader gives the same batch dict (image, label, id, mask, and weight when
 given), bit for bit, so the steps cannot tell them apart. `batch` builds one
-batch; `batches` a sequence of them (the stream reader reads those ahead; close
-the generator when leaving it early). `input_pipeline.load` builds a run's readers.
+batch; `batches` a sequence of them (close the generator when leaving it early).
+`input_pipeline.load` builds a run's readers.
+
+Device prefetch (host and stream readers): `batches` builds the next `prefetch_depth`
+global batches (gathered or read, and put on the devices with their sharding) in a
+background thread while the loop's current step runs, so an accelerator does not wait for
+the host between steps; the batches and their order are the same as without it. The device
+reader builds its batches on the devices, by a gather dispatched asynchronously: it needs
+none.
 """
 
 from collections.abc import Iterator, Mapping
 import functools
 import logging
 import math
-from typing import Protocol
+import queue
+import threading
+from typing import Any, Protocol
 
 import jax
 import ml_collections
@@ -36,14 +46,17 @@ from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 
 READERS = ("auto", "host", "device", "stream")
+DEFAULT_PREFETCH_DEPTH = 2  # Global batches put on the devices ahead of the step.
 
 
 class HostReader:
   """Rows of `split` gathered in host memory, each process its own part of a batch."""
   kind = "host"
 
-  def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh):
+  def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh,
+               prefetch_depth: int = DEFAULT_PREFETCH_DEPTH):
     self.split, self.mesh = split, mesh
+    self.prefetch_depth = _checked_depth(prefetch_depth)
 
   def __len__(self) -> int:
     return len(self.split)
@@ -67,10 +80,69 @@ class HostReader:
   def batches(self, row_blocks: np.ndarray, masks: np.ndarray | None = None,
               row_weights: np.ndarray | None = None) -> Iterator[dict[str, jax.Array]]:
     """`batch` of each block of `row_blocks` [S, B] in order (masks [S, B]; row_weights: one
-    per split row, looked up for each block)."""
+    per split row, looked up for each block), `prefetch_depth` of them built ahead."""
+    return prefetched(self._batches(row_blocks, masks, row_weights), self.prefetch_depth)
+
+  def _batches(self, row_blocks, masks, row_weights) -> Iterator[dict[str, jax.Array]]:
     for s, rows in enumerate(row_blocks):
       yield self.batch(rows, None if masks is None else masks[s],
                        None if row_weights is None else row_weights[rows])
+
+
+def _checked_depth(depth: int) -> int:
+  if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+    raise ValueError(f"prefetch_depth={depth!r}: an integer >= 0 (0 = no prefetch)")
+  return depth
+
+
+def prefetched(items: Iterator[Any], depth: int) -> Iterator[Any]:
+  """`items` in order, the next `depth` of them made by a background thread while the
+  consumer works on the current one (depth 0: `items` itself, made on demand).
+
+  The thread stops, and `items` is closed, when this generator is exhausted or closed; an
+  error in making an item is raised here, in its place in the sequence.
+  """
+  if depth == 0:
+    yield from items
+    return
+  ready: queue.Queue = queue.Queue(maxsize=depth)
+  stop = threading.Event()
+
+  def put(entry) -> bool:
+    while not stop.is_set():  # Gives up when the consumer has left.
+      try:
+        ready.put(entry, timeout=0.05)
+        return True
+      except queue.Full:
+        pass
+    return False
+
+  def produce() -> None:
+    try:
+      for item in items:
+        if not put(("item", item)):
+          return
+      put(("end", None))
+    except Exception as err:  # pylint: disable=broad-except  Raised in the consumer.
+      put(("error", err))
+    finally:
+      close = getattr(items, "close", None)
+      if close is not None:
+        close()
+
+  thread = threading.Thread(target=produce, name="cpjax-prefetch", daemon=True)
+  thread.start()
+  try:
+    while True:
+      kind, value = ready.get()
+      if kind == "end":
+        return
+      if kind == "error":
+        raise value
+      yield value
+  finally:
+    stop.set()
+    thread.join()
 
 
 def _part(values: np.ndarray | None, local: slice) -> np.ndarray | None:
@@ -96,12 +168,23 @@ def _gather(out_sharding, arrays: dict[str, jax.Array], rows: jax.Array
           for key, value in arrays.items()}
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _gather_block(out_sharding, arrays: dict[str, jax.Array], blocks: dict[str, jax.Array],
+                  step: jax.Array) -> dict[str, jax.Array]:
+  """Batch `step` of an epoch's `blocks` (row [S, B], mask and weight [S, B]): arrays[rows]
+  for every array, with the block's mask and weight, laid out as a batch."""
+  small = {key: value[step] for key, value in blocks.items()}
+  gathered = _gather(out_sharding, arrays, small.pop("row"))
+  return {**gathered, **{key: jax.lax.with_sharding_constraint(value, out_sharding)
+                         for key, value in small.items()}}
+
+
 class DeviceReader(HostReader):
   """Rows of `split` gathered on the devices from a copy of the split on each of them."""
   kind = "device"
 
   def __init__(self, split: splits.Split, mesh: jax.sharding.Mesh):
-    super().__init__(split, mesh)
+    super().__init__(split, mesh, prefetch_depth=0)  # Its gathers are dispatched async.
     self._arrays = sharding.replicate(mesh, {"image": split.images, "label": split.labels,
                                              "id": split.ids})
 
@@ -112,6 +195,22 @@ class DeviceReader(HostReader):
     small = sharding.to_global(self.mesh, small, len(rows))
     gathered = _gather(sharding.batch_sharded(self.mesh), self._arrays, small.pop("row"))
     return {**gathered, **small}
+
+  def _batches(self, row_blocks, masks, row_weights):
+    """The blocks' rows, masks and weights go to the devices in one transfer; each batch is
+    then one gather dispatched on the devices (no host work per batch but the dispatch)."""
+    if len(row_blocks) == 0:
+      return
+    local = sharding.process_rows(self.mesh, row_blocks.shape[1])
+    small = {"row": np.asarray(row_blocks[:, local], np.int32),
+             "mask": (np.ones(row_blocks[:, local].shape, np.float32) if masks is None
+                      else np.asarray(masks[:, local], np.float32))}
+    if row_weights is not None:
+      small["weight"] = np.asarray(row_weights[row_blocks[:, local]], np.float32)
+    blocks = sharding.to_global_blocks(self.mesh, small, row_blocks.shape[1])
+    out_sharding = sharding.batch_sharded(self.mesh)
+    for s in range(len(row_blocks)):
+      yield _gather_block(out_sharding, self._arrays, blocks, np.int32(s))
 
 
 class RowImages(Protocol):
@@ -130,15 +229,16 @@ class StreamReader(HostReader):
   kind = "stream"
 
   def __init__(self, images: RowImages, split: splits.Split,
-               mesh: jax.sharding.Mesh, num_threads: int = 4, buffer_size: int = 8):
-    super().__init__(split, mesh)
+               mesh: jax.sharding.Mesh, num_threads: int = 4, buffer_size: int = 8,
+               prefetch_depth: int = DEFAULT_PREFETCH_DEPTH):
+    super().__init__(split, mesh, prefetch_depth)
     self.images, self._threads, self._buffer = images, num_threads, buffer_size
 
   def batch(self, rows, mask=None, weights=None):
     local = sharding.process_rows(self.mesh, len(rows))
     return self._global(rows, self.images.read(rows[local]), mask, weights)
 
-  def batches(self, row_blocks, masks=None, row_weights=None):
+  def _batches(self, row_blocks, masks, row_weights):
     local = sharding.process_rows(self.mesh, row_blocks.shape[1])
     read_ahead = self.images.prefetched(row_blocks[:, local], self._threads, self._buffer)
     for s, images in enumerate(read_ahead):

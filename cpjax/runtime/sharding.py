@@ -7,6 +7,8 @@ builds only its own rows of every global batch, and
 same code runs on one CPU, 8 GPUs or a multi-host cluster.
 """
 
+import functools
+
 import jax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -29,6 +31,7 @@ def batch_sharded(mesh: jax.sharding.Mesh) -> NamedSharding:
   return NamedSharding(mesh, P("data"))
 
 
+@functools.lru_cache(maxsize=64)  # Asked once per batch; the answer never changes.
 def process_rows(mesh: jax.sharding.Mesh, global_batch_size: int) -> slice:
   """The contiguous rows of a global batch that this process's devices hold."""
   index_map = batch_sharded(mesh).addressable_devices_indices_map((global_batch_size,))
@@ -46,6 +49,16 @@ def to_global(mesh: jax.sharding.Mesh, local_batch: dict[str, np.ndarray],
   return {key: jax.make_array_from_process_local_data(
               sharding, value, (global_batch_size,) + value.shape[1:])
           for key, value in local_batch.items()}
+
+
+def to_global_blocks(mesh: jax.sharding.Mesh, local_blocks: dict[str, np.ndarray],
+                     global_batch_size: int) -> dict[str, jax.Array]:
+  """This process's columns of [S, B] blocks (S batches' rows) -> global arrays with the
+  batch axis (1) sharded on `data`, as `to_global` lays out each batch."""
+  blocks = NamedSharding(mesh, P(None, "data"))
+  return {key: jax.make_array_from_process_local_data(
+              blocks, value, (value.shape[0], global_batch_size) + value.shape[2:])
+          for key, value in local_blocks.items()}
 
 
 def to_host(tree):

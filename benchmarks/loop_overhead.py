@@ -1,0 +1,140 @@
+"""What the trainer's Python loop costs: its steps per second against a bare loop.
+
+  python -m benchmarks.loop_overhead                       # tiny net, batch 64, 8x8 images
+  python -m benchmarks.loop_overhead --steps=400 --profile --json=out.json
+
+With a tiny model a step takes a millisecond or less, and whatever Python does per step
+becomes the bottleneck of a fast accelerator. This runs, in one process, the trainer's own
+epoch loop (`train.train_epoch`: the device reader's batches, learning rate, metric sums,
+a logging point every `--log-every` steps, per-example outputs gathered at the epoch's end)
+and a bare Python loop calling the same jitted train step on batches already on the
+devices, over the same number of steps, in turn, `--repeats` times (after an untimed epoch
+that compiles everything). The ratio of their steps per second (median, and best of the
+repeats: the run least disturbed by other load) is the share of the bare loop's speed that
+the trainer keeps (1.0 = no overhead). `--profile` runs one more
+trainer epoch under cProfile and lists where its Python time goes. Data: GENERATED 8x8x1
+images (random bytes: timing only, not a dataset).
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+from clu import metric_writers
+import jax
+import numpy as np
+
+from benchmarks import throughput
+from configs import test as test_config
+from cpjax import models, optim, steps, train
+from cpjax.data import readers, specs, splits
+from cpjax.runtime import sharding
+from cpjax.selection import bookkeeping, policies
+
+
+def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
+  config = test_config.get_config()
+  config.model.name, config.batch_size, config.log_every_steps = model_name, batch_size, log_every
+  spec = specs.DATASETS[config.dataset.name]
+  rng = np.random.default_rng(0)
+  num = batch_size * num_steps
+  split = splits.Split(rng.integers(0, 256, (num, *spec.image_shape), np.uint8),
+                       rng.integers(0, 10, num).astype(np.int32), np.arange(num, dtype=np.int32))
+  mesh = sharding.create_mesh()
+  model = models.create_model(model_name, spec.num_classes)
+  tx = optim.create_optimizer(config.optimizer)
+  state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
+  train_fn = train._jit_train_step(config, model, tx,  # pylint: disable=protected-access
+                                   policies.weights_loss(config.selection.method))
+  reader = readers.DeviceReader(split, mesh)
+  run = train.Run(config, "", mesh, model, tx, None, {"train": split}, {"train": reader},
+                  None, state, bookkeeping.initial_state(num), 0)
+  return run, train_fn
+
+
+def trainer_epoch(run, train_fn, state):
+  """(seconds, state) of one epoch of the trainer's loop over the whole split."""
+  hooks = train.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
+  plan = train.EpochPlan(0, np.arange(len(run.splits["train"])), None)
+  start = time.perf_counter()
+  state, _, _, _ = train.train_epoch(run, train_fn, state, plan, hooks)
+  jax.block_until_ready(state)
+  return time.perf_counter() - start, state
+
+
+def bare_epoch(train_fn, state, batches):
+  """(seconds, state) of the same step called over `batches`, already on the devices."""
+  learning_rate = np.float32(0.05)  # A host scalar, as the loop passes it.
+  start = time.perf_counter()
+  for batch in batches:
+    state, _, _ = train_fn(state, batch, learning_rate, {})
+  jax.block_until_ready(state)
+  return time.perf_counter() - start, state
+
+
+def measure(model_name: str, batch_size: int, num_steps: int, log_every: int, repeats: int,
+            profile: bool) -> dict:
+  run, train_fn = _setup(model_name, batch_size, num_steps, log_every)
+  order = splits.epoch_order(run.config.seed, 0, np.arange(len(run.splits["train"])),
+                             batch_size)
+  batches = list(run.readers["train"].batches(order))  # The same batches, placed up front.
+  jax.block_until_ready(batches)
+  state = run.state
+  _, state = trainer_epoch(run, train_fn, state)  # Compiles every program of the loop.
+  _, state = bare_epoch(train_fn, state, batches)
+  times = {"trainer": [], "bare": []}
+  for _ in range(repeats):  # In turn, so that drifts in the machine's speed hit both.
+    seconds, state = trainer_epoch(run, train_fn, state)
+    times["trainer"].append(seconds)
+    seconds, state = bare_epoch(train_fn, state, batches)
+    times["bare"].append(seconds)
+  rate = {k: num_steps / statistics.median(v) for k, v in times.items()}
+  best = {k: num_steps / min(v) for k, v in times.items()}  # Least disturbed by other load.
+  results = {"steps": num_steps, "seconds": times, "trainer_steps_per_s": rate["trainer"],
+             "bare_steps_per_s": rate["bare"], "ratio": rate["trainer"] / rate["bare"],
+             "best_trainer_steps_per_s": best["trainer"], "best_bare_steps_per_s": best["bare"],
+             "best_ratio": best["trainer"] / best["bare"]}
+  if profile:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    trainer_epoch(run, train_fn, state)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    results["profile_top_tottime"] = text.getvalue()
+  return results
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="tiny", choices=sorted(models.MODELS))
+  parser.add_argument("--batch-size", type=int, default=64)
+  parser.add_argument("--steps", type=int, default=200, help="Steps per epoch.")
+  parser.add_argument("--log-every", type=int, default=10, help="The loop's log_every_steps.")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--profile", action="store_true", help="cProfile one trainer epoch.")
+  parser.add_argument("--json", default="")
+  args = parser.parse_args()
+  if args.repeats < 1 or args.steps < 1 or args.log_every < 1:
+    parser.error("--repeats, --steps and --log-every must be >= 1")
+  results = measure(args.model, args.batch_size, args.steps, args.log_every, args.repeats,
+                    args.profile)
+  results["machine"], results["args"] = throughput.machine(), vars(args)
+  print(f"{args.model}, batch {args.batch_size}, {args.steps} steps, log every "
+        f"{args.log_every}; {jax.device_count()} device(s)")
+  print(f"{'steps/s':<14}{'median':>10}{'best':>10}")
+  print(f"{'trainer loop':<14}{results['trainer_steps_per_s']:>10.1f}"
+        f"{results['best_trainer_steps_per_s']:>10.1f}")
+  print(f"{'bare loop':<14}{results['bare_steps_per_s']:>10.1f}"
+        f"{results['best_bare_steps_per_s']:>10.1f}")
+  print(f"{'trainer / bare':<14}{results['ratio']:>10.3f}{results['best_ratio']:>10.3f}")
+  if args.profile:
+    print(results["profile_top_tottime"])
+  throughput.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+  main()
