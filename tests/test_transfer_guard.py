@@ -65,7 +65,8 @@ def host_reads(monkeypatch):
 
 @pytest.mark.parametrize("overrides", [
     {**helpers.SELECTED, "selection.record_scores": False},
-    {"num_epochs": 3, "selection.method": "infobatch", "selection.score": "loss"},
+    {"num_epochs": 3, "selection.method": "infobatch", "selection.score": "loss",
+     "selection.anneal_fraction": 0.0},  # Epoch 2 pruned (none annealed).
     {**helpers.META_RUN, "num_epochs": 1},
 ], ids=["top_k", "infobatch", "gamma_net"])
 def test_epochs_run_without_per_step_host_reads(tmp_path, host_reads, overrides):
