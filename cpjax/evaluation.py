@@ -4,11 +4,13 @@ means the model diverged: the run stops with `run_context.NonFiniteLossError`.""
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from cpjax import run_context, run_state, steps
@@ -68,8 +70,10 @@ def _ood_split(run: run_context.Run) -> splits.Split | None:
   return input_pipeline.get_test_split(run.config.dataset, evaluation.ood)
 
 
-def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int) -> dict[str, Any]:
-  """Builds the calibration report of `state` and writes it to workdir/report."""
+def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int,
+                       epoch_step: int = 0) -> dict[str, Any]:
+  """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
+  `epoch_step` steps of the next) and writes it to workdir/report, naming that checkpoint."""
   config = run.config
 
   ood = _ood_split(run)
@@ -80,7 +84,8 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
       None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
                                              config.eval_batch_size))
   results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
-                       f"after epoch {epoch}", epoch=epoch)
+                       f"after epoch {epoch}", epoch=epoch, epoch_step=epoch_step,
+                 checkpoint_step=int(jax.device_get(state.step)))
   gamma = test_gammas(run, state) if isinstance(state, steps.MetaTrainState) else None
   if gamma is not None:
     results["gamma"] = report.gamma_summary(*gamma)
@@ -88,6 +93,21 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
     paths = report.write_report(os.path.join(run.workdir, "report"), results, gamma)
     logging.info("Wrote the calibration report: %s", ", ".join(paths))
   return results
+
+
+def report_describes(run: run_context.Run, step: int) -> bool:
+  """Whether workdir/report/results.json exists and describes the checkpoint at `step`, as
+  process 0 (the one that writes it) sees it: every process gets the same answer."""
+  found = False
+  if jax.process_index() == 0:
+    try:
+      with open(os.path.join(run.workdir, "report", "results.json"), encoding="utf-8") as f:
+        found = json.load(f).get("checkpoint_step") == step
+    except (OSError, ValueError):
+      pass
+  if jax.process_count() > 1:
+    found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+  return found
 
 
 def test_gammas(run: run_context.Run, state: steps.MetaTrainState

@@ -104,6 +104,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if run.start_epoch == 0 and run.partial is None:
     writer.write_hparams({"config": config.to_json_best_effort()})
   state, selection_state, record = run.state, run.selection, {}
+  _finish_report(run)
   with preemption.PreemptionGuard() as guard:
     hooks = LoopHooks(writer, progress, guard)
     try:
@@ -120,13 +121,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         selection_state, selection_record = chooser.after_epoch(
             epoch, selection_state, order, per_example, timings, workdir)
         record.update(selection_record)
+        last = epoch + 1 == run.num_epochs
+        if last:  # Committed before the report: a report that fails loses no training.
+          step = _save(run, state, selection_state, epochs_done=epoch + 1)
+          run.checkpointer.wait_until_finished()
         record.update(evaluation.evaluate_when_due(run, state, epoch))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
         writer.write_scalars(int(jax.device_get(state.step)), {
             k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
         epoch_log.write(record)
-        if run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
-            hooks.stop_after_epoch):
+        if not last and (run_context.due(epoch, config.checkpoint_every_epochs,
+                                         run.num_epochs) or hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
         if hooks.stop_after_epoch and epoch + 1 < run.num_epochs:
           _stop_preempted(run, step, epoch + 1, 0, guard.signal_name)
@@ -134,6 +139,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       run.checkpointer.wait_until_finished()
       writer.flush()
   return record
+
+
+def _finish_report(run: Run) -> None:
+  """Writes the report of a run whose training is complete but whose report is missing or
+  describes another checkpoint (the report failed after the last checkpoint was saved)."""
+  if run.start_epoch < run.num_epochs or run.partial is not None:
+    return
+  step = int(jax.device_get(run.state.step))
+  if not evaluation.report_describes(run, step):
+    logging.warning("Training is complete (checkpoint %d) but report/ does not describe it; "
+                    "writing the report now.", step)
+    evaluation.write_final_report(run, run.state, run.start_epoch)
 
 
 def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -154,7 +171,8 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     if run.start_epoch == 0 and run.partial is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
-    return evaluation.write_final_report(run, run.state, run.start_epoch)
+    return evaluation.write_final_report(run, run.state, run.start_epoch,
+                                         run.partial["steps"] if run.partial else 0)
 
 
 def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
