@@ -42,6 +42,13 @@ from cpjax.runtime import (
 from cpjax.selection import bookkeeping, scores, selector, sources
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
+# Also kept over an epoch: the largest gradient norm and the smallest and largest batch mean
+# loss; a whole epoch with a zero gradient or one exact loss value learned nothing.
+_EXTREMES = {"grad_norm_max": np.inf, "loss_min": -np.inf, "loss_max": np.inf}  # Unknown.
+
+
+class StalledTrainingError(RuntimeError):
+  """A whole epoch trained with a gradient exactly zero or a loss exactly constant."""
 
 
 @dataclasses.dataclass
@@ -220,8 +227,10 @@ def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
   saved = jax.tree.map(np.asarray, saved)
   rows = done_steps * config.batch_size
   return {"steps": done_steps,
+          # The extremes of the steps before the checkpoint are not saved: left unknown.
           "totals": {"loss_sum": saved["loss_sum"], "correct": saved["correct"],
-                     "count": saved["count"], "first_bad_step": np.int32(steps.NO_BAD_STEP)},
+                     "count": saved["count"], "first_bad_step": np.int32(steps.NO_BAD_STEP),
+                     **{k: np.float32(v) for k, v in _EXTREMES.items()}},
           "outputs": {k: saved[f"each_{k}"][:rows] for k in run_state.PER_EXAMPLE}}
 
 
@@ -305,9 +314,18 @@ _global_norm = jax.jit(optax.tree.norm)
 
 @jax.jit
 def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array]):
-  """Sums batch metrics on device (min for the first non-finite step)."""
-  return {k: jnp.minimum(v, batch_metrics[k]) if k == "first_bad_step" else v + batch_metrics[k]
-          for k, v in totals.items()}
+  """Sums batch metrics on device (min for the first non-finite step and the smallest loss,
+  max for the largest gradient norm and loss)."""
+  combine = {"first_bad_step": jnp.minimum, "loss_min": jnp.minimum,
+             "grad_norm_max": jnp.maximum, "loss_max": jnp.maximum}
+  return {k: combine.get(k, jnp.add)(v, batch_metrics[k]) for k, v in totals.items()}
+
+
+def _epoch_sums(batch_metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """What `_accumulate` keeps of one step's metrics."""
+  mean_loss = batch_metrics["loss_sum"] / batch_metrics["count"]
+  return {**{k: batch_metrics[k] for k in EPOCH_SUMS}, "grad_norm_max": batch_metrics["grad_norm"],
+          "loss_min": mean_loss, "loss_max": mean_loss}
 
 
 def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, hooks: LoopHooks):
@@ -344,7 +362,7 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
       learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
       batch = {**train_batch, **meta_batch}
       state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
-      epoch_sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
+      epoch_sums = _epoch_sums(batch_metrics)
       totals = epoch_sums if totals is None else _accumulate(totals, epoch_sums)
       window.append(batch_metrics)
       outputs.append(per_example)
@@ -361,6 +379,7 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
                           i + 1, epoch_start_step, hooks.guard.signal_name)
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
+  _raise_if_stalled(run, totals, epoch, len(order))
   per_example = _host_outputs(outputs, done["outputs"])
   record = {"train_loss": float(totals["loss_sum"] / totals["count"]),
             "train_accuracy": float(totals["correct"] / totals["count"]),
@@ -465,3 +484,21 @@ def _raise_if_bad(run: Run, totals: dict[str, Any], epoch: int, epoch_start_step
         f"{run_context.last_good(run)} Lower the learning rate or enable gradient clipping.")
 
 
+
+
+def _raise_if_stalled(run: Run, totals: dict[str, np.ndarray], epoch: int, num_steps: int
+                      ) -> None:
+  """Stops a run whose epoch learned nothing: a gradient exactly zero at every step, or the
+  same batch mean loss, bit for bit, at every one of several steps (different batches)."""
+  zero_gradient = float(totals["grad_norm_max"]) == 0.0
+  constant_loss = num_steps > 1 and float(totals["loss_min"]) == float(totals["loss_max"])
+  if not (zero_gradient or constant_loss):
+    return
+  what = ("the gradient was exactly zero" if zero_gradient else
+          f"the training loss was exactly {float(totals['loss_min'])!r}")
+  raise StalledTrainingError(
+      f"the run learns nothing: at every one of the {num_steps} steps of epoch {epoch} {what}; "
+      f"the run stopped without saving this state. {run_context.last_good(run)} Check the "
+      f"loss and its hyperparameters (loss.name={run.config.loss.name!r}; an FL_gamma loss "
+      "needs meta.max_gamma > 0 and a meta.temperature that keeps gamma-Net's softmax "
+      "finite) and the learning rate.")

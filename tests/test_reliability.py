@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from cpjax import evaluation, train
+from cpjax import train
 from cpjax.calibration import report
 from tests.helpers import STEPS_PER_EPOCH, checkpoint_steps, read_metrics, tiny_config
 
@@ -69,3 +69,38 @@ def test_report_json_is_strict_with_null_for_undefined_values(tmp_path):
   assert strict["metrics"]["test"]["before_ts"]["accuracy"] == pytest.approx(
       float(np.mean(np.argmax(logits, -1) == labels)))
   assert None in strict["reliability"]["before_ts"]["accuracy"]  # Empty bins: null.
+
+
+def test_a_run_that_learns_nothing_stops_with_a_clear_message(tmp_path):
+  """The outside report's run: FL_gamma with meta.max_gamma=0 and meta.temperature=1e-30
+  trained with a loss of exactly 0.0 and exited 0 at chance accuracy. Now the first epoch
+  stops it, naming the epoch, and nothing is saved."""
+  config = tiny_config(**{"loss.name": "flgamma_sece", "dataset.meta_val_size": 128,
+                          "meta.max_gamma": 0.0, "meta.temperature": 1e-30, "num_epochs": 1})
+  with pytest.raises(train.StalledTrainingError,
+                     match=r"learns nothing: at every one of the \d+ steps of epoch 0 the "
+                           r"(gradient was exactly zero|training loss was exactly 0\.0)"):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints" / "0")
+  assert checkpoint_steps(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("loss_min, loss_max, grad_max, steps, stalls", [
+    (0.0, 0.0, 0.0, 5, True),  # Both.
+    (0.5, 0.5, 0.1, 5, True),  # The same mean loss on 5 different batches.
+    (0.5, 0.5, 0.1, 1, False),  # One step: one loss value says nothing.
+    (0.4, 0.5, 0.0, 1, True),  # Zero gradient, even in one step.
+    (0.4, 0.5, 0.1, 5, False),
+    (-np.inf, np.inf, np.inf, 5, False),  # A resumed epoch's unknown extremes.
+])
+def test_stall_rule_by_hand(loss_min, loss_max, grad_max, steps, stalls, tmp_path):
+  run = train.Run(tiny_config(), str(tmp_path), None, None, None,
+                  train.checkpointing.Checkpointer(str(tmp_path), 1), {}, {}, None, None,
+                  None, 0)
+  totals = {"loss_min": np.float32(loss_min), "loss_max": np.float32(loss_max),
+            "grad_norm_max": np.float32(grad_max)}
+  if stalls:
+    with pytest.raises(train.StalledTrainingError):
+      train._raise_if_stalled(run, totals, 3, steps)
+  else:
+    train._raise_if_stalled(run, totals, 3, steps)
