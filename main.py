@@ -23,7 +23,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from cpjax import config_validation, train
+from cpjax import config_validation, preflight, train
 from cpjax.runtime import distributed, preemption
 
 FLAGS = flags.FLAGS
@@ -65,6 +65,9 @@ def main(argv):
       train.evaluate_only(FLAGS.config, FLAGS.workdir)
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     sys.exit(preemption.EXIT_CODE)
+  except preflight.StartupCheckError as err:  # One line per problem, no traceback.
+    print(f"FATAL {err}", file=sys.stderr)
+    sys.exit(1)
 
 
 def _load_config(path: str):

@@ -25,7 +25,16 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import config_validation, evaluation, models, optim, run_context, run_state, steps
+from cpjax import (
+  config_validation,
+  evaluation,
+  models,
+  optim,
+  preflight,
+  run_context,
+  run_state,
+  steps,
+)
 from cpjax.calibration import gamma_net, losses
 from cpjax.data import input_pipeline, specs, splits
 
@@ -39,7 +48,7 @@ from cpjax.runtime import (
   sharding,
   workdir_lock,
 )
-from cpjax.selection import bookkeeping, scores, selector, sources
+from cpjax.selection import bookkeeping, scores, selector
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
 # Also kept over an epoch: the largest gradient norm and the smallest and largest batch mean
@@ -172,7 +181,7 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # Before _setup creates it.
     raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
                             "first or point --workdir at a trained run")
-  _check_before_work(config, workdir)
+  _check_before_work(config, workdir, "evaluate")
   with workdir_lock.WorkdirLock(workdir):
     run = _setup(config, workdir)
     if run.start_epoch == 0 and run.partial is None:
@@ -234,21 +243,27 @@ def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
           "outputs": {k: saved[f"each_{k}"][:rows] for k in run_state.PER_EXAMPLE}}
 
 
-def _check_before_work(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Validates the config, a target run and the workdir: before any data load or compile."""
+def _check_before_work(config: ml_collections.ConfigDict, workdir: str,
+                       mode: str = "train") -> None:
+  """Validates the config and the workdir and runs the start-up checks (cpjax.preflight):
+  before the workdir lock, any data load or compile."""
   config_validation.validate(config)
   for warning in config_validation.size_warnings(config):
     logging.warning("%s", warning)
-  if config.selection.target_workdir:  # Validated: set only where a target is used.
-    sources.check_target(config)
   _check_workdir(workdir)
+  preflight.check(config, workdir, mode)
 
 
 def _check_workdir(workdir: str) -> None:
-  """Fails early, before any data load or compile, if `workdir` is unusable."""
+  """Fails early, before any data load or compile, if `workdir` is unusable; creates
+  nothing (the workdir lock creates it once every check has passed)."""
+  where = os.path.abspath(workdir)
+  while not os.path.exists(where):
+    where = os.path.dirname(where)
   try:
-    os.makedirs(workdir, exist_ok=True)
-    tempfile.NamedTemporaryFile(dir=workdir).close()  # Can we create files here?
+    if not os.path.isdir(where):
+      raise NotADirectoryError(f"{where} is not a directory")
+    tempfile.TemporaryFile(dir=where).close()  # Can we create files here?
   except OSError as err:
     raise PermissionError(f"--workdir {workdir!r} is not a writable directory: {err}") from err
 

@@ -68,8 +68,9 @@ RANKS = {
     # 5: selection's parts that run steps: score sources and the per-epoch selector.
     "selection.selector": 5,
     "selection.sources": 5,
-    # 6: config validation (knows every registry).
+    # 6: config validation (knows every registry) and the start-up checks.
     "config_validation": 6,
+    "preflight": 6,  # Start-up checks: data, OOD set, target runs, checkpoint room.
     # 7-9: what the loop and evaluation share (Run), evaluation and the report, the loop.
     "run_context": 7,
     "evaluation": 8,

@@ -6,13 +6,26 @@ records, an unwritable checkpoint directory. docs/reliability.md lists each faul
 
 import json
 import os
+import re
+import shutil
+import time
 
+import jax
 import numpy as np
 import pytest
 
-from cpjax import train
+from configs import cifar10 as cifar10_config
+from cpjax import preflight, run_state, train
 from cpjax.calibration import report
-from tests.helpers import STEPS_PER_EPOCH, checkpoint_steps, read_metrics, tiny_config
+from cpjax.data import array_records
+from cpjax.runtime import checkpointing, sharding
+from tests.helpers import (
+  STEPS_PER_EPOCH,
+  checkpoint_steps,
+  read_metrics,
+  run_main,
+  tiny_config,
+)
 
 
 def _strict_load(path: str):
@@ -104,3 +117,159 @@ def test_stall_rule_by_hand(loss_min, loss_max, grad_max, steps, stalls, tmp_pat
       train._raise_if_stalled(run, totals, 3, steps)
   else:
     train._raise_if_stalled(run, totals, 3, steps)
+
+
+# Start-up checks (cpjax.preflight): every failure is found before anything is written.
+
+
+def _fails_at_start_up(config, workdir: str, *expected: str) -> str:
+  """train_and_evaluate(config) stops in its start-up checks with one line per problem,
+  each matching one of `expected` in order, and leaves `workdir` as it found it."""
+  before = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None
+  with pytest.raises(preflight.StartupCheckError) as info:
+    train.train_and_evaluate(config, workdir)
+  lines = str(info.value).splitlines()[1:]
+  assert len(lines) == len(expected), str(info.value)
+  for line, pattern in zip(lines, expected):
+    assert re.search(pattern, line), (pattern, line)
+  after = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None
+  assert after == before  # No lock file, no checkpoints/ folder, nothing.
+  return str(info.value)
+
+
+def test_cifar10_without_cifar_or_svhn_fails_at_start_up_in_seconds(tmp_path):
+  """configs/cifar10.py on a machine without CIFAR-10 and SVHN, run as a user runs it: one
+  line for each, the second naming --config.evaluation.ood="" to skip the OOD set; the
+  workdir is never created. Without the OOD set, only the first line remains."""
+  empty, workdir = str(tmp_path / "tfds"), str(tmp_path / "run")
+  os.makedirs(empty)
+  start = time.monotonic()
+  result = run_main(workdir, f"--config.dataset.data_dir={empty}", config="configs/cifar10.py",
+                    timeout=120)
+  seconds = time.monotonic() - start
+  fatal = [line for line in result.stderr.splitlines() if line.startswith("FATAL")]
+  assert result.returncode == 1 and fatal, result.stderr[-3000:]
+  problems = result.stderr[result.stderr.index("FATAL"):].splitlines()[1:]
+  assert len(problems) == 2, result.stderr[-3000:]
+  assert "tfds dataset 'cifar10' is not prepared" in problems[0]
+  assert ("the OOD set evaluation.ood='svhn' of the final report is missing: tfds dataset "
+          "'svhn_cropped' is not prepared") in problems[1]
+  assert problems[1].endswith('pass --config.evaluation.ood=""')
+  assert "Traceback" not in result.stderr
+  assert not os.path.exists(workdir)
+  # Start-up and the checks, on a machine shared with other jobs: well under a minute (the
+  # issue's run trained 200 epochs before failing on SVHN).
+  assert seconds < 60, seconds
+  config = cifar10_config.get_config()
+  config.dataset.data_dir, config.evaluation.ood = empty, ""
+  _fails_at_start_up(config, workdir, "tfds dataset 'cifar10' is not prepared")
+
+
+def test_a_target_run_without_recorded_scores_fails_at_start_up(tmp_path):
+  target = tmp_path / "target"
+  os.makedirs(target / "checkpoints")  # A run that never recorded scores (nor a config).
+  config = tiny_config(**{"selection.method": "top_k", "selection.warmup_epochs": 1,
+                          "selection.scoring": "target_recorded",
+                          "selection.target_workdir": str(target)})
+  _fails_at_start_up(config, str(tmp_path), r"needs the target's recorded scores, e\.g\. "
+                     r".*scores.*record_scores=True")
+
+
+def test_no_room_for_a_checkpoint_fails_at_start_up(tmp_path, monkeypatch):
+  """A file system with less free space than two checkpoints (the tiny model's, from its
+  shapes: counted by hand below) is refused before the run starts."""
+  config = tiny_config()
+  nbytes = preflight.checkpoint_bytes(config)
+  restored = run_state.abstract(config, sharding.create_mesh())
+  by_hand = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                for leaf in jax.tree.leaves(restored))
+  params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(restored["train"].params))
+  assert nbytes == by_hand and nbytes >= 4 * params  # float32 parameters at least.
+  usage = shutil.disk_usage(str(tmp_path))
+  monkeypatch.setattr(checkpointing.shutil, "disk_usage",
+                      lambda path: usage._replace(free=2 * nbytes - 1))
+  _fails_at_start_up(config, str(tmp_path / "w"), r"checkpoint folder .*/w/checkpoints has "
+                     r"[\d.]+ MiB free, a checkpoint needs [\d.]+ MiB")
+  monkeypatch.setattr(checkpointing.shutil, "disk_usage",
+                      lambda path: usage._replace(free=2 * nbytes))
+  preflight.check(config, str(tmp_path / "w"))  # Just enough.
+
+
+def _stream_config(directory: str, **overrides):
+  return tiny_config(**{"dataset.reader": "stream", "dataset.stream_dir": directory,
+                        "evaluation.ood": "", **overrides})
+
+
+@pytest.fixture
+def stream_dir(digits, tmp_path):
+  """configs/test.py's splits as array_record files, 2 shards each."""
+  directory = str(tmp_path / "stream")
+  array_records.write_splits(digits, directory, tiny_config().dataset, num_shards=2)
+  return directory
+
+
+def test_missing_or_truncated_stream_files_fail_at_start_up(stream_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)  # An existing, empty workdir stays empty.
+  _fails_at_start_up(_stream_config(str(tmp_path / "nowhere")), workdir,
+                     r"no array_record split 'train' in .*nowhere.*write_array_records")
+  shard = os.path.join(stream_dir, "val.array_record-00001-of-00002")
+  with open(shard, "rb") as f:
+    data = f.read()
+  with open(shard, "wb") as f:
+    f.write(data[:len(data) // 2])
+  _fails_at_start_up(_stream_config(stream_dir), workdir,
+                     rf"{shard} is {len(data) // 2} bytes, {len(data)} were written: the file "
+                     r"is truncated or damaged; rewrite the split")
+
+
+def _replace_image(directory: str, name: str, row: int, digits) -> str:
+  """Rewrites shard files of split `name` with row `row`'s image inverted: a valid
+  array_record file, same size, one record different from what the index recorded."""
+  split = digits[name]
+  images = split.images.copy()
+  images[row] = 255 - images[row]
+  other = directory + "_other"
+  array_records.write_split(zip(split.ids, split.labels, images), len(split), other, name,
+                            array_records.split_key(tiny_config().dataset), 2)
+  shard = 0 if row < len(split) // 2 else 1
+  path = f"{name}.array_record-{shard:05d}-of-00002"
+  shutil.copyfile(os.path.join(other, path), os.path.join(directory, path))
+  return os.path.join(directory, path)
+
+
+def test_a_damaged_record_is_named_by_file_and_record_when_read(stream_dir, digits):
+  """A record that differs from what was written (a valid file, so array_record cannot
+  tell) and one with flipped bytes: reading either raises naming the file and the record;
+  no garbled image comes back."""
+  train_rows = len(digits["train"])
+  row = train_rows - 3  # In shard 1, which starts at row train_rows // 2.
+  path = _replace_image(stream_dir, "train", row, digits)
+  reader = array_records.stream_reader(stream_dir, "train", sharding.create_mesh(),
+                                       tiny_config().dataset)
+  record = row - train_rows // 2
+  with pytest.raises(array_records.DamagedRecordError,
+                     match=rf"{path}: record {record} \(row {row} of the split\) is damaged "
+                           r"\(its CRC-32 differs"):
+    reader.images.read(np.arange(train_rows - 10, train_rows))
+  reader.images.read(np.arange(10))  # The other rows still read.
+  # Flipped bytes in a record of the test split: array_record's own chunk hash fails.
+  path = os.path.join(stream_dir, "test.array_record-00000-of-00002")
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
+  image = digits["test"].images[7].tobytes()
+  at = data.find(image)
+  assert at > 0 and data.count(image) == 1
+  data[at + 3] ^= 0xFF
+  with open(path, "wb") as f:
+    f.write(bytes(data))
+  test_reader = array_records.stream_reader(stream_dir, "test", sharding.create_mesh())
+  with pytest.raises(array_records.DamagedRecordError, match=rf"{path}: record \d+ \(row \d+ "
+                     r"of the split\) is (unreadable|damaged)"):
+    test_reader.images.read(np.arange(len(digits["test"])))
+
+
+def test_a_damaged_sampled_record_fails_at_start_up(stream_dir, digits, tmp_path):
+  path = _replace_image(stream_dir, "val", 0, digits)  # The first row is always sampled.
+  _fails_at_start_up(_stream_config(stream_dir), str(tmp_path / "run"),
+                     rf"{path}: record 0 \(row 0 of the split\) is damaged")
