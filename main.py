@@ -24,7 +24,7 @@ import jax
 from ml_collections import config_flags
 
 from cpjax import config_validation, preflight, train
-from cpjax.runtime import distributed, preemption
+from cpjax.runtime import checkpointing, distributed, preemption
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -68,6 +68,12 @@ def main(argv):
   except preflight.StartupCheckError as err:  # One line per problem, no traceback.
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)
+  except checkpointing.CheckpointSaveError as err:
+    print(f"FATAL {err}", file=sys.stderr, flush=True)
+    # After a failed write orbax's background threads may never end, and a normal exit
+    # waits for them (the process would hang, holding its allocation): end it now. The
+    # workdir lock is released with the process.
+    os._exit(1)
 
 
 def _load_config(path: str):

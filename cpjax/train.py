@@ -263,7 +263,7 @@ def _check_workdir(workdir: str) -> None:
   try:
     if not os.path.isdir(where):
       raise NotADirectoryError(f"{where} is not a directory")
-    tempfile.TemporaryFile(dir=where).close()  # Can we create files here?
+    tempfile.NamedTemporaryFile(dir=where).close()  # Can we create files here?
   except OSError as err:
     raise PermissionError(f"--workdir {workdir!r} is not a writable directory: {err}") from err
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import time
 
 import jax
@@ -20,10 +21,14 @@ from cpjax.calibration import report
 from cpjax.data import array_records
 from cpjax.runtime import checkpointing, sharding
 from tests.helpers import (
+  REPO,
   STEPS_PER_EPOCH,
   checkpoint_steps,
+  main_command,
   read_metrics,
+  restore_checkpoint,
   run_main,
+  subprocess_env,
   tiny_config,
 )
 
@@ -273,3 +278,58 @@ def test_a_damaged_sampled_record_fails_at_start_up(stream_dir, digits, tmp_path
   path = _replace_image(stream_dir, "val", 0, digits)  # The first row is always sampled.
   _fails_at_start_up(_stream_config(stream_dir), str(tmp_path / "run"),
                      rf"{path}: record 0 \(row 0 of the split\) is damaged")
+
+
+def _make_unwritable(path: str) -> str:
+  """Makes folder `path` refuse new entries as a read-only mount or an exceeded quota would,
+  even for root (the immutable attribute); returns the command that undoes it."""
+  if os.geteuid() != 0:
+    os.chmod(path, 0o555)
+    return f"chmod 755 {path}"
+  result = subprocess.run(["chattr", "+i", path], capture_output=True, text=True)
+  if result.returncode != 0:
+    pytest.skip(f"root cannot make {path} read-only here (chattr +i: {result.stderr.strip()})")
+  return f"chattr -i {path}"
+
+
+def test_a_checkpoint_folder_turning_read_only_mid_run_stops_in_one_line(tmp_path):
+  """checkpoints/ refuses new files after the first checkpoint (a read-only remount, a full
+  disk, a quota): the next save stops the run at once with one line, exit 1, instead of
+  orbax logging PermissionError and the process hanging; the first checkpoint is intact."""
+  workdir = str(tmp_path / "run")
+  flags = ("--config.num_epochs=3",)
+  log = str(tmp_path / "stderr.log")
+  with open(log, "w") as stderr_file:
+    proc = subprocess.Popen(main_command(workdir, *flags), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=stderr_file)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  committed = os.path.join(checkpoints, str(STEPS_PER_EPOCH), "commit_success.txt")
+  deadline = time.monotonic() + 240
+  while not os.path.exists(committed) and time.monotonic() < deadline:
+    assert proc.poll() is None, open(log).read()[-3000:]
+    time.sleep(0.02)
+  undo = _make_unwritable(checkpoints)
+  try:
+    start = time.monotonic()
+    proc.wait(timeout=120)
+    seconds = time.monotonic() - start
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    subprocess.run(undo.split(), check=True)
+  with open(log) as f:
+    stderr = f.read()
+  assert proc.returncode == 1, stderr[-3000:]
+  fatal = [line for line in stderr.splitlines() if line.startswith("FATAL")]
+  # The probe before each save says it, or orbax's own write does if the folder turned
+  # read-only while a save was under way: one line either way.
+  assert len(fatal) == 1, stderr[-3000:]
+  assert re.fullmatch(rf"FATAL (checkpoint folder {checkpoints} is not writable|writing a "
+                      rf"checkpoint in {checkpoints} failed) \(PermissionError: .*Operation "
+                      r"not permitted.*", fatal[0]), fatal[0]
+  assert stderr.strip().splitlines()[-1] == fatal[0]  # The last word, not a traceback.
+  assert seconds < 60, seconds  # An epoch of configs/test.py, then the refused save.
+  assert checkpoint_steps(workdir) == [STEPS_PER_EPOCH]
+  restored = restore_checkpoint(workdir)  # Intact: it restores.
+  assert int(restored["train"]["step"]) == STEPS_PER_EPOCH

@@ -52,6 +52,7 @@ Read-only use (another run's checkpoints, `read_only=True`): damaged steps are
 skipped with a warning but left in place, and `save` is refused.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -124,7 +125,8 @@ def check_room(directory: str, needed_bytes: int) -> None:
   try:
     if not os.path.isdir(where):
       raise NotADirectoryError(f"{where} is not a folder")
-    tempfile.TemporaryFile(dir=where, prefix=".cpjax-probe-").close()
+    # A named file: an unnamed one (O_TMPFILE) is allowed in a folder that refuses new names.
+    tempfile.NamedTemporaryFile(dir=where, prefix=".cpjax-probe-").close()
   except OSError as err:
     raise CheckpointSaveError(
         f"checkpoint folder {directory} is not writable ({type(err).__name__}: {err}); make "
@@ -197,8 +199,9 @@ class Checkpointer:
     # orbax's asynchronous commit the same error would be logged and the process would hang.
     check_room(self.directory, ROOM_FACTOR * tree_bytes(state))
     meta = {**meta, integrity.INTEGRITY_KEY: integrity.integrity_record(state, meta)}
-    saved = self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    with self._write_errors():  # orbax raises here the error of the previous async save.
+      saved = self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
     if not saved:
       raise CheckpointSaveError(
           f"orbax did not save checkpoint {step} in {self.directory} (its newest is "
@@ -274,7 +277,26 @@ class Checkpointer:
     return None
 
   def wait_until_finished(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the pending save to commit; its failure raises CheckpointSaveError."""
+    with self._write_errors():
+      self._manager.wait_until_finished()
+
+  @contextlib.contextmanager
+  def _write_errors(self):
+    """An error of orbax's (asynchronous) writing as one CheckpointSaveError line.
+
+    After such an error orbax's background threads may never end, and the interpreter waits
+    for them at exit: main.py ends the process at once on CheckpointSaveError.
+    """
+    try:
+      yield
+    except CheckpointSaveError:
+      raise
+    except Exception as err:  # pylint: disable=broad-except  (any write error: one line)
+      raise CheckpointSaveError(
+          f"writing a checkpoint in {self.directory} failed ({_describe(err)}); make the "
+          "folder writable (or free space there) and rerun the same command: it resumes from "
+          "the newest committed checkpoint") from err
 
   def close(self) -> None:
     self._manager.close()
