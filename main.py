@@ -36,6 +36,9 @@ flags.DEFINE_string("coordinator_address", None,
                     "host:port of process 0, for clusters jax cannot auto-detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
 flags.DEFINE_integer("process_id", None, "This process's index (with --coordinator_address).")
+flags.DEFINE_integer("heartbeat_timeout_s", distributed.HEARTBEAT_TIMEOUT_S,
+                     "Multi-process runs: seconds after which a silent (dead) process is "
+                     "declared lost and the others exit with an error instead of waiting.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -55,7 +58,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_quiet_library_info)
-  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                         FLAGS.heartbeat_timeout_s)
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
   try:

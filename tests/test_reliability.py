@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -20,10 +21,13 @@ from cpjax import preflight, run_state, train
 from cpjax.calibration import report
 from cpjax.data import array_records
 from cpjax.runtime import checkpointing, sharding
+from tests import test_faults
 from tests.helpers import (
   REPO,
+  SELECTED_FLAGS,
   STEPS_PER_EPOCH,
   checkpoint_steps,
+  free_port,
   main_command,
   read_metrics,
   restore_checkpoint,
@@ -333,3 +337,65 @@ def test_a_checkpoint_folder_turning_read_only_mid_run_stops_in_one_line(tmp_pat
   assert checkpoint_steps(workdir) == [STEPS_PER_EPOCH]
   restored = restore_checkpoint(workdir)  # Intact: it restores.
   assert int(restored["train"]["step"]) == STEPS_PER_EPOCH
+
+
+# Multi-process liveness and elastic resume.
+
+
+def _start_processes(workdir: str, tmp_path, tag: str, flags, port: int, count: int = 2,
+                     devices: int = 4) -> list[tuple[subprocess.Popen, str]]:
+  """main.py as `count` processes of one job on 127.0.0.1 (`devices` CPU devices each);
+  returns (process, log path) for each."""
+  started = []
+  for i in range(count):
+    log = str(tmp_path / f"{tag}_{i}.log")
+    with open(log, "w") as stderr:
+      started.append((subprocess.Popen(
+          main_command(workdir, *flags, f"--coordinator_address=127.0.0.1:{port}",
+                       f"--num_processes={count}", f"--process_id={i}"),
+          cwd=REPO, env=subprocess_env(devices, JAX_PLATFORMS="cpu"),
+          stdout=subprocess.DEVNULL, stderr=stderr), log))
+  return started
+
+
+def _read(path: str) -> str:
+  with open(path) as f:
+    return f.read()
+
+
+MULTI_FLAGS = (*SELECTED_FLAGS, "--config.log_every_steps=1", "--config.dataset.reader=host")
+
+
+def test_a_killed_process_ends_its_peer_in_bounded_time_and_both_resume(selected_run, digits,
+                                                                       tmp_path):
+  """2 processes (2 x 4 devices); SIGKILL process 1 in epoch 1: process 0 exits non-zero
+  within the heartbeat timeout (10 s here) plus start-up slack, its log naming task 1, never
+  waiting forever. The rerun of both resumes from the last committed checkpoint (epoch 0's)
+  and computes what one process computes (`selected_run`, as the SLURM test compares)."""
+  workdir, heartbeat = str(tmp_path / "run"), 10
+  flags = (*MULTI_FLAGS, f"--heartbeat_timeout_s={heartbeat}")
+  (first, log0), (second, _) = _start_processes(workdir, tmp_path, "first", flags, free_port())
+  try:
+    deadline = time.monotonic() + 300
+    while f"[{STEPS_PER_EPOCH + 5}] train/" not in _read(log0):
+      assert first.poll() is None and time.monotonic() < deadline, _read(log0)[-3000:]
+      time.sleep(0.05)
+    second.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    first.wait(timeout=heartbeat + 110)
+    seconds = time.monotonic() - killed
+  finally:
+    for proc in (first, second):
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  assert first.returncode != 0
+  assert seconds < heartbeat + 50, seconds
+  assert "Task 1 heartbeat timeout" in _read(log0), _read(log0)[-3000:]
+  assert checkpoint_steps(workdir) == [STEPS_PER_EPOCH]  # The last committed one.
+  rerun = _start_processes(workdir, tmp_path, "rerun", MULTI_FLAGS, free_port())
+  for proc, log in rerun:
+    assert proc.wait(timeout=400) == 0, _read(log)[-3000:]
+    assert f"Resumed from {workdir}/checkpoints at global step {STEPS_PER_EPOCH}" in _read(log)
+  assert [r["epoch"] for r in read_metrics(workdir)] == [0, 1, 2]
+  test_faults._assert_like_one_process(selected_run.workdir, workdir, digits["train"].ids)
