@@ -21,6 +21,7 @@ from cpjax import preflight, run_state, train
 from cpjax.calibration import report
 from cpjax.data import array_records
 from cpjax.runtime import checkpointing, sharding
+from cpjax.selection import score_files
 from tests import test_faults
 from tests.helpers import (
   REPO,
@@ -32,8 +33,10 @@ from tests.helpers import (
   read_metrics,
   restore_checkpoint,
   run_main,
+  sigkill_once_saved,
   subprocess_env,
   tiny_config,
+  without_timing,
 )
 
 
@@ -371,7 +374,8 @@ def test_a_killed_process_ends_its_peer_in_bounded_time_and_both_resume(selected
   """2 processes (2 x 4 devices); SIGKILL process 1 in epoch 1: process 0 exits non-zero
   within the heartbeat timeout (10 s here) plus start-up slack, its log naming task 1, never
   waiting forever. The rerun of both resumes from the last committed checkpoint (epoch 0's)
-  and computes what one process computes (`selected_run`, as the SLURM test compares)."""
+  and computes what one process computes (`selected_run`, as the SLURM test compares); so
+  does the same checkpoint resumed as 1 process on 8 devices."""
   workdir, heartbeat = str(tmp_path / "run"), 10
   flags = (*MULTI_FLAGS, f"--heartbeat_timeout_s={heartbeat}")
   (first, log0), (second, _) = _start_processes(workdir, tmp_path, "first", flags, free_port())
@@ -393,9 +397,73 @@ def test_a_killed_process_ends_its_peer_in_bounded_time_and_both_resume(selected
   assert seconds < heartbeat + 50, seconds
   assert "Task 1 heartbeat timeout" in _read(log0), _read(log0)[-3000:]
   assert checkpoint_steps(workdir) == [STEPS_PER_EPOCH]  # The last committed one.
+  single = str(tmp_path / "single")
+  shutil.copytree(workdir, single)
   rerun = _start_processes(workdir, tmp_path, "rerun", MULTI_FLAGS, free_port())
   for proc, log in rerun:
     assert proc.wait(timeout=400) == 0, _read(log)[-3000:]
     assert f"Resumed from {workdir}/checkpoints at global step {STEPS_PER_EPOCH}" in _read(log)
   assert [r["epoch"] for r in read_metrics(workdir)] == [0, 1, 2]
   test_faults._assert_like_one_process(selected_run.workdir, workdir, digits["train"].ids)
+  # The same checkpoint of 2 processes resumed as 1 process on 8 devices: the same run.
+  result = subprocess.run(main_command(single, *MULTI_FLAGS), cwd=REPO, env=subprocess_env(8),
+                          capture_output=True, text=True, timeout=400)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"Resumed from {single}/checkpoints at global step {STEPS_PER_EPOCH}" in result.stderr
+  _assert_same_run(selected_run.workdir, single)
+
+
+def _assert_same_run(expected: str, actual: str) -> None:
+  """Two workdirs of helpers.SELECTED hold the same run up to float rounding: the same rows
+  selected in every epoch (the selection state's integers and the recorded scores' NaN
+  pattern), every metric and score within float32 rounding of reordered sums."""
+  a, b = (without_timing(read_metrics(d)) for d in (expected, actual))
+  assert [r["epoch"] for r in a] == [r["epoch"] for r in b] == [0, 1, 2]
+  for ra, rb in zip(a, b):
+    assert ra.keys() == rb.keys()
+    for key, value in ra.items():
+      if isinstance(value, float):
+        assert rb[key] == pytest.approx(value, rel=1e-3, abs=2e-3, nan_ok=True), key
+      else:
+        assert rb[key] == value, key
+  sa, sb = (restore_checkpoint(d)["selection"] for d in (expected, actual))
+  assert sa.keys() == sb.keys()
+  for key in sorted(set(sa) - {"seconds"}):  # Wall-clock totals differ between any two runs.
+    x, y = np.asarray(sa[key]), np.asarray(sb[key])
+    if np.issubdtype(x.dtype, np.floating):
+      np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+      np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-3)
+    else:
+      np.testing.assert_array_equal(x, y)
+  for epoch in range(3):
+    x, y = (np.load(score_files.score_path(d, epoch)) for d in (expected, actual))
+    np.testing.assert_array_equal(np.isnan(x), np.isnan(y))  # The same rows trained.
+    np.testing.assert_allclose(x, y, atol=1e-4)
+
+
+def test_a_checkpoint_of_8_devices_resumes_on_4_and_2_and_is_refused_on_3(selected_run,
+                                                                        tmp_path):
+  """A run of helpers.SELECTED on 8 CPU devices, SIGKILLed once its epoch-0 checkpoint is
+  saved, resumed on 4 and on 2 devices: the same run as the uninterrupted one on 8
+  (`selected_run`). On 3 devices the batch of 64 no longer divides: refused at start-up,
+  naming the value and the device count, the checkpoint untouched."""
+  eight = str(tmp_path / "eight")
+  sigkill_once_saved(eight, SELECTED_FLAGS, STEPS_PER_EPOCH, subprocess_env(8))
+  refused = subprocess.run(main_command(eight, *SELECTED_FLAGS), cwd=REPO,
+                           env=subprocess_env(3), capture_output=True, text=True, timeout=300)
+  assert refused.returncode != 0
+  assert ("config.batch_size=64 must be divisible by the device count 3"
+          in refused.stderr), refused.stderr[-3000:]
+  assert checkpoint_steps(eight) == [STEPS_PER_EPOCH]
+  for devices in (4, 2):
+    workdir = str(tmp_path / f"on{devices}")
+    shutil.copytree(eight, workdir)
+    result = subprocess.run(main_command(workdir, *SELECTED_FLAGS), cwd=REPO,
+                            env=subprocess_env(devices), capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Resumed from {workdir}/checkpoints at global step {STEPS_PER_EPOCH}" in (
+        result.stderr)
+    assert f"local devices: [{', '.join(f'CpuDevice(id={i})' for i in range(devices))}]" in (
+        result.stderr)
+    _assert_same_run(selected_run.workdir, workdir)
