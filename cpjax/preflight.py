@@ -7,9 +7,9 @@ the checkpoint folder, any data load or compile. It checks
     builder), or, for a streamed run, every array_record split's index, shard sizes and a
     sample of records against their CRC-32 (`array_records.check_files`);
   * the OOD set of the final report (`evaluation.ood` naming another dataset): prepared;
-  * a target run (`selection.target_workdir`): its config, split fields and recorded
-    scores (`sources.check_target`);
-  * for training: that the checkpoint folder (or its nearest existing parent) is writable
+  * for training, a target run (`selection.target_workdir`): its config, split fields and
+    recorded scores (`sources.check_target`);
+  * for training, that the checkpoint folder (or its nearest existing parent) is writable
     and has room for checkpointing.ROOM_FACTOR times the run's checkpoint, whose size is read
     from the shapes of its tree (`run_state.abstract`), computing nothing.
 
@@ -37,9 +37,9 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
   Raises:
     StartupCheckError: one line per failed check.
   """
-  checks = [_check_dataset, _check_ood, _check_target]
-  if mode == "train":
-    checks.append(lambda c: _check_checkpoint_room(c, workdir))
+  checks = [_check_dataset, _check_ood]
+  if mode == "train":  # Evaluating reads no target run and writes no checkpoint.
+    checks += [_check_target, lambda c: _check_checkpoint_room(c, workdir)]
   problems = []
   for one in checks:
     try:

@@ -252,6 +252,21 @@ def strict_json(value: Any) -> Any:
   return value
 
 
+def read_results(path: str) -> dict[str, Any]:
+  """A results.json as written, with each `null` (an undefined value) read back as NaN, so
+  arithmetic on it propagates as it did before the file was written."""
+  with open(path, encoding="utf-8") as f:
+    return _null_to_nan(json.load(f))
+
+
+def _null_to_nan(value: Any) -> Any:
+  if isinstance(value, dict):
+    return {k: _null_to_nan(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_null_to_nan(v) for v in value]
+  return float("nan") if value is None else value
+
+
 def write_report(report_dir: str, report: dict[str, Any],
                  gamma: tuple[np.ndarray, np.ndarray] | None = None) -> list[str]:
   """Writes results.json, results.md and three PNGs; with `gamma` = (an FL_gamma run's test
