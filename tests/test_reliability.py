@@ -401,7 +401,9 @@ def test_a_killed_process_ends_its_peer_in_bounded_time_and_both_resume(selected
         proc.wait()
   assert first.returncode != 0
   assert seconds < heartbeat + 50, seconds
-  assert "Task 1 heartbeat timeout" in _read(log0), _read(log0)[-3000:]
+  # JAX names the lost task in one of two ways, depending on what the survivor was doing.
+  assert re.search(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s*\n"
+                   r"(/job:jax_worker/replica:0/task:)?1\n", _read(log0)), _read(log0)[-3000:]
   assert checkpoint_steps(workdir) == [STEPS_PER_EPOCH]  # The last committed one.
   single = str(tmp_path / "single")
   shutil.copytree(workdir, single)
