@@ -270,6 +270,11 @@ def test_a_damaged_record_is_named_by_file_and_record_when_read(stream_dir, digi
                            r"\(its CRC-32 differs"):
     reader.images.read(np.arange(train_rows - 10, train_rows))
   reader.images.read(np.arange(10))  # The other rows still read.
+  # Met by grain's read-ahead threads, as in training: the same error reaches the loop.
+  blocks = np.arange(train_rows - train_rows % 8).reshape(-1, 8)
+  with pytest.raises(array_records.DamagedRecordError, match=rf"{path}: record {record} "):
+    for _ in reader.images.prefetched(blocks, num_threads=2, buffer_size=2):
+      pass
   # Flipped bytes in a record of the test split: array_record's own chunk hash fails.
   path = os.path.join(stream_dir, "test.array_record-00000-of-00002")
   with open(path, "rb") as f:
