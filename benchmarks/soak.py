@@ -8,8 +8,9 @@ after 1 warm-up epoch, scores recorded) for `--epochs` epochs through
 `train.train_and_evaluate`, in this process, and samples after each epoch (when its record
 reaches metrics.jsonl) the process's resident memory (host RSS, /proc via psutil) and each
 local device's `memory_stats()` bytes in use (None on backends without them, e.g. CPU).
-Reports the RSS growth per epoch as the least-squares slope over the epochs after
-`--skip` (the first epochs compile and fill caches), and the largest single-epoch step.
+Reports the RSS growth per epoch over the epochs after `--skip` (the first epochs compile
+and fill caches) as the least-squares slope and as the median single-epoch step (robust to
+the allocator handing memory back now and then), and the largest single-epoch step.
 A leak of one batch per epoch would show as a slope of at least the batch's bytes.
 """
 
@@ -89,6 +90,9 @@ def main():
   result = {"epochs": args.epochs, "seconds": seconds, "skip": args.skip,
             "rss_mib_first": float(rss[0]), "rss_mib_last": float(rss[-1]),
             "rss_mib_growth_per_epoch": slope,
+            # Robust to the allocator handing memory back now and then (a one-epoch drop).
+            "rss_mib_median_epoch_step": float(np.median(np.diff(rss[args.skip:])))
+            if len(tail) >= 2 else float("nan"),
             "rss_mib_largest_epoch_step": float(np.max(np.diff(rss[args.skip:])))
             if len(tail) >= 2 else float("nan"),
             "device": str(jax.devices()[0]), "samples": samples}
