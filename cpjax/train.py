@@ -5,7 +5,9 @@ checkpoint in `workdir` if there is one, and runs one loop over epochs: choose
 the epoch's rows (cpjax.selection), train them with the jitted train step
 (cpjax.steps), log train metrics every `log_every_steps`, evaluate and
 checkpoint when `run_context.due`, and write the calibration report after the last epoch
-(cpjax.evaluation).
+(cpjax.evaluation), once that epoch's checkpoint has committed: a report that fails loses no
+training, and a rerun (or --mode=evaluate) writes it. Start-up checks (cpjax.preflight) run
+before the workdir is touched; an epoch that learns nothing stops the run.
 """
 
 from collections.abc import Iterator
