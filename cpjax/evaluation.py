@@ -45,13 +45,20 @@ def finite_logits(run: run_context.Run, state: steps.TrainState,
   return logits
 
 
-def evaluate_when_due(run: run_context.Run, state: steps.TrainState,
-                      epoch: int) -> dict[str, float]:
-  """The epoch's val/test metrics: from the final report after the last epoch, from an
-  evaluation every `eval_every_epochs`, else none."""
+def final_logits(run: run_context.Run, state: steps.TrainState) -> dict[str, np.ndarray]:
+  """The validation and test logits of the final report; non-finite ones stop the run (the
+  loop computes them before it saves the last epoch, so such a state is never saved)."""
+  return {name: finite_logits(run, state, run.readers[name], name) for name in ("val", "test")}
+
+
+def evaluate_when_due(run: run_context.Run, state: steps.TrainState, epoch: int,
+                      logits: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+  """The epoch's val/test metrics: from the final report after the last epoch (from
+  `logits`, `final_logits` of `state`, if given), from an evaluation every
+  `eval_every_epochs`, else none."""
   config = run.config
   if epoch + 1 == run.num_epochs:  # The report's before-TS numbers are the last eval.
-    results = write_final_report(run, state, epoch + 1)
+    results = write_final_report(run, state, epoch + 1, logits=logits)
     return {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
             for split in ("val", "test") for name in report.EPOCH_METRICS}
   if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
@@ -71,15 +78,16 @@ def _ood_split(run: run_context.Run) -> splits.Split | None:
 
 
 def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int,
-                       epoch_step: int = 0) -> dict[str, Any]:
+                       epoch_step: int = 0,
+                       logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
   """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
-  `epoch_step` steps of the next) and writes it to workdir/report, naming that checkpoint."""
+  `epoch_step` steps of the next; `logits`: its `final_logits` if already computed) and
+  writes it to workdir/report, naming that checkpoint."""
   config = run.config
-
+  logits = logits or final_logits(run, state)
   ood = _ood_split(run)
   results = report.build_report(
-      (finite_logits(run, state, run.readers["val"], "val"), run.splits["val"].labels),
-      (finite_logits(run, state, run.readers["test"], "test"), run.splits["test"].labels),
+      (logits["val"], run.splits["val"].labels), (logits["test"], run.splits["test"].labels),
       specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
       None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
                                              config.eval_batch_size))

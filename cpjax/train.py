@@ -139,11 +139,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         selection_state, selection_record = chooser.after_epoch(
             epoch, selection_state, order, per_example, timings, workdir)
         record.update(selection_record)
-        last = epoch + 1 == run.num_epochs
+        last, logits = epoch + 1 == run.num_epochs, None
         if last:  # Committed before the report: a report that fails loses no training.
+          logits = evaluation.final_logits(run, state)  # Non-finite: stops, nothing saved.
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
           run.checkpointer.wait_until_finished()
-        record.update(evaluation.evaluate_when_due(run, state, epoch))
+        record.update(evaluation.evaluate_when_due(run, state, epoch, logits))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
         writer.write_scalars(int(jax.device_get(state.step)), {
             k: v for k, v in record.items() if isinstance(v, (int, float)) and np.isfinite(v)})
