@@ -27,8 +27,8 @@ import jax
 from ml_collections import config_flags
 
 from configs import default
-from cpjax import config_validation, train
-from cpjax.runtime import distributed, preemption
+from cpjax import config_validation, preflight, train
+from cpjax.runtime import checkpointing, distributed, preemption
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -40,6 +40,9 @@ flags.DEFINE_string("coordinator_address", None,
                     "host:port of process 0, for clusters jax cannot auto-detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
 flags.DEFINE_integer("process_id", None, "This process's index (with --coordinator_address).")
+flags.DEFINE_integer("heartbeat_timeout_s", distributed.HEARTBEAT_TIMEOUT_S,
+                     "Multi-process runs: seconds after which a silent (dead) process is "
+                     "declared lost and the others exit with an error instead of waiting.")
 flags.mark_flags_as_required(["config", "workdir"])
 USAGE_ERROR = 2  # Exit status of a bad command line or config (as absl's and argparse's).
 
@@ -60,7 +63,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_quiet_library_info)
-  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                         FLAGS.heartbeat_timeout_s)
   config = _config_with_implied_settings()
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
@@ -71,6 +75,15 @@ def main(argv):
       train.evaluate_only(config, FLAGS.workdir)
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     sys.exit(preemption.EXIT_CODE)
+  except preflight.StartupCheckError as err:  # One line per problem, no traceback.
+    print(f"FATAL {err}", file=sys.stderr)
+    sys.exit(1)
+  except checkpointing.CheckpointSaveError as err:
+    print(f"FATAL {err}", file=sys.stderr, flush=True)
+    # After a failed write orbax's background threads may never end, and a normal exit
+    # waits for them (the process would hang, holding its allocation): end it now. The
+    # workdir lock is released with the process.
+    os._exit(1)
 
 
 def _config_with_implied_settings():

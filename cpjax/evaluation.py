@@ -4,12 +4,14 @@ means the model diverged: the run stops with `run_context.NonFiniteLossError`.""
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 from typing import Any
 
 from clu import metric_writers
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from cpjax import run_context, run_state, steps
@@ -77,16 +79,22 @@ def finite_logits(run: run_context.Run, state: steps.TrainState,
   return logits
 
 
+def final_logits(run: run_context.Run, state: steps.TrainState) -> dict[str, np.ndarray]:
+  """The validation and test logits of the final report; non-finite ones stop the run (the
+  loop computes them before it saves the last epoch, so such a state is never saved)."""
+  return {name: finite_logits(run, state, run.readers[name], name) for name in ("val", "test")}
+
+
 def evaluate_when_due(run: run_context.Run, state: steps.TrainState, epoch: int,
-                      writer: metric_writers.MetricWriter | None = None, step: int = 0
-                      ) -> dict[str, float]:
-  """The epoch's val/test metrics: from the final report after the last epoch, from an
-  evaluation every `eval_every_epochs`, else none. With `writer`, the evaluation's
-  calibration figures (and the report's after-TS metrics and temperature) go to it at
-  global `step`."""
+                      writer: metric_writers.MetricWriter | None = None, step: int = 0,
+                      logits: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+  """The epoch's val/test metrics: from the final report after the last epoch (from
+  `logits`, `final_logits` of `state`, if given), from an evaluation every
+  `eval_every_epochs`, else none. With `writer`, the evaluation's calibration figures (and
+  the report's after-TS metrics and temperature) go to it at global `step`."""
   config = run.config
   if epoch + 1 == run.num_epochs:  # The report's before-TS numbers are the last eval.
-    results = write_final_report(run, state, epoch + 1)
+    results = write_final_report(run, state, epoch + 1, logits=logits)
     if writer is not None:
       _write_report_summaries(writer, step, results)
     return {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
@@ -107,22 +115,26 @@ def _ood_split(run: run_context.Run) -> splits.Split | None:
   return input_pipeline.get_test_split(run.config.dataset, evaluation.ood)
 
 
-def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int) -> dict[str, Any]:
-  """Builds the calibration report of `state` and writes it to workdir/report."""
+def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int,
+                       epoch_step: int = 0,
+                       logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+  """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
+  `epoch_step` steps of the next; `logits`: its `final_logits` if already computed) and
+  writes it to workdir/report, naming that checkpoint."""
   config = run.config
   logging.info("Building the calibration report after epoch %d: temperature fit, metrics, "
                "%d bootstrap resamples per interval.", epoch,
                config.evaluation.bootstrap_resamples)
+  logits = logits or final_logits(run, state)
   ood = _ood_split(run)
-  test_logits = finite_logits(run, state, run.readers["test"], "test")
   results = report.build_report(
-      (finite_logits(run, state, run.readers["val"], "val"), run.splits["val"].labels),
-      (test_logits, run.splits["test"].labels),
+      (logits["val"], run.splits["val"].labels), (logits["test"], run.splits["test"].labels),
       specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
       None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
                                              config.eval_batch_size))
   results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
-                       f"after epoch {epoch}", epoch=epoch)
+                       f"after epoch {epoch}", epoch=epoch, epoch_step=epoch_step,
+                 checkpoint_step=int(jax.device_get(state.step)))
   gamma = test_gammas(run, state) if isinstance(state, steps.MetaTrainState) else None
   if gamma is not None:
     results["gamma"] = report.gamma_summary(*gamma)
@@ -136,10 +148,25 @@ def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int
     # on the same test images (e.g. a paired bootstrap of accuracy differences).
     paths.append(os.path.join(run.workdir, "report", "test_logits.npz"))
     files.atomic_write(paths[-1], lambda f: np.savez_compressed(
-        f, logits=test_logits.astype(np.float32), labels=run.splits["test"].labels,
+        f, logits=logits["test"].astype(np.float32), labels=run.splits["test"].labels,
         ids=run.splits["test"].ids))
     logging.info("Wrote the calibration report: %s", ", ".join(paths))
   return results
+
+
+def report_describes(run: run_context.Run, step: int) -> bool:
+  """Whether workdir/report/results.json exists and describes the checkpoint at `step`, as
+  process 0 (the one that writes it) sees it: every process gets the same answer."""
+  found = False
+  if jax.process_index() == 0:
+    try:
+      with open(os.path.join(run.workdir, "report", "results.json"), encoding="utf-8") as f:
+        found = json.load(f).get("checkpoint_step") == step
+    except (OSError, ValueError):
+      pass
+  if jax.process_count() > 1:
+    found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+  return found
 
 
 def test_gammas(run: run_context.Run, state: steps.MetaTrainState

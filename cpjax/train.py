@@ -5,7 +5,9 @@ checkpoint in `workdir` if there is one, and runs one loop over epochs: choose
 the epoch's rows (cpjax.selection), train them with the jitted train step
 (cpjax.steps), log train metrics every `log_every_steps`, evaluate and
 checkpoint when `run_context.due`, and write the calibration report after the last epoch
-(cpjax.evaluation).
+(cpjax.evaluation), once that epoch's checkpoint has committed: a report that fails loses no
+training, and a rerun (or --mode=evaluate) writes it. Start-up checks (cpjax.preflight) run
+before the workdir is touched; an epoch that learns nothing stops the run.
 """
 
 from collections.abc import Iterator
@@ -25,7 +27,16 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import config_validation, evaluation, models, optim, run_context, run_state, steps
+from cpjax import (
+  config_validation,
+  evaluation,
+  models,
+  optim,
+  preflight,
+  run_context,
+  run_state,
+  steps,
+)
 from cpjax.calibration import gamma_net, losses
 from cpjax.data import input_pipeline, specs, splits
 
@@ -40,9 +51,16 @@ from cpjax.runtime import (
   sharding,
   workdir_lock,
 )
-from cpjax.selection import bookkeeping, scores, selector, sources
+from cpjax.selection import bookkeeping, scores, selector
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
+# Also kept over an epoch: the largest gradient norm and the smallest and largest batch mean
+# loss; a whole epoch with a zero gradient or one exact loss value learned nothing.
+_EXTREMES = {"grad_norm_max": np.inf, "loss_min": -np.inf, "loss_max": np.inf}  # Unknown.
+
+
+class StalledTrainingError(RuntimeError):
+  """A whole epoch trained with a gradient exactly zero or a loss exactly constant."""
 
 
 @dataclasses.dataclass
@@ -109,6 +127,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if run.start_epoch == 0 and run.partial is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
   state, selection_state, record = run.state, run.selection, {}
+  _finish_report(run)
   with preemption.PreemptionGuard() as guard:
     hooks = LoopHooks(writer, progress, guard)
     try:
@@ -125,14 +144,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         selection_state, selection_record = chooser.after_epoch(
             epoch, selection_state, order, per_example, timings, workdir)
         record.update(selection_record)
-        step = int(jax.device_get(state.step))
-        record.update(evaluation.evaluate_when_due(run, state, epoch, writer, step))
+        last, logits = epoch + 1 == run.num_epochs, None
+        if last:  # Committed before the report: a report that fails loses no training.
+          logits = evaluation.final_logits(run, state)  # Non-finite: stops, nothing saved.
+          step = _save(run, state, selection_state, epochs_done=epoch + 1)
+          run.checkpointer.wait_until_finished()
+        global_step = int(jax.device_get(state.step))
+        record.update(evaluation.evaluate_when_due(run, state, epoch, writer, global_step,
+                                                   logits))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
-        epoch_writer.write_scalars(step, record)
+        epoch_writer.write_scalars(global_step, record)
         if epoch == run.start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
-        if run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs) or (
-            hooks.stop_after_epoch):
+        if not last and (run_context.due(epoch, config.checkpoint_every_epochs,
+                                         run.num_epochs) or hooks.stop_after_epoch):
           step = _save(run, state, selection_state, epochs_done=epoch + 1)
         if hooks.stop_after_epoch and epoch + 1 < run.num_epochs:
           _stop_preempted(run, step, epoch + 1, 0, guard.signal_name)
@@ -140,6 +165,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       run.checkpointer.wait_until_finished()
       writer.flush()
   return record
+
+
+def _finish_report(run: Run) -> None:
+  """Writes the report of a run whose training is complete but whose report is missing or
+  describes another checkpoint (the report failed after the last checkpoint was saved)."""
+  if run.start_epoch < run.num_epochs or run.partial is not None:
+    return
+  step = int(jax.device_get(run.state.step))
+  if not evaluation.report_describes(run, step):
+    logging.warning("Training is complete (checkpoint %d) but report/ does not describe it; "
+                    "writing the report now.", step)
+    evaluation.write_final_report(run, run.state, run.start_epoch)
 
 
 def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -154,13 +191,14 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # Before _setup creates it.
     raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
                             "first or point --workdir at a trained run")
-  _check_before_work(config, workdir)
+  _check_before_work(config, workdir, "evaluate")
   with workdir_lock.WorkdirLock(workdir):
     run = _setup(config, workdir)
     if run.start_epoch == 0 and run.partial is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
-    return evaluation.write_final_report(run, run.state, run.start_epoch)
+    return evaluation.write_final_report(run, run.state, run.start_epoch,
+                                         run.partial["steps"] if run.partial else 0)
 
 
 def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
@@ -211,26 +249,34 @@ def _partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
   saved = jax.tree.map(np.asarray, saved)
   rows = done_steps * config.batch_size
   return {"steps": done_steps,
+          # The extremes of the steps before the checkpoint are not saved: left unknown.
           "totals": {"loss_sum": saved["loss_sum"], "correct": saved["correct"],
-                     "count": saved["count"], "first_bad_step": np.int32(steps.NO_BAD_STEP)},
+                     "count": saved["count"], "first_bad_step": np.int32(steps.NO_BAD_STEP),
+                     **{k: np.float32(v) for k, v in _EXTREMES.items()}},
           "outputs": {k: saved[f"each_{k}"][:rows] for k in run_state.PER_EXAMPLE}}
 
 
-def _check_before_work(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Validates the config, a target run and the workdir: before any data load or compile."""
+def _check_before_work(config: ml_collections.ConfigDict, workdir: str,
+                       mode: str = "train") -> None:
+  """Validates the config and the workdir and runs the start-up checks (cpjax.preflight):
+  before the workdir lock, any data load or compile."""
   config_validation.validate(config)
   for warning in config_validation.size_warnings(config):
     logging.warning("%s", warning)
-  if config.selection.target_workdir:  # Validated: set only where a target is used.
-    sources.check_target(config)
   _check_workdir(workdir)
+  preflight.check(config, workdir, mode)
 
 
 def _check_workdir(workdir: str) -> None:
-  """Fails early, before any data load or compile, if `workdir` is unusable."""
+  """Fails early, before any data load or compile, if `workdir` is unusable; creates
+  nothing (the workdir lock creates it once every check has passed)."""
+  where = os.path.abspath(workdir)
+  while not os.path.exists(where):
+    where = os.path.dirname(where)
   try:
-    os.makedirs(workdir, exist_ok=True)
-    tempfile.NamedTemporaryFile(dir=workdir).close()  # Can we create files here?
+    if not os.path.isdir(where):
+      raise NotADirectoryError(f"{where} is not a directory")
+    tempfile.NamedTemporaryFile(dir=where).close()  # Can we create files here?
   except OSError as err:
     raise PermissionError(f"--workdir {workdir!r} is not a writable directory: {err}") from err
 
@@ -307,19 +353,28 @@ _global_norm = jax.jit(optax.tree.norm)
 
 @jax.jit
 def _accumulate(totals: dict[str, jax.Array], batch_metrics: dict[str, jax.Array]):
-  """Sums batch metrics on device (min for the first non-finite step)."""
+  """Sums batch metrics on device (min for the first non-finite step and the smallest loss,
+  max for the largest gradient norm and loss)."""
   # Not clu.metrics (Average / Accuracy .merge): the same float32 additions, but the sums are
   # checkpointed mid-epoch as plain arrays (run_state's "partial") and first_bad_step is a
   # min, which clu.metrics has no metric for; a Collection would wrap three additions.
-  return {k: jnp.minimum(v, batch_metrics[k]) if k == "first_bad_step" else v + batch_metrics[k]
-          for k, v in totals.items()}
+  combine = {"first_bad_step": jnp.minimum, "loss_min": jnp.minimum,
+             "grad_norm_max": jnp.maximum, "loss_max": jnp.maximum}
+  return {k: combine.get(k, jnp.add)(v, batch_metrics[k]) for k, v in totals.items()}
+
+
+def _epoch_sums(batch_metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """What `_accumulate` keeps of one step's metrics."""
+  mean_loss = batch_metrics["loss_sum"] / batch_metrics["count"]
+  return {**{k: batch_metrics[k] for k in EPOCH_SUMS}, "grad_norm_max": batch_metrics["grad_norm"],
+          "loss_min": mean_loss, "loss_max": mean_loss}
 
 
 def _fold_steps(totals: dict[str, jax.Array] | None, window: list[dict[str, jax.Array]]
                 ) -> dict[str, jax.Array] | None:
   """`totals` (None: nothing yet) plus the epoch sums of each step's metrics, in order."""
   for batch_metrics in window:
-    sums = {k: batch_metrics[k] for k in EPOCH_SUMS}
+    sums = _epoch_sums(batch_metrics)
     totals = sums if totals is None else _accumulate(totals, sums)
   return totals
 
@@ -399,6 +454,7 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   totals = _fold_steps(totals, window)  # The steps after the last logging point.
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
+  _raise_if_stalled(run, totals, epoch, len(order))
   per_example = _host_outputs(outputs, done["outputs"])
   record = {"train_loss": float(totals["loss_sum"] / totals["count"]),
             "train_accuracy": float(totals["correct"] / totals["count"]),
@@ -515,3 +571,21 @@ def _raise_if_bad(run: Run, totals: dict[str, Any], epoch: int, epoch_start_step
         f"{run_context.last_good(run)} Lower the learning rate or enable gradient clipping.")
 
 
+
+
+def _raise_if_stalled(run: Run, totals: dict[str, np.ndarray], epoch: int, num_steps: int
+                      ) -> None:
+  """Stops a run whose epoch learned nothing: a gradient exactly zero at every step, or the
+  same batch mean loss, bit for bit, at every one of several steps (different batches)."""
+  zero_gradient = float(totals["grad_norm_max"]) == 0.0
+  constant_loss = num_steps > 1 and float(totals["loss_min"]) == float(totals["loss_max"])
+  if not (zero_gradient or constant_loss):
+    return
+  what = ("the gradient was exactly zero" if zero_gradient else
+          f"the training loss was exactly {float(totals['loss_min'])!r}")
+  raise StalledTrainingError(
+      f"the run learns nothing: at every one of the {num_steps} steps of epoch {epoch} {what}; "
+      f"the run stopped without saving this state. {run_context.last_good(run)} Check the "
+      f"loss and its hyperparameters (loss.name={run.config.loss.name!r}; an FL_gamma loss "
+      "needs meta.max_gamma > 0 and a meta.temperature that keeps gamma-Net's softmax "
+      "finite) and the learning rate.")

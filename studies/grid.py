@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 
 from cpjax import train
+from cpjax.calibration import report as calibration_report
 
 COLUMNS = (("accuracy", "before_ts", "accuracy"), ("ece", "before_ts", "ece"),
            ("ece_left_closed", "before_ts", "ece_left_closed"), ("ece_after_ts", "after_ts", "ece"))
@@ -37,8 +38,7 @@ def run_cell(base, overrides: dict[str, Any], workdir: str) -> dict[str, Any]:
     train.train_and_evaluate(apply(base, overrides), workdir)
     with open(os.path.join(workdir, "wall_seconds.txt"), "w") as f:
       f.write(str(time.time() - start))
-  with open(report_path) as f:
-    report = json.load(f)
+  report = calibration_report.read_results(report_path)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     last = [json.loads(line) for line in f][-1]
   with open(os.path.join(workdir, "wall_seconds.txt")) as f:

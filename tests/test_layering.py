@@ -72,10 +72,12 @@ RANKS = {
     "selection.sources": 4,
     # 5: config validation (knows every registry).
     "config_validation": 5,
-    # 6-8: what the loop and evaluation share (Run), evaluation and the report, the loop.
-    "run_context": 6,
-    "evaluation": 7,
-    "train": 8,
+    # 6: the start-up checks (data, OOD set, target runs, stream files, checkpoint room).
+    "preflight": 6,
+    # 7-9: what the loop and evaluation share (Run), evaluation and the report, the loop.
+    "run_context": 7,
+    "evaluation": 8,
+    "train": 9,
 }
 
 

@@ -138,12 +138,22 @@ def gamma_summary(gamma: np.ndarray, correct: np.ndarray) -> dict[str, dict[str,
   return out
 
 
+def _epochs(report: dict[str, Any]) -> str:
+  """'after 3 epochs', or 'after 3 epochs and 7 steps of epoch 3' for a mid-epoch checkpoint."""
+  text = f"after {report['epoch']} epochs"
+  if report.get("epoch_step"):
+    text += f" and {report['epoch_step']} steps of epoch {report['epoch']}"
+  return text
+
+
 def _markdown(report: dict[str, Any]) -> str:
   fit = report["temperature"]
-  lines = [f"# Calibration report: {report.get('title', '')}", "",
-           f"Temperature ({fit['method']}, fitted on validation): T = {fit['temperature']:.3f}; "
-           f"validation NLL {fit['nll_before']:.4f} -> {fit['nll_after']:.4f}"
-           + (" (NLL ROSE: the fit does not help NLL)" if fit["nll_rose"] else ""), ""]
+  lines = [f"# Calibration report: {report.get('title', '')}", ""]
+  if "checkpoint_step" in report:
+    lines += [f"The model of global step {report['checkpoint_step']}: {_epochs(report)}.", ""]
+  lines += [f"Temperature ({fit['method']}, fitted on validation): T = {fit['temperature']:.3f}; "
+            f"validation NLL {fit['nll_before']:.4f} -> {fit['nll_after']:.4f}"
+            + (" (NLL ROSE: the fit does not help NLL)" if fit["nll_rose"] else ""), ""]
   for split, by_tag in report["metrics"].items():
     lines += [f"## {split}", "", "| metric | before TS | after TS |", "|---|---|---|"]
     lines += [f"| {name} | {by_tag['before_ts'][name]:.4f} | {by_tag['after_ts'][name]:.4f} |"
@@ -201,6 +211,37 @@ def _gamma_figure(path: str, gamma: np.ndarray, correct: np.ndarray) -> None:
   plt.close(fig)
 
 
+def strict_json(value: Any) -> Any:
+  """`value` (dicts, lists, numbers, NumPy scalars and arrays) with every float that is NaN or
+  infinite replaced by None: JSON has no NaN, and strict parsers refuse Python's `NaN` token."""
+  if isinstance(value, dict):
+    return {k: strict_json(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple, np.ndarray)):
+    return [strict_json(v) for v in value]
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  if isinstance(value, (float, np.floating)):
+    return float(value) if np.isfinite(value) else None
+  return value
+
+
+def read_results(path: str) -> dict[str, Any]:
+  """A results.json as written, with each `null` (an undefined value) read back as NaN, so
+  arithmetic on it propagates as it did before the file was written."""
+  with open(path, encoding="utf-8") as f:
+    return _null_to_nan(json.load(f))
+
+
+def _null_to_nan(value: Any) -> Any:
+  if isinstance(value, dict):
+    return {k: _null_to_nan(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_null_to_nan(v) for v in value]
+  return float("nan") if value is None else value
+
+
 def write_report(report_dir: str, report: dict[str, Any],
                  gamma: tuple[np.ndarray, np.ndarray] | None = None) -> list[str]:
   """Writes results.json, results.md and three PNGs; with `gamma` = (an FL_gamma run's test
@@ -209,7 +250,7 @@ def write_report(report_dir: str, report: dict[str, Any],
   paths = [os.path.join(report_dir, name) for name in (
       "results.json", "results.md", "reliability_before_ts.png", "reliability_after_ts.png",
       "confidence_histogram.png")]
-  files.atomic_write(paths[0], json.dumps(report, indent=1, default=float))
+  files.atomic_write(paths[0], json.dumps(strict_json(report), indent=1, allow_nan=False))
   files.atomic_write(paths[1], _markdown(report))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
     _save_png(path, figures.reliability_figure(report["reliability"][tag],

@@ -5,11 +5,16 @@ A split `name` in `directory` is
   name.array_record-00000-of-0000S ...  one record per row, in row order: the row's
                                          uint8 image, raw (H * W * C bytes, no codec)
   name.index.npz                         labels [N] int32, ids [N] int32, image_shape,
-                                         and the dataset config fields that decide the
-                                         split's ids (so a mismatched directory is refused)
+                                         the dataset config fields that decide the
+                                         split's ids (so a mismatched directory is refused),
+                                         each shard's size in bytes and each record's
+                                         CRC-32 (so a damaged file is refused)
 
 so a reader holds labels and ids (8 bytes per example) and array_record's
-per-record offsets in memory, never the images. `write_split` takes an iterator
+per-record offsets in memory, never the images. `check_files` (run at start-up) compares
+the shard sizes with the index and reads a sample of records against their CRC-32; every
+record read later is checked too, and a damaged one raises `DamagedRecordError` naming the
+file and the record: a garbled image never reaches training. `write_split` takes an iterator
 of (id, label, image), so a set larger than memory can be written as it is read;
 `write_splits` writes the splits of a dataset config. `stream_reader` builds a
 `readers.StreamReader` over `RecordImages`, which reads rows with grain's
@@ -20,6 +25,7 @@ ArrayRecordDataSource and reads upcoming batches ahead in background threads
 from collections.abc import Iterable, Mapping
 import os
 import threading
+import zlib
 
 from array_record.python import array_record_module
 import grain
@@ -55,6 +61,7 @@ def write_split(examples: Iterable[tuple[int, int, np.ndarray]], num_examples: i
   paths = _shard_paths(directory, name, num_shards)
   shard_of_start = {i * num_examples // num_shards: i for i in range(num_shards)}
   labels, ids = np.zeros(num_examples, np.int32), np.zeros(num_examples, np.int32)
+  crc32 = np.zeros(num_examples, np.uint32)
   image_shape, writer, written = None, None, 0
   try:
     for row, (example_id, label, image) in enumerate(examples):
@@ -72,8 +79,9 @@ def write_split(examples: Iterable[tuple[int, int, np.ndarray]], num_examples: i
       image_shape = image.shape if image_shape is None else image_shape
       if image.shape != image_shape:
         raise ValueError(f"row {row} of {name} has image shape {image.shape}, not {image_shape}")
-      writer.write(np.ascontiguousarray(image).tobytes())
-      labels[row], ids[row] = label, example_id
+      record = np.ascontiguousarray(image).tobytes()
+      writer.write(record)
+      labels[row], ids[row], crc32[row] = label, example_id, zlib.crc32(record)
       written = row + 1
   finally:
     if writer is not None:
@@ -82,7 +90,8 @@ def write_split(examples: Iterable[tuple[int, int, np.ndarray]], num_examples: i
     raise ValueError(f"split {name}: {written} examples written, {num_examples} announced")
   # The index last: a directory whose index exists was written whole.
   np.savez(os.path.join(directory, f"{name}.index.npz"), labels=labels, ids=ids,
-           image_shape=np.asarray(image_shape, np.int64), num_shards=num_shards,
+           image_shape=np.asarray(image_shape, np.int64), num_shards=num_shards, crc32=crc32,
+           shard_bytes=np.asarray([os.path.getsize(p) for p in paths], np.int64),
            **{f"split_{k}": np.asarray(v) for k, v in split_key.items()})
   return paths
 
@@ -140,14 +149,41 @@ def _check_written_for(index, split: splits.Split, name: str, directory: str,
                      f"config's {len(expected)} {name} ids: rewrite it for this config")
 
 
-class RecordImages:
-  """Random access to a split's images by row: grain's ArrayRecordDataSource over its shards."""
+class DamagedRecordError(ValueError):
+  """A record of an array_record split is unreadable or differs from what was written."""
 
-  def __init__(self, paths: list[str], image_shape: tuple[int, ...], num_rows: int):
-    self._source = grain.sources.ArrayRecordDataSource(paths)
+
+_REWRITE = "rewrite the split with python -m scripts.write_array_records --config=... --out=DIR"
+
+
+def _open_source(paths: list[str]) -> grain.sources.ArrayRecordDataSource:
+  """grain's source over `paths`; array_record's bare errors named by file."""
+  try:
+    return grain.sources.ArrayRecordDataSource(paths)
+  except Exception as err:  # pylint: disable=broad-except  (array_record: bare RuntimeError)
+    for path in paths:  # Which file: open each alone.
+      try:
+        grain.sources.ArrayRecordDataSource([path])
+      except Exception:  # pylint: disable=broad-except
+        raise DamagedRecordError(f"{path} is not a readable array_record file "
+                                 f"({type(err).__name__}: {str(err)[:200]}); {_REWRITE}") from err
+    raise
+
+
+class RecordImages:
+  """Random access to a split's images by row: grain's ArrayRecordDataSource over its shards.
+
+  With `crc32` (each row's CRC-32, from the index), every record read is checked against it.
+  """
+
+  def __init__(self, paths: list[str], image_shape: tuple[int, ...], num_rows: int,
+               crc32: np.ndarray | None = None):
+    self._source = _open_source(paths)
     if len(self._source) != num_rows:  # E.g. an old index beside rewritten shards.
       raise ValueError(f"{len(self._source)} records in {paths[0]} ..., the index names "
                        f"{num_rows} rows: rewrite the split")
+    self._paths, self._crc32 = paths, crc32
+    self._record_bytes = int(np.prod(image_shape))
     self.image_shape = image_shape
     self.rows_read = 0  # Rows this process has read (grain's threads add to it).
     self._lock = threading.Lock()
@@ -159,8 +195,41 @@ class RecordImages:
     """uint8 images [len(rows), *image_shape] of `rows`, read from the files."""
     with self._lock:
       self.rows_read += len(rows)
-    records = self._source.__getitems__([int(r) for r in rows])
+    try:
+      records = self._source.__getitems__([int(r) for r in rows])
+    except Exception as err:  # pylint: disable=broad-except  (array_record: bare RuntimeError)
+      raise self._damaged(self._first_unreadable(rows), f"unreadable ({type(err).__name__}: "
+                          f"{str(err)[:200]})") from err
+    for row, record in zip(rows, records):
+      self._check(int(row), record)
     return np.frombuffer(b"".join(records), np.uint8).reshape((len(rows),) + self.image_shape)
+
+  def location(self, row: int) -> tuple[str, int]:
+    """(shard path, record index in it) of `row` (shard i holds rows [i N // S, (i+1) N // S))."""
+    num_rows, num_shards = len(self._source), len(self._paths)
+    starts = [i * num_rows // num_shards for i in range(num_shards)]
+    shard = int(np.searchsorted(starts, row, side="right")) - 1
+    return self._paths[shard], row - starts[shard]
+
+  def _damaged(self, row: int, what: str) -> DamagedRecordError:
+    path, record = self.location(row)
+    return DamagedRecordError(f"{path}: record {record} (row {row} of the split) is {what}; "
+                              f"{_REWRITE}")
+
+  def _first_unreadable(self, rows: np.ndarray) -> int:
+    """The first of `rows` that array_record cannot read alone (the first row if none)."""
+    for row in rows:
+      try:
+        self._source.__getitems__([int(row)])
+      except Exception:  # pylint: disable=broad-except
+        return int(row)
+    return int(rows[0])
+
+  def _check(self, row: int, record: bytes) -> None:
+    if len(record) != self._record_bytes:
+      raise self._damaged(row, f"{len(record)} bytes, not {self._record_bytes}")
+    if self._crc32 is not None and zlib.crc32(record) != int(self._crc32[row]):
+      raise self._damaged(row, "damaged (its CRC-32 differs from the one written)")
 
   def prefetched(self, row_blocks: np.ndarray, num_threads: int, buffer_size: int):
     """Yields read(block) for each block [b] of `row_blocks` [S, b] in order, read ahead by
@@ -175,5 +244,33 @@ def stream_reader(directory: str, name: str, mesh: jax.sharding.Mesh,
   """The stream reader of split `name` in `directory` (checked against `dataset` if given)."""
   split, image_shape, paths = read_index(directory, name, dataset)
   depth = readers.DEFAULT_PREFETCH_DEPTH if dataset is None else dataset.prefetch_depth
-  return readers.StreamReader(RecordImages(paths, image_shape, len(split)), split, mesh,
+  return readers.StreamReader(RecordImages(paths, image_shape, len(split),
+                                           _index_field(directory, name, "crc32")), split, mesh,
                               prefetch_depth=depth)
+
+
+def _index_field(directory: str, name: str, field: str) -> np.ndarray | None:
+  """A field of split `name`'s index, or None in an index written before it was recorded."""
+  index = np.load(os.path.join(directory, f"{name}.index.npz"))
+  return index[field] if field in index.files else None
+
+
+def check_files(directory: str, name: str, dataset: ml_collections.ConfigDict | None = None,
+                sample: int = 16) -> None:
+  """Start-up check of split `name`: its index (as `read_index`), each shard's size against
+  the size written, and the first, the last and `sample` random records (a fixed seed)
+  against their CRC-32. Reads a few records, not the split.
+
+  Raises:
+    FileNotFoundError, ValueError: as `read_index`.
+    DamagedRecordError: a shard of another size than written, or a sampled record damaged.
+  """
+  split, image_shape, paths = read_index(directory, name, dataset)
+  sizes = _index_field(directory, name, "shard_bytes")
+  for path, size in zip(paths, sizes if sizes is not None else []):
+    if os.path.getsize(path) != int(size):
+      raise DamagedRecordError(f"{path} is {os.path.getsize(path)} bytes, {int(size)} were "
+                               f"written: the file is truncated or damaged; {_REWRITE}")
+  images = RecordImages(paths, image_shape, len(split), _index_field(directory, name, "crc32"))
+  rows = np.random.default_rng(0).integers(0, len(split), min(sample, len(split)))
+  images.read(np.unique(np.concatenate([[0, len(split) - 1], rows])))

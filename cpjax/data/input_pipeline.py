@@ -42,7 +42,11 @@ def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
   if config.download or config.manual_dir:
     _download_and_prepare(builder, config.manual_dir or None)
     return builder
-  raise DataNotFoundError(
+  raise _not_prepared(spec, builder)
+
+
+def _not_prepared(spec: specs.DatasetSpec, builder) -> DataNotFoundError:
+  return DataNotFoundError(
       f"tfds dataset {spec.tfds_name!r} is not prepared in {builder.data_dir!r} and "
       "cpjax does not download unless asked. Either (a) on a machine with network run "
       f"`python -c \"import tensorflow_datasets as tfds; tfds.builder('{spec.tfds_name}', "
@@ -50,6 +54,18 @@ def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
       "--config.dataset.data_dir=DIR; (b) put the original archive in a folder and pass "
       "--config.dataset.manual_dir=FOLDER; or (c) with network, pass "
       "--config.dataset.download=True.")
+
+
+def check_prepared(name: str, config: ml_collections.ConfigDict) -> None:
+  """Raises DataNotFoundError at once unless dataset `name` can be read as `config` (a
+  dataset config) would read it: prepared, or to be prepared (download, manual_dir, or a
+  local builder). Reads only tfds's metadata."""
+  spec = specs.DATASETS[name]
+  if spec.local or config.download or config.manual_dir:
+    return
+  builder = tfds.builder(spec.tfds_name, data_dir=config.data_dir or None)
+  if not builder.is_prepared():
+    raise _not_prepared(spec, builder)
 
 
 # tfds retries a failed download MAX_RETRIES=10 times with exponential backoff (0.2 s * 2^i):

@@ -53,8 +53,11 @@ Read-only use (another run's checkpoints, `read_only=True`): damaged steps are
 skipped with a warning but left in place, and `save` is refused.
 """
 
+import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -92,6 +95,47 @@ def _agree(code: int) -> int:
     return code
   codes = multihost_utils.process_allgather(np.asarray([code], np.int32))
   return int(np.max(codes))
+
+
+# Free space asked for before a save, in checkpoints: orbax writes a new step in full before
+# the rotation deletes the oldest one, and the margin covers the step's metadata files.
+ROOM_FACTOR = 2
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes of the arrays (or shape-dtype structs) of `tree`."""
+  return int(sum(np.prod(np.shape(leaf), dtype=np.int64) * np.dtype(leaf.dtype).itemsize
+                 for leaf in jax.tree.leaves(tree)))
+
+
+def _existing_parent(path: str) -> str:
+  """`path`, or its nearest parent that exists."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return path
+
+
+def check_room(directory: str, needed_bytes: int) -> None:
+  """Raises CheckpointSaveError at once unless a checkpoint of `needed_bytes` can be written
+  in `directory` (or, if it does not exist yet, its nearest existing parent): a folder in
+  which a file can be created, on a file system with that much free space. Leaves nothing.
+  """
+  where = _existing_parent(directory)
+  try:
+    if not os.path.isdir(where):
+      raise NotADirectoryError(f"{where} is not a folder")
+    # A named file: an unnamed one (O_TMPFILE) is allowed in a folder that refuses new names.
+    tempfile.NamedTemporaryFile(dir=where, prefix=".cpjax-probe-").close()
+  except OSError as err:
+    raise CheckpointSaveError(
+        f"checkpoint folder {directory} is not writable ({type(err).__name__}: {err}); make "
+        "it writable or pass another --workdir") from err
+  free = shutil.disk_usage(where).free
+  if free < needed_bytes:
+    raise CheckpointSaveError(
+        f"checkpoint folder {directory} has {free / 2**20:.1f} MiB free, a checkpoint needs "
+        f"{needed_bytes / 2**20:.1f} MiB; free space there or pass another --workdir")
 
 
 class Checkpointer:
@@ -138,7 +182,8 @@ class Checkpointer:
 
     Raises:
       CheckpointSaveError: orbax declined to save (e.g. `step` is older than
-        the latest checkpoint), or this Checkpointer is read-only.
+        the latest checkpoint), this Checkpointer is read-only, or the folder is not
+        writable or lacks room for ROOM_FACTOR times the checkpoint (`check_room`).
       ValueError: `meta` uses the reserved key integrity.INTEGRITY_KEY.
     """
     if self.read_only:
@@ -150,9 +195,13 @@ class Checkpointer:
       logging.info("Checkpoint %d already exists in %s; not saving it again.", step,
                    self.directory)
       return False
+    # A folder turned read-only or full mid-run stops the run here, in one line: inside
+    # orbax's asynchronous commit the same error would be logged and the process would hang.
+    check_room(self.directory, ROOM_FACTOR * tree_bytes(state))
     meta = {**meta, integrity.INTEGRITY_KEY: integrity.integrity_record(state, meta)}
-    saved = self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    with self._write_errors():  # orbax raises here the error of the previous async save.
+      saved = self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
     if not saved:
       raise CheckpointSaveError(
           f"orbax did not save checkpoint {step} in {self.directory} (its newest is "
@@ -228,7 +277,26 @@ class Checkpointer:
     return None
 
   def wait_until_finished(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the pending save to commit; its failure raises CheckpointSaveError."""
+    with self._write_errors():
+      self._manager.wait_until_finished()
+
+  @contextlib.contextmanager
+  def _write_errors(self):
+    """An error of orbax's (asynchronous) writing as one CheckpointSaveError line.
+
+    After such an error orbax's background threads may never end, and the interpreter waits
+    for them at exit: main.py ends the process at once on CheckpointSaveError.
+    """
+    try:
+      yield
+    except CheckpointSaveError:
+      raise
+    except Exception as err:  # pylint: disable=broad-except  (any write error: one line)
+      raise CheckpointSaveError(
+          f"writing a checkpoint in {self.directory} failed ({_describe(err)}); make the "
+          "folder writable (or free space there) and rerun the same command: it resumes from "
+          "the newest committed checkpoint") from err
 
   def close(self) -> None:
     self._manager.close()
