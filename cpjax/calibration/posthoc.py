@@ -60,7 +60,7 @@ METHODS = ("none", "temperature", "vector_scaling", "matrix_scaling", "dirichlet
 PARAMETRIC = ("temperature", "vector_scaling", "matrix_scaling", "dirichlet",
               "ensemble_temperature")
 # Candidates of the cross-validated hyper-parameter of each method that has one.
-ODIR_GRID = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+ODIR_GRID = (0.0, 1e-3, 1e-2, 1e-1, 1.0)
 BINS_GRID = (5, 10, 15, 20, 30)
 DEFAULT_FLOOR = 1e-6
 DEFAULT_FOLDS = 5
@@ -105,12 +105,17 @@ def _parametric_log_probs(xp, method: str, params: dict, z):
     x = z if method == "matrix_scaling" else _log_softmax(xp, z)
     return _log_softmax(xp, x @ params["w"].T + params["b"])
   if method == "ensemble_temperature":
+    return _parametric_log_probs(xp, "ets_mixture", params, _ets_parts(xp, z, params["log_t"]))
+  if method == "ets_mixture":  # z: the three parts' log-probabilities [3, N, K].
     log_w = _log_softmax(xp, params["a"])  # [3] on the simplex, in log space.
-    parts = xp.stack([log_w[0] + _log_softmax(xp, z / xp.exp(params["log_t"])),
-                      log_w[1] + _log_softmax(xp, z),
-                      log_w[2] - xp.log(1.0 * z.shape[-1]) + 0.0 * z], axis=0)
-    return _logsumexp(xp, parts, 0)
+    return _logsumexp(xp, log_w[:, None, None] + z, 0)
   raise ValueError(f"not a parametric method: {method!r}")
+
+
+def _ets_parts(xp, z, log_t):
+  """ETS's three log-probabilities [3, N, K]: scaled, unscaled, uniform."""
+  uniform = xp.zeros_like(z) - xp.log(1.0 * z.shape[-1])
+  return xp.stack([_log_softmax(xp, z / xp.exp(log_t)), _log_softmax(xp, z), uniform], axis=0)
 
 
 def _penalty(method: str, params: dict, num_classes: int):
@@ -140,11 +145,10 @@ def _identity_params(method: str, num_classes: int, log_t: float = 0.0) -> dict:
 # only in their 0/1 row weights, the candidates only in the traced strength).
 
 
-def _objective(method: str, free, fixed, z, y, weights, strength):
-  params = {**fixed, **free}  # ETS: T is fitted beforehand and fixed; only the weights move.
-  log_p = _parametric_log_probs(jnp, method, params, z)
+def _objective(method: str, params, inputs, y, weights, strength):
+  log_p = _parametric_log_probs(jnp, method, params, inputs)
   nll = -jnp.sum(weights * jnp.take_along_axis(log_p, y[:, None], axis=-1)[:, 0])
-  return nll / jnp.sum(weights) + strength * _penalty(method, params, z.shape[-1])
+  return nll / jnp.sum(weights) + strength * _penalty(method, params, inputs.shape[-1])
 
 
 _value_and_grad = jax.jit(jax.value_and_grad(_objective, argnums=1), static_argnums=0)
@@ -154,7 +158,13 @@ def _fit_one(method: str, z, y, weights, strength: float, steps: int,
              log_t: float = 0.0, start: dict | None = None) -> dict[str, np.ndarray]:
   init = _identity_params(method, z.shape[-1], log_t)
   init.update({k: v for k, v in (start or {}).items() if k != "log_t"})
-  fixed = {"log_t": init.pop("log_t")} if method == "ensemble_temperature" else {}
+  # What does not depend on the moving parameters is computed once: Dirichlet calibration
+  # is matrix scaling of log p; ETS with T fixed is a mixture of three fixed predictions.
+  key, inputs = method, z
+  if method == "dirichlet":
+    key, inputs = "matrix_scaling", _log_softmax(jnp, z)
+  elif method == "ensemble_temperature":
+    key, inputs = "ets_mixture", _ets_parts(jnp, z, init.pop("log_t"))
   names = sorted(init)
   shapes = [np.shape(init[n]) for n in names]
   sizes = [int(np.prod(shape)) for shape in shapes]
@@ -164,13 +174,14 @@ def _fit_one(method: str, z, y, weights, strength: float, steps: int,
     return {n: p.reshape(shape) for n, p, shape in zip(names, parts, shapes)}
 
   def fun(x):
-    value, grad = _value_and_grad(method, unflatten(x), fixed, z, y, weights, strength)
+    value, grad = _value_and_grad(key, unflatten(x), inputs, y, weights, strength)
     return float(value), np.concatenate([np.ravel(grad[n]) for n in names])
 
   x0 = np.concatenate([np.ravel(init[n]) for n in names]).astype(np.float64)
   result = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B",
                                    options={"maxiter": steps})
-  return {**unflatten(result.x), **{k: np.float64(v) for k, v in fixed.items()}}
+  fixed = {"log_t": np.float64(log_t)} if method == "ensemble_temperature" else {}
+  return {**unflatten(result.x), **fixed}
 
 
 def fit_parametric(method: str, logits: np.ndarray, labels: np.ndarray,
