@@ -159,6 +159,7 @@ def main():
       f"--{k}={' '.join(map(str, v)) if isinstance(v, list) else v}"
       for k, v in vars(args).items() if v is not None)
   results: dict = {}
+  seeds_done: dict = {}
   for dataset in args.datasets:
     for seed in args.seeds:
       for loss in args.losses:
@@ -168,15 +169,20 @@ def main():
           cell = results.setdefault(dataset, {}).setdefault(loss, {}).setdefault(method, {})
           for key, value in values.items():
             cell.setdefault(key, []).append(value)
+      seeds_done.setdefault(dataset, []).append(seed)
+      write_summary(results, seeds_done, args.out, command)  # After every seed: resumable.
+
+
+def write_summary(results: dict, seeds: dict, out: str, command: str) -> None:
   lines = ["# Train-time or post-hoc calibration?", "", f"`{command}`", ""]
   for dataset in results:
-    lines += summary_lines(dataset, results, args.seeds)
-  with open(os.path.join(args.out, "summary.md"), "w") as f:
+    lines += summary_lines(dataset, results, seeds[dataset])
+  with open(os.path.join(out, "summary.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  with open(os.path.join(args.out, "summary.json"), "w") as f:
-    json.dump({"seeds": args.seeds, "results": results,
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump({"seeds": seeds, "results": results,
                "paired": {d: compare(results, d) for d in results}}, f, indent=1)
-  print("\n".join(lines))
+  print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
