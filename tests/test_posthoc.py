@@ -75,7 +75,7 @@ def _numpy_objective(method, k, odir):
   def objective(x, z, y):
     if method == "vector_scaling":
       s = z * x[:k] + x[k:]
-      penalty = 0.0
+      penalty = odir * (np.var(x[:k]) + np.sum(x[k:] ** 2) / k)
     else:
       w, b = x[:k * k].reshape(k, k), x[k * k:]
       inputs = z if method == "matrix_scaling" else scipy.special.log_softmax(z, axis=1)

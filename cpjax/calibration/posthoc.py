@@ -11,7 +11,10 @@ log_softmax(s)):
   temperature           s = z / T, T = exp(t) fitted by L-BFGS on NLL (Guo et al. 2017,
                         ICML). The grid fits of cpjax.calibration.temperature stay
                         available through `search="grid_ece"` or `"grid_nll"`.
-  vector_scaling        s = w * z + b, w, b in R^K (Guo et al. 2017).
+  vector_scaling        s = w * z + b, w, b in R^K (Guo et al. 2017), regularised by
+                        lambda / K (sum_k (w_k - mean w)^2 + sum_k b_k^2), ODIR's analogue for
+                        a diagonal map (unregularised, it can overfit a small, nearly
+                        separable validation set).
   matrix_scaling        s = W z + b, W in R^{KxK}, with the off-diagonal and intercept
                         regularisation (ODIR) of Kull et al. 2019 (NeurIPS):
                         lambda / (K (K - 1)) sum_{i != j} W_ij^2 + lambda / K sum_j b_j^2.
@@ -60,11 +63,11 @@ METHODS = ("none", "temperature", "vector_scaling", "matrix_scaling", "dirichlet
 PARAMETRIC = ("temperature", "vector_scaling", "matrix_scaling", "dirichlet",
               "ensemble_temperature")
 # Candidates of the cross-validated hyper-parameter of each method that has one.
-ODIR_GRID = (0.0, 1e-3, 1e-2, 1e-1, 1.0)
+ODIR_GRID = (0.0, 1e-2, 1e-1, 1.0, 10.0)
 BINS_GRID = (5, 10, 15, 20, 30)
 DEFAULT_FLOOR = 1e-6
 DEFAULT_FOLDS = 5
-DEFAULT_STEPS = 500  # The most L-BFGS-B iterations of a parametric fit.
+DEFAULT_STEPS = 200  # The most L-BFGS-B iterations of a parametric fit.
 
 
 class Calibrator(NamedTuple):
@@ -119,7 +122,12 @@ def _ets_parts(xp, z, log_t):
 
 
 def _penalty(method: str, params: dict, num_classes: int):
-  """ODIR: mean squared off-diagonal weight plus mean squared intercept (Kull et al. 2019)."""
+  """ODIR: mean squared off-diagonal weight plus mean squared intercept (Kull et al. 2019);
+  for vector scaling, its analogue for a diagonal map: the mean squared deviation of w from
+  its mean (a shared scale, i.e. a temperature, stays free) plus the mean squared intercept."""
+  if method == "vector_scaling":
+    w = params["w"]
+    return jnp.mean((w - jnp.mean(w)) ** 2) + jnp.mean(params["b"] ** 2)
   if method not in ("matrix_scaling", "dirichlet"):
     return 0.0
   w = params["w"]
@@ -136,7 +144,7 @@ def _identity_params(method: str, num_classes: int, log_t: float = 0.0) -> dict:
     return {"w": np.ones(k, np.float32), "b": np.zeros(k, np.float32)}
   if method in ("matrix_scaling", "dirichlet"):
     return {"w": np.eye(k, dtype=np.float32), "b": np.zeros(k, np.float32)}
-  return {"log_t": np.float32(log_t), "a": np.zeros(3, np.float32)}  # ETS: equal weights.
+  return {"log_t": np.float64(log_t), "a": np.zeros(3, np.float32)}  # ETS: equal weights.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +203,8 @@ def fit_parametric(method: str, logits: np.ndarray, labels: np.ndarray,
     logits: [N, K] logits.
     labels: [N] integer labels.
     weights: [N] row weights (0/1 selects the fold's training rows); None = all ones.
-    strength: the ODIR strength (matrix_scaling, dirichlet; ignored by the others).
+    strength: the regularisation strength (vector_scaling, matrix_scaling, dirichlet; ignored
+      by the others).
     steps: the most L-BFGS-B iterations.
     start: parameters to start from (a warm start); None = the identity map.
     log_t: ensemble_temperature only: a fixed log-temperature; None = fitted by NLL first.
@@ -317,7 +326,7 @@ def _held_out_nll(log_p: np.ndarray, labels: np.ndarray) -> float:
 
 def _grid(method: str, hyper: dict) -> tuple[str | None, tuple]:
   """(name, candidates) of the cross-validated hyper-parameter; a value given pins it."""
-  name = {"matrix_scaling": "odir", "dirichlet": "odir",
+  name = {"vector_scaling": "odir", "matrix_scaling": "odir", "dirichlet": "odir",
           "histogram_binning": "num_bins"}.get(method)
   if name is None:
     return None, (None,)
@@ -340,7 +349,8 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
     seed: seed of the fold assignment.
     steps: L-BFGS iterations of the parametric fits.
     floor: smallest probability of the one-vs-rest maps before renormalising.
-    odir: matrix_scaling / dirichlet ODIR strength; None = cross-validated over ODIR_GRID.
+    odir: vector_scaling / matrix_scaling / dirichlet regularisation strength; None =
+      cross-validated over ODIR_GRID.
     num_bins: histogram_binning bins; None = cross-validated over BINS_GRID.
     search: temperature only: lbfgs_nll, or a grid fit of cpjax.calibration.temperature
       (grid_ece, grid_nll).
