@@ -196,3 +196,25 @@ def test_grid_temperature_is_the_temperature_module_fit():
   assert t == pytest.approx(round(t * 10) / 10)  # A grid point (0.1 steps).
   nll = lambda tt: metrics.nll(z / tt, y)  # noqa: E731
   assert nll(t) <= min(nll(t - 0.1), nll(t + 0.1))
+
+
+@pytest.mark.parametrize("method", ["temperature", "vector_scaling", "matrix_scaling",
+                                    "ets_mixture"])
+def test_numpy_gradients_match_jax_grad_of_the_jax_objective(method):
+  import jax  # pylint: disable=g-import-not-at-top  (x64 only inside this test)
+  rng = np.random.default_rng(8)
+  z, y = _data(8, n=50, k=4)
+  weights = (rng.uniform(size=50) < 0.7).astype(float)
+  params = {"temperature": {"log_t": np.float64(0.3)},
+            "vector_scaling": {"w": rng.normal(size=4), "b": rng.normal(size=4)},
+            "matrix_scaling": {"w": rng.normal(size=(4, 4)), "b": rng.normal(size=4)},
+            "ets_mixture": {"a": rng.normal(size=3)}}[method]
+  inputs = (np.stack([scipy.special.log_softmax(z / 1.7, 1), scipy.special.log_softmax(z, 1),
+                      np.full_like(z, -np.log(4))]) if method == "ets_mixture" else z)
+  value, grad = posthoc.value_and_grad(method, params, inputs, y, weights, 0.3)
+  with jax.enable_x64(True):
+    ref_value, ref_grad = jax.value_and_grad(posthoc.objective, argnums=1)(
+        method, params, inputs, y, weights, 0.3)
+  assert value == pytest.approx(float(ref_value), rel=1e-12)
+  for name in params:
+    np.testing.assert_allclose(grad[name], np.asarray(ref_grad[name]), rtol=1e-9, atol=1e-12)

@@ -44,9 +44,9 @@ never the test split): each candidate is fitted on k - 1 folds and scored by NLL
 on the held-out fold; the lowest mean wins and is refitted on all rows. Every
 method records its cross-validated NLL, which `choose` compares (`auto`).
 
-The parametric fits run SciPy's L-BFGS-B on a jitted float64 JAX objective and
-gradient, compiled once per method and data shape (folds are 0/1 row weights, the
-strength is traced), so a fit takes well under a second on 10,000 x 10 logits on a CPU.
+The parametric fits run SciPy's L-BFGS-B on the objective's float64 NumPy value and
+analytic gradient (`value_and_grad`; the same objective in jax.numpy, `objective`, is
+jit-able and the tests check one against the other's jax.grad); folds are 0/1 row weights.
 """
 
 from typing import Any, NamedTuple
@@ -148,18 +148,60 @@ def _identity_params(method: str, num_classes: int, log_t: float = 0.0) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Parametric fits: weighted NLL + strength * penalty, minimised by SciPy's L-BFGS-B on a jitted
-# float64 JAX value-and-gradient (one compilation per method and data shape: the folds differ
-# only in their 0/1 row weights, the candidates only in the traced strength).
+# Parametric fits: weighted mean NLL + strength * penalty, minimised by SciPy's L-BFGS-B. The
+# objective is written in jax.numpy (`objective`, jit-able); the fits use its NumPy float64
+# value and analytic gradient (`value_and_grad`, checked against jax.grad in the tests),
+# because on the few thousand rows of a validation split a call costs microseconds in NumPy
+# and far more through a jitted function's dispatch, and a fit takes hundreds of calls.
 
 
-def _objective(method: str, params, inputs, y, weights, strength):
+def objective(method: str, params: dict, inputs, labels, weights, strength):
+  """The fitted objective in jax.numpy: sum_i weights_i (-log q_i[y_i]) / sum_i weights_i +
+  strength * penalty. `method` is "temperature", "vector_scaling", "matrix_scaling" (Dirichlet:
+  matrix scaling with inputs log p) or "ets_mixture" (inputs: ETS's three parts [3, N, K])."""
   log_p = _parametric_log_probs(jnp, method, params, inputs)
-  nll = -jnp.sum(weights * jnp.take_along_axis(log_p, y[:, None], axis=-1)[:, 0])
+  nll = -jnp.sum(weights * jnp.take_along_axis(log_p, labels[:, None], axis=-1)[:, 0])
   return nll / jnp.sum(weights) + strength * _penalty(method, params, inputs.shape[-1])
 
 
-_value_and_grad = jax.jit(jax.value_and_grad(_objective, argnums=1), static_argnums=0)
+def value_and_grad(method: str, params: dict, inputs: np.ndarray, labels: np.ndarray,
+                   weights: np.ndarray, strength: float) -> tuple[float, dict]:
+  """`objective` and its gradient in NumPy float64, by hand."""
+  omega = weights / np.sum(weights)
+  rows = np.arange(len(labels))
+  k = inputs.shape[-1]
+  if method == "ets_mixture":
+    log_w = _log_softmax(np, params["a"])
+    at_label = inputs[:, rows, labels] + log_w[:, None]  # [3, N]
+    log_q = _logsumexp(np, at_label, 0)
+    responsibility = np.exp(at_label - log_q)  # [3, N], sums to 1 over the parts.
+    grad_a = -(responsibility @ omega - np.exp(log_w))
+    return float(-omega @ log_q), {"a": grad_a}
+  if method == "temperature":
+    scores = inputs * np.exp(-params["log_t"])
+  elif method == "vector_scaling":
+    scores = inputs * params["w"] + params["b"]
+  else:
+    scores = inputs @ params["w"].T + params["b"]
+  log_p = _log_softmax(np, scores)
+  value = float(-omega @ log_p[rows, labels])
+  g = np.exp(log_p)
+  g[rows, labels] -= 1.0
+  g *= omega[:, None]  # d value / d scores.
+  if method == "temperature":
+    return value, {"log_t": np.float64(-np.sum(g * scores))}
+  b = params["b"]
+  grad_b = g.sum(0) + strength * 2.0 * b / k
+  value += strength * float(np.mean(b ** 2))
+  w = params["w"]
+  if method == "vector_scaling":
+    deviation = w - np.mean(w)
+    value += strength * float(np.mean(deviation ** 2))
+    return value, {"w": np.sum(g * inputs, 0) + strength * 2.0 * deviation / k, "b": grad_b}
+  off = w * (1.0 - np.eye(k))
+  pairs = max(k * (k - 1), 1)
+  value += strength * float(np.sum(off ** 2)) / pairs
+  return value, {"w": g.T @ inputs + strength * 2.0 * off / pairs, "b": grad_b}
 
 
 def _fit_one(method: str, z, y, weights, strength: float, steps: int,
@@ -170,9 +212,9 @@ def _fit_one(method: str, z, y, weights, strength: float, steps: int,
   # is matrix scaling of log p; ETS with T fixed is a mixture of three fixed predictions.
   key, inputs = method, z
   if method == "dirichlet":
-    key, inputs = "matrix_scaling", _log_softmax(jnp, z)
+    key, inputs = "matrix_scaling", _log_softmax(np, z)
   elif method == "ensemble_temperature":
-    key, inputs = "ets_mixture", _ets_parts(jnp, z, init.pop("log_t"))
+    key, inputs = "ets_mixture", _ets_parts(np, z, init.pop("log_t"))
   names = sorted(init)
   shapes = [np.shape(init[n]) for n in names]
   sizes = [int(np.prod(shape)) for shape in shapes]
@@ -182,8 +224,8 @@ def _fit_one(method: str, z, y, weights, strength: float, steps: int,
     return {n: p.reshape(shape) for n, p, shape in zip(names, parts, shapes)}
 
   def fun(x):
-    value, grad = _value_and_grad(key, unflatten(x), inputs, y, weights, strength)
-    return float(value), np.concatenate([np.ravel(grad[n]) for n in names])
+    value, grad = value_and_grad(key, unflatten(x), inputs, y, weights, strength)
+    return value, np.concatenate([np.ravel(grad[n]) for n in names])
 
   x0 = np.concatenate([np.ravel(init[n]) for n in names]).astype(np.float64)
   result = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B",
@@ -196,7 +238,7 @@ def fit_parametric(method: str, logits: np.ndarray, labels: np.ndarray,
                    weights: np.ndarray | None = None, strength: float = 0.0,
                    steps: int = DEFAULT_STEPS, start: dict | None = None,
                    log_t: float | None = None) -> dict[str, np.ndarray]:
-  """One fit of a parametric map: minimises the weighted mean NLL + strength * ODIR.
+  """One fit of a parametric map: minimises the weighted mean NLL + strength * penalty.
 
   Args:
     method: one of PARAMETRIC.
@@ -212,14 +254,12 @@ def fit_parametric(method: str, logits: np.ndarray, labels: np.ndarray,
   Returns:
     The fitted parameters (ETS: with its temperature fitted first on the same rows).
   """
-  with jax.enable_x64(True):
-    z = jnp.asarray(logits, jnp.float64)
-    y = jnp.asarray(labels, jnp.int32)
-    w = jnp.ones(len(z), jnp.float64) if weights is None else jnp.asarray(weights, jnp.float64)
-    s = jnp.float64(strength)
-    if method == "ensemble_temperature" and log_t is None:
-      log_t = float(_fit_one("temperature", z, y, w, s, steps)["log_t"])
-    return _fit_one(method, z, y, w, s, steps, log_t or 0.0, start)
+  z = np.asarray(logits, np.float64)
+  y = np.asarray(labels, np.int64)
+  w = np.ones(len(z)) if weights is None else np.asarray(weights, np.float64)
+  if method == "ensemble_temperature" and log_t is None:
+    log_t = float(_fit_one("temperature", z, y, w, 0.0, steps)["log_t"])
+  return _fit_one(method, z, y, w, float(strength), steps, log_t or 0.0, start)
 
 
 # ----------------------------------------------------------------------------------------------
