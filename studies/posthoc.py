@@ -54,6 +54,7 @@ def report_of(dataset: str, loss: str, seed: int, out: str, runs: str | None,
   by the current code) through the evaluate path."""
   workdir = workdir_of(out, dataset, loss, seed)
   report_path = os.path.join(workdir, "report", "results.json")
+  refit = refit and os.path.exists(report_path)  # A report written below is already current.
   source = workdir_of(runs, dataset, loss, seed) if runs else None
   if (not os.path.exists(report_path) and source
       and os.path.isdir(os.path.join(source, "checkpoints"))):
