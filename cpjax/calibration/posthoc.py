@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.optimize
+import threadpoolctl
 
 from cpjax.calibration import temperature
 
@@ -400,6 +401,15 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
   """
   if method not in METHODS:
     raise ValueError(f"post-hoc method={method!r}; valid choices: {', '.join(METHODS)}")
+  # One BLAS thread: the fits' matrices are tiny, and OpenBLAS's threads waiting on each
+  # other made L-BFGS-B's steps ~10x slower on a busy 2-core machine.
+  with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+    return _fit(method, logits, labels, folds=folds, seed=seed, steps=steps, floor=floor,
+                odir=odir, num_bins=num_bins, search=search)
+
+
+def _fit(method, logits, labels, *, folds, seed, steps, floor, odir, num_bins,
+         search) -> Calibrator:
   if search not in temperature.METHODS:
     raise ValueError(f"search={search!r}; valid choices: {', '.join(temperature.METHODS)}")
   z = np.asarray(logits, np.float64)
