@@ -21,7 +21,7 @@ import jax
 import ml_collections
 
 from cpjax import models
-from cpjax.calibration import bootstrap, losses, temperature
+from cpjax.calibration import bootstrap, losses, posthoc, temperature
 from cpjax.data import readers, specs, splits
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
@@ -160,6 +160,9 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.bootstrap_level": number(0.0, 1.0, low_open=True),
       "evaluation.bootstrap_kind": choice(list(bootstrap.KINDS)),
       "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
+      "evaluation.calibrator": choice(["auto", *posthoc.METHODS]),
+      "evaluation.calibrator_folds": integer(2),
+      "evaluation.calibrator_resamples": integer(1),
       "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),
       "evaluation.ood_severity": integer(1, 5),
       "num_epochs": integer(1),
@@ -507,6 +510,10 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
                     f"{config.optimizer.schedule_unit!r} need epochs of known size; "
                     f"selection.method={config.selection.method!r} draws each epoch's size: "
                     "use budget_steps=0 and schedule_unit='epoch' with it")
+  if config.evaluation.calibrator_folds > config.dataset.val_size:
+    problems.append(f"config.evaluation.calibrator_folds={config.evaluation.calibrator_folds} "
+                    f"exceeds config.dataset.val_size={config.dataset.val_size}: every fold "
+                    "of the post-hoc maps' cross-validation needs a validation example")
   problems += _size_problems(config)
   ood = config.evaluation.ood
   if ood in specs.DATASETS and (

@@ -97,11 +97,28 @@ def evaluate_when_due(run: run_context.Run, state: steps.TrainState, epoch: int,
     results = write_final_report(run, state, epoch + 1, logits=logits)
     if writer is not None:
       _write_report_summaries(writer, step, results)
-    return {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
-            for split in ("val", "test") for name in report.EPOCH_METRICS}
+    return report_record(results)
   if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
     return evaluate(run, state, writer, step)
   return {}
+
+
+def report_record(results: dict[str, Any]) -> dict[str, Any]:
+  """The final report's numbers for metrics.jsonl: per split the epoch metrics and the
+  selective-prediction ones before scaling; the chosen post-hoc map's test metrics
+  (test_calibrated_*, its name in `calibrator`); each OOD score's AUROC and FPR at 95 % TPR."""
+  record = {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
+            for split in ("val", "test")
+            for name in report.EPOCH_METRICS + report.SELECTIVE_METRICS}
+  section = results["posthoc"]
+  record["calibrator"] = section["chosen"]
+  record.update({f"test_calibrated_{name}": value
+                 for name, value in section["calibrators"][section["chosen"]]["test"].items()})
+  if results["ood"]:
+    for score, value in results["ood"]["before_ts"].items():
+      record[f"ood_auroc_{score}"] = value
+      record[f"ood_fpr95_{score}"] = results["ood"]["fpr_at_95_tpr"]["before_ts"][score]
+  return record
 
 
 def _ood_split(run: run_context.Run) -> splits.Split | None:

@@ -44,6 +44,10 @@ def test_shipped_configs_are_valid(module):
     ("batch_size", 60, "config.batch_size=60 must be divisible by the device count 8"),
     ("evaluation.temperature_method", "platt", "valid choices: grid_ece, grid_nll, lbfgs_nll"),
     ("evaluation.bootstrap_kind", "bca", "valid choices: basic, percentile"),
+    ("evaluation.calibrator", "platt", "valid choices: auto, dirichlet, ensemble_temperature"),
+    ("evaluation.calibrator_folds", 1, "config.evaluation.calibrator_folds: must be in [2, None]"),
+    ("evaluation.calibrator_folds", 500,
+     "calibrator_folds=500 exceeds config.dataset.val_size=180"),
     ("evaluation.bootstrap_level", 1.0, "bootstrap_level=1.0 must be below 1"),
     ("evaluation.ood", "svhn", "config.evaluation.ood='svhn' must be another dataset with the "
                                "image shape of 'digits'"),

@@ -1,5 +1,7 @@
 """Metrics, bootstrap, OOD and corruption against hand-worked cases and slow loop references."""
 
+import itertools
+
 import numpy as np
 import pytest
 import scipy.optimize
@@ -303,3 +305,61 @@ def test_smooth_ece_matches_a_brute_force_evaluation_of_the_definition(seed):
   probs, labels = _two_class(conf, correct)
   assert metrics.smooth_ece(probs, labels) == pytest.approx(
       _brute_force_smooth_ece(conf, correct), abs=5e-4)
+
+
+def _aurc_by_loop(conf, correct):
+  """AURC by a Python loop over coverages after sorting from the least confident upwards."""
+  order = np.argsort(conf, kind="stable")[::-1]  # Most confident first (no ties here).
+  total, errors = 0.0, 0
+  for i, row in enumerate(order, start=1):
+    errors += 1 - correct[row]
+    total += errors / i
+  return total / len(conf)
+
+
+def test_aurc_matches_a_loop_and_e_aurc_is_zero_for_a_perfect_ranking():
+  rng = np.random.default_rng(0)
+  conf = rng.uniform(0.5, 1, 500)  # Continuous: no ties.
+  correct = (rng.uniform(size=500) < conf).astype(int)
+  probs, labels = _two_class(conf, correct)
+  assert metrics.aurc(probs, labels) == pytest.approx(_aurc_by_loop(conf, correct), abs=1e-12)
+  oracle = np.where(correct == 1, 0.6 + 0.4 * conf, 0.5 + 0.09 * conf)  # Errors ranked last.
+  assert metrics.e_aurc(*_two_class(oracle, correct)) == pytest.approx(0.0, abs=1e-12)
+  assert metrics.e_aurc(probs, labels) > 0
+  expected_oracle = _aurc_by_loop(oracle, correct)
+  assert (metrics.aurc(probs, labels) - metrics.e_aurc(probs, labels)
+          == pytest.approx(expected_oracle, abs=1e-12))
+
+
+def test_aurc_with_ties_is_the_mean_over_every_tie_breaking_order():
+  conf = np.array([0.9, 0.9, 0.9, 0.7, 0.7, 0.6])
+  correct = np.array([1, 0, 1, 0, 1, 1])
+  values = []
+  for perm in itertools.permutations(range(6)):
+    if np.all(np.diff(conf[list(perm)]) <= 0):  # An order consistent with the confidences.
+      errors = np.cumsum(1 - correct[list(perm)])
+      values.append(np.mean(errors / np.arange(1, 7)))
+  assert len(values) == 12  # 3! x 2! orders.
+  assert metrics.aurc(*_two_class(conf, correct)) == pytest.approx(np.mean(values), abs=1e-12)
+
+
+def test_selective_risk_by_hand():
+  conf = np.array([0.99, 0.95, 0.9, 0.8, 0.7, 0.65, 0.6, 0.58, 0.56, 0.55])
+  correct = np.array([1, 1, 0, 1, 1, 1, 1, 1, 0, 0])
+  probs, labels = _two_class(conf, correct)
+  assert metrics.selective_risk(probs, labels, 0.9) == pytest.approx(2 / 9)  # Top 9: 2 wrong.
+  assert metrics.selective_risk(probs, labels, 0.95) == pytest.approx(3 / 10)  # ceil(9.5) = 10.
+  assert metrics.selective_risk(probs, labels, 0.3) == pytest.approx(1 / 3)
+  with pytest.raises(ValueError, match="coverage=0"):
+    metrics.selective_risk(probs, labels, 0.0)
+
+
+def test_fpr_at_95_tpr_matches_sklearn_roc_curve():
+  rng = np.random.default_rng(1)
+  for inside, outside in ((rng.normal(0, 1, 400), rng.normal(2, 1, 300)),
+                          (rng.integers(0, 5, 400).astype(float),  # Many ties.
+                           rng.integers(2, 8, 300).astype(float))):
+    fpr, tpr, _ = sk_metrics.roc_curve(np.r_[np.zeros(400), np.ones(300)], np.r_[inside, outside],
+                                       drop_intermediate=False)
+    expected = fpr[np.argmax(tpr >= 0.95)]
+    assert metrics.fpr_at_tpr(inside, outside, 0.95) == pytest.approx(expected, abs=1e-12)

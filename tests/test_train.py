@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from cpjax import optim, train
+from cpjax.calibration import posthoc
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
 
@@ -170,8 +171,14 @@ def test_main_end_to_end(main_run, tmp_path):
     assert all(0 <= r[f"test_{key}"] <= 1 for r in records), key
   report = _check_report(os.path.join(main_run.workdir, "report"))
   # The report's before-TS test numbers are the last epoch's, from the same logits.
-  for key in ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce"):
+  for key in ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce", "aurc",
+              "selective_risk_95"):
     assert report["metrics"]["test"]["before_ts"][key] == pytest.approx(records[-1][f"test_{key}"])
+  chosen = report["posthoc"]["chosen"]
+  assert records[-1]["calibrator"] == chosen
+  assert records[-1]["test_calibrated_nll"] == pytest.approx(
+      report["posthoc"]["calibrators"][chosen]["test"]["nll"])
+  assert records[-1]["ood_fpr95_energy"] == report["ood"]["fpr_at_95_tpr"]["before_ts"]["energy"]
 
   # Evaluate-only (on a copy) rewrites the same report from the latest checkpoint, no training.
   workdir = str(tmp_path / "copy")
@@ -181,6 +188,11 @@ def test_main_end_to_end(main_run, tmp_path):
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   again = _check_report(os.path.join(workdir, "report"))
   assert again["metrics"] == report["metrics"] and again["intervals"] == report["intervals"]
+  # Every post-hoc map is refitted on the checkpoint's validation logits: the same maps.
+  for method, row in report["posthoc"]["calibrators"].items():
+    refitted = again["posthoc"]["calibrators"][method]
+    assert refitted["test"] == pytest.approx(row["test"], rel=1e-6), method
+    assert refitted["hyper"] == row["hyper"], method
   assert read_metrics(workdir) == records  # No epoch was trained.
   assert helpers.checkpoint_steps(workdir) == helpers.checkpoint_steps(main_run.workdir)
 
@@ -189,7 +201,7 @@ def _check_report(report_dir):
   """The report's files exist, the PNGs decode to non-blank images; returns results.json."""
   from PIL import Image  # pylint: disable=g-import-not-at-top
   for name in ("reliability_before_ts.png", "reliability_after_ts.png",
-               "confidence_histogram.png"):
+               "reliability_calibrated.png", "confidence_histogram.png"):
     with Image.open(os.path.join(report_dir, name)) as image:
       pixels = np.asarray(image.convert("L"))
     assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 10, name
@@ -210,6 +222,16 @@ def _check_report(report_dir):
       assert interval["low"] <= interval["high"] and interval["num_resamples"] == 100, name
     assert set(report["ood"][tag]) == {"entropy", "max_softmax", "max_logit", "energy"}
   assert sum(report["reliability"]["before_ts"]["count"]) == 360  # Every test image binned.
+  assert set(report["ood"]["fpr_at_95_tpr"]["before_ts"]) == set(report["ood"]["before_ts"])
+  section = report["posthoc"]
+  assert list(section["calibrators"]) == list(posthoc.METHODS)
+  assert section["requested"] == section["chosen"] == "ensemble_temperature"  # The default.
+  for method in ("none", "temperature", "ensemble_temperature"):  # Accuracy kept.
+    assert (section["calibrators"][method]["test"]["accuracy"]
+            == report["metrics"]["test"]["before_ts"]["accuracy"]), method
+  assert section["calibrators"]["none"]["test"]["nll"] == pytest.approx(
+      report["metrics"]["test"]["before_ts"]["nll"])
+  assert sum(report["reliability"]["calibrated"]["count"]) == 360
   return report
 
 

@@ -1,4 +1,4 @@
-"""The calibration report: metrics before/after temperature scaling, intervals, OOD.
+"""The calibration report: metrics before/after temperature scaling, every post-hoc map, OOD.
 
 `build_report` and `gamma_summary` are pure (arrays in, a JSON-ready dict out);
 `write_report` is the side-effecting edge that writes `results.json`,
@@ -15,12 +15,16 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cpjax.calibration import bootstrap, figures, metrics, temperature
+from cpjax.calibration import bootstrap, figures, metrics, posthoc, temperature
 from cpjax.runtime import files
 
 EPOCH_METRICS = ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce")
+SELECTIVE_METRICS = ("aurc", "e_aurc", "selective_risk_90", "selective_risk_95")
 REPORT_METRICS = EPOCH_METRICS + ("ece_left_closed", "smooth_ece", "brier", "top5_accuracy",
-                                  "s99_share", "s99_accuracy")
+                                  "s99_share", "s99_accuracy") + SELECTIVE_METRICS
+# The post-hoc table's columns (test split).
+TABLE_METRICS = ("accuracy", "ece", "ece_left_closed", "adaptive_ece", "classwise_ece", "nll",
+                 "brier", "aurc", "e_aurc")
 INTERVAL_METRICS = ("ece", "adaptive_ece", "classwise_ece")  # As in the focal-loss paper.
 GAMMA_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -40,6 +44,10 @@ def _metric_functions(num_classes: int, num_bins: int):
       "top5_accuracy": lambda p, z, y: metrics.top_k_accuracy(z, y, min(5, num_classes)),
       "s99_share": lambda p, z, y: metrics.s99(p, y)[0],
       "s99_accuracy": lambda p, z, y: metrics.s99(p, y)[1],
+      "aurc": lambda p, z, y: metrics.aurc(p, y),
+      "e_aurc": lambda p, z, y: metrics.e_aurc(p, y),
+      "selective_risk_90": lambda p, z, y: metrics.selective_risk(p, y, 0.9),
+      "selective_risk_95": lambda p, z, y: metrics.selective_risk(p, y, 0.95),
   }
 
 
@@ -59,24 +67,64 @@ def calibration_metrics(logits: np.ndarray, labels: np.ndarray, num_classes: int
   return {name: functions[name](probs, logits, labels) for name in names}
 
 
-def _intervals(logits, labels, num_classes, config) -> dict[str, dict[str, float]]:
+def _intervals(logits, labels, num_classes, config, num_resamples: int | None = None,
+               names=INTERVAL_METRICS) -> dict[str, dict[str, float]]:
   functions = _metric_functions(num_classes, config.num_bins)
   probs = metrics.softmax(logits)
   out = {}
-  for name in INTERVAL_METRICS:
+  for name in names:
     interval = bootstrap.bootstrap_interval(
         lambda p, y, f=functions[name]: f(p, None, y), (probs, labels),
-        num_resamples=config.bootstrap_resamples, level=config.bootstrap_level,
+        num_resamples=num_resamples or config.bootstrap_resamples, level=config.bootstrap_level,
         kind=config.bootstrap_kind, seed=config.bootstrap_seed)
     out[name] = interval._asdict()
   return out
 
 
-def _ood(test_logits, ood_logits, temperature_value) -> dict[str, float]:
-  """AUROC of each OOD score, test set = negatives, OOD set = positives."""
+def _ood(test_logits, ood_logits, temperature_value) -> tuple[dict, dict]:
+  """AUROC and FPR at 95 % TPR of each OOD score, test set = negatives, OOD set = positives."""
   inside = metrics.ood_scores(test_logits / temperature_value)
   outside = metrics.ood_scores(ood_logits / temperature_value)
-  return {name: metrics.auroc(inside[name], outside[name]) for name in inside}
+  return ({name: metrics.auroc(inside[name], outside[name]) for name in inside},
+          {name: metrics.fpr_at_tpr(inside[name], outside[name], 0.95) for name in inside})
+
+
+def _parameters_for_json(calibrator: posthoc.Calibrator) -> dict[str, Any]:
+  """The parametric maps' parameters; the one-vs-rest maps' table shapes (they are large)."""
+  if calibrator.method in posthoc.PARAMETRIC:
+    return {k: np.asarray(v).tolist() for k, v in calibrator.params.items()}
+  return {k: list(np.shape(v)) for k, v in calibrator.params.items()}
+
+
+def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
+                  num_classes: int, config: ml_collections.ConfigDict
+                  ) -> tuple[dict[str, Any], np.ndarray]:
+  """Every post-hoc map fitted on validation (strengths by k-fold CV there) and measured on
+  test, with a bootstrap interval of its ECE (`calibrator_resamples`: eight maps' intervals
+  of three metrics at the report's 1,000 resamples would dominate its cost); the chosen one
+  (`config.calibrator`, auto = lowest cross-validated validation NLL).
+
+  Returns:
+    (the report's "posthoc" section, the chosen map's test log-probabilities [N, K]).
+  """
+  rows, calibrators, test_log_probs = {}, {}, {}
+  for method in posthoc.METHODS:
+    started = time.perf_counter()
+    calibrators[method] = posthoc.fit(method, *val, folds=config.calibrator_folds,
+                                      seed=config.bootstrap_seed)
+    fit_seconds = time.perf_counter() - started
+    test_log_probs[method] = posthoc.apply(calibrators[method], test[0])
+    rows[method] = {
+        "hyper": {k: v for k, v in calibrators[method].hyper.items() if k in ("odir", "num_bins")},
+        "cv_nll": calibrators[method].cv_nll, "fit_seconds": fit_seconds,
+        "parameters": _parameters_for_json(calibrators[method]),
+        "test": calibration_metrics(test_log_probs[method], test[1], num_classes,
+                                    config.num_bins, TABLE_METRICS),
+        "intervals": _intervals(test_log_probs[method], test[1], num_classes, config,
+                                config.calibrator_resamples, ("ece",))}
+  chosen = posthoc.choose(calibrators, config.calibrator)
+  return ({"requested": config.calibrator, "chosen": chosen, "folds": config.calibrator_folds,
+           "calibrators": rows}, test_log_probs[chosen])
 
 
 def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
@@ -93,7 +141,9 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
 
   Returns:
     A JSON-ready dict: temperature fit, metrics per split and scaling,
-    bootstrap intervals on test, OOD AUROCs, reliability bins, timings.
+    bootstrap intervals on test, every post-hoc map on test and the chosen one
+    (`posthoc_table`), OOD AUROCs and FPRs at 95 % TPR, reliability bins
+    ("before_ts", "after_ts", "calibrated": the chosen map), timings.
   """
   started = time.perf_counter()
   fit = temperature.fit_temperature(*val, method=config.temperature_method,
@@ -113,11 +163,18 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
   for tag, t in scalings.items():
     report["intervals"][tag] = _intervals(test[0] / t, test[1], num_classes, config)
   bootstrap_seconds = time.perf_counter() - started
+  started = time.perf_counter()
+  report["posthoc"], chosen_log_probs = posthoc_table(val, test, num_classes, config)
+  bins = metrics.reliability_bins(np.exp(chosen_log_probs), test[1], config.num_bins)
+  report["reliability"]["calibrated"] = {k: np.asarray(v).tolist()
+                                         for k, v in bins._asdict().items()}
+  posthoc_seconds = time.perf_counter() - started
   if ood_logits is not None:
-    report["ood"] = {"set": config.ood, **{tag: _ood(test[0], ood_logits, t)
-                                           for tag, t in scalings.items()}}
+    ood = {tag: _ood(test[0], ood_logits, t) for tag, t in scalings.items()}
+    report["ood"] = {"set": config.ood, **{tag: pair[0] for tag, pair in ood.items()},
+                     "fpr_at_95_tpr": {tag: pair[1] for tag, pair in ood.items()}}
   report["seconds"] = {"metrics_and_temperature": metrics_seconds,
-                       "bootstrap": bootstrap_seconds}
+                       "bootstrap": bootstrap_seconds, "posthoc": posthoc_seconds}
   return report
 
 
@@ -165,11 +222,17 @@ def _markdown(report: dict[str, Any]) -> str:
       lines.append(f"- {tag} {name}: {iv['point']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}] "
                    f"({iv['level']:.0%} {iv['kind']}, B={iv['num_resamples']}, "
                    f"seed {iv['seed']})")
+  if "posthoc" in report:
+    lines += _posthoc_markdown(report["posthoc"])
   if report["ood"]:
-    lines += ["", f"## OOD AUROC (test vs {report['ood']['set']})", "",
-              "| score | before TS | after TS |", "|---|---|---|"]
-    lines += [f"| {name} | {report['ood']['before_ts'][name]:.4f} | "
-              f"{report['ood']['after_ts'][name]:.4f} |" for name in report["ood"]["before_ts"]]
+    ood, fpr = report["ood"], report["ood"].get("fpr_at_95_tpr", {})
+    lines += ["", f"## OOD (test vs {ood['set']}): AUROC, and FPR at 95 % TPR", "",
+              "| score | AUROC before TS | AUROC after TS | FPR95 before TS | FPR95 after TS |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {name} | {ood['before_ts'][name]:.4f} | {ood['after_ts'][name]:.4f} | "
+              + " | ".join(f"{fpr[tag][name]:.4f}" if fpr else "—"
+                           for tag in ("before_ts", "after_ts")) + " |"
+              for name in ood["before_ts"]]
   if "gamma" in report:
     lines += ["", "## gamma-Net's gamma on the test set (eval-mode features)", "",
               "| predictions | count | mean | std | " + " | ".join(
@@ -188,6 +251,24 @@ def _markdown(report: dict[str, Any]) -> str:
             "Neural Networks using Focal Loss' (NeurIPS); smooth ECE: Blasiok & Nakkiran 2024 "
             "(ICLR). Definitions: docs/methods.md in the cpjax repository."]
   return "\n".join(lines) + "\n"
+
+
+def _posthoc_markdown(section: dict[str, Any]) -> list[str]:
+  """The table of every post-hoc map on the test split, the chosen one in bold."""
+  lines = ["", "## Post-hoc maps (fitted on validation, measured on test)", "",
+           f"Chosen: **{section['chosen']}** (evaluation.calibrator={section['requested']!r}; "
+           f"auto = lowest {section['folds']}-fold cross-validated validation NLL). Intervals: "
+           "ECE's bootstrap interval.", "",
+           "| map | strength | CV val NLL | " + " | ".join(TABLE_METRICS) + " | ECE interval |",
+           "|---" * (len(TABLE_METRICS) + 4) + "|"]
+  for method, row in section["calibrators"].items():
+    name = f"**{method}**" if method == section["chosen"] else method
+    strength = ", ".join(f"{k}={v}" for k, v in row["hyper"].items()) or "—"
+    iv = row["intervals"]["ece"]
+    lines.append(f"| {name} | {strength} | {row['cv_nll']:.4f} | "
+                 + " | ".join(f"{row['test'][m]:.4f}" for m in TABLE_METRICS)
+                 + f" | [{iv['low']:.4f}, {iv['high']:.4f}] |")
+  return lines
 
 
 def _save_png(path: str, fig: Any) -> None:
@@ -250,6 +331,10 @@ def write_report(report_dir: str, report: dict[str, Any],
   paths = [os.path.join(report_dir, name) for name in (
       "results.json", "results.md", "reliability_before_ts.png", "reliability_after_ts.png",
       "confidence_histogram.png")]
+  if "calibrated" in report["reliability"]:
+    paths.append(os.path.join(report_dir, "reliability_calibrated.png"))
+    _save_png(paths[-1], figures.reliability_figure(report["reliability"]["calibrated"],
+                                                    f"test, {report['posthoc']['chosen']}"))
   files.atomic_write(paths[0], json.dumps(strict_json(report), indent=1, allow_nan=False))
   files.atomic_write(paths[1], _markdown(report))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
@@ -258,6 +343,6 @@ def write_report(report_dir: str, report: dict[str, Any],
   _save_png(paths[4], figures.histogram_figure(report["reliability"]))
   if gamma is not None:
     paths += [os.path.join(report_dir, name) for name in ("gamma_test.npz", "gamma_histogram.png")]
-    files.atomic_write(paths[5], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))
-    _gamma_figure(paths[6], *gamma)
+    files.atomic_write(paths[-2], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))
+    _gamma_figure(paths[-1], *gamma)
   return paths

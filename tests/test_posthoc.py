@@ -1,0 +1,220 @@
+"""Post-hoc calibration maps against independent references.
+
+scikit-learn's IsotonicRegression and a NumPy np.histogram binning for the one-vs-rest maps,
+SciPy `minimize` (BFGS, finite-difference gradients) on the same objectives written in NumPy
+for the parametric maps, closed forms for temperature and ensemble temperature scaling.
+"""
+
+import numpy as np
+import pytest
+import scipy.optimize
+import scipy.special
+from sklearn.isotonic import IsotonicRegression
+
+from cpjax.calibration import metrics, posthoc
+
+
+def _data(seed, n=600, k=4, scale=2.0, sharpen=1.6):
+  """Logits z and labels drawn from softmax(z / sharpen): an over-confident model."""
+  rng = np.random.default_rng(seed)
+  z = rng.normal(size=(n, k)) * scale + np.eye(k)[rng.integers(0, k, n)] * 1.5
+  p = scipy.special.softmax(z / sharpen, axis=1)
+  labels = (rng.uniform(size=(n, 1)) > np.cumsum(p, 1)).sum(1)
+  return z, np.minimum(labels, k - 1)
+
+
+def _renormalised_log(q, floor):
+  q = np.clip(q, floor, None)
+  return np.log(q / q.sum(1, keepdims=True))
+
+
+def test_isotonic_matches_sklearn_one_vs_rest():
+  z, y = _data(0)
+  fit_z, fit_y, new_z = z[:400], y[:400], z[400:] * 1.3
+  p_fit, p_new = scipy.special.softmax(fit_z, 1), scipy.special.softmax(new_z, 1)
+  p_fit[:40] = p_fit[40:80]  # Ties in the fitted scores (whole rows, so rows still sum to 1).
+  reference = np.stack([IsotonicRegression(y_min=0, y_max=1, out_of_bounds="clip").fit(
+      p_fit[:, k], fit_y == k).predict(p_new[:, k]) for k in range(4)], axis=1)
+  # The same data through the calibrator: its input is softmax(logits), so pass log p.
+  calibrator = posthoc.fit("isotonic", np.log(p_fit), fit_y)
+  out = posthoc.apply(calibrator, np.log(p_new))
+  np.testing.assert_allclose(out, _renormalised_log(reference, posthoc.DEFAULT_FLOOR),
+                             atol=1e-10)
+
+
+def test_pool_adjacent_violators_hand_worked():
+  # y = (1, 0, 0, 1) on x = 1..4: the first three pool to 1/3, then 1.
+  x, fitted = posthoc.pool_adjacent_violators(np.array([1.0, 2, 3, 4]), np.array([1.0, 0, 0, 1]))
+  np.testing.assert_allclose(fitted, [1 / 3, 1 / 3, 1 / 3, 1.0])
+  # Tied x pool first: x = (1, 1, 2) with y = (1, 0, 0) -> 1/2 at x = 1 then violates -> 1/3.
+  x, fitted = posthoc.pool_adjacent_violators(np.array([1.0, 1, 2]), np.array([1.0, 0, 0]))
+  np.testing.assert_allclose(x, [1, 2])
+  np.testing.assert_allclose(fitted, [1 / 3, 1 / 3])
+
+
+@pytest.mark.parametrize("num_bins", [5, 15])
+def test_histogram_binning_matches_np_histogram(num_bins):
+  z, y = _data(1)
+  p_fit, p_new = scipy.special.softmax(z[:400], 1), scipy.special.softmax(z[400:] * 0.7, 1)
+  edges = np.linspace(0, 1, num_bins + 1)
+  reference = np.empty_like(p_new)
+  for k in range(4):
+    count, _ = np.histogram(p_fit[:, k], edges)
+    hits, _ = np.histogram(p_fit[:, k], edges, weights=(y[:400] == k).astype(float))
+    value = np.where(count > 0, hits / np.maximum(count, 1), (edges[:-1] + edges[1:]) / 2)
+    where = np.digitize(p_new[:, k], edges[1:-1])  # Same [e_m, e_m+1) bins, last closed.
+    reference[:, k] = value[where]
+  calibrator = posthoc.fit("histogram_binning", z[:400], y[:400], num_bins=num_bins)
+  assert calibrator.hyper["num_bins"] == num_bins
+  np.testing.assert_allclose(posthoc.apply(calibrator, z[400:] * 0.7),
+                             _renormalised_log(reference, posthoc.DEFAULT_FLOOR), atol=1e-12)
+
+
+def _numpy_objective(method, k, odir):
+  """The mean NLL + ODIR of a flattened (W or w, b), written directly in NumPy."""
+  def objective(x, z, y):
+    if method == "vector_scaling":
+      s = z * x[:k] + x[k:]
+      penalty = odir * (np.var(x[:k]) + np.sum(x[k:] ** 2) / k)
+    else:
+      w, b = x[:k * k].reshape(k, k), x[k * k:]
+      inputs = z if method == "matrix_scaling" else scipy.special.log_softmax(z, axis=1)
+      s = np.einsum("ij,nj->ni", w, inputs) + b
+      off = w[~np.eye(k, dtype=bool)]
+      penalty = odir * (np.sum(off ** 2) / (k * (k - 1)) + np.sum(b ** 2) / k)
+    return -np.mean(scipy.special.log_softmax(s, axis=1)[np.arange(len(y)), y]) + penalty
+  return objective
+
+
+@pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling", "dirichlet"])
+def test_parametric_fits_match_scipy_minimize_on_a_numpy_objective(method):
+  z, y = _data(2, n=300, k=3)
+  odir = 0.05
+  calibrator = posthoc.fit(method, z, y, odir=odir)
+  objective = _numpy_objective(method, 3, odir)
+  x0 = (np.r_[np.ones(3), np.zeros(3)] if method == "vector_scaling"
+        else np.r_[np.eye(3).ravel(), np.zeros(3)])
+  reference = scipy.optimize.minimize(objective, x0, args=(z, y), method="BFGS",
+                                      options={"gtol": 1e-9})
+  ours = np.r_[calibrator.params["w"].ravel(), calibrator.params["b"]]
+  assert objective(ours, z, y) == pytest.approx(reference.fun, abs=1e-7)
+  np.testing.assert_allclose(ours, reference.x, atol=2e-3)
+  # apply gives the fitted map's log-probabilities on new logits.
+  s = (z * ours[:3] + ours[3:] if method == "vector_scaling" else
+       np.einsum("ij,nj->ni", ours[:9].reshape(3, 3),
+                 z if method == "matrix_scaling" else scipy.special.log_softmax(z, axis=1))
+       + ours[9:])
+  np.testing.assert_allclose(posthoc.apply(calibrator, z), scipy.special.log_softmax(s, axis=1),
+                             atol=1e-10)
+
+
+def test_temperature_matches_its_closed_form():
+  # Every row has logits (c, 0) and a share f of label 0: NLL is minimal where
+  # sigmoid(c / T) = f, so T = c / logit(f).
+  c, labels = 3.0, np.array([0] * 7 + [1] * 3)
+  z = np.tile([c, 0.0], (10, 1))
+  calibrator = posthoc.fit("temperature", z, labels, folds=2)
+  assert np.exp(calibrator.params["log_t"]) == pytest.approx(c / np.log(0.7 / 0.3), rel=1e-5)
+
+
+def test_ensemble_temperature_weights_match_the_closed_form():
+  # K = 2, T fixed at 2, two kinds of rows, 20 each: logits (4, 0) with 17 of label 0 and
+  # logits (-1, 0) with 7 of label 0. With q_j the mixture's probability of label 0 on rows
+  # of kind j, the NLL is minimal where q_j equals the kind's share of label 0 (17/20,
+  # 7/20): with sum(w) = 1, a 3 x 3 linear system in the weights.
+  t, cs, shares = 2.0, np.array([4.0, -1.0]), np.array([17 / 20, 7 / 20])
+  sig = scipy.special.expit
+  system = np.array([[sig(cs[0] / t), sig(cs[0]), 0.5], [sig(cs[1] / t), sig(cs[1]), 0.5],
+                     [1.0, 1.0, 1.0]])
+  expected = np.linalg.solve(system, np.r_[shares, 1.0])
+  assert np.all(expected > 0.2)  # An interior optimum: the weights are identified.
+  z = np.concatenate([np.tile([cs[0], 0.0], (20, 1)), np.tile([cs[1], 0.0], (20, 1))])
+  labels = np.r_[np.zeros(17), np.ones(3), np.zeros(7), np.ones(13)].astype(int)
+  params = posthoc.fit_parametric("ensemble_temperature", z, labels, log_t=np.log(t))
+  np.testing.assert_allclose(scipy.special.softmax(params["a"]), expected, atol=2e-3)
+  assert params["log_t"] == pytest.approx(np.log(t))
+  calibrator = posthoc.Calibrator("ensemble_temperature", params, {}, float("nan"))
+  q = np.exp(posthoc.apply(calibrator, z[[0, 20]]))[:, 0]
+  np.testing.assert_allclose(q, shares, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["none", "temperature", "ensemble_temperature"])
+def test_accuracy_is_unchanged_where_the_method_guarantees_it(method):
+  z, y = _data(3)
+  calibrator = posthoc.fit(method, z[:300], y[:300])
+  out = posthoc.apply(calibrator, z[300:])
+  np.testing.assert_array_equal(out.argmax(1), z[300:].argmax(1))
+
+
+@pytest.mark.parametrize("method", posthoc.METHODS)
+def test_saturated_logits_give_finite_normalised_log_probabilities(method):
+  z, y = _data(4, n=300)
+  for fit_z, new_z in ((z, z * 1e4), (z * 1e4, z * 1e4), (z * 1e4, z)):
+    calibrator = posthoc.fit(method, fit_z, y, folds=3)
+    out = posthoc.apply(calibrator, new_z)
+    assert np.all(np.isfinite(out)), (method, calibrator.params)
+    np.testing.assert_allclose(np.exp(out).sum(1), 1.0, atol=1e-9)
+
+
+def test_cross_validation_picks_the_lowest_held_out_nll():
+  z, y = _data(5, n=400)
+  calibrator = posthoc.fit("matrix_scaling", z, y, folds=4, seed=3)
+  fold = np.empty(400, int)
+  fold[np.random.default_rng(3).permutation(400)] = np.arange(400) % 4
+  held_out = {}
+  for odir in posthoc.ODIR_GRID:  # Cold-started fits: the optimum does not depend on the start.
+    total = 0.0
+    for f in range(4):
+      params = posthoc.fit_parametric("matrix_scaling", z, y, fold != f, odir)
+      s = z[fold == f] @ params["w"].T + params["b"]
+      total -= scipy.special.log_softmax(s, 1)[np.arange((fold == f).sum()), y[fold == f]].sum()
+    held_out[odir] = total / 400
+  best = min(held_out, key=held_out.get)
+  assert calibrator.hyper["odir"] == best
+  assert calibrator.cv_nll == pytest.approx(held_out[best], rel=1e-4)
+
+
+def test_choose_auto_takes_the_lowest_cross_validated_nll_and_names_bad_choices():
+  z, y = _data(6)
+  calibrators = posthoc.fit_all(z, y, methods=("none", "temperature", "isotonic"))
+  nlls = {m: c.cv_nll for m, c in calibrators.items()}
+  assert posthoc.choose(calibrators) == min(nlls, key=nlls.get)
+  assert nlls["temperature"] < nlls["none"]  # Over-confident data: scaling helps.
+  assert posthoc.choose(calibrators, "isotonic") == "isotonic"
+  with pytest.raises(ValueError, match="dirichlet.*none, temperature, isotonic"):
+    posthoc.choose(calibrators, "dirichlet")
+  with pytest.raises(ValueError, match="platt.*valid choices: none, temperature"):
+    posthoc.fit("platt", z, y)
+  with pytest.raises(ValueError, match="finite"):
+    posthoc.fit("temperature", np.full((4, 2), np.inf), np.zeros(4, int))
+
+
+def test_grid_temperature_is_the_temperature_module_fit():
+  z, y = _data(7)
+  calibrator = posthoc.fit("temperature", z, y, search="grid_nll")
+  t = np.exp(calibrator.params["log_t"])
+  assert t == pytest.approx(round(t * 10) / 10)  # A grid point (0.1 steps).
+  nll = lambda tt: metrics.nll(z / tt, y)  # noqa: E731
+  assert nll(t) <= min(nll(t - 0.1), nll(t + 0.1))
+
+
+@pytest.mark.parametrize("method", ["temperature", "vector_scaling", "matrix_scaling",
+                                    "ets_mixture"])
+def test_numpy_gradients_match_jax_grad_of_the_jax_objective(method):
+  import jax  # pylint: disable=g-import-not-at-top  (x64 only inside this test)
+  rng = np.random.default_rng(8)
+  z, y = _data(8, n=50, k=4)
+  weights = (rng.uniform(size=50) < 0.7).astype(float)
+  params = {"temperature": {"log_t": np.float64(0.3)},
+            "vector_scaling": {"w": rng.normal(size=4), "b": rng.normal(size=4)},
+            "matrix_scaling": {"w": rng.normal(size=(4, 4)), "b": rng.normal(size=4)},
+            "ets_mixture": {"a": rng.normal(size=3)}}[method]
+  inputs = (np.stack([scipy.special.log_softmax(z / 1.7, 1), scipy.special.log_softmax(z, 1),
+                      np.full_like(z, -np.log(4))]) if method == "ets_mixture" else z)
+  value, grad = posthoc.value_and_grad(method, params, inputs, y, weights, 0.3)
+  with jax.enable_x64(True):
+    ref_value, ref_grad = jax.value_and_grad(posthoc.objective, argnums=1)(
+        method, params, inputs, y, weights, 0.3)
+  assert value == pytest.approx(float(ref_value), rel=1e-12)
+  for name in params:
+    np.testing.assert_allclose(grad[name], np.asarray(ref_grad[name]), rtol=1e-9, atol=1e-12)
