@@ -24,7 +24,7 @@ import ml_collections
 from cpjax import run_state
 from cpjax.data import array_records, input_pipeline, readers, specs
 from cpjax.runtime import checkpointing, sharding
-from cpjax.selection import sources
+from cpjax.selection import bookkeeping, sources
 
 
 class StartupCheckError(RuntimeError):
@@ -81,7 +81,9 @@ def _check_target(config: ml_collections.ConfigDict) -> None:
 def checkpoint_bytes(config: ml_collections.ConfigDict) -> int:
   """Bytes of the arrays of one checkpoint of `config` (train state, selection state and
   partial epoch), from their shapes and dtypes; nothing is computed."""
-  return checkpointing.tree_bytes(run_state.abstract(config, sharding.create_mesh()))
+  return checkpointing.tree_bytes(run_state.abstract(
+      config, sharding.create_mesh(),
+      bookkeeping.initial_state_of(config.dataset, config.selection)))
 
 
 def _check_checkpoint_room(config: ml_collections.ConfigDict, workdir: str) -> None:

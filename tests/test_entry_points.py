@@ -85,7 +85,7 @@ def test_write_array_records_reads_back_the_config_splits(tmp_path):
 @pytest.mark.parametrize("module, flag", [
     ("studies.losses", "--out"), ("studies.prioritization", "--out"),
     ("studies.selection", "--out"), ("studies.meta_calibration", "--out"),
-    ("studies.long_schedule", "--summarise-only"),
+    ("studies.long_schedule", "--summarise-only"), ("studies.posthoc", "--out"),
     # Timed in-process at a tiny size in tests/test_benchmarks.py; here its command line.
     ("benchmarks.xla_cpu_variants", "--batch-size")])
 def test_long_entry_points_start(module, flag):
@@ -109,3 +109,23 @@ def test_every_entry_point_has_a_smoke_test():
           continue
       module = f"{directory}.{file[:-3]}"
       assert f'"{module}"' in tested, f"{module} has no smoke test"
+
+
+def test_posthoc_fits_times_every_map_and_the_table():
+  result = _module("benchmarks.posthoc_fits", "--val=300", "--test=300", "--classes=4")
+  assert result.returncode == 0, result.stderr[-2000:]
+  fitted = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("fit ")]
+  assert fitted == ["none", "temperature", "vector_scaling", "matrix_scaling", "dirichlet",
+                    "ensemble_temperature", "histogram_binning", "isotonic"]
+  assert "post-hoc table" in result.stdout and "ratio" in result.stdout
+
+
+def test_soak_logs_memory_per_epoch(tmp_path):
+  out = tmp_path / "soak.json"
+  result = _module("benchmarks.soak", "--epochs=3", "--skip=0", f"--out={out}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  with open(out) as f:
+    soak = json.load(f)
+  rss = [sample["rss_mib"] for sample in soak["samples"]]
+  assert len(rss) == 3 and all(v > 0 for v in rss), soak
+  assert soak["rss_mib_first"] == rss[0] and soak["rss_mib_last"] == rss[-1]

@@ -20,7 +20,8 @@ DISTRIBUTION_OF = {
     "flax": "flax", "grain": "grain", "jax": "jax", "matplotlib": "matplotlib",
     "ml_collections": "ml-collections", "numpy": "numpy", "optax": "optax",
     "orbax": "orbax-checkpoint", "PIL": "pillow", "scipy": "scipy", "sklearn": "scikit-learn",
-    "tensorflow_datasets": "tensorflow-datasets", "yaml": "pyyaml",
+    "tensorflow_datasets": "tensorflow-datasets", "threadpoolctl": "threadpoolctl",
+    "yaml": "pyyaml",
 }
 # Declared but not imported by cpjax, each with the reason it must be installed.
 NOT_IMPORTED = {
@@ -47,7 +48,7 @@ def _top_level_imports(paths) -> dict[str, set[str]]:
         continue
       for name in names:
         top = name.split(".")[0]
-        if top not in sys.stdlib_module_names and top != "cpjax":
+        if top not in sys.stdlib_module_names and top not in ("cpjax", "configs"):
           found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
   return found
 

@@ -21,7 +21,7 @@ from cpjax import preflight, run_state, train
 from cpjax.calibration import report
 from cpjax.data import array_records
 from cpjax.runtime import checkpointing, sharding
-from cpjax.selection import score_files
+from cpjax.selection import bookkeeping, score_files
 from tests import test_faults
 from tests.helpers import (
   REPO,
@@ -200,7 +200,8 @@ def test_no_room_for_a_checkpoint_fails_at_start_up(tmp_path, monkeypatch):
   shapes: counted by hand below) is refused before the run starts."""
   config = tiny_config()
   nbytes = preflight.checkpoint_bytes(config)
-  restored = run_state.abstract(config, sharding.create_mesh())
+  restored = run_state.abstract(config, sharding.create_mesh(), bookkeeping.initial_state_of(
+      config.dataset, config.selection))
   by_hand = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                 for leaf in jax.tree.leaves(restored))
   params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(restored["train"].params))
