@@ -62,7 +62,10 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
            if not f.startswith("--xla_force_host_platform_device_count")]
   if devices is not None:
     flags.append(f"--xla_force_host_platform_device_count={devices}")
-  return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
+  # This interpreter's bin first: scripts that call `python3` (the SLURM stand-ins) find the
+  # same environment even when its virtualenv is not activated.
+  path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+  return {**os.environ, "XLA_FLAGS": " ".join(flags), "PATH": path, **extra}
 
 
 def main_command(workdir: str, *flags: str, config: str = "configs/test.py") -> list[str]:

@@ -112,7 +112,8 @@ def _slurm_env(tmp_path, tag: str, port: int) -> dict[str, str]:
   """The variables SLURM gives a 2-task job step, faked for 127.0.0.1 (jax.distributed reads
   them: JAX's SLURM detection takes the coordinator from the node list and the job id).
   Each task sees 4 CPU devices: 8 in all, as in the test process."""
-  return {**subprocess_env(4), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}",
+  env = subprocess_env(4)
+  return {**env, "PATH": f"{FAKE_SLURM}:{env['PATH']}",
           "SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "127.0.0.1",
           "SLURM_NTASKS": "2", "SLURM_SUBMIT_DIR": REPO,
           "FAKE_SLURM_LOG": str(tmp_path / f"{tag}_task"),

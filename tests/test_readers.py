@@ -80,7 +80,8 @@ def test_auto_picks_device_when_the_splits_fit_the_budget():
 
 @pytest.mark.parametrize("overrides", [
     # Subsets with per-example loss weights.
-    {"selection.method": "infobatch", "selection.score": "loss"},
+    {"selection.method": "infobatch", "selection.score": "loss",
+     "selection.anneal_fraction": 0.0},  # 2 epochs: the second pruned, none annealed.
     # gamma-Net's meta-validation batches, and a fresh scoring pass over the training split.
     {"loss.name": "flgamma_dece", "dataset.meta_val_size": 128, "selection.method": "top_k",
      "selection.scoring": "fresh"}], ids=["infobatch", "flgamma_fresh"])

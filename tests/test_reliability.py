@@ -440,7 +440,13 @@ def _assert_same_run(expected: str, actual: str) -> None:
     assert ra.keys() == rb.keys()
     for key, value in ra.items():
       if isinstance(value, float):
-        assert rb[key] == pytest.approx(value, rel=1e-3, abs=2e-3, nan_ok=True), key
+        # FPR at 95 % TPR is a threshold statistic: a rounding-level change of one score can
+        # move one of the 360 test images across it (1 / 360 = 0.0028). The calibrated
+        # metrics come from a map fitted by an optimiser on cross-validation folds, which can
+        # carry such a change on to a few images crossing an ECE bin edge.
+        tolerance = {"fpr95": 1 / 360 + 1e-6, "calibrated": 2 / 360 + 1e-6}
+        tolerance = next((v for k, v in tolerance.items() if k in key), 2e-3)
+        assert rb[key] == pytest.approx(value, rel=1e-3, abs=tolerance, nan_ok=True), key
       else:
         assert rb[key] == value, key
   sa, sb = (restore_checkpoint(d)["selection"] for d in (expected, actual))
