@@ -180,7 +180,7 @@ def report_describes(run: run_context.Run, step: int) -> bool:
       with open(os.path.join(run.workdir, "report", "results.json"), encoding="utf-8") as f:
         found = json.load(f).get("checkpoint_step") == step
     except (OSError, ValueError):
-      pass
+      pass  # No report, or a torn one: it describes nothing, and the rerun rewrites it.
   if jax.process_count() > 1:
     found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
   return found
