@@ -19,6 +19,13 @@ same data split). A loss "beats" CE + post-hoc where its interval for ECE or NLL
 below zero and its accuracy interval not wholly below zero.
 
   python -m studies.posthoc --out=studies/out/posthoc --datasets digits
+
+`fashion_mnist_long` takes its runs from the long-schedule study (studies/long_schedule.py:
+20 epochs, crop+flip, all 54,000 training images) instead of training them: its full-data
+arms `full` (cross_entropy), `flsd53_full` (flsd53) and `flgamma_full` (flgamma_sece), read
+from `--long-runs` once they have finished. A loss whose run has not finished for every seed
+whose cross-entropy run has is left out and named; a report without the post-hoc table is
+refitted from a copy of the run, leaving the long study's own directory untouched.
 """
 
 import argparse
@@ -33,10 +40,13 @@ import scipy.stats
 
 from cpjax import train
 from cpjax.calibration import posthoc
-from studies import grid, meta_calibration
+from studies import grid, long_schedule, meta_calibration
 
 METRICS = ("ece", "nll", "accuracy")
 LEVEL = 0.9
+LONG = "fashion_mnist_long"
+LONG_ARMS = {"cross_entropy": "full", "flsd53": "flsd53_full", "flgamma_sece": "flgamma_full"}
+DATASETS = ("digits", "fashion_mnist", LONG)
 
 
 def workdir_of(root: str, dataset: str, loss: str, seed: int) -> str:
@@ -44,8 +54,47 @@ def workdir_of(root: str, dataset: str, loss: str, seed: int) -> str:
 
 
 def run_config(dataset: str, loss: str, seed: int):
-  return grid._apply(meta_calibration.base_config(dataset),  # pylint: disable=protected-access
-                     {**meta_calibration.overrides(dataset, loss), "seed": seed})
+  if dataset == LONG:
+    return long_schedule.run_config(LONG_ARMS[loss], seed)
+  return grid.apply(meta_calibration.base_config(dataset),
+                    {**meta_calibration.overrides(dataset, loss), "seed": seed})
+
+
+def long_source(long_runs: str, loss: str, seed: int) -> str:
+  return os.path.join(long_runs, LONG_ARMS[loss], f"seed{seed}")
+
+
+def long_plan(losses: list[str], seeds: list[int], long_runs: str) -> tuple[list, list, list]:
+  """(losses, seeds, left-out losses) of the long-schedule runs ready for the study: the seeds
+  whose cross-entropy run has finished, and the losses finished at every one of them."""
+  def finished(loss, seed):
+    return os.path.exists(os.path.join(long_source(long_runs, loss, seed), "report",
+                                       "results.json"))
+  ready_seeds = [s for s in seeds if finished("cross_entropy", s)]
+  wanted = [loss for loss in losses if loss in LONG_ARMS]
+  ready = [loss for loss in wanted if ready_seeds and all(finished(loss, s) for s in ready_seeds)]
+  return ready, ready_seeds, [loss for loss in wanted if loss not in ready]
+
+
+def long_report_of(loss: str, seed: int, out: str, long_runs: str, refit: bool = False) -> dict:
+  """A finished long-schedule run's report with the post-hoc table: its own if it has one,
+  else that of a copy refitted from the run's last checkpoint (the study's run untouched)."""
+  source = long_source(long_runs, loss, seed)
+  with open(os.path.join(source, "report", "results.json")) as f:
+    report = json.load(f)
+  if "posthoc" in report and not refit:
+    return report
+  workdir = workdir_of(out, LONG, loss, seed)
+  copied_report = os.path.join(workdir, "report", "results.json")
+  if os.path.exists(copied_report) and not refit:
+    with open(copied_report) as f:
+      report = json.load(f)
+    if "posthoc" in report:
+      return report
+  shutil.copytree(source, workdir, ignore=shutil.ignore_patterns("report", "*.lock"),
+                  dirs_exist_ok=True)
+  return json.loads(json.dumps(train.evaluate_only(run_config(LONG, loss, seed), workdir),
+                               default=float))
 
 
 def report_of(dataset: str, loss: str, seed: int, out: str, runs: str | None,
@@ -113,10 +162,19 @@ def beats(diff: dict) -> bool:
   return better and not diff["accuracy"]["high"] < 0
 
 
+RUNS = {
+    "digits": "scikit-learn's digits, small_cnn, 30 epochs (the meta-calibration study's runs).",
+    "fashion_mnist": "Fashion-MNIST, small_cnn, 6 epochs without augmentation (the "
+                     "meta-calibration study's runs).",
+    LONG: "Fashion-MNIST, small_cnn, 20 epochs with crop+flip on all 54,000 training images "
+          "(the long-schedule study's full-data runs).",
+}
+
+
 def summary_lines(dataset: str, results: dict, seeds: list[int]) -> list[str]:
   by_loss = results[dataset]
   methods = list(posthoc.METHODS) + ["auto"]
-  lines = [f"## {dataset} (seeds {seeds})", "",
+  lines = [f"## {dataset} (seeds {seeds})", "", RUNS[dataset], "",
            "Mean test ECE % / NLL over seeds, per training loss (rows) and post-hoc map "
            "(columns; auto = the map of lowest cross-validated validation NLL, per run).", "",
            "| loss | acc % | " + " | ".join(methods) + " |", "|---" * (len(methods) + 2) + "|"]
@@ -148,9 +206,11 @@ def _paired_table(results: dict, dataset: str, map_name: str) -> list[str]:
              f"{diff[m]['high']:+.4f}]" for m, s in (("ece", 100), ("nll", 1), ("accuracy", 100))]
     lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if beats(diff) else 'no'} |")
   winners = [name for name, diff in diffs.items() if beats(diff)]
+  one_seed = all(diff["ece"]["seeds"] < 2 for diff in diffs.values())
   lines += ["", f"**Does any training-time calibration loss beat cross-entropy + {map_name} on "
             f"{dataset}?** "
-            + (f"Yes: {', '.join(winners)}." if winners else
+            + ("Not decided: one seed gives no interval." if one_seed else
+               f"Yes: {', '.join(winners)}." if winners else
                f"No: no loss, uncalibrated or with {map_name}, has a test ECE or NLL interval "
                f"wholly below cross-entropy + {map_name} at no loss of accuracy."), ""]
   return lines
@@ -163,7 +223,9 @@ def main():
   parser.add_argument("--runs", default=None, help="existing meta-calibration study output")
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--datasets", nargs="+", default=["digits", "fashion_mnist"],
-                      choices=["digits", "fashion_mnist"])
+                      choices=DATASETS)
+  parser.add_argument("--long-runs", default="studies/out/long_schedule",
+                      help=f"the long-schedule study's --out, read for {LONG}")
   parser.add_argument("--losses", nargs="+", default=list(meta_calibration.LOSSES),
                       choices=meta_calibration.LOSSES)
   parser.add_argument("--refit", action="store_true",
@@ -175,14 +237,25 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   command = "python -m studies.posthoc " + " ".join(
       f"--{k} {' '.join(map(str, v))}" if isinstance(v, list) else f"--{k}" if v is True
-      else f"--{k}={v}" for k, v in vars(args).items() if v not in (None, False))
+      else f"--{k}={v}" for k, v in ((k.replace("_", "-"), v) for k, v in vars(args).items())
+      if v not in (None, False))
   results: dict = {}
   seeds_done: dict = {}
   for dataset in args.datasets:
-    for seed in args.seeds:
-      for loss in args.losses:
+    losses, seeds = args.losses, args.seeds
+    if dataset == LONG:
+      losses, seeds, left_out = long_plan(args.losses, args.seeds, args.long_runs)
+      print(f"{LONG}: seeds {seeds} of {args.long_runs}; losses {losses}"
+            + (f"; left out (not finished at those seeds): {left_out}" if left_out else ""),
+            flush=True)
+      if "cross_entropy" not in losses:
+        continue
+    for seed in seeds:
+      for loss in losses:
         print(f"[{time.strftime('%H:%M:%S')}] {dataset} seed {seed} {loss}", flush=True)
-        rows = table(report_of(dataset, loss, seed, args.out, args.runs, args.refit))
+        rows = table(long_report_of(loss, seed, args.out, args.long_runs, args.refit)
+                     if dataset == LONG else
+                     report_of(dataset, loss, seed, args.out, args.runs, args.refit))
         for method, values in rows.items():
           cell = results.setdefault(dataset, {}).setdefault(loss, {}).setdefault(method, {})
           for key, value in values.items():

@@ -1,5 +1,8 @@
 """The post-hoc study's paired comparison against SciPy's paired t-test and by hand."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -37,3 +40,49 @@ def test_summary_names_the_winner_and_compares_against_ce_with_its_auto_map():
       ((0.01 - 0.03) + (0.015 - 0.04) + (0.012 - 0.035)) / 3)
   text = "\n".join(study.summary_lines("digits", results, [0, 1, 2]))
   assert "Yes: focal+auto." in text
+
+
+@pytest.mark.parametrize("dataset", study.DATASETS)
+def test_every_run_of_the_study_has_a_config(dataset):
+  """The refit path rebuilds each run's config; the long-schedule runs take their arm's."""
+  losses = study.LONG_ARMS if dataset == study.LONG else study.meta_calibration.LOSSES
+  for loss in losses:
+    config = study.run_config(dataset, loss, seed=2)
+    assert config.seed == 2 and config.loss.name == loss
+  if dataset == study.LONG:
+    assert config.num_epochs == 20 and config.dataset.meta_val_size == 5000
+
+
+def _finish(root, arm, seed, report=None):
+  os.makedirs(os.path.join(root, arm, f"seed{seed}", "report"))
+  with open(os.path.join(root, arm, f"seed{seed}", "report", "results.json"), "w") as f:
+    json.dump(report or {}, f)
+
+
+def test_long_plan_takes_the_seeds_of_finished_ce_runs_and_losses_finished_at_all(tmp_path):
+  root = str(tmp_path)
+  for seed in (0, 1):
+    _finish(root, "full", seed)
+    _finish(root, "flsd53_full", seed)
+  _finish(root, "flgamma_full", 0)  # Seed 1 still running: left out, not half-paired.
+  losses, seeds, left_out = study.long_plan(
+      ["cross_entropy", "focal", "flsd53", "flgamma_sece"], [0, 1, 2], root)
+  assert (losses, seeds, left_out) == (["cross_entropy", "flsd53"], [0, 1], ["flgamma_sece"])
+  assert study.long_plan(["cross_entropy"], [2], root) == ([], [], ["cross_entropy"])
+
+
+def test_long_report_with_its_table_is_read_in_place(tmp_path):
+  root, out = str(tmp_path / "long"), str(tmp_path / "out")
+  _finish(root, "full", 0, {"posthoc": {"calibrators": {}}, "epoch": 20})
+  assert study.long_report_of("cross_entropy", 0, out, root)["epoch"] == 20
+  assert not os.path.exists(out)  # Nothing copied, nothing refitted.
+
+
+def test_one_seed_is_not_called_a_no():
+  """With one seed there is no interval: the summary says so instead of answering no."""
+  maps = {m: {"ece": [0.05], "nll": [0.5], "accuracy": [0.9]} for m in
+          ("none", "temperature", "vector_scaling", "matrix_scaling", "dirichlet",
+           "ensemble_temperature", "histogram_binning", "isotonic", "auto")}
+  results = {"digits": {"cross_entropy": maps, "flsd53": maps}}
+  text = "\n".join(study.summary_lines("digits", results, [0]))
+  assert "Not decided: one seed gives no interval." in text and "No: no loss" not in text
