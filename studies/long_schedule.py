@@ -172,17 +172,36 @@ def _records(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
+def epoch_steps(config, records: list[dict]) -> list[int]:
+  """Optimizer steps of each epoch: its selected examples in batches, within the step budget."""
+  steps_left, out = config.budget_steps or math.inf, []
+  for record in records:
+    out.append(int(min(-(-record["selected_k"] // config.batch_size), steps_left)))
+    steps_left -= out[-1]
+  return out
+
+
+def steady_seconds(config, records: list[dict]) -> float:
+  """The run's training time at the lower quartile of its epochs' seconds per step, plus its
+  scoring and selection seconds: about what the run costs on a machine nothing else slows.
+  Measured seconds move with the load of a shared machine, and the faster epochs are the
+  least slowed. Not the fastest: an epoch resumed after an interruption times only its
+  remaining steps, so it looks faster than it ran."""
+  steps = epoch_steps(config, records)
+  per_step = float(np.quantile([r["training_seconds"] / n for r, n in zip(records, steps) if n],
+                               0.25))
+  return float(per_step * sum(steps) + sum(r["scoring_seconds"] + r["selection_seconds"]
+                                           for r in records))
+
+
 def example_passes(config, records: list[dict]) -> np.ndarray:
   """Cumulative example passes after each epoch: 3 per example trained (forward + backward),
   1 per example of a scoring pass, 1 per meta-validation example of a gamma-Net step."""
   batch = config.batch_size
   per_step = 3 * batch + (batch if config.loss.name.startswith("flgamma") else 0)
   num_train = splits.num_train_examples(config.dataset)
-  steps_left = config.budget_steps or math.inf
   passes, selection = [], config.selection
-  for i, record in enumerate(records):
-    steps = min(-(-record["selected_k"] // batch), steps_left)
-    steps_left -= steps
+  for record, steps in zip(records, epoch_steps(config, records)):
     scoring = 0
     selected = selection.method != "full" and record["epoch"] >= selection.warmup_epochs
     if selected and selection.scoring == "fresh":
@@ -209,6 +228,7 @@ def run_row(base, arm_overrides: dict, workdir: str) -> dict:
   row.update(
       val_accuracy=records[-1]["val_accuracy"],
       passes=float(passes[-1]), compute_seconds=float(compute[-1]),
+      steady_seconds=steady_seconds(config, records),
       curve_epoch=[records[i]["epoch"] + 1 for i in evaluated],
       curve_passes=[float(passes[i]) for i in evaluated],
       curve_seconds=[float(compute[i]) for i in evaluated],
@@ -321,10 +341,14 @@ def summarise(all_arms: list[Arm], results: dict, targets: dict) -> dict:
     full_seconds = np.mean(results[full[0]]["compute_seconds"]) if full else None
     target_passes = targets.get(arm.target, {}).get("passes", 0.0)
     target_seconds = targets.get(arm.target, {}).get("compute_seconds", 0.0)
+    target_steady = targets.get(arm.target, {}).get("steady_seconds", 0.0)
+    # The median over seeds: one run slowed throughout by other work does not move it.
+    full_steady = np.median(results[full[0]]["steady_seconds"]) if full else None
     row = {key: (float(np.mean(r[key])), float(np.std(r[key], ddof=1)) if len(r[key]) > 1
                  else 0.0) for key in ("accuracy", "ece", "ece_after_ts", "val_accuracy")}
     row.update(seeds=sorted(r["seed_index"]), passes=float(np.mean(r["passes"])),
                compute_seconds=float(np.mean(r["compute_seconds"])),
+               steady_seconds=float(np.median(r["steady_seconds"])),
                target_passes=target_passes, target_seconds=target_seconds,
                class_kl=float(np.mean(r["class_kl"])))
     if full_passes:
@@ -333,6 +357,9 @@ def summarise(all_arms: list[Arm], results: dict, targets: dict) -> dict:
       row["saving_seconds"] = 1 - row["compute_seconds"] / full_seconds
       row["saving_seconds_with_target"] = 1 - (row["compute_seconds"] + target_seconds) / (
           full_seconds)
+      row["saving_steady"] = 1 - row["steady_seconds"] / full_steady
+      row["saving_steady_with_target"] = 1 - (row["steady_seconds"] + target_steady) / (
+          full_steady)
     row["paired"] = {label: paired(r, results[ref]) for label, ref in references(arm).items()
                      if ref in results}
     summary[name] = row
@@ -350,19 +377,24 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
            "interval across seeds, then [in brackets after 'test:'] the 90 % paired bootstrap "
            f"interval over the test images ({BOOTSTRAP} resamples) of the same mean. Saving = "
            "1 - cost / full's cost, in example passes (forward 1, forward + backward 3; "
-           "evaluation left out) and in measured seconds of the scoring + selection + training "
-           "phases; 'with target' adds the target run's whole cost to the arm.", ""]
+           "evaluation left out), in measured seconds of the scoring + selection + training "
+           "phases (mean over seeds), and in steady seconds (the median over seeds of training "
+           "at the lower quartile of a run's epochs' seconds per step, plus scoring and "
+           "selection: measured seconds move with whatever else shares the machine); 'with "
+           "target' adds the target run's whole cost to the arm.", ""]
   lines += ["## Arms", "",
             "| arm | seeds | test acc % | test ECE % | ECE after TS % | val acc % | saving "
-            "passes / with target | saving seconds / with target | class KL |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "passes / with target | saving seconds / with target | saving steady seconds / "
+            "with target | class KL |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
   for name in order:
     s = summary[name]
     ms = lambda key: f"{100 * s[key][0]:.2f} ± {100 * s[key][1]:.2f}"  # noqa: E731
     lines.append(
         f"| {name} | {len(s['seeds'])} | {ms('accuracy')} | {ms('ece')} | "
         f"{ms('ece_after_ts')} | {ms('val_accuracy')} | "
-        f"{_saving_cell(s, 'passes')} | {_saving_cell(s, 'seconds')} | {s['class_kl']:.3f} |")
+        f"{_saving_cell(s, 'passes')} | {_saving_cell(s, 'seconds')} | "
+        f"{_saving_cell(s, 'steady')} | {s['class_kl']:.3f} |")
   lines += ["", "## Paired differences", "",
             "| arm | vs | seeds | Δ acc (points) | test: Δ acc | Δ ECE | test: Δ ECE | Δ ECE "
             "after TS |", "|---|---|---|---|---|---|---|---|"]
@@ -377,7 +409,8 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
           f"{_interval(p['ece_after_ts'])} |")
   if targets:
     lines += ["", "Targets (seed 0, trained once): " + "; ".join(
-        f"{name}: {t['passes'] / 1e6:.2f} M passes, {t['compute_seconds']:.0f} s, test acc "
+        f"{name}: {t['passes'] / 1e6:.2f} M passes, {t['compute_seconds']:.0f} s "
+        f"({t['steady_seconds']:.0f} steady), test acc "
         f"{100 * t['accuracy']:.2f} %" for name, t in targets.items())]
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
@@ -540,7 +573,8 @@ def _target(out: str, base, name: str, targets: dict, summarise_only: bool) -> s
       raise FileNotFoundError(f"target {name} has not run")
     print(f"[{time.strftime('%H:%M:%S')}] target {name}", flush=True)
     row = run_row(base, overrides, workdir)
-    targets[name] = {k: row[k] for k in ("passes", "compute_seconds", "accuracy")}
+    targets[name] = {k: row[k] for k in ("passes", "compute_seconds", "steady_seconds",
+                                         "accuracy")}
   return workdir
 
 

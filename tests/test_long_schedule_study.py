@@ -44,6 +44,17 @@ def test_example_passes_count_training_scoring_and_meta_batches_by_hand():
                                 [80])  # 2 steps of 10 trained (3 each) + 10 meta rows (1).
 
 
+def test_steady_seconds_take_the_lower_quartile_rate_by_hand():
+  config = tiny_config(**{"batch_size": 10})
+  # Four epochs of 10 steps timed 10 s (compiling), 2 s, 3 s and 0.2 s (resumed near its
+  # end: only its last steps timed, too fast to trust).
+  records = [{"epoch": e, "selected_k": 100, "training_seconds": t, "scoring_seconds": 0.5,
+              "selection_seconds": 0.25} for e, t in enumerate((10.0, 2.0, 3.0, 0.2))]
+  # Per-step rates 1.0, 0.2, 0.3, 0.02; lower quartile (linear) = 0.02 + 0.75 * (0.2 - 0.02).
+  rate = 0.02 + 0.75 * 0.18
+  assert long_schedule.steady_seconds(config, records) == pytest.approx(40 * rate + 4 * 0.75)
+
+
 def test_seed_interval_is_the_t_interval_by_hand():
   mean, low, high = long_schedule.seed_interval([1.0, 2.0, 3.0])
   half = 2.919986 / math.sqrt(3)  # t(0.95, 2 df) * sd 1 / sqrt(3), from a t table.
