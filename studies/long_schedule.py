@@ -366,6 +366,88 @@ def summarise(all_arms: list[Arm], results: dict, targets: dict) -> dict:
   return summary
 
 
+LOSSLESS = 0.002  # "Within 0.2 points of full data": the targets' yardstick.
+
+
+def verdict(p: dict | None, key: str = "accuracy") -> str:
+  """'better', 'worse' or 'no difference' by the seed t interval of a paired difference;
+  'undecided' with fewer than 2 seeds (no interval) or no pair."""
+  if p is None or not np.isfinite(p[key][1]):
+    return "undecided"
+  _, low, high = p[key]
+  return "better" if low > 0 else "worse" if high < 0 else "no difference"
+
+
+def lossless(p: dict | None) -> bool:
+  """Within LOSSLESS of the reference with its seed interval holding 0 (2+ seeds)."""
+  return (verdict(p) in ("no difference", "better")) and p["accuracy"][0] >= -LOSSLESS
+
+
+def _said(name: str, p: dict | None, label: str) -> str:
+  if p is None:
+    return f"{name}: no pair with {label} yet"
+  mean, low, high = p["accuracy"]
+  seeds = len(p["seeds"])
+  spread = f"[{_pct(low)}, {_pct(high)}]" if np.isfinite(low) else "(1 seed, no interval)"
+  return (f"{name} {_pct(mean)} points vs {label} {spread}, test images "
+          f"[{_pct(p['accuracy_test'][0])}, {_pct(p['accuracy_test'][1])}], {seeds} seed"
+          f"{'s' if seeds > 1 else ''}: {verdict(p)}")
+
+
+def answers(all_arms: list[Arm], summary: dict) -> list[str]:
+  """The study's questions answered from the paired seed intervals, in plain words."""
+  by_name = {a.name: a for a in all_arms if a.name in summary}
+  def pairs(label, keep):
+    return [(n, summary[n]["paired"].get(label)) for n, a in by_name.items()
+            if keep(a) and label in references(a)]
+  lines = ["## Answers", "",
+           "Each verdict reads the 90 % t interval of the per-seed paired differences in test "
+           "accuracy: better or worse when it lies wholly above or below 0, else no "
+           "difference; undecided with one seed.", ""]
+  lines.append("**(a) Does any policy beat per-epoch random on the long schedule?**")
+  for budget in (30, 10):
+    found = pairs("random", lambda a, b=budget: a.regime == "clean" and a.budget == b)
+    lines += [f"- {budget} % kept: " + ("; ".join(_said(n, p, "random") for n, p in found)
+                                       or "no finished arm")]
+  lines += ["", "**(b) Does a calibration-trained model or a calibrated target select better "
+            "than a cross-entropy model (top-k entropy, same budget)?**"]
+  found = pairs("ce_topk", lambda a: True)
+  lines += [f"- {_said(n, p, 'CE top-k')}" for n, p in found] or ["- no finished arm"]
+  lines += ["", "**(c) Which policy is safe under 20 % label noise (vs full data on the noisy "
+            "labels)?**"]
+  found = pairs("full", lambda a: a.regime == "noisy")
+  lines += [f"- {_said(n, p, 'noisy full')}" for n, p in found] or ["- no finished arm"]
+  lines += ["", "**Targets**"] + _targets(by_name, summary) + [""]
+  return lines
+
+
+def _targets(by_name: dict, summary: dict) -> list[str]:
+  def saving(name):
+    return summary[name].get("saving_steady_with_target", math.nan)
+  clean30 = [n for n, a in by_name.items() if a.regime == "clean" and a.budget == 30]
+  met = [n for n in clean30 if lossless(summary[n]["paired"].get("full")) and saving(n) >= 0.5]
+  lines = [f"- 30 % kept within {100 * LOSSLESS:.1f} points of full data, seed interval "
+           "holding 0, at >= 50 % of the steady seconds saved: "
+           + (f"met by {', '.join(met)}" if met else "missed")
+           + "; " + "; ".join(f"{n} {_pct(summary[n]['paired']['full']['accuracy'][0])} "
+                                f"({100 * saving(n):.0f} % saved)"
+                                for n in clean30 if summary[n]["paired"].get("full"))]
+  if "infobatch" in summary and summary["infobatch"]["paired"].get("full"):
+    p = summary["infobatch"]["paired"]["full"]
+    ok = lossless(p) and saving("infobatch") >= 0.35
+    lines.append(f"- InfoBatch lossless at >= 35 % saved: {'met' if ok else 'missed'}; "
+                 f"{_said('infobatch', p, 'full')}, {100 * saving('infobatch'):.0f} % of the "
+                 "steady seconds saved")
+  noisy = [(n, summary[n]["paired"].get("full")) for n, a in by_name.items()
+           if a.regime == "noisy" and a.budget and summary[n]["paired"].get("full")]
+  if noisy:
+    name, p = max(noisy, key=lambda item: item[1]["accuracy"][0])
+    ok = verdict(p) in ("better", "no difference")
+    lines.append(f"- Under 20 % noise the best policy matches or beats full data: "
+                 f"{'met' if ok else 'missed'}; best {_said(name, p, 'noisy full')}")
+  return lines
+
+
 def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
              command: str) -> str:
   order = [a.name for a in all_arms if a.name in summary]
@@ -382,6 +464,7 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
            "at the lower quartile of a run's epochs' seconds per step, plus scoring and "
            "selection: measured seconds move with whatever else shares the machine); 'with "
            "target' adds the target run's whole cost to the arm.", ""]
+  lines += answers(all_arms, summary)
   lines += ["## Arms", "",
             "| arm | seeds | test acc % | test ECE % | ECE after TS % | val acc % | saving "
             "passes / with target | saving seconds / with target | saving steady seconds / "

@@ -102,3 +102,44 @@ def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
       1 - (runs["noisy_rho-30"]["passes"][0] + out["targets"]["target_rho"]["passes"]) / full)
   for name in ("summary.md", "time_to_accuracy.png", "paired_differences.png"):
     assert (tmp_path / name).stat().st_size > 0
+
+
+def _pair(mean, low, high, seeds=(0, 1, 2)):
+  return {"seeds": list(seeds), "accuracy": (mean, low, high), "accuracy_test": (low, high)}
+
+
+def test_verdicts_read_the_seed_interval_and_refuse_one_seed():
+  assert long_schedule.verdict(_pair(0.01, 0.002, 0.02)) == "better"
+  assert long_schedule.verdict(_pair(-0.01, -0.02, -0.001)) == "worse"
+  assert long_schedule.verdict(_pair(0.001, -0.003, 0.005)) == "no difference"
+  assert long_schedule.verdict(_pair(0.01, math.nan, math.nan, (0,))) == "undecided"
+  assert long_schedule.verdict(None) == "undecided"
+  # Lossless: the interval holds 0 and the mean is at most 0.2 points below.
+  assert long_schedule.lossless(_pair(-0.0015, -0.004, 0.001))
+  assert not long_schedule.lossless(_pair(-0.003, -0.008, 0.002))  # Mean too far below.
+  assert not long_schedule.lossless(_pair(-0.001, -0.0015, -0.0005))  # Interval below 0.
+
+
+def test_answers_name_the_winner_and_the_targets_met_or_missed():
+  arms = {a.name: a for a in long_schedule.arms(tiny_config())}
+  pick = ("full", "random-30", "topk_entropy-30", "topk_flsd53-30", "infobatch",
+          "noisy_full", "noisy_random-30", "noisy_topk_entropy-30")
+  summary = {name: {"paired": {}, "saving_steady_with_target": 0.0} for name in pick}
+  summary["topk_entropy-30"].update(
+      paired={"random": _pair(0.011, 0.008, 0.014), "full": _pair(-0.001, -0.004, 0.002)},
+      saving_steady_with_target=0.6)
+  summary["random-30"].update(paired={"full": _pair(-0.015, -0.02, -0.01)},
+                              saving_steady_with_target=0.62)
+  summary["topk_flsd53-30"]["paired"] = {"ce_topk": _pair(-0.013, -0.02, -0.006)}
+  summary["infobatch"].update(paired={"full": _pair(-0.002, -0.005, 0.001)},
+                              saving_steady_with_target=0.3)  # Lossless, but saves < 35 %.
+  summary["noisy_random-30"]["paired"] = {"full": _pair(-0.01, -0.02, -0.005)}
+  summary["noisy_topk_entropy-30"]["paired"] = {"full": _pair(0.004, -0.001, 0.009)}
+  text = "\n".join(long_schedule.answers([arms[n] for n in pick], summary))
+  assert "topk_entropy-30 +1.10 points vs random [+0.80, +1.40]" in text
+  assert "better" in text.split("topk_entropy-30 +1.10")[1].split(";")[0]
+  assert "topk_flsd53-30 -1.30 points vs CE top-k [-2.00, -0.60]" in text
+  assert "met by topk_entropy-30" in text  # -0.1 points, interval holds 0, 60 % saved.
+  assert "InfoBatch lossless at >= 35 % saved: missed" in text
+  assert ("best noisy_topk_entropy-30 +0.40 points vs noisy full [-0.10, +0.90]" in text
+          and "matches or beats full data: met" in text)
