@@ -3,7 +3,7 @@
   python -m benchmarks.epoch_cost --data=cifar_sized --model=tiny
   python -m benchmarks.epoch_cost --data=fashion_mnist --model=resnet20
 
-Runs the trainer's own epoch code (`Selector.rows_for_epoch`, `train.train_epoch`,
+Runs the trainer's own epoch code (`Selector.rows_for_epoch`, `epoch_loop.train_epoch`,
 `Selector.after_epoch`) for full data and for 10 % / 30 % subsets in
 `train_pass` and `fresh` scoring modes, after one untimed epoch that compiles
 every step, with each data reader (cpjax.data.readers: `host` gathers batches in
@@ -27,7 +27,7 @@ import numpy as np
 
 from benchmarks import throughput
 from configs import default
-from cpjax import models, optim, steps, train
+from cpjax import epoch_loop, models, optim, steps, train
 from cpjax.calibration import losses
 from cpjax.data import input_pipeline, readers, specs, splits
 from cpjax.runtime import compiler_options, sharding
@@ -89,9 +89,9 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       chooser.rows_for_epoch(1, state, sel)  # Compile the scoring pass, untimed.
     rows, weights, sel, timings = chooser.rows_for_epoch(epoch, state, sel)
     start = time.perf_counter()
-    state, _, order, per_example = train.train_epoch(
-        run, train_fn, state, train.EpochPlan(epoch, rows, sel, weights=weights),
-        train.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None))
+    state, _, order, per_example = epoch_loop.train_epoch(
+        run, train_fn, state, epoch_loop.EpochPlan(epoch, rows, sel, weights=weights),
+        epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None))
     jax.block_until_ready(state.step)
     timings["training_seconds"] = time.perf_counter() - start
     sel, _ = chooser.after_epoch(epoch, sel, order, per_example, timings, "")

@@ -5,7 +5,7 @@
 
 With a tiny model a step takes a millisecond or less, and whatever Python does per step
 becomes the bottleneck of a fast accelerator. This runs, in one process, the trainer's own
-epoch loop (`train.train_epoch`: the device reader's batches, learning rate, metric sums,
+epoch loop (`epoch_loop.train_epoch`: the device reader's batches, learning rate, metric sums,
 a logging point every `--log-every` steps, per-example outputs gathered at the epoch's end)
 and a bare Python loop calling the same jitted train step on batches already on the
 devices, over the same number of steps, in turn, `--repeats` times (after an untimed epoch
@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks import throughput
 from configs import test as test_config
-from cpjax import models, optim, steps, train
+from cpjax import epoch_loop, models, optim, steps, train
 from cpjax.data import readers, specs, splits
 from cpjax.runtime import sharding
 from cpjax.selection import bookkeeping, policies
@@ -57,10 +57,10 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
 
 def trainer_epoch(run, train_fn, state):
   """(seconds, state) of one epoch of the trainer's loop over the whole split."""
-  hooks = train.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
-  plan = train.EpochPlan(0, np.arange(len(run.splits["train"])), None)
+  hooks = epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
+  plan = epoch_loop.EpochPlan(0, np.arange(len(run.splits["train"])), None)
   start = time.perf_counter()
-  state, _, _, _ = train.train_epoch(run, train_fn, state, plan, hooks)
+  state, _, _, _ = epoch_loop.train_epoch(run, train_fn, state, plan, hooks)
   jax.block_until_ready(state)
   return time.perf_counter() - start, state
 

@@ -75,9 +75,11 @@ RANKS = {
     "config_validation": 5,
     # 6: the start-up checks (data, OOD set, target runs, stream files, checkpoint room).
     "preflight": 6,
-    # 7-9: what the loop and evaluation share (Run), evaluation and the report, the loop.
+    # 7-9: what the loop and evaluation share (Run); evaluation and the report, one epoch's
+    # step loop; the run around them.
     "run_context": 7,
     "evaluation": 8,
+    "epoch_loop": 8,
     "train": 9,
 }
 

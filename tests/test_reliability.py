@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from configs import cifar10 as cifar10_config
-from cpjax import preflight, run_state, train
+from cpjax import epoch_loop, preflight, run_state, train
 from cpjax.calibration import report
 from cpjax.data import array_records
 from cpjax.runtime import checkpointing, sharding
@@ -133,10 +133,10 @@ def test_stall_rule_by_hand(loss_min, loss_max, grad_max, steps, stalls, tmp_pat
   totals = {"loss_min": np.float32(loss_min), "loss_max": np.float32(loss_max),
             "grad_norm_max": np.float32(grad_max)}
   if stalls:
-    with pytest.raises(train.StalledTrainingError):
-      train._raise_if_stalled(run, totals, 3, steps)
+    with pytest.raises(epoch_loop.StalledTrainingError):
+      epoch_loop._raise_if_stalled(run, totals, 3, steps)
   else:
-    train._raise_if_stalled(run, totals, 3, steps)
+    epoch_loop._raise_if_stalled(run, totals, 3, steps)
 
 
 # Start-up checks (cpjax.preflight): every failure is found before anything is written.

@@ -19,7 +19,7 @@ from jax._src import array as jax_array  # ArrayImpl: where every host read of a
 import numpy as np
 import pytest
 
-from cpjax import train
+from cpjax import epoch_loop, train
 from tests import helpers
 
 DEVICE_READER = {"dataset.reader": "device", "evaluation.ood": "",
@@ -42,8 +42,8 @@ def host_reads(monkeypatch):
         inside.pop()
     return context
 
-  monkeypatch.setattr(train, "_step_guard", scoped(train._step_guard, True))  # pylint: disable=protected-access
-  monkeypatch.setattr(train, "_host_point", scoped(train._host_point, False))  # pylint: disable=protected-access
+  monkeypatch.setattr(epoch_loop, "_step_guard", scoped(epoch_loop._step_guard, True))  # pylint: disable=protected-access
+  monkeypatch.setattr(epoch_loop, "_host_point", scoped(epoch_loop._host_point, False))  # pylint: disable=protected-access
   value, copy = jax_array.ArrayImpl._value, jax_array.ArrayImpl.copy_to_host_async  # pylint: disable=protected-access
 
   def note(kind, arr):
