@@ -59,6 +59,7 @@ from scipy import stats  # noqa: E402
 from configs import fashion_mnist_long  # noqa: E402
 from cpjax.calibration import metrics  # noqa: E402
 from cpjax.data import splits  # noqa: E402
+from cpjax.runtime import preemption  # noqa: E402
 from cpjax.selection import policies  # noqa: E402
 from studies import grid  # noqa: E402
 
@@ -636,6 +637,8 @@ def main():
       print(f"[{time.strftime('%H:%M:%S')}] run {done + 1}/{len(todo)}: tier {arm.tier} "
             f"{arm.name} seed {seed}" + (" (finished)" if finished else ""), flush=True)
       _add(results, arm.name, seed, run_row(base, overrides, workdir))
+    except preemption.Preempted:
+      raise  # A stop request stops the study; its checkpoint resumes the run on the rerun.
     except Exception as err:  # One failed run must not stop the study: it is reported.
       failures[f"{arm.name} seed {seed}"] = f"{type(err).__name__}: {str(err)[:300]}"
       print(f"[{time.strftime('%H:%M:%S')}] FAILED {arm.name} seed {seed}: "

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cpjax.calibration import metrics
+from cpjax.runtime import preemption
 from studies import long_schedule
 from tests.helpers import tiny_config
 
@@ -143,3 +144,24 @@ def test_answers_name_the_winner_and_the_targets_met_or_missed():
   assert "InfoBatch lossless at >= 35 % saved: missed" in text
   assert ("best noisy_topk_entropy-30 +0.40 points vs noisy full [-0.10, +0.90]" in text
           and "matches or beats full data: met" in text)
+
+
+def test_a_failed_run_is_reported_but_a_stop_request_stops_the_study(tmp_path, monkeypatch):
+  """A run that raises is listed under the summary's failed runs and the study goes on; a
+  preemption (SIGTERM) propagates, so the study stops and its rerun resumes the run."""
+  def fails(base, overrides, workdir):
+    raise ValueError(f"planted failure of seed {overrides['seed']}")
+  monkeypatch.setattr(long_schedule, "run_row", fails)
+  monkeypatch.setattr("sys.argv", ["long_schedule", f"--out={tmp_path}", "--seeds", "0", "1",
+                                   "--only", "random-30"])
+  long_schedule.main()
+  with open(tmp_path / "summary.json") as f:
+    failures = json.load(f)["failures"]
+  assert set(failures) == {"random-30 seed 0", "random-30 seed 1"}
+  assert "planted failure of seed 1" in failures["random-30 seed 1"]
+
+  def preempted(base, overrides, workdir):
+    raise preemption.Preempted("SIGTERM: saved a checkpoint", 7)
+  monkeypatch.setattr(long_schedule, "run_row", preempted)
+  with pytest.raises(preemption.Preempted):
+    long_schedule.main()
