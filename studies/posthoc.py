@@ -23,8 +23,9 @@ below zero and its accuracy interval not wholly below zero.
 `fashion_mnist_long` takes its runs from the long-schedule study (studies/long_schedule.py:
 20 epochs, crop+flip, all 54,000 training images) instead of training them: its full-data
 arms `full` (cross_entropy), `flsd53_full` (flsd53) and `flgamma_full` (flgamma_sece), read
-from `--long-runs` once they have finished. A loss whose run has not finished for every seed
-whose cross-entropy run has is left out and named; a report without the post-hoc table is
+from `--long-runs` as they finish: a loss finished at fewer than 2 of the seeds whose
+cross-entropy run has finished is left out and named, and the seeds are those at which every
+loss kept has finished (each pair complete); a report without the post-hoc table is
 refitted from a copy of the run, leaving the long study's own directory untouched.
 """
 
@@ -65,14 +66,16 @@ def long_source(long_runs: str, loss: str, seed: int) -> str:
 
 
 def long_plan(losses: list[str], seeds: list[int], long_runs: str) -> tuple[list, list, list]:
-  """(losses, seeds, left-out losses) of the long-schedule runs ready for the study: the seeds
-  whose cross-entropy run has finished, and the losses finished at every one of them."""
+  """(losses, seeds, left-out losses) of the long-schedule runs ready for the study, every loss
+  paired at every seed: the losses finished at 2 or more of the seeds whose cross-entropy run
+  has finished (one seed gives no interval), and the seeds at which all of those finished."""
   def finished(loss, seed):
     return os.path.exists(os.path.join(long_source(long_runs, loss, seed), "report",
                                        "results.json"))
-  ready_seeds = [s for s in seeds if finished("cross_entropy", s)]
+  ce_seeds = [s for s in seeds if finished("cross_entropy", s)]
   wanted = [loss for loss in losses if loss in LONG_ARMS]
-  ready = [loss for loss in wanted if ready_seeds and all(finished(loss, s) for s in ready_seeds)]
+  ready = [loss for loss in wanted if sum(finished(loss, s) for s in ce_seeds) >= 2]
+  ready_seeds = [s for s in ce_seeds if ready and all(finished(loss, s) for loss in ready)]
   return ready, ready_seeds, [loss for loss in wanted if loss not in ready]
 
 

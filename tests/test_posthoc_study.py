@@ -64,10 +64,13 @@ def test_long_plan_takes_the_seeds_of_finished_ce_runs_and_losses_finished_at_al
   for seed in (0, 1):
     _finish(root, "full", seed)
     _finish(root, "flsd53_full", seed)
-  _finish(root, "flgamma_full", 0)  # Seed 1 still running: left out, not half-paired.
+  _finish(root, "full", 2)  # CE ahead at seed 2: seed 2 waits for FLSD-53's.
+  _finish(root, "flgamma_full", 0)  # One seed, no interval: left out, not shrinking the rest.
   losses, seeds, left_out = study.long_plan(
       ["cross_entropy", "focal", "flsd53", "flgamma_sece"], [0, 1, 2], root)
   assert (losses, seeds, left_out) == (["cross_entropy", "flsd53"], [0, 1], ["flgamma_sece"])
+  _finish(root, "flsd53_full", 2)
+  assert study.long_plan(["cross_entropy", "flsd53"], [0, 1, 2], root)[1] == [0, 1, 2]
   assert study.long_plan(["cross_entropy"], [2], root) == ([], [], ["cross_entropy"])
 
 
