@@ -30,8 +30,11 @@ run in tiers (A: the answers, B: more policies and the calibrated targets, C:
 the 10 % variants of B), each tier seed by seed, so a study cut short has
 every seed of the most important arms. After every run the summary
 (summary.md, summary.json) and the figures are rewritten from what finished.
-A run whose report exists is not retrained and an interrupted run resumes
-from its checkpoint, so rerunning the command continues the study:
+Each finished run leaves a small record (numbers, curves, per-test-image
+correctness and confidence) in studies/results/long_schedule_runs/, committed
+with the results: a run with a record or a report is not retrained and an
+interrupted run resumes from its checkpoint, so rerunning the command continues
+the study, on this machine or on a fresh clone:
 
   python -m studies.long_schedule --out=studies/out/long_schedule
 
@@ -79,6 +82,10 @@ TARGETS = {
 }
 CONFIDENCE = 0.9  # Every interval of the summary.
 BOOTSTRAP = 1000  # Paired bootstrap resamples of the test images.
+# One file per finished run, committed beside the summary: the summary and a rerun of the
+# study read them instead of the workdirs (gigabytes of checkpoints, not committed), so a
+# study that moves to another machine keeps every finished run.
+RECORDS = "studies/results/long_schedule_runs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +221,41 @@ def example_passes(config, records: list[dict]) -> np.ndarray:
   return np.cumsum(passes, dtype=np.float64)
 
 
-def run_row(base, arm_overrides: dict, workdir: str) -> dict:
-  """Trains one run unless its report exists; returns its numbers and curves."""
+def save_record(path: str, row: dict) -> None:
+  """Writes one finished run's row (numbers, curves, per-test-image correctness and
+  confidence) to a small compressed file, atomically: a crash leaves the old file or none."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  numbers = {k: v for k, v in row.items() if k not in ("correct", "confidence")}
+  temporary = f"{path}.tmp.npz"
+  np.savez_compressed(temporary, row=json.dumps(numbers),
+                      correct=np.packbits(np.asarray(row["correct"], np.uint8)),
+                      num_test=len(row["correct"]),
+                      confidence=np.asarray(row["confidence"], np.float32))
+  os.replace(temporary, path)
+
+
+def load_record(path: str) -> dict:
+  """The row that save_record wrote."""
+  with np.load(path) as f:
+    row = json.loads(str(f["row"]))
+    correct = np.unpackbits(f["correct"])[:int(f["num_test"])]
+    row.update(correct=correct.astype(np.int8).tolist(), confidence=f["confidence"].tolist())
+  return row
+
+
+def run_row(base, arm_overrides: dict, workdir: str, record: str | None = None) -> dict:
+  """One run's numbers and curves: read from its `record` file when that exists (the
+  committed records outlive the workdirs), else trained unless its report exists, then
+  written to `record`."""
+  if record and os.path.exists(record):
+    return load_record(record)
+  row = _run_row(base, arm_overrides, workdir)
+  if record:
+    save_record(record, row)
+  return row
+
+
+def _run_row(base, arm_overrides: dict, workdir: str) -> dict:
   config = grid.apply(base, arm_overrides)
   row = grid.run_cell(base, arm_overrides, workdir)
   records = _records(workdir)
@@ -604,10 +644,18 @@ def write_outputs(out: str, all_arms, results, targets, failures, command) -> No
   plot_differences(all_arms, summary, os.path.join(out, "paired_differences.png"))
 
 
+def record_path(records: str, arm_name: str, seed: int) -> str:
+  return os.path.join(records, arm_name, f"seed{seed}.npz")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default="studies/out/long_schedule")
+  parser.add_argument("--out", default="studies/out/long_schedule",
+                      help="workdirs (checkpoints, reports), summary and figures")
+  parser.add_argument("--records", default=RECORDS,
+                      help=f"one small file per finished run, read instead of its workdir "
+                           f"(default {RECORDS}, committed with the results)")
   parser.add_argument("--tiers", default="ABC", help="tiers to run, in order (default ABC)")
   parser.add_argument("--only", nargs="*", default=None, help="run only these arms")
   parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
@@ -626,17 +674,20 @@ def main():
   results, targets, failures = {}, {}, {}
   for done, (arm, seed) in enumerate(todo):
     workdir = os.path.join(args.out, arm.name, f"seed{seed}")
-    finished = os.path.exists(os.path.join(workdir, "report", "results.json"))
+    record = record_path(args.records, arm.name, seed)
+    finished = (os.path.exists(record)
+                or os.path.exists(os.path.join(workdir, "report", "results.json")))
     if args.summarise_only and not finished:
       continue
     try:
       overrides = {**arm.overrides, "seed": seed}
       if arm.target:
-        overrides["selection.target_workdir"] = _target(args.out, base, arm.target, targets,
-                                                        args.summarise_only)
+        overrides["selection.target_workdir"] = _target(
+            args.out, args.records, base, arm.target, targets,
+            train=not (finished or args.summarise_only))
       print(f"[{time.strftime('%H:%M:%S')}] run {done + 1}/{len(todo)}: tier {arm.tier} "
             f"{arm.name} seed {seed}" + (" (finished)" if finished else ""), flush=True)
-      _add(results, arm.name, seed, run_row(base, overrides, workdir))
+      _add(results, arm.name, seed, run_row(base, overrides, workdir, record))
     except preemption.Preempted:
       raise  # A stop request stops the study; its checkpoint resumes the run on the rerun.
     except Exception as err:  # One failed run must not stop the study: it is reported.
@@ -647,20 +698,29 @@ def main():
   print(f"[{time.strftime('%H:%M:%S')}] done: {args.out}/summary.md", flush=True)
 
 
-def _target(out: str, base, name: str, targets: dict, summarise_only: bool) -> str:
-  """The workdir of target `name`, trained (seed 0) first if needed; records its cost."""
-  workdir = (os.path.join(out, name, "seed0") if name not in TARGETS
-             else os.path.join(out, name))
-  if name not in targets:
-    overrides = {**TARGETS.get(name, {}), "seed": 0}
-    if name not in TARGETS:  # An arm's seed-0 run.
-      overrides = {**{a.name: a for a in arms(base)}[name].overrides, "seed": 0}
-    if summarise_only and not os.path.exists(os.path.join(workdir, "report")):
-      raise FileNotFoundError(f"target {name} has not run")
-    print(f"[{time.strftime('%H:%M:%S')}] target {name}", flush=True)
-    row = run_row(base, overrides, workdir)
-    targets[name] = {k: row[k] for k in ("passes", "compute_seconds", "steady_seconds",
-                                         "accuracy")}
+def _target(out: str, records: str, base, name: str, targets: dict, train: bool) -> str:
+  """The workdir of target `name` and its cost in `targets`. With `train`, an arm is about
+  to read the target's model or scores, so its workdir is trained (seed 0) first if it is
+  missing, even where a record of it exists; otherwise the record is enough."""
+  if name in TARGETS:
+    workdir, record = os.path.join(out, name), os.path.join(records, f"{name}.npz")
+    overrides = {**TARGETS[name], "seed": 0}
+  else:  # An arm's seed-0 run.
+    workdir, record = os.path.join(out, name, "seed0"), record_path(records, name, 0)
+    overrides = {**{a.name: a for a in arms(base)}[name].overrides, "seed": 0}
+  trained = os.path.exists(os.path.join(workdir, "report", "results.json"))
+  if name in targets and (trained or not train):
+    return workdir
+  if not (trained or train or os.path.exists(record)):
+    raise FileNotFoundError(f"target {name} has not run")
+  print(f"[{time.strftime('%H:%M:%S')}] target {name}", flush=True)
+  row = _run_row(base, overrides, workdir) if train and not trained else None
+  if row is not None:
+    save_record(record, row)
+  else:
+    row = run_row(base, overrides, workdir, record)
+  targets[name] = {k: row[k] for k in ("passes", "compute_seconds", "steady_seconds",
+                                       "accuracy")}
   return workdir
 
 

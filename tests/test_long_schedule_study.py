@@ -3,6 +3,7 @@ implementation (the report's ECE)."""
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -83,8 +84,9 @@ def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
     return tiny_config(**{"num_epochs": 3, "selection.warmup_epochs": 1,
                           "eval_every_epochs": 2})
   monkeypatch.setattr(long_schedule.fashion_mnist_long, "get_config", tiny_base)
-  monkeypatch.setattr("sys.argv", ["long_schedule", f"--out={tmp_path}", "--seeds", "0",
-                                   "--only", "noisy_full", "noisy_random-30", "noisy_rho-30"])
+  argv = ["long_schedule", f"--out={tmp_path}", f"--records={tmp_path / 'records'}",
+          "--seeds", "0", "--only", "noisy_full", "noisy_random-30", "noisy_rho-30"]
+  monkeypatch.setattr("sys.argv", argv)
   long_schedule.main()
   with open(tmp_path / "summary.json") as f:
     out = json.load(f)
@@ -103,6 +105,21 @@ def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
       1 - (runs["noisy_rho-30"]["passes"][0] + out["targets"]["target_rho"]["passes"]) / full)
   for name in ("summary.md", "time_to_accuracy.png", "paired_differences.png"):
     assert (tmp_path / name).stat().st_size > 0
+
+  # The records outlive the workdirs: with every workdir gone (a study moved to a fresh
+  # clone), the rerun trains nothing and summarises the same numbers, test images included.
+  for name in ("noisy_full", "noisy_random-30", "noisy_rho-30", "target_rho"):
+    shutil.rmtree(tmp_path / name)
+  def no_training(*args):
+    raise AssertionError(f"retrained {args[1:]}")
+  monkeypatch.setattr(long_schedule.grid.train, "train_and_evaluate", no_training)
+  for extra in (["--summarise-only"], []):
+    monkeypatch.setattr("sys.argv", argv + extra)
+    long_schedule.main()
+    with open(tmp_path / "summary.json") as f:
+      again = json.load(f)
+    assert not again["failures"] and again["runs"] == runs
+    assert again["targets"] == out["targets"] and again["summary"] == out["summary"]
 
 
 def _pair(mean, low, high, seeds=(0, 1, 2)):
@@ -149,18 +166,18 @@ def test_answers_name_the_winner_and_the_targets_met_or_missed():
 def test_a_failed_run_is_reported_but_a_stop_request_stops_the_study(tmp_path, monkeypatch):
   """A run that raises is listed under the summary's failed runs and the study goes on; a
   preemption (SIGTERM) propagates, so the study stops and its rerun resumes the run."""
-  def fails(base, overrides, workdir):
+  def fails(base, overrides, workdir, record):
     raise ValueError(f"planted failure of seed {overrides['seed']}")
   monkeypatch.setattr(long_schedule, "run_row", fails)
   monkeypatch.setattr("sys.argv", ["long_schedule", f"--out={tmp_path}", "--seeds", "0", "1",
-                                   "--only", "random-30"])
+                                   f"--records={tmp_path / 'records'}", "--only", "random-30"])
   long_schedule.main()
   with open(tmp_path / "summary.json") as f:
     failures = json.load(f)["failures"]
   assert set(failures) == {"random-30 seed 0", "random-30 seed 1"}
   assert "planted failure of seed 1" in failures["random-30 seed 1"]
 
-  def preempted(base, overrides, workdir):
+  def preempted(base, overrides, workdir, record):
     raise preemption.Preempted("SIGTERM: saved a checkpoint", 7)
   monkeypatch.setattr(long_schedule, "run_row", preempted)
   with pytest.raises(preemption.Preempted):
