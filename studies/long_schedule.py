@@ -49,9 +49,11 @@ import json
 import logging
 import math
 import os
+import platform
 import time
 import traceback
 
+import jax
 import matplotlib
 
 matplotlib.use("Agg")
@@ -255,6 +257,17 @@ def run_row(base, arm_overrides: dict, workdir: str, record: str | None = None) 
   return row
 
 
+def machine() -> str:
+  """The machine a run trained on, for the summary: CPU model, cores, JAX and its backend."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return f"{model}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.default_backend()}"
+
+
 def _run_row(base, arm_overrides: dict, workdir: str) -> dict:
   config = grid.apply(base, arm_overrides)
   row = grid.run_cell(base, arm_overrides, workdir)
@@ -275,6 +288,7 @@ def _run_row(base, arm_overrides: dict, workdir: str) -> dict:
       curve_seconds=[float(compute[i]) for i in evaluated],
       curve_accuracy=[records[i]["test_accuracy"] for i in evaluated],
       class_kl=float(np.mean([r["subset_class_kl"] for r in selected])) if selected else 0.0,
+      machine=machine(),
       correct=(np.argmax(logits, -1) == labels).astype(np.int8).tolist(),
       confidence=np.max(metrics.softmax(logits), -1).astype(np.float32).tolist())
   return row
@@ -489,8 +503,21 @@ def _targets(by_name: dict, summary: dict) -> list[str]:
   return lines
 
 
+def status(all_arms: list[Arm], summary: dict, results: dict) -> list[str]:
+  """How much of the study has finished, per tier, and the machines its runs trained on."""
+  done = lambda arms: sum(len(summary[a.name]["seeds"]) for a in arms if a.name in summary)  # noqa: E731
+  planned = lambda arms: sum(len(a.seeds) for a in arms)  # noqa: E731
+  tiers = sorted({a.tier for a in all_arms})
+  per_tier = "; ".join(f"tier {t}: {done(arms)} of {planned(arms)}" for t in tiers
+                       for arms in [[a for a in all_arms if a.tier == t]])
+  machines = sorted({m for r in results.values() for m in r.get("machine", [])})
+  return [f"**Status:** {done(all_arms)} of {planned(all_arms)} planned runs finished "
+          f"({per_tier}); rerunning the command continues the study. Trained on: "
+          + ("; ".join(machines) or "not recorded") + ".", ""]
+
+
 def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
-             command: str) -> str:
+             command: str, results: dict) -> str:
   order = [a.name for a in all_arms if a.name in summary]
   lines = ["# Selection on a long schedule: Fashion-MNIST, clean and noisy labels", "",
            f"`{command}`; configs/fashion_mnist_long.py: small_cnn, crop+flip, 54,000 train / "
@@ -505,7 +532,7 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
            "at the lower quartile of a run's epochs' seconds per step, plus scoring and "
            "selection: measured seconds move with whatever else shares the machine); 'with "
            "target' adds the target run's whole cost to the arm.", ""]
-  lines += answers(all_arms, summary)
+  lines += status(all_arms, summary, results) + answers(all_arms, summary)
   lines += ["## Arms", "",
             "| arm | seeds | test acc % | test ECE % | ECE after TS % | val acc % | saving "
             "passes / with target | saving seconds / with target | saving steady seconds / "
@@ -639,7 +666,7 @@ def write_outputs(out: str, all_arms, results, targets, failures, command) -> No
     json.dump({"summary": summary, "runs": slim, "targets": targets, "failures": failures},
               f, indent=1, default=lambda o: o if not isinstance(o, np.generic) else o.item())
   with open(os.path.join(out, "summary.md"), "w") as f:
-    f.write(markdown(all_arms, summary, targets, failures, command))
+    f.write(markdown(all_arms, summary, targets, failures, command, results))
   plot_curves(all_arms, results, os.path.join(out, "time_to_accuracy.png"))
   plot_differences(all_arms, summary, os.path.join(out, "paired_differences.png"))
 
@@ -667,9 +694,10 @@ def main():
   base = base_config()
   command = f"python -m studies.long_schedule --out={args.out}"
   os.makedirs(args.out, exist_ok=True)
-  all_arms = [a for a in arms(base) if args.only is None or a.name in args.only]
+  all_arms = [dataclasses.replace(a, seeds=tuple(s for s in a.seeds if s in args.seeds))
+              for a in arms(base) if args.only is None or a.name in args.only]
   todo = [(a, seed) for tier in args.tiers for a in all_arms if a.tier == tier
-          for seed in a.seeds if seed in args.seeds]
+          for seed in a.seeds]
   todo.sort(key=lambda item: (item[0].tier, item[1]))  # Tier by tier, seed by seed.
   results, targets, failures = {}, {}, {}
   for done, (arm, seed) in enumerate(todo):

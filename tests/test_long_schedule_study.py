@@ -3,6 +3,7 @@ implementation (the report's ECE)."""
 
 import json
 import math
+import os
 import shutil
 
 import numpy as np
@@ -105,6 +106,10 @@ def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
       1 - (runs["noisy_rho-30"]["passes"][0] + out["targets"]["target_rho"]["passes"]) / full)
   for name in ("summary.md", "time_to_accuracy.png", "paired_differences.png"):
     assert (tmp_path / name).stat().st_size > 0
+  # Three arms, one seed each, all in tier A; the machine each trained on is named.
+  text = (tmp_path / "summary.md").read_text()
+  assert "**Status:** 3 of 3 planned runs finished (tier A: 3 of 3)" in text
+  assert f"{os.cpu_count()} cores, jax" in text
 
   # The records outlive the workdirs: with every workdir gone (a study moved to a fresh
   # clone), the rerun trains nothing and summarises the same numbers, test images included.
