@@ -10,6 +10,12 @@ checkpoints/ folder) is copied into `--out` and its maps refitted from its last 
 through the evaluate path (`train.evaluate_only`), without training; a report written before
 the post-hoc maps existed is refitted the same way, and `--refit` refits every run's maps.
 
+Each finished run leaves its table (test metrics of every map, and the map chosen on
+validation) as a small JSON record in `--records` (default studies/results/posthoc_runs/,
+committed with the summary); a run with a record is neither trained nor refitted (except with
+`--refit`), so the study continues on a fresh clone, or on another machine, without the
+workdirs that produced its finished runs.
+
 The summary has, per dataset, the mean test ECE, NLL and accuracy of every (loss, map) over
 seeds, and paired differences against cross-entropy + the map chosen on validation (`auto`,
 lowest cross-validated NLL) and against cross-entropy + ensemble temperature scaling (the
@@ -48,6 +54,7 @@ LEVEL = 0.9
 LONG = "fashion_mnist_long"
 LONG_ARMS = {"cross_entropy": "full", "flsd53": "flsd53_full", "flgamma_sece": "flgamma_full"}
 DATASETS = ("digits", "fashion_mnist", LONG)
+RECORDS = "studies/results/posthoc_runs"
 
 
 def workdir_of(root: str, dataset: str, loss: str, seed: int) -> str:
@@ -65,13 +72,33 @@ def long_source(long_runs: str, loss: str, seed: int) -> str:
   return os.path.join(long_runs, LONG_ARMS[loss], f"seed{seed}")
 
 
-def long_plan(losses: list[str], seeds: list[int], long_runs: str) -> tuple[list, list, list]:
+def record_path(records: str, dataset: str, loss: str, seed: int) -> str:
+  return os.path.join(records, dataset, loss, f"seed{seed}.json")
+
+
+def save_record(path: str, rows: dict) -> None:
+  """Writes one run's table atomically: a crash leaves the old record or none."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(f"{path}.tmp", "w") as f:
+    json.dump(rows, f, indent=1)
+  os.replace(f"{path}.tmp", path)
+
+
+def load_record(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def long_plan(losses: list[str], seeds: list[int], long_runs: str,
+              records: str | None = None) -> tuple[list, list, list]:
   """(losses, seeds, left-out losses) of the long-schedule runs ready for the study, every loss
-  paired at every seed: the losses finished at 2 or more of the seeds whose cross-entropy run
-  has finished (one seed gives no interval), and the seeds at which all of those finished."""
+  paired at every seed: the losses finished (a report in `long_runs` or a record in `records`)
+  at 2 or more of the seeds whose cross-entropy run has finished (one seed gives no interval),
+  and the seeds at which all of those finished."""
   def finished(loss, seed):
-    return os.path.exists(os.path.join(long_source(long_runs, loss, seed), "report",
-                                       "results.json"))
+    return (os.path.exists(os.path.join(long_source(long_runs, loss, seed), "report",
+                                        "results.json"))
+            or bool(records) and os.path.exists(record_path(records, LONG, loss, seed)))
   ce_seeds = [s for s in seeds if finished("cross_entropy", s)]
   wanted = [loss for loss in losses if loss in LONG_ARMS]
   ready = [loss for loss in wanted if sum(finished(loss, s) for s in ce_seeds) >= 2]
@@ -131,6 +158,19 @@ def table(report: dict) -> dict[str, dict[str, float]]:
   cv_nll = {m: row["cv_nll"] for m, row in report["posthoc"]["calibrators"].items()}
   auto = min(cv_nll, key=cv_nll.get)
   rows["auto"] = {**rows[auto], "map": auto}
+  return rows
+
+
+def run_table(dataset: str, loss: str, seed: int, args: argparse.Namespace) -> dict:
+  """One run's table: from its record, else from its report (trained, copied or refitted as
+  needed), then recorded."""
+  path = record_path(args.records, dataset, loss, seed)
+  if os.path.exists(path) and not args.refit:
+    return load_record(path)
+  rows = table(long_report_of(loss, seed, args.out, args.long_runs, args.refit)
+               if dataset == LONG else
+               report_of(dataset, loss, seed, args.out, args.runs, args.refit))
+  save_record(path, rows)
   return rows
 
 
@@ -231,8 +271,12 @@ def main():
                       help=f"the long-schedule study's --out, read for {LONG}")
   parser.add_argument("--losses", nargs="+", default=list(meta_calibration.LOSSES),
                       choices=meta_calibration.LOSSES)
+  parser.add_argument("--records", default=RECORDS,
+                      help=f"one small record per finished run, read before anything is "
+                           f"trained or refitted (default {RECORDS}, committed with the results)")
   parser.add_argument("--refit", action="store_true",
-                      help="refit every run's maps from its last checkpoint (evaluate path)")
+                      help="refit every run's maps from its last checkpoint (evaluate path), "
+                           "records notwithstanding")
   args = parser.parse_args()
   if "cross_entropy" not in args.losses:
     parser.error("--losses must include cross_entropy (the baseline)")
@@ -247,7 +291,8 @@ def main():
   for dataset in args.datasets:
     losses, seeds = args.losses, args.seeds
     if dataset == LONG:
-      losses, seeds, left_out = long_plan(args.losses, args.seeds, args.long_runs)
+      losses, seeds, left_out = long_plan(args.losses, args.seeds, args.long_runs,
+                                           None if args.refit else args.records)
       print(f"{LONG}: seeds {seeds} of {args.long_runs}; losses {losses}"
             + (f"; left out (not finished at those seeds): {left_out}" if left_out else ""),
             flush=True)
@@ -256,10 +301,7 @@ def main():
     for seed in seeds:
       for loss in losses:
         print(f"[{time.strftime('%H:%M:%S')}] {dataset} seed {seed} {loss}", flush=True)
-        rows = table(long_report_of(loss, seed, args.out, args.long_runs, args.refit)
-                     if dataset == LONG else
-                     report_of(dataset, loss, seed, args.out, args.runs, args.refit))
-        for method, values in rows.items():
+        for method, values in run_table(dataset, loss, seed, args).items():
           cell = results.setdefault(dataset, {}).setdefault(loss, {}).setdefault(method, {})
           for key, value in values.items():
             cell.setdefault(key, []).append(value)

@@ -89,3 +89,75 @@ def test_one_seed_is_not_called_a_no():
   results = {"digits": {"cross_entropy": maps, "flsd53": maps}}
   text = "\n".join(study.summary_lines("digits", results, [0]))
   assert "Not decided: one seed gives no interval." in text and "No: no loss" not in text
+
+
+def _report(ece: float) -> dict:
+  """A report's post-hoc table by hand: `temperature` has the lowest cross-validated NLL."""
+  def row(scale, cv_nll):
+    return {"cv_nll": cv_nll, "test": {"ece": ece * scale, "nll": 0.3 * scale,
+                                       "accuracy": 0.9, "brier": 0.1}}
+  return {"posthoc": {"calibrators": {
+      m: row(0.5, 0.2) if m == "temperature" else row(1.0, 0.5) for m in study.posthoc.METHODS}}}
+
+
+def _args(tmp_path, **extra):
+  import argparse
+  return argparse.Namespace(records=str(tmp_path / "records"), out=str(tmp_path / "out"),
+                            runs=None, long_runs=str(tmp_path / "long"), refit=False, **extra)
+
+
+def test_a_finished_run_is_recorded_and_its_record_read_instead_of_the_run(tmp_path,
+                                                                            monkeypatch):
+  args = _args(tmp_path)
+  monkeypatch.setattr(study, "report_of", lambda *a, **k: _report(0.04))
+  rows = study.run_table("digits", "focal", 1, args)
+  assert rows["auto"] == {"ece": 0.02, "nll": 0.15, "accuracy": 0.9, "map": "temperature"}
+  assert rows["none"] == {"ece": 0.04, "nll": 0.3, "accuracy": 0.9}
+  path = tmp_path / "records" / "digits" / "focal" / "seed1.json"
+  assert json.loads(path.read_text()) == rows
+
+  def must_not_run(*a, **k):
+    raise AssertionError("a recorded run was trained or refitted")
+  monkeypatch.setattr(study, "report_of", must_not_run)
+  assert study.run_table("digits", "focal", 1, args) == rows
+  args.refit = True  # --refit recomputes despite the record.
+  with pytest.raises(AssertionError, match="recorded run"):
+    study.run_table("digits", "focal", 1, args)
+
+
+def test_study_summarises_from_records_alone(tmp_path, monkeypatch):
+  """A fresh clone has the records and no workdirs: the study trains nothing and summarises."""
+  for seed, (ce, fl) in enumerate([(0.04, 0.03), (0.05, 0.035), (0.045, 0.03)]):
+    for loss, ece in (("cross_entropy", ce), ("flsd53", fl)):
+      study.save_record(study.record_path(str(tmp_path / "records"), study.LONG, loss, seed),
+                        study.table(_report(ece)))
+
+  def must_not_run(*a, **k):
+    raise AssertionError("a recorded run was trained or refitted")
+  monkeypatch.setattr(study, "report_of", must_not_run)
+  monkeypatch.setattr(study, "long_report_of", must_not_run)
+  monkeypatch.setattr("sys.argv", ["posthoc", f"--out={tmp_path / 'out'}",
+                                   f"--records={tmp_path / 'records'}",
+                                   f"--long-runs={tmp_path / 'long'}", "--datasets", study.LONG,
+                                   "--losses", "cross_entropy", "flsd53"])
+  study.main()
+  summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+  assert summary["seeds"] == {study.LONG: [0, 1, 2]}
+  by_loss = summary["results"][study.LONG]
+  assert by_loss["flsd53"]["none"]["ece"] == pytest.approx([0.03, 0.035, 0.03])
+  assert by_loss["cross_entropy"]["auto"]["ece"] == pytest.approx([0.02, 0.025, 0.0225])
+  diff = summary["paired"][study.LONG]["auto"]["flsd53+auto"]["ece"]["mean"]
+  assert diff == pytest.approx(np.mean([0.015 - 0.02, 0.0175 - 0.025, 0.015 - 0.0225]))
+
+
+def test_long_plan_counts_a_recorded_run_as_finished(tmp_path):
+  root, records = str(tmp_path / "long"), str(tmp_path / "records")
+  for seed in (0, 1):
+    _finish(root, "full", seed)
+  study.save_record(study.record_path(records, study.LONG, "flsd53", 0), {})
+  assert study.long_plan(["cross_entropy", "flsd53"], [0, 1], root, records)[0] == [
+      "cross_entropy"]  # FLSD-53 at one seed only: left out.
+  study.save_record(study.record_path(records, study.LONG, "flsd53", 1), {})
+  study.save_record(study.record_path(records, study.LONG, "cross_entropy", 2), {})
+  assert study.long_plan(["cross_entropy", "flsd53"], [0, 1, 2], root, records)[:2] == (
+      ["cross_entropy", "flsd53"], [0, 1])
