@@ -20,7 +20,11 @@ training images, 20 epochs of cosine SGD, epoch 0 on all data, test on the
                     clean): noisy_full, noisy_random-30, noisy_topk_entropy-30,
                     noisy_sampled-30, noisy_infobatch, and noisy_rho-30 (RHO-LOSS:
                     reducible loss with a target trained on a held-out 10 % of the
-                    training split, the selecting run trained on the other 90 %)
+                    training split, the selecting run trained on the other 90 %; the
+                    current model's losses from a fresh pass over every example each
+                    epoch, as the paper's losses are the current model's, its cost
+                    counted; noisy_rho_train_pass-30 ranks by the train pass's losses,
+                    stale for every example not trained on since)
   schedule check    full_e10, full_e30 (seed 0): validation accuracy of 10- and
                     30-epoch schedules beside the 20-epoch one
 
@@ -76,6 +80,11 @@ SAMPLED = {"selection.method": "sampled", "selection.temperature": 0.1}
 INFOBATCH = {"selection.method": "infobatch", "selection.score": "loss",
              "selection.prune_ratio": 0.5, "selection.anneal_fraction": 0.125}
 FLGAMMA = {"loss.name": "flgamma_sece", "dataset.meta_val_size": META_VAL_SIZE}
+# RHO-LOSS: top-k reducible loss, the target trained on a held-out share of the training split
+# and the selecting run on the rest.
+RHO = {**NOISE, "selection.method": "top_k", "selection.fraction": 0.3,
+       "selection.score": "reducible_loss", "dataset.holdout_fraction": HOLDOUT,
+       "dataset.train_part": "rest"}
 # Targets: trained once with seed 0, whatever the arm's seed.
 TARGETS = {
     "target_mixup": {"loss.mixup_alpha": 0.15, "selection.record_scores": True},
@@ -139,10 +148,9 @@ def arms(base) -> list[Arm]:
           Arm("noisy_random-30", {**NOISE, "selection.method": "random",
                                   "selection.fraction": 0.3}, "A", "noisy", 30),
           Arm("noisy_topk_entropy-30", {**NOISE, **_top_k(0.3)}, "A", "noisy", 30),
-          Arm("noisy_rho-30", {**NOISE, **_top_k(0.3, **{"selection.score": "reducible_loss"}),
-                               "dataset.holdout_fraction": HOLDOUT,
-                               "dataset.train_part": "rest"}, "A", "noisy", 30,
+          Arm("noisy_rho-30", {**RHO, "selection.scoring": "fresh"}, "A", "noisy", 30,
               target="target_rho"),
+          Arm("noisy_rho_train_pass-30", RHO, "B", "noisy", 30, target="target_rho"),
           Arm("noisy_sampled-30", {**NOISE, **SAMPLED, "selection.fraction": 0.3}, "B",
               "noisy", 30)]
   return sorted(out, key=lambda arm: arm.tier)  # Stable: the order above within a tier.

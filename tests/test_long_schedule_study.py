@@ -104,6 +104,14 @@ def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
   full = runs["noisy_full"]["passes"][0]
   assert rho["saving_passes_with_target"] == pytest.approx(
       1 - (runs["noisy_rho-30"]["passes"][0] + out["targets"]["target_rho"]["passes"]) / full)
+  # RHO-LOSS scores every example it trains on with a fresh pass in each selected epoch:
+  # 1 pass each, on top of 3 per trained example (whole batches), by hand.
+  rho_config = long_schedule.grid.apply(tiny_base(), long_schedule.RHO)
+  batch, rest = rho_config.batch_size, long_schedule.splits.num_train_examples(
+      rho_config.dataset)
+  kept = round(0.3 * rest)
+  assert runs["noisy_rho-30"]["passes"][0] == 3 * batch * math.ceil(rest / batch) + 2 * (
+      3 * batch * math.ceil(kept / batch) + rest)
   for name in ("summary.md", "time_to_accuracy.png", "paired_differences.png"):
     assert (tmp_path / name).stat().st_size > 0
   # Three arms, one seed each, all in tier A; the machine each trained on is named.
