@@ -150,7 +150,7 @@ def arms(base) -> list[Arm]:
           Arm("noisy_topk_entropy-30", {**NOISE, **_top_k(0.3)}, "A", "noisy", 30),
           Arm("noisy_rho-30", {**RHO, "selection.scoring": "fresh"}, "A", "noisy", 30,
               target="target_rho"),
-          Arm("noisy_rho_train_pass-30", RHO, "B", "noisy", 30, target="target_rho"),
+          Arm("noisy_rho_train_pass-30", RHO, "A", "noisy", 30, target="target_rho"),
           Arm("noisy_sampled-30", {**NOISE, **SAMPLED, "selection.fraction": 0.3}, "B",
               "noisy", 30)]
   return sorted(out, key=lambda arm: arm.tier)  # Stable: the order above within a tier.
