@@ -30,8 +30,8 @@ training images, 20 epochs of cosine SGD, epoch 0 on all data, test on the
 
 for P in 10 and 30, seeds 0, 1, 2. Targets are trained once (seed 0) and
 their cost is reported apart and added to the arms that need them. The arms
-run in tiers (A: the answers, B: more policies and the calibrated targets, C:
-the 10 % variants of B), each tier seed by seed, so a study cut short has
+run in tiers (A: the answers, B: the calibrated scorers first, then more
+policies, C: the 10 % variants of B), each tier seed by seed, so a study cut short has
 every seed of the most important arms. After every run the summary
 (summary.md, summary.json) and the figures are rewritten from what finished.
 Each finished run leaves a small record (numbers, curves, per-test-image
@@ -153,7 +153,16 @@ def arms(base) -> list[Arm]:
           Arm("noisy_rho_train_pass-30", RHO, "A", "noisy", 30, target="target_rho"),
           Arm("noisy_sampled-30", {**NOISE, **SAMPLED, "selection.fraction": 0.3}, "B",
               "noisy", 30)]
-  return sorted(out, key=lambda arm: arm.tier)  # Stable: the order above within a tier.
+  # Within a tier the seed paper's question (a calibrated scorer) runs first, then the order
+  # above (a stable sort).
+  return sorted(out, key=lambda arm: (arm.tier, not asks_seed_question(arm)))
+
+
+def asks_seed_question(arm: Arm) -> bool:
+  """Whether the arm's scores come from a model trained with FL_gamma-SECE, or from a
+  calibrated target (mixup, gamma-Net), or is the full-data run that target needs."""
+  return (arm.overrides.get("loss.name") == "flgamma_sece"
+          or arm.target in ("target_mixup", "flgamma_full"))
 
 
 def base_config():

@@ -195,3 +195,16 @@ def test_a_failed_run_is_reported_but_a_stop_request_stops_the_study(tmp_path, m
   monkeypatch.setattr(long_schedule, "run_row", preempted)
   with pytest.raises(preemption.Preempted):
     long_schedule.main()
+
+
+def test_tier_b_runs_the_calibrated_scorers_first():
+  """Tier B opens with the seed paper's question: the FL_gamma-SECE runs and the calibrated
+  targets' arms, the full run that the gamma-Net target needs before its arm; tiers in order."""
+  ordered = long_schedule.arms(long_schedule.base_config())
+  tiers = [a.tier for a in ordered]
+  assert tiers == sorted(tiers)
+  tier_b = [a.name for a in ordered if a.tier == "B"]
+  first = tier_b[:4]
+  assert first == ["flgamma_full", "topk_flgamma-30", "topk_mixup_target-30",
+                   "topk_gamma_target-30"]
+  assert not any("flgamma" in n or "target" in n for n in tier_b[4:])
