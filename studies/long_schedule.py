@@ -153,7 +153,7 @@ def arms(base) -> list[Arm]:
           Arm("noisy_rho_train_pass-30", RHO, "A", "noisy", 30, target="target_rho"),
           Arm("noisy_sampled-30", {**NOISE, **SAMPLED, "selection.fraction": 0.3}, "B",
               "noisy", 30)]
-  # Within a tier the seed paper's question (a calibrated scorer) runs first, then the order
+  # Within a tier Tata et al.'s question (a calibrated scorer) runs first, then the order
   # above (a stable sort).
   return sorted(out, key=lambda arm: (arm.tier, not asks_seed_question(arm)))
 

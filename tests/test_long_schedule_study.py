@@ -198,7 +198,7 @@ def test_a_failed_run_is_reported_but_a_stop_request_stops_the_study(tmp_path, m
 
 
 def test_tier_b_runs_the_calibrated_scorers_first():
-  """Tier B opens with the seed paper's question: the FL_gamma-SECE runs and the calibrated
+  """Tier B opens with Tata et al.'s question: the FL_gamma-SECE runs and the calibrated
   targets' arms, the full run that the gamma-Net target needs before its arm; tiers in order."""
   ordered = long_schedule.arms(long_schedule.base_config())
   tiers = [a.tier for a in ordered]
