@@ -636,9 +636,14 @@ def plot_curves(all_arms: list[Arm], results: dict, path: str) -> None:
   plt.close(fig)
 
 
+OFF_SCALE = 6.0  # Points: the paired-differences figure's half-width.
+
+
 def plot_differences(all_arms: list[Arm], summary: dict, path: str) -> None:
   """Paired accuracy differences vs per-epoch random and vs full data: thick bar = 90 % seed
-  interval, thin bar = the test images' 90 % bootstrap interval, dot = mean."""
+  interval, thin bar = the test images' 90 % bootstrap interval, dot = mean. The axis spans
+  +-OFF_SCALE points so that one collapsed arm does not flatten the others: bars are cut at
+  its edge and a mean beyond it is written there."""
   labels = ("random", "full")
   fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(summary) + 2), sharey=True)
   names = [a.name for a in all_arms if a.name in summary][::-1]
@@ -647,12 +652,17 @@ def plot_differences(all_arms: list[Arm], summary: dict, path: str) -> None:
       p = summary[name]["paired"].get(label)
       if p is None:
         continue
-      mean, low, high = (100 * v for v in p["accuracy"])
-      test_low, test_high = (100 * v for v in p["accuracy_test"])
+      mean, low, high, test_low, test_high = np.clip(
+          [100 * v for v in (*p["accuracy"], *p["accuracy_test"])], -OFF_SCALE, OFF_SCALE)
       ax.plot([test_low, test_high], [y, y], color="grey", linewidth=1)
       if np.isfinite(low):
         ax.plot([low, high], [y, y], color="C0", linewidth=4, alpha=0.6)
       ax.plot(mean, y, "o", color="C3")
+      if abs(100 * p["accuracy"][0]) > OFF_SCALE:
+        ax.annotate(f"{100 * p['accuracy'][0]:+.1f} (off scale)", (mean, y),
+                    xytext=(6 if mean < 0 else -6, 4), textcoords="offset points",
+                    ha="left" if mean < 0 else "right", fontsize=8, color="C3")
+    ax.set_xlim(-OFF_SCALE - 0.3, OFF_SCALE + 0.3)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_title(f"test accuracy: arm - {label} (points)")
     ax.grid(alpha=0.3, axis="x")
