@@ -596,6 +596,8 @@ def _saving_cell(s: dict, unit: str) -> str:
 # Figures.
 
 
+OFF_SCALE = 6.0  # Points: the paired-differences figure's half-width, and how far below the
+# best arm a curve may end and still set its panel's range.
 PANELS = (("clean", 10), ("clean", 30), ("clean", 0), ("noisy", 30), ("noisy", 0))
 STYLES = [(c, ls) for ls in ("-", "--") for c in plt.get_cmap("tab10").colors]
 
@@ -611,14 +613,21 @@ def plot_curves(all_arms: list[Arm], results: dict, path: str) -> None:
     reference = "noisy_full" if regime == "noisy" else "full"
     if budget and reference in results:
       names = [reference, *names]
-    for (colour, style), name in zip(STYLES, names):
+    curves = {}
+    for name in names:
       r = results[name]
-      passes = np.mean([c for c in r["curve_passes"]], axis=0) / 1e6
-      accuracy = 100 * np.asarray(r["curve_accuracy"], np.float64)
+      curves[name] = (np.mean([c for c in r["curve_passes"]], axis=0) / 1e6,
+                      100 * np.asarray(r["curve_accuracy"], np.float64))
+    best = max((accuracy.mean(0)[-1] for _, accuracy in curves.values()), default=0.0)
+    for (colour, style), (name, (passes, accuracy)) in zip(STYLES, curves.items()):
+      # An arm that ends far below the best leaves the panel, so the others stay readable.
+      off_scale = accuracy.mean(0)[-1] < best - OFF_SCALE
       ax.plot(passes, accuracy.mean(0), style, color=colour, marker=".",
-              label=f"{name} ({len(accuracy)} seeds)")
+              label=f"{name} ({len(accuracy)} seeds)"
+              + (f", ends at {accuracy.mean(0)[-1]:.1f} %: below the panel" if off_scale else ""))
       ax.fill_between(passes, accuracy.min(0), accuracy.max(0), color=colour, alpha=0.15)
-      late += list(accuracy.mean(0)[len(passes) // 2:])
+      if not off_scale:
+        late += list(accuracy.mean(0)[len(passes) // 2:])
     if late:
       ax.set_ylim(min(late) - 1.5, max(late) + 0.5)
     ax.set_title(f"{regime} labels, " + (f"{budget} % kept per selected epoch" if budget
@@ -634,9 +643,6 @@ def plot_curves(all_arms: list[Arm], results: dict, path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
-
-
-OFF_SCALE = 6.0  # Points: the paired-differences figure's half-width.
 
 
 def plot_differences(all_arms: list[Arm], summary: dict, path: str) -> None:
