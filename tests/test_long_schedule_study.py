@@ -154,7 +154,7 @@ def test_verdicts_read_the_seed_interval_and_refuse_one_seed():
 def test_answers_name_the_winner_and_the_targets_met_or_missed():
   arms = {a.name: a for a in long_schedule.arms(tiny_config())}
   pick = ("full", "random-30", "topk_entropy-30", "topk_flsd53-30", "infobatch",
-          "noisy_full", "noisy_random-30", "noisy_topk_entropy-30")
+          "noisy_full", "noisy_random-30", "noisy_topk_entropy-30", "noisy_infobatch")
   summary = {name: {"paired": {}, "saving_steady_with_target": 0.0} for name in pick}
   summary["topk_entropy-30"].update(
       paired={"random": _pair(0.011, 0.008, 0.014), "full": _pair(-0.001, -0.004, 0.002)},
@@ -166,13 +166,15 @@ def test_answers_name_the_winner_and_the_targets_met_or_missed():
                               saving_steady_with_target=0.3)  # Lossless, but saves < 35 %.
   summary["noisy_random-30"]["paired"] = {"full": _pair(-0.01, -0.02, -0.005)}
   summary["noisy_topk_entropy-30"]["paired"] = {"full": _pair(0.004, -0.001, 0.009)}
+  # InfoBatch has no fixed budget, but it is a policy under noise too: the best one here.
+  summary["noisy_infobatch"]["paired"] = {"full": _pair(0.006, 0.001, 0.011)}
   text = "\n".join(long_schedule.answers([arms[n] for n in pick], summary))
   assert "topk_entropy-30 +1.10 points vs random [+0.80, +1.40]" in text
   assert "better" in text.split("topk_entropy-30 +1.10")[1].split(";")[0]
   assert "topk_flsd53-30 -1.30 points vs CE top-k [-2.00, -0.60]" in text
   assert "met by topk_entropy-30" in text  # -0.1 points, interval holds 0, 60 % saved.
   assert "InfoBatch lossless at >= 35 % saved: missed" in text
-  assert ("best noisy_topk_entropy-30 +0.40 points vs noisy full [-0.10, +0.90]" in text
+  assert ("best noisy_infobatch +0.60 points vs noisy full [+0.10, +1.10]" in text
           and "matches or beats full data: met" in text)
 
 
