@@ -59,6 +59,7 @@ import traceback
 
 import jax
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -606,7 +607,12 @@ STYLES = [(c, ls) for ls in ("-", "--") for c in plt.get_cmap("tab10").colors]
 def plot_curves(all_arms: list[Arm], results: dict, path: str) -> None:
   """Test accuracy vs cumulative example passes, one panel per (regime, budget); the line is
   the mean over seeds and the band the seeds' range. Full data is drawn in every panel."""
-  fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 5))
+  columns = 3
+  rows = -(-len(PANELS) // columns)
+  fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 5.5 * rows), squeeze=False)
+  axes = axes.ravel()
+  for ax in axes[len(PANELS):]:
+    ax.set_axis_off()
   for ax, (regime, budget) in zip(axes, PANELS):
     late = []  # Mean accuracies of the second half of each run: the panel's y range.
     names = [a.name for a in all_arms if a.regime == regime and a.budget == budget
@@ -633,17 +639,32 @@ def plot_curves(all_arms: list[Arm], results: dict, path: str) -> None:
       ax.set_ylim(min(late) - 1.5, max(late) + 0.5)
     ax.set_title(f"{regime} labels, " + (f"{budget} % kept per selected epoch" if budget
                                          else "no fixed budget"))
-    ax.set_xlabel("cumulative example passes (millions)")
+    # Log passes: a 10 % arm ends near a tenth of full data's cost, and on a linear axis its
+    # whole curve would sit in the first tenth of the panel.
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_plain))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+        lambda value, _: _plain(value) if _leading_digit(value) in (2, 3, 5) else ""))
+    ax.set_xlabel("cumulative example passes (millions, log scale)")
     ax.grid(alpha=0.3)
     if names:
       ax.legend(fontsize=7)
     else:
       ax.text(0.5, 0.5, "no finished runs yet", ha="center", transform=ax.transAxes)
-  axes[0].set_ylabel("test accuracy % (line: mean; band: range over seeds)")
+  for ax in axes[::columns]:
+    ax.set_ylabel("test accuracy % (line: mean; band: range over seeds)")
   fig.suptitle("Fashion-MNIST, small_cnn, 20 epochs with crop+flip: accuracy vs training cost")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def _plain(value: float, _=None) -> str:
+  return f"{value:g}"
+
+
+def _leading_digit(value: float) -> int:
+  return round(value / 10 ** math.floor(math.log10(value))) if value > 0 else 0
 
 
 def plot_differences(all_arms: list[Arm], summary: dict, path: str) -> None:
