@@ -27,7 +27,7 @@ import jax
 from ml_collections import config_flags
 
 from configs import default
-from cpjax import config_validation, preflight, train
+from cpjax import config_schema, config_validation, preflight, train
 from cpjax.runtime import checkpointing, distributed, preemption
 
 FLAGS = flags.FLAGS
@@ -138,10 +138,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     if config_path is None:
       raise
     config = _load_config(config_path)
-    unknown = [name for name in overrides if not config_validation.has_field(config, name)]
+    unknown = [name for name in overrides if not config_schema.has_field(config, name)]
     if not unknown:
       raise
-    message = config_validation.unknown_field_message(config, unknown[0])
+    message = config_schema.unknown_field_message(config, unknown[0])
     print(f"FATAL Flags parsing error: {message} ({err})", file=sys.stderr)
     sys.exit(USAGE_ERROR)
 

@@ -1,8 +1,8 @@
 """Checks every config field once, at start-up, before any data load or compile.
 
-An unknown field, a missing field, a wrong type or an out-of-range value raises
-`ConfigError` naming the field and what would be valid. Choices come from the
-registries of the modules that own them (datasets, models, losses).
+An unknown field, a missing field, a wrong type or an out-of-range value (the checks of
+cpjax/config_schema.py) raises `ConfigError` naming the field and what would be valid; so
+does a combination of fields that cannot work together (checked here).
 
 `implied_settings` lists what a choice needs and the user left unset (main.py applies it
 before validating): `selection.method='infobatch'` implies its score, scoring and direction;
@@ -10,214 +10,22 @@ an `flgamma_*` loss implies a meta-validation split. An explicit setting that co
 the choice is still refused by `validate`.
 """
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection
 import copy
-import difflib
-import math
 import os
 from typing import Any
 
 import jax
 import ml_collections
 
-from cpjax import models
-from cpjax.calibration import bootstrap, losses, posthoc, temperature
+from cpjax import config_schema
+from cpjax.calibration import losses
 from cpjax.data import readers, specs, splits
-from cpjax.runtime import compiler_options
-from cpjax.selection import policies, scores, sources
-
-Check = Callable[[Any], str | None]  # Returns a problem description, or None.
+from cpjax.selection import policies, scores
 
 
 class ConfigError(ValueError):
   """A config field has a bad value; the message names the field."""
-
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def integer(low: int | None = None, high: int | None = None) -> Check:
-  """An int in [low, high]."""
-  def check(value):
-    if not _is_int(value):
-      return f"must be an int, got {value!r} ({type(value).__name__})"
-    if (low is not None and value < low) or (high is not None and value > high):
-      return f"must be in [{low}, {high}], got {value}"
-    return None
-  return check
-
-
-def number(low: float | None = None, high: float | None = None,
-           low_open: bool = False, high_open: bool = False) -> Check:
-  """A finite float (ints accepted) in [low, high]; low_open/high_open exclude the ends."""
-  def check(value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      return f"must be a number, got {value!r} ({type(value).__name__})"
-    if not math.isfinite(value):
-      return f"must be finite, got {value}"
-    below = low is not None and (value <= low if low_open else value < low)
-    above = high is not None and (value >= high if high_open else value > high)
-    if below or above:
-      return (f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, "
-              f"got {value}")
-    return None
-  return check
-
-
-def boolean() -> Check:
-  return lambda v: None if isinstance(v, bool) else f"must be True or False, got {v!r}"
-
-
-def string() -> Check:
-  return lambda v: None if isinstance(v, str) else f"must be a string, got {v!r}"
-
-
-def choice(options: Sequence[str]) -> Check:
-  """One of `options`."""
-  def check(value):
-    if value not in options:
-      return f"got {value!r}; valid choices: {', '.join(sorted(options))}"
-    return None
-  return check
-
-
-def int_sequence(low: int = 0) -> Check:
-  """A tuple/list of ints >= low, in increasing order."""
-  def check(value):
-    if not isinstance(value, (tuple, list)) or not all(_is_int(v) for v in value):
-      return f"must be a tuple of ints, got {value!r}"
-    if any(v < low for v in value) or list(value) != sorted(value):
-      return f"must be increasing ints >= {low}, got {value!r}"
-    return None
-  return check
-
-
-# Fields that were replaced: an old config or override gets a pointer to the new one.
-RENAMED_FIELDS = {
-    "selection.target_per_epoch": "selection.scoring='target_recorded' (with "
-                                  "selection.target_workdir)",
-}
-
-
-def spine_schema() -> dict[str, Check]:
-  """Checks of every field; the registries of the modules that own them give the choices."""
-  return {
-      "seed": integer(0, 2**31 - 1),
-      "dataset.name": choice(list(specs.DATASETS)),
-      "dataset.data_dir": string(),
-      "dataset.manual_dir": string(),
-      "dataset.download": boolean(),
-      "dataset.val_size": integer(1),
-      "dataset.split_seed": integer(0, 2**31 - 1),
-      "dataset.train_examples": integer(0),
-      "dataset.meta_val_size": integer(0),
-      "dataset.label_noise": number(0.0, 1.0, high_open=True),
-      "dataset.label_noise_seed": integer(0, 2**31 - 1),
-      "dataset.holdout_fraction": number(0.0, 1.0, high_open=True),
-      "dataset.train_part": choice(list(splits.TRAIN_PARTS)),
-      "dataset.reader": choice(list(readers.READERS)),
-      "dataset.device_memory_mb": number(0.0),
-      "dataset.host_memory_mb": number(0.0),
-      "dataset.stream_dir": string(),
-      "dataset.prefetch_depth": integer(0, 64),
-      "dataset.crop_padding": integer(0, 16),
-      "dataset.flip": boolean(),
-      "model.name": choice(list(models.MODELS)),
-      "model.dtype": choice(["float32", "bfloat16"]),
-      "loss.name": choice(list(losses.LOSSES)),
-      "loss.reduction": choice(["mean", "sum"]),
-      "optimizer.learning_rate": number(0.0, 100.0, low_open=True),
-      "optimizer.momentum": number(0.0, 1.0),
-      "optimizer.nesterov": boolean(),
-      "optimizer.weight_decay": number(0.0, 1.0),
-      "optimizer.grad_clip_norm": number(0.0),
-      "optimizer.schedule": choice(["cosine", "multistep", "constant"]),
-      "optimizer.schedule_unit": choice(["epoch", "step"]),
-      "optimizer.milestones": int_sequence(1),
-      "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
-      "selection.method": choice(list(policies.METHODS)),
-      "selection.direction": choice(list(policies.DIRECTIONS)),
-      "selection.random_share": number(0.0, 1.0),
-      "selection.temperature": number(0.0),
-      "selection.stratify_drop": number(0.0, 1.0, high_open=True),
-      "selection.num_strata": integer(1),
-      "selection.prune_ratio": number(0.0, 1.0, high_open=True),
-      "selection.anneal_fraction": number(0.0, 1.0, high_open=True),
-      "selection.score": choice(list(scores.NAMES)),
-      "selection.fraction": number(0.0, 1.0, low_open=True),
-      "selection.count": integer(0),
-      "selection.warmup_epochs": integer(0),
-      "selection.scoring": choice(list(sources.SOURCES)),
-      "selection.rescore_every": integer(0),
-      "selection.score_dtype": choice(["float32", "bfloat16"]),
-      "selection.score_batch_size": integer(1),
-      "selection.target_workdir": string(),
-      "selection.record_scores": boolean(),
-      "evaluation.num_bins": integer(1, 1000),
-      "evaluation.temperature_method": choice(list(temperature.METHODS)),
-      "evaluation.bootstrap_resamples": integer(1),
-      "evaluation.bootstrap_level": number(0.0, 1.0, low_open=True),
-      "evaluation.bootstrap_kind": choice(list(bootstrap.KINDS)),
-      "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
-      "evaluation.calibrator": choice(["auto", *posthoc.METHODS]),
-      "evaluation.calibrator_folds": integer(2),
-      "evaluation.calibrator_resamples": integer(1),
-      "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),
-      "evaluation.ood_severity": integer(1, 5),
-      "num_epochs": integer(1),
-      "budget_steps": integer(0),
-      "meta.learning_rate": number(0.0, 10.0, low_open=True),
-      "meta.ce_weight": number(0.0),
-      "meta.num_prototypes": integer(0),
-      "meta.temperature": number(0.0, low_open=True),
-      "meta.max_gamma": number(0.0),
-      "meta.leak_meta_gradient": boolean(),
-      "batch_size": integer(1),
-      "eval_batch_size": integer(1),
-      "eval_every_epochs": integer(1),
-      "checkpoint_every_epochs": integer(1),
-      "keep_checkpoints": integer(1),
-      "log_every_steps": integer(1),
-      "xla_cpu_options": choice(compiler_options.PRESETS),
-      "compilation_cache_dir": string(),
-      "compilation_cache_min_seconds": number(0.0),
-      "step_transfer_guard": choice(["allow", "log", "disallow", "log_explicit",
-                                     "disallow_explicit"]),
-      **_loss_schema(),
-  }
-
-
-def _loss_schema() -> dict[str, Check]:
-  """Checks of the loss hyper-parameter fields (`loss.*`)."""
-  return {
-      "loss.label_smoothing": number(0.0, 1.0),
-      "loss.ls_convention": choice(["uniform", "off_target"]),
-      "loss.focal_gamma": number(0.0, 20.0),
-      "loss.gamma_boundaries": int_sequence(1),
-      "loss.mmce_lambda": number(0.0),
-      "loss.mmce_form": choice(["code", "nominal"]),
-      "loss.mmce_kernel_width": number(0.0, low_open=True),
-      "loss.mbls_margin": number(0.0),
-      "loss.mbls_lambda": number(0.0),
-      "loss.ecp_alpha": number(0.0),
-      "loss.surrogate_lambda": number(0.0),
-      "loss.dece_bins": integer(1, 1000),
-      "loss.dece_t_a": number(0.0, low_open=True),
-      "loss.dece_t_b": number(0.0, low_open=True),
-      "loss.sece_bandwidth": number(0.0, low_open=True),
-      "loss.mixup_alpha": number(0.0),
-  }
-
-
-def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in config.items():
-    if isinstance(value, ml_collections.ConfigDict):
-      out.update(_leaves(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -229,9 +37,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: one line per bad, unknown or missing field.
   """
-  schema = spine_schema()
-  leaves = _leaves(config)
-  problems = [_unknown_field(name, schema) for name in leaves if name not in schema]
+  schema = config_schema.spine_schema()
+  leaves = config_schema.leaves(config)
+  problems = [config_schema.unknown_field(name, schema) for name in leaves if name not in schema]
   problems += [f"config.{name}: missing (every config needs it; see configs/default.py)"
                for name in schema if name not in leaves]
   for name, check in schema.items():
@@ -241,25 +49,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     problems = _cross_field_problems(config)
   if problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-
-
-def _unknown_field(name: str, schema: dict[str, Check]) -> str:
-  if name in RENAMED_FIELDS:
-    return f"config.{name}: no longer exists; use {RENAMED_FIELDS[name]}"
-  close = difflib.get_close_matches(name, list(schema), n=3)
-  hint = f"did you mean {' or '.join(close)}? " if close else ""
-  return f"config.{name}: unknown field; {hint}known fields: {', '.join(sorted(schema))}"
-
-
-def has_field(config: ml_collections.ConfigDict, name: str) -> bool:
-  """Whether dotted `name` (e.g. "loss.name") is a field of `config`."""
-  return name in _leaves(config) or any(k.startswith(name + ".") for k in _leaves(config))
-
-
-def unknown_field_message(config: ml_collections.ConfigDict, name: str) -> str:
-  """The error for an override of a field `config` does not have (valid fields listed)."""
-  del config  # Every valid config has exactly the schema's fields.
-  return _unknown_field(name, spine_schema())
 
 
 def _loss_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -374,8 +163,8 @@ def changed_fields(config: ml_collections.ConfigDict,
                    reference: ml_collections.ConfigDict) -> set[str]:
   """Dotted names of the fields of `config` whose value differs from (or is absent in)
   `reference`: what a config file set, compared with configs/default.py."""
-  reference_leaves = _leaves(reference)
-  return {name for name, value in _leaves(config).items()
+  reference_leaves = config_schema.leaves(reference)
+  return {name for name, value in config_schema.leaves(config).items()
           if name not in reference_leaves or reference_leaves[name] != value}
 
 
@@ -403,7 +192,8 @@ def implied_settings(config: ml_collections.ConfigDict,
   if (config.loss.name in losses.LOSSES and losses.LOSSES[config.loss.name].meta_objective
       and name not in explicit and not config.dataset.meta_val_size
       and config.dataset.name in specs.DATASETS  # Bad values: left to `validate` to name.
-      and _is_int(config.dataset.val_size) and _is_int(config.batch_size)):
+      and config_schema.is_int(config.dataset.val_size)
+      and config_schema.is_int(config.batch_size)):
     implied[name] = (default_meta_val_size(config.dataset, config.batch_size),
                      f"loss.name={config.loss.name!r} trains gamma-Net on held-out "
                      "meta-validation batches (10 % of the training examples)")
@@ -491,7 +281,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Constraints that involve several fields or the runtime (device count)."""
   problems = _loss_problems(config) + _selection_problems(config)
   devices = jax.device_count()
-  leaves = _leaves(config)
+  leaves = config_schema.leaves(config)
   for name in ("batch_size", "eval_batch_size", "selection.score_batch_size"):
     if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "

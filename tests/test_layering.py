@@ -71,16 +71,18 @@ RANKS = {
     "selection.scores": 4,
     "selection.selector": 4,
     "selection.sources": 4,
-    # 5: config validation (knows every registry).
-    "config_validation": 5,
-    # 6: the start-up checks (data, OOD set, target runs, stream files, checkpoint room).
-    "preflight": 6,
-    # 7-9: what the loop and evaluation share (Run); evaluation and the report, one epoch's
+    # 5-6: every config field's check (knows every registry); the validation that applies
+    # them and the cross-field rules.
+    "config_schema": 5,
+    "config_validation": 6,
+    # 7: the start-up checks (data, OOD set, target runs, stream files, checkpoint room).
+    "preflight": 7,
+    # 8-10: what the loop and evaluation share (Run); evaluation and the report, one epoch's
     # step loop; the run around them.
-    "run_context": 7,
-    "evaluation": 8,
-    "epoch_loop": 8,
-    "train": 9,
+    "run_context": 8,
+    "evaluation": 9,
+    "epoch_loop": 9,
+    "train": 10,
 }
 
 
