@@ -48,6 +48,7 @@ RANKS = {
     "data.specs": 1,
     "data.splits": 1,
     "calibration": 1,
+    "calibration.binning": 1,
     "calibration.bootstrap": 1,
     "calibration.figures": 1,
     "calibration.gamma_net": 1,

@@ -11,7 +11,7 @@ import scipy.optimize
 import scipy.special
 from sklearn.isotonic import IsotonicRegression
 
-from cpjax.calibration import metrics, posthoc
+from cpjax.calibration import binning, metrics, posthoc
 
 
 def _data(seed, n=600, k=4, scale=2.0, sharpen=1.6):
@@ -44,10 +44,10 @@ def test_isotonic_matches_sklearn_one_vs_rest():
 
 def test_pool_adjacent_violators_hand_worked():
   # y = (1, 0, 0, 1) on x = 1..4: the first three pool to 1/3, then 1.
-  x, fitted = posthoc.pool_adjacent_violators(np.array([1.0, 2, 3, 4]), np.array([1.0, 0, 0, 1]))
+  x, fitted = binning.pool_adjacent_violators(np.array([1.0, 2, 3, 4]), np.array([1.0, 0, 0, 1]))
   np.testing.assert_allclose(fitted, [1 / 3, 1 / 3, 1 / 3, 1.0])
   # Tied x pool first: x = (1, 1, 2) with y = (1, 0, 0) -> 1/2 at x = 1 then violates -> 1/3.
-  x, fitted = posthoc.pool_adjacent_violators(np.array([1.0, 1, 2]), np.array([1.0, 0, 0]))
+  x, fitted = binning.pool_adjacent_violators(np.array([1.0, 1, 2]), np.array([1.0, 0, 0]))
   np.testing.assert_allclose(x, [1, 2])
   np.testing.assert_allclose(fitted, [1 / 3, 1 / 3])
 

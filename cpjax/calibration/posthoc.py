@@ -57,7 +57,7 @@ import numpy as np
 import scipy.optimize
 import threadpoolctl
 
-from cpjax.calibration import temperature
+from cpjax.calibration import binning, temperature
 
 METHODS = ("none", "temperature", "vector_scaling", "matrix_scaling", "dirichlet",
            "ensemble_temperature", "histogram_binning", "isotonic")
@@ -264,74 +264,6 @@ def fit_parametric(method: str, logits: np.ndarray, labels: np.ndarray,
 
 
 # ----------------------------------------------------------------------------------------------
-# Non-parametric one-vs-rest maps (NumPy).
-
-
-def _bin_of(p: np.ndarray, num_bins: int) -> np.ndarray:
-  """Equal-width bin of each probability: [e_m, e_{m+1}), the last bin closed at 1."""
-  return np.clip(np.floor(p * num_bins).astype(np.int64), 0, num_bins - 1)
-
-
-def _fit_histogram(p: np.ndarray, labels: np.ndarray, num_bins: int) -> dict[str, np.ndarray]:
-  k = p.shape[-1]
-  index = _bin_of(p, num_bins) + num_bins * np.arange(k)  # [N, K] bin id per (class, bin).
-  events = (labels[:, None] == np.arange(k)).astype(np.float64)
-  count = np.bincount(index.ravel(), minlength=k * num_bins).reshape(k, num_bins)
-  hits = np.bincount(index.ravel(), events.ravel(), k * num_bins).reshape(k, num_bins)
-  centres = (np.arange(num_bins) + 0.5) / num_bins
-  return {"values": np.where(count > 0, hits / np.maximum(count, 1), centres[None, :])}
-
-
-def _apply_histogram(params, p: np.ndarray) -> np.ndarray:
-  values = params["values"]
-  return values[np.arange(p.shape[-1])[None, :], _bin_of(p, values.shape[-1])]
-
-
-def pool_adjacent_violators(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Isotonic regression of y on x (equal weights): the knots (unique x, fitted y).
-
-  Tied x are pooled first (their mean y, weighted by their count); then adjacent
-  blocks whose means decrease are merged until the means are non-decreasing.
-  """
-  order = np.argsort(x, kind="stable")
-  ux, start, counts = np.unique(x[order], return_index=True, return_counts=True)
-  sums = np.add.reduceat(y[order].astype(np.float64), start)
-  # Blocks as a stack of (sum, count, number of knots).
-  block_sum, block_count, block_size = [], [], []
-  for s, c in zip(sums, counts):
-    block_sum.append(s)
-    block_count.append(float(c))
-    block_size.append(1)
-    while len(block_sum) > 1 and (block_sum[-2] / block_count[-2]
-                                  > block_sum[-1] / block_count[-1]):
-      s2, c2, n2 = block_sum.pop(), block_count.pop(), block_size.pop()
-      block_sum[-1] += s2
-      block_count[-1] += c2
-      block_size[-1] += n2
-  fitted = np.repeat(np.asarray(block_sum) / np.asarray(block_count), block_size)
-  return ux, fitted
-
-
-def _fit_isotonic(p: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
-  """Knots per class padded to a common length L by repeating the last one: x, y [K, L]."""
-  knots = [pool_adjacent_violators(p[:, k], (labels == k).astype(np.float64))
-           for k in range(p.shape[-1])]
-  length = max(len(x) for x, _ in knots)
-  pad = lambda a: np.concatenate([a, np.full(length - len(a), a[-1])])  # noqa: E731
-  return {"x": np.stack([pad(x) for x, _ in knots]), "y": np.stack([pad(y) for _, y in knots])}
-
-
-def _apply_isotonic(params, p: np.ndarray) -> np.ndarray:
-  return np.stack([np.interp(p[:, k], params["x"][k], params["y"][k])
-                   for k in range(p.shape[-1])], axis=-1)
-
-
-def _renormalised_log(q: np.ndarray, floor: float) -> np.ndarray:
-  q = np.maximum(np.nan_to_num(q, nan=floor), floor)
-  return np.log(q) - np.log(q.sum(axis=-1, keepdims=True))
-
-
-# ----------------------------------------------------------------------------------------------
 # The interface.
 
 
@@ -347,9 +279,9 @@ def apply(calibrator: Calibrator, logits: np.ndarray) -> np.ndarray:
     return _log_softmax(np, z)
   if method in PARAMETRIC:
     return _log_softmax(np, _parametric_log_probs(np, method, params, z))  # Exact rows.
-  q = (_apply_histogram if method == "histogram_binning" else _apply_isotonic)(
+  q = (binning.apply_histogram if method == "histogram_binning" else binning.apply_isotonic)(
       params, _softmax64(z))
-  return _renormalised_log(q, calibrator.hyper["floor"])
+  return binning.renormalised_log(q, calibrator.hyper["floor"])
 
 
 def _folds(n: int, num_folds: int, seed: int) -> np.ndarray:
@@ -442,9 +374,9 @@ def _fit_nonparametric(method, z, y, hyper) -> Calibrator:
   if method == "none":
     params = {}
   elif method == "histogram_binning":
-    params = _fit_histogram(_softmax64(z), y, hyper["num_bins"])
+    params = binning.fit_histogram(_softmax64(z), y, hyper["num_bins"])
   else:
-    params = _fit_isotonic(_softmax64(z), y)
+    params = binning.fit_isotonic(_softmax64(z), y)
   return Calibrator(method, params, hyper, float("nan"))
 
 
