@@ -779,9 +779,9 @@ def main():
             f"{traceback.format_exc()}", flush=True)
     if not args.summarise_only:  # After every run, so a study cut short reports what finished.
       write_outputs(args.out, all_arms, results, targets, failures, command)
-  # Once more at the end: with --summarise-only, the only time (its bootstraps take seconds
-  # per pair, and rewriting after each of ~80 finished runs took most of a quarter-hour).
-  write_outputs(args.out, all_arms, results, targets, failures, command)
+  if args.summarise_only:  # Once, at the end: rewriting after each of ~80 finished runs
+    # took most of a quarter-hour of bootstraps (seconds per pair).
+    write_outputs(args.out, all_arms, results, targets, failures, command)
   print(f"[{time.strftime('%H:%M:%S')}] done: {args.out}/summary.md", flush=True)
 
 
