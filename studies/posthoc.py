@@ -24,7 +24,8 @@ difference over seeds with a 90 % Student-t interval of the per-seed differences
 same data split). A loss "beats" CE + post-hoc where its interval for ECE or NLL lies wholly
 below zero and its accuracy interval not wholly below zero.
 
-  python -m studies.posthoc --out=studies/out/posthoc --datasets digits
+  python -m studies.posthoc                      # every dataset, loss and seed, from records
+  python -m studies.posthoc --datasets digits    # one dataset
 
 `fashion_mnist_long` takes its runs from the long-schedule study (studies/long_schedule.py:
 20 epochs, crop+flip, all 54,000 training images) instead of training them: its full-data
@@ -265,7 +266,7 @@ def main():
   parser.add_argument("--out", default="studies/out/posthoc")
   parser.add_argument("--runs", default=None, help="existing meta-calibration study output")
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  parser.add_argument("--datasets", nargs="+", default=["digits", "fashion_mnist"],
+  parser.add_argument("--datasets", nargs="+", default=list(DATASETS),
                       choices=DATASETS)
   parser.add_argument("--long-runs", default="studies/out/long_schedule",
                       help=f"the long-schedule study's --out, read for {LONG}")

@@ -1,6 +1,8 @@
 """Post-hoc calibration maps against independent references.
 
-scikit-learn's IsotonicRegression and a NumPy np.histogram binning for the one-vs-rest maps,
+scikit-learn's IsotonicRegression and calibration_curve, and a NumPy np.histogram binning,
+for the one-vs-rest maps (netcal's binning classes import torch, pyro and gpytorch at module
+level, so netcal cannot join this CPU-only JAX environment),
 SciPy `minimize` (BFGS, finite-difference gradients) on the same objectives written in NumPy
 for the parametric maps, closed forms for temperature and ensemble temperature scaling.
 """
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 import scipy.special
+from sklearn.calibration import calibration_curve
 from sklearn.isotonic import IsotonicRegression
 
 from cpjax.calibration import binning, metrics, posthoc
@@ -68,6 +71,25 @@ def test_histogram_binning_matches_np_histogram(num_bins):
   assert calibrator.hyper["num_bins"] == num_bins
   np.testing.assert_allclose(posthoc.apply(calibrator, z[400:] * 0.7),
                              _renormalised_log(reference, posthoc.DEFAULT_FLOOR), atol=1e-12)
+
+
+@pytest.mark.parametrize("num_bins", [5, 10, 30])
+def test_histogram_binning_matches_sklearn_calibration_curve(num_bins):
+  # calibration_curve(strategy="uniform") gives, per non-empty equal-width bin, the share of
+  # positives (prob_true) and the mean score (prob_pred, which lies inside its bin): the same
+  # one-vs-rest table. Its bins are right-closed, ours left-closed: continuous scores never
+  # land on an edge, so the two agree here.
+  z, y = _data(4, n=500)
+  p = scipy.special.softmax(z, 1)
+  values = posthoc.fit("histogram_binning", z, y, num_bins=num_bins).params["values"]
+  centres = (np.arange(num_bins) + 0.5) / num_bins
+  for k in range(4):
+    prob_true, prob_pred = calibration_curve(y == k, p[:, k], n_bins=num_bins,
+                                             strategy="uniform")
+    filled = np.floor(prob_pred * num_bins).astype(int)
+    np.testing.assert_allclose(values[k, filled], prob_true, atol=1e-12)
+    empty = np.setdiff1d(np.arange(num_bins), filled)
+    np.testing.assert_allclose(values[k, empty], centres[empty])  # An empty bin: its centre.
 
 
 def _numpy_objective(method, k, odir):
@@ -218,3 +240,41 @@ def test_numpy_gradients_match_jax_grad_of_the_jax_objective(method):
   assert value == pytest.approx(float(ref_value), rel=1e-12)
   for name in params:
     np.testing.assert_allclose(grad[name], np.asarray(ref_grad[name]), rtol=1e-9, atol=1e-12)
+
+
+def test_objective_jits_and_matches_the_numpy_value_and_gradient():
+  import jax  # pylint: disable=g-import-not-at-top  (x64 only inside this test)
+  z, y = _data(9, n=80, k=4)
+  params = {"w": np.eye(4) * 0.8, "b": np.full(4, 0.1)}
+  weights = np.ones(80)
+  value, grad = posthoc.value_and_grad("matrix_scaling", params, z, y, weights, 0.5)
+  with jax.enable_x64(True):
+    jitted = jax.jit(jax.value_and_grad(posthoc.objective, argnums=1), static_argnums=0)
+    ref_value, ref_grad = jitted("matrix_scaling", params, z, y, weights, 0.5)
+  assert value == pytest.approx(float(ref_value), rel=1e-12)
+  np.testing.assert_allclose(grad["w"], np.asarray(ref_grad["w"]), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("diverging", ["the best", "every"])
+def test_a_diverged_final_fit_never_gives_non_finite_parameters(monkeypatch, diverging):
+  z, y = _data(10, n=200, k=3)
+  real_fit = posthoc.fit_parametric
+  picked = posthoc.fit("dirichlet", z, y).hyper["odir"]
+
+  def fit_parametric(method, logits, labels, weights=None, strength=0.0, *args, **kwargs):
+    params = real_fit(method, logits, labels, weights, strength, *args, **kwargs)
+    final = weights is None  # The refit on all rows, after the cross-validation.
+    if final and (diverging == "every" or strength == picked):
+      params = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    return params
+
+  monkeypatch.setattr(posthoc, "fit_parametric", fit_parametric)
+  calibrator = posthoc.fit("dirichlet", z, y)
+  assert all(np.all(np.isfinite(v)) for v in calibrator.params.values())
+  if diverging == "every":  # The starting map, the identity, and no claim of a good fit.
+    np.testing.assert_array_equal(calibrator.params["w"], np.eye(3))
+    assert calibrator.cv_nll == np.inf
+    np.testing.assert_allclose(posthoc.apply(calibrator, z), scipy.special.log_softmax(z, 1),
+                               atol=1e-12)
+  else:  # The next-best strength.
+    assert calibrator.hyper["odir"] != picked and np.isfinite(calibrator.cv_nll)

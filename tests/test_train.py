@@ -18,6 +18,7 @@ import pytest
 
 from cpjax import optim, train
 from cpjax.calibration import posthoc
+from cpjax.calibration import report as report_lib
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
 
@@ -229,6 +230,14 @@ def _check_report(report_dir):
   for method in ("none", "temperature", "ensemble_temperature"):  # Accuracy kept.
     assert (section["calibrators"][method]["test"]["accuracy"]
             == report["metrics"]["test"]["before_ts"]["accuracy"]), method
+    # Same resampled rows, same predictions: the same accuracy interval.
+    assert (section["calibrators"][method]["intervals"]["accuracy"]
+            == section["calibrators"]["none"]["intervals"]["accuracy"]), method
+  for method, row in section["calibrators"].items():
+    assert set(row["intervals"]) == set(report_lib.TABLE_METRICS), method
+    for name, interval in row["intervals"].items():
+      assert interval["point"] == pytest.approx(row["test"][name]), (method, name)
+      assert interval["low"] <= interval["high"], (method, name)
   assert section["calibrators"]["none"]["test"]["nll"] == pytest.approx(
       report["metrics"]["test"]["before_ts"]["nll"])
   assert sum(report["reliability"]["calibrated"]["count"]) == 360

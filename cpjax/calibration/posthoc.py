@@ -49,6 +49,7 @@ analytic gradient (`value_and_grad`; the same objective in jax.numpy, `objective
 jit-able and the tests check one against the other's jax.grad); folds are 0/1 row weights.
 """
 
+import logging
 from typing import Any, NamedTuple
 
 import jax
@@ -389,15 +390,24 @@ def _fit_parametric_cv(method, z, y, fold, name, candidates, hyper) -> Calibrato
     held, params = fold == f, None
     for c in np.argsort(strengths)[::-1]:
       params = fit_parametric(method, z, y, ~held, strengths[c], hyper["steps"], params)
-      finite = all(np.all(np.isfinite(v)) for v in params.values())
+      finite = _finite(params)
       log_p = _parametric_log_probs(np, method, params, z[held]) if finite else None
       scores[c] += _held_out_nll(log_p, y[held]) * held.sum() if finite else np.inf
       params = params if finite else None  # A diverged fit is no warm start.
-  best = int(np.argmin(scores))
-  if name is not None:
-    hyper[name] = candidates[best]
-  params = fit_parametric(method, z, y, None, strengths[best], hyper["steps"])
-  return Calibrator(method, params, hyper, float(scores[best] / len(z)))
+  # The best candidate refitted on all rows; should that fit diverge, the next best, and if
+  # every one does, the starting map (cv_nll inf): never non-finite parameters.
+  for best in np.argsort(scores, kind="stable"):
+    params = fit_parametric(method, z, y, None, strengths[best], hyper["steps"])
+    if _finite(params):
+      if name is not None:
+        hyper[name] = candidates[best]
+      return Calibrator(method, params, hyper, float(scores[best] / len(z)))
+  logging.warning("Every %s fit diverged; keeping its starting map.", method)
+  return Calibrator(method, _identity_params(method, z.shape[-1]), hyper, float("inf"))
+
+
+def _finite(params: dict[str, np.ndarray]) -> bool:
+  return all(np.all(np.isfinite(v)) for v in params.values())
 
 
 def _fit_temperature_grid(z, y, search, hyper) -> Calibrator:

@@ -69,12 +69,14 @@ def calibration_metrics(logits: np.ndarray, labels: np.ndarray, num_classes: int
 
 def _intervals(logits, labels, num_classes, config, num_resamples: int | None = None,
                names=INTERVAL_METRICS) -> dict[str, dict[str, float]]:
+  """Bootstrap intervals of the named metrics; every metric resamples the same rows (same
+  seed), logits and probabilities together, so the NLL's interval is of the same data."""
   functions = _metric_functions(num_classes, config.num_bins)
   probs = metrics.softmax(logits)
   out = {}
   for name in names:
     interval = bootstrap.bootstrap_interval(
-        lambda p, y, f=functions[name]: f(p, None, y), (probs, labels),
+        functions[name], (probs, np.asarray(logits), labels),
         num_resamples=num_resamples or config.bootstrap_resamples, level=config.bootstrap_level,
         kind=config.bootstrap_kind, seed=config.bootstrap_seed)
     out[name] = interval._asdict()
@@ -100,9 +102,9 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
                   num_classes: int, config: ml_collections.ConfigDict
                   ) -> tuple[dict[str, Any], np.ndarray]:
   """Every post-hoc map fitted on validation (strengths by k-fold CV there) and measured on
-  test, with a bootstrap interval of its ECE (`calibrator_resamples`: eight maps' intervals
-  of three metrics at the report's 1,000 resamples would dominate its cost); the chosen one
-  (`config.calibrator`, auto = lowest cross-validated validation NLL).
+  test, with a bootstrap interval of every TABLE_METRICS column (`calibrator_resamples`
+  resamples: eight maps' intervals at the report's 1,000 would dominate its cost); the chosen
+  one (`config.calibrator`, auto = lowest cross-validated validation NLL).
 
   Returns:
     (the report's "posthoc" section, the chosen map's test log-probabilities [N, K]).
@@ -121,7 +123,7 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
         "test": calibration_metrics(test_log_probs[method], test[1], num_classes,
                                     config.num_bins, TABLE_METRICS),
         "intervals": _intervals(test_log_probs[method], test[1], num_classes, config,
-                                config.calibrator_resamples, ("ece",))}
+                                config.calibrator_resamples, TABLE_METRICS)}
   chosen = posthoc.choose(calibrators, config.calibrator)
   return ({"requested": config.calibrator, "chosen": chosen, "folds": config.calibrator_folds,
            "calibrators": rows}, test_log_probs[chosen])
@@ -257,18 +259,23 @@ def _posthoc_markdown(section: dict[str, Any]) -> list[str]:
   """The table of every post-hoc map on the test split, the chosen one in bold."""
   lines = ["", "## Post-hoc maps (fitted on validation, measured on test)", "",
            f"Chosen: **{section['chosen']}** (evaluation.calibrator={section['requested']!r}; "
-           f"auto = lowest {section['folds']}-fold cross-validated validation NLL). Intervals: "
-           "ECE's bootstrap interval.", "",
-           "| map | strength | CV val NLL | " + " | ".join(TABLE_METRICS) + " | ECE interval |",
-           "|---" * (len(TABLE_METRICS) + 4) + "|"]
+           f"auto = lowest {section['folds']}-fold cross-validated validation NLL). Each cell: "
+           "the test value [bootstrap interval].", "",
+           "| map | strength | CV val NLL | " + " | ".join(TABLE_METRICS) + " |",
+           "|---" * (len(TABLE_METRICS) + 3) + "|"]
   for method, row in section["calibrators"].items():
     name = f"**{method}**" if method == section["chosen"] else method
     strength = ", ".join(f"{k}={v}" for k, v in row["hyper"].items()) or "—"
-    iv = row["intervals"]["ece"]
     lines.append(f"| {name} | {strength} | {row['cv_nll']:.4f} | "
-                 + " | ".join(f"{row['test'][m]:.4f}" for m in TABLE_METRICS)
-                 + f" | [{iv['low']:.4f}, {iv['high']:.4f}] |")
+                 + " | ".join(_with_interval(row, m) for m in TABLE_METRICS) + " |")
   return lines
+
+
+def _with_interval(row: dict[str, Any], name: str) -> str:
+  """'value [low, high]', or the value alone for a row written before it had the interval."""
+  interval = row.get("intervals", {}).get(name)
+  value = f"{row['test'][name]:.4f}"
+  return value if interval is None else f"{value} [{interval['low']:.4f}, {interval['high']:.4f}]"
 
 
 def _save_png(path: str, fig: Any) -> None:
