@@ -278,3 +278,22 @@ def test_a_diverged_final_fit_never_gives_non_finite_parameters(monkeypatch, div
                                atol=1e-12)
   else:  # The next-best strength.
     assert calibrator.hyper["odir"] != picked and np.isfinite(calibrator.cv_nll)
+
+
+@pytest.mark.parametrize("method", posthoc.METHODS)
+def test_apply_in_jax_under_jit_matches_the_numpy_apply(method):
+  import jax  # pylint: disable=g-import-not-at-top  (x64 only inside this test)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  z, y = _data(11, n=300, k=4)
+  calibrator = posthoc.fit(method, z[:200], y[:200], folds=3)
+  expected = posthoc.apply(calibrator, z[200:])
+  with jax.enable_x64(True):  # Same precision: the two backends give the same numbers.
+    out = jax.jit(lambda logits: posthoc.apply(calibrator, logits, jnp))(jnp.asarray(z[200:]))
+  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-10)
+  # In float32 (the default), saturated logits still give finite, normalised rows.
+  saturated = np.float32(1e4) * np.eye(4, dtype=np.float32)[y[200:]]
+  out = np.asarray(jax.jit(lambda logits: posthoc.apply(calibrator, logits, jnp))(saturated))
+  assert out.dtype == np.float32 and np.all(np.isfinite(out))
+  # 1e-3: the suite compiles at XLA:CPU's optimisation level 0 (conftest), whose float32 exp
+  # is off by ~1e-4 near 0 (level 3, the default, by ~1e-7).
+  np.testing.assert_allclose(np.exp(out).sum(1), 1.0, atol=1e-3)

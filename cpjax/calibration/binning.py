@@ -10,14 +10,16 @@
 
 Each class is mapped on its own, so a row no longer sums to 1: `renormalised_log` floors
 the mapped probabilities (a class can map to 0) and renormalises them in log space.
+
+The fits are NumPy; the applications take `xp` (numpy, or jax.numpy to run under jit).
 """
 
 import numpy as np
 
 
-def bin_of(p: np.ndarray, num_bins: int) -> np.ndarray:
+def bin_of(p, num_bins: int, xp=np):
   """Equal-width bin of each probability: [e_m, e_{m+1}), the last bin closed at 1."""
-  return np.clip(np.floor(p * num_bins).astype(np.int64), 0, num_bins - 1)
+  return xp.clip(xp.floor(p * num_bins).astype(xp.int32), 0, num_bins - 1)
 
 
 def fit_histogram(p: np.ndarray, labels: np.ndarray, num_bins: int) -> dict[str, np.ndarray]:
@@ -31,10 +33,10 @@ def fit_histogram(p: np.ndarray, labels: np.ndarray, num_bins: int) -> dict[str,
   return {"values": np.where(count > 0, hits / np.maximum(count, 1), centres[None, :])}
 
 
-def apply_histogram(params, p: np.ndarray) -> np.ndarray:
+def apply_histogram(params, p, xp=np):
   """Each class probability of p [N, K] replaced by its bin's fitted value."""
-  values = params["values"]
-  return values[np.arange(p.shape[-1])[None, :], bin_of(p, values.shape[-1])]
+  values = xp.asarray(params["values"])
+  return values[np.arange(p.shape[-1])[None, :], bin_of(p, values.shape[-1], xp)]
 
 
 def pool_adjacent_violators(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -71,13 +73,13 @@ def fit_isotonic(p: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
   return {"x": np.stack([pad(x) for x, _ in knots]), "y": np.stack([pad(y) for _, y in knots])}
 
 
-def apply_isotonic(params, p: np.ndarray) -> np.ndarray:
+def apply_isotonic(params, p, xp=np):
   """Each class probability of p [N, K] mapped through its class's knots (linear between)."""
-  return np.stack([np.interp(p[:, k], params["x"][k], params["y"][k])
+  return xp.stack([xp.interp(p[:, k], xp.asarray(params["x"][k]), xp.asarray(params["y"][k]))
                    for k in range(p.shape[-1])], axis=-1)
 
 
-def renormalised_log(q: np.ndarray, floor: float) -> np.ndarray:
+def renormalised_log(q, floor: float, xp=np):
   """log(q / sum q) per row, with q floored at `floor` (and NaN read as the floor) first."""
-  q = np.maximum(np.nan_to_num(q, nan=floor), floor)
-  return np.log(q) - np.log(q.sum(axis=-1, keepdims=True))
+  q = xp.maximum(xp.nan_to_num(q, nan=floor), floor)
+  return xp.log(q) - xp.log(q.sum(axis=-1, keepdims=True))

@@ -3,7 +3,8 @@
 One interface for every method: `fit(method, logits, labels, **hyper)` returns a
 `Calibrator` (the method's name, its parameters as arrays, the chosen
 hyper-parameters and the cross-validated validation NLL), and
-`apply(calibrator, logits)` returns float64 log-probabilities [N, K]. With z the
+`apply(calibrator, logits)` returns float64 log-probabilities [N, K]
+(`apply(calibrator, logits, jax.numpy)` the same in JAX, jit-able). With z the
 logits, p = softmax(z) and s the calibrated scores (log-probabilities are
 log_softmax(s)):
 
@@ -272,17 +273,22 @@ def _softmax64(logits):
   return np.exp(_log_softmax(np, np.asarray(logits, np.float64)))
 
 
-def apply(calibrator: Calibrator, logits: np.ndarray) -> np.ndarray:
-  """Calibrated log-probabilities [N, K] (float64, finite for finite logits) of `logits`."""
-  z = np.asarray(logits, np.float64)
+def apply(calibrator: Calibrator, logits, xp=np):
+  """Calibrated log-probabilities [N, K] of `logits`, finite for finite logits.
+
+  With xp = numpy (the default) in float64. With xp = jax.numpy in the logits' precision
+  and jit-able, the calibrator closed over: `jax.jit(lambda z: apply(c, z, jnp))`.
+  """
+  z = np.asarray(logits, np.float64) if xp is np else xp.asarray(logits)
   method, params = calibrator.method, calibrator.params
   if method == "none":
-    return _log_softmax(np, z)
+    return _log_softmax(xp, z)
   if method in PARAMETRIC:
-    return _log_softmax(np, _parametric_log_probs(np, method, params, z))  # Exact rows.
+    params = {k: xp.asarray(v) for k, v in params.items()}
+    return _log_softmax(xp, _parametric_log_probs(xp, method, params, z))  # Exact rows.
   q = (binning.apply_histogram if method == "histogram_binning" else binning.apply_isotonic)(
-      params, _softmax64(z))
-  return binning.renormalised_log(q, calibrator.hyper["floor"])
+      params, xp.exp(_log_softmax(xp, z)), xp)
+  return binning.renormalised_log(q, calibrator.hyper["floor"], xp)
 
 
 def _folds(n: int, num_folds: int, seed: int) -> np.ndarray:
