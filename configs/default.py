@@ -141,7 +141,8 @@ def get_config() -> ml_collections.ConfigDict:
   # ensemble_temperature: lowest test ECE and NLL, accuracy kept, in studies/results/posthoc.md.
   config.evaluation.calibrator = "ensemble_temperature"
   config.evaluation.calibrator_folds = 5  # k of the k-fold CV on validation (map strengths).
-  config.evaluation.calibrator_resamples = 200  # Bootstrap resamples of each map's ECE interval.
+  # Bootstrap resamples of every interval of the post-hoc table; 0 = no intervals there.
+  config.evaluation.calibrator_resamples = 200
   # OOD set: "", gaussian_noise (corrupted test) or a dataset name.
   config.evaluation.ood = "gaussian_noise"
   config.evaluation.ood_severity = 5  # gaussian_noise severity 1..5 (CIFAR-10-C scales).

@@ -151,7 +151,7 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
       "evaluation.calibrator": choice(["auto", *posthoc.METHODS]),
       "evaluation.calibrator_folds": integer(2),
-      "evaluation.calibrator_resamples": integer(1),
+      "evaluation.calibrator_resamples": integer(0),
       "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),
       "evaluation.ood_severity": integer(1, 5),
       "num_epochs": integer(1),

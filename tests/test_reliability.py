@@ -490,3 +490,23 @@ def test_a_checkpoint_of_8_devices_resumes_on_4_and_2_and_is_refused_on_3(select
     assert f"local devices: [{', '.join(f'CpuDevice(id={i})' for i in range(devices))}]" in (
         result.stderr)
     _assert_same_run(selected_run.workdir, workdir)
+
+
+def test_posthoc_table_intervals_follow_calibrator_resamples():
+  rng = np.random.default_rng(1)
+  logits, labels = rng.normal(size=(150, 4)) * 2, rng.integers(0, 4, 150)
+  data = (logits, labels)
+  config = tiny_config(**{"evaluation.calibrator_resamples": 0}).evaluation
+  section, _ = report.posthoc_table(data, data, 4, config)
+  assert all(row["intervals"] == {} for row in section["calibrators"].values())
+  table = "\n".join(report._posthoc_markdown(section))  # pylint: disable=protected-access
+  assert "| none | — |" in table and "[" not in table.split("| none |")[1]
+  config = tiny_config(**{"evaluation.calibrator_resamples": 30}).evaluation
+  section, _ = report.posthoc_table(data, data, 4, config)
+  row = section["calibrators"]["none"]
+  assert set(row["intervals"]) == set(report.TABLE_METRICS)
+  assert all(iv["num_resamples"] == 30 for iv in row["intervals"].values())
+  # Each cell shows its value and its interval, as results.md prints them.
+  iv = row["intervals"]["nll"]
+  table = "\n".join(report._posthoc_markdown(section))  # pylint: disable=protected-access
+  assert f"{row['test']['nll']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}]" in table

@@ -103,8 +103,8 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
                   ) -> tuple[dict[str, Any], np.ndarray]:
   """Every post-hoc map fitted on validation (strengths by k-fold CV there) and measured on
   test, with a bootstrap interval of every TABLE_METRICS column (`calibrator_resamples`
-  resamples: eight maps' intervals at the report's 1,000 would dominate its cost); the chosen
-  one (`config.calibrator`, auto = lowest cross-validated validation NLL).
+  resamples, 0 = none: eight maps' intervals at the report's 1,000 would dominate its cost);
+  the chosen one (`config.calibrator`, auto = lowest cross-validated validation NLL).
 
   Returns:
     (the report's "posthoc" section, the chosen map's test log-probabilities [N, K]).
@@ -122,8 +122,9 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
         "parameters": _parameters_for_json(calibrators[method]),
         "test": calibration_metrics(test_log_probs[method], test[1], num_classes,
                                     config.num_bins, TABLE_METRICS),
-        "intervals": _intervals(test_log_probs[method], test[1], num_classes, config,
-                                config.calibrator_resamples, TABLE_METRICS)}
+        "intervals": (_intervals(test_log_probs[method], test[1], num_classes, config,
+                                 config.calibrator_resamples, TABLE_METRICS)
+                      if config.calibrator_resamples else {})}
   chosen = posthoc.choose(calibrators, config.calibrator)
   return ({"requested": config.calibrator, "chosen": chosen, "folds": config.calibrator_folds,
            "calibrators": rows}, test_log_probs[chosen])
@@ -260,7 +261,7 @@ def _posthoc_markdown(section: dict[str, Any]) -> list[str]:
   lines = ["", "## Post-hoc maps (fitted on validation, measured on test)", "",
            f"Chosen: **{section['chosen']}** (evaluation.calibrator={section['requested']!r}; "
            f"auto = lowest {section['folds']}-fold cross-validated validation NLL). Each cell: "
-           "the test value [bootstrap interval].", "",
+           "the test value [bootstrap interval, where evaluation.calibrator_resamples > 0].", "",
            "| map | strength | CV val NLL | " + " | ".join(TABLE_METRICS) + " |",
            "|---" * (len(TABLE_METRICS) + 3) + "|"]
   for method, row in section["calibrators"].items():
@@ -272,8 +273,8 @@ def _posthoc_markdown(section: dict[str, Any]) -> list[str]:
 
 
 def _with_interval(row: dict[str, Any], name: str) -> str:
-  """'value [low, high]', or the value alone for a row written before it had the interval."""
-  interval = row.get("intervals", {}).get(name)
+  """'value [low, high]', or the value alone where no interval was asked for."""
+  interval = row["intervals"].get(name)
   value = f"{row['test'][name]:.4f}"
   return value if interval is None else f"{value} [{interval['low']:.4f}, {interval['high']:.4f}]"
 
