@@ -138,7 +138,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.evaluation.bootstrap_seed = 0  # Seed of the bootstrap resampling.
   # Post-hoc map of the report's "calibrated" numbers: one of cpjax.calibration.posthoc.METHODS
   # or auto (lowest cross-validated validation NLL); every map is fitted and tabled anyway.
-  # ensemble_temperature: lowest test ECE and NLL, accuracy kept, in studies/results/posthoc.md.
+  # ensemble_temperature keeps every prediction; in studies/results/posthoc.md it beat auto by
+  # 0.8 ECE points on a 180-image validation set and was within 0.1 of it on 6,000 images.
   config.evaluation.calibrator = "ensemble_temperature"
   config.evaluation.calibrator_folds = 5  # k of the k-fold CV on validation (map strengths).
   # Bootstrap resamples of every interval of the post-hoc table; 0 = no intervals there.
