@@ -269,8 +269,9 @@ def fit_parametric(method: str, logits: np.ndarray, labels: np.ndarray,
 # The interface.
 
 
-def _softmax64(logits):
-  return np.exp(_log_softmax(np, np.asarray(logits, np.float64)))
+def _softmax(xp, z):
+  """softmax(z) through the log-space softmax: the input of the one-vs-rest maps."""
+  return xp.exp(_log_softmax(xp, z))
 
 
 def apply(calibrator: Calibrator, logits, xp=np):
@@ -287,7 +288,7 @@ def apply(calibrator: Calibrator, logits, xp=np):
     params = {k: xp.asarray(v) for k, v in params.items()}
     return _log_softmax(xp, _parametric_log_probs(xp, method, params, z))  # Exact rows.
   q = (binning.apply_histogram if method == "histogram_binning" else binning.apply_isotonic)(
-      params, xp.exp(_log_softmax(xp, z)), xp)
+      params, _softmax(xp, z), xp)
   return binning.renormalised_log(q, calibrator.hyper["floor"], xp)
 
 
@@ -381,9 +382,9 @@ def _fit_nonparametric(method, z, y, hyper) -> Calibrator:
   if method == "none":
     params = {}
   elif method == "histogram_binning":
-    params = binning.fit_histogram(_softmax64(z), y, hyper["num_bins"])
+    params = binning.fit_histogram(_softmax(np, z), y, hyper["num_bins"])
   else:
-    params = binning.fit_isotonic(_softmax64(z), y)
+    params = binning.fit_isotonic(_softmax(np, z), y)
   return Calibrator(method, params, hyper, float("nan"))
 
 
