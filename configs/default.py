@@ -6,6 +6,9 @@ minutes on 2 CPU cores. Every other config starts from this one.
 
 import ml_collections
 
+from cpjax.calibration import losses
+from cpjax.selection import policies, scores
+
 
 def get_config() -> ml_collections.ConfigDict:
   """Returns the default configuration."""
@@ -54,25 +57,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.dtype = "float32"  # Compute dtype: float32 or bfloat16 (params stay float32).
 
   config.loss = ml_collections.ConfigDict()
-  config.loss.name = "cross_entropy"  # One of cpjax.calibration.losses.LOSSES.
+  config.loss.name = "cross_entropy"  # One of cpjax.calibration.losses.LOSSES (docs/losses.md).
   config.loss.reduction = "mean"  # Batch reduction of the per-example loss: mean or sum.
   config.loss.mixup_alpha = 0.0  # Mixup Beta(alpha, alpha) per batch; 0 = off (Tata et al.: 0.15).
-  config.loss.label_smoothing = 0.05  # label_smoothing: alpha.
-  # label_smoothing: uniform (alpha/K) or off_target (alpha/(K-1)).
-  config.loss.ls_convention = "uniform"
-  config.loss.focal_gamma = 3.0  # focal: fixed gamma (FL-3).
-  config.loss.gamma_boundaries = (100, 250)  # flsc531/flsc532: epochs where gamma steps down.
-  config.loss.mmce_lambda = 2.0  # mmce: weight of the MMCE penalty (focal-loss code).
-  config.loss.mmce_form = "code"  # mmce: code (reference normalisation) or nominal (paper).
-  config.loss.mmce_kernel_width = 0.4  # mmce: Laplacian kernel width.
-  config.loss.mbls_margin = 10.0  # mbls: logit-distance margin m.
-  config.loss.mbls_lambda = 0.1  # mbls: penalty weight.
-  config.loss.ecp_alpha = 0.1  # ecp: entropy-penalty weight.
-  config.loss.surrogate_lambda = 0.5  # ce_dece/ce_sece: weight of the surrogate.
-  config.loss.dece_bins = 15  # ce_dece, flgamma_dece: soft bins M.
-  config.loss.dece_t_a = 100.0  # ce_dece: soft-rank temperature.
-  config.loss.dece_t_b = 0.01  # ce_dece: soft-binning temperature.
-  config.loss.sece_bandwidth = 0.05  # ce_sece, flgamma_sece: Gaussian kernel bandwidth h.
+  # Each loss's own settings (label_smoothing, focal_gamma, mmce_lambda, ...), declared with
+  # their defaults and one-line docs beside the loss in cpjax/calibration/losses.py (their
+  # table: docs/losses.md).
+  config.loss.update(losses.LOSSES.defaults())
 
   # gamma-Net meta-calibration, loss.name = flgamma_sece / flgamma_dece (docs/methods.md#gamma-net;
   # Wang & Golebiowski): focal loss with a per-example gamma from gamma-Net, whose parameters
@@ -101,20 +92,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.decay_factor = 0.1  # multistep: LR multiplier at each milestone.
 
   config.selection = ml_collections.ConfigDict()
-  # full, or a policy of cpjax.selection.policies: top_k, uniform_sorted, class_balanced,
-  # stratified, mixed, sampled, random (per epoch), static_random, random_without_replacement,
-  # infobatch (needs score=loss, scoring=train_pass, direction=hardest, which main.py sets
-  # unless given; fraction and count unused).
+  # full, or a policy of cpjax.selection.policies.POLICIES (docs/selection.md): top_k,
+  # uniform_sorted, class_balanced, stratified, mixed, sampled, random (per epoch),
+  # static_random, random_without_replacement, infobatch (needs score=loss,
+  # scoring=train_pass, direction=hardest, which main.py sets unless given; fraction and
+  # count unused).
   config.selection.method = "full"
   config.selection.direction = "hardest"  # Scored policies: hardest (highest) or easiest first.
-  config.selection.random_share = 0.5  # mixed: share of the subset drawn uniformly at random.
-  config.selection.temperature = 1.0  # sampled: P ~ exp(score / T); 0 = top_k, large = random.
-  config.selection.stratify_drop = 0.0  # stratified (CCS): hardest share left out (beta).
-  config.selection.num_strata = 50  # stratified (CCS): equal-width score strata.
-  config.selection.prune_ratio = 0.5  # infobatch: P(prune) of a below-mean-loss example, r.
-  config.selection.anneal_fraction = 0.125  # infobatch: last share of epochs on all data (1-delta).
-  # Priority score (cpjax.selection.scores.NAMES); entropy = Tata et al. 2022's; reducible_loss =
-  # RHO-LOSS: this run's loss less the target_workdir run's loss (scoring train_pass or fresh).
+  # Each policy's and score's own settings (temperature for sampled, stratify_drop for
+  # stratified, prune_ratio for infobatch, ...), declared with their defaults and one-line
+  # docs beside the policy in cpjax/selection/policies.py (their table: docs/selection.md).
+  config.selection.update(policies.POLICIES.defaults())
+  config.selection.update(scores.SCORES.defaults())
+  # Priority score (cpjax.selection.scores.SCORES); entropy = Tata et al. 2022's; reducible_loss
+  # = RHO-LOSS: this run's loss less the target_workdir run's loss (scoring train_pass or fresh).
   config.selection.score = "entropy"
   config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (unused by infobatch).
   config.selection.count = 0  # k as a count; > 0 overrides fraction (unused by infobatch).

@@ -1,85 +1,28 @@
 """Every config field and its check: the schema that `config_validation.validate` applies.
 
 Each check returns a problem description or None; choices come from the registries of the
-modules that own them (datasets, models, losses, policies), so a new registry entry is a
-valid choice without an edit here. Unknown fields get the closest known names, and renamed
-ones a pointer to their replacement.
+modules that own them (datasets, models, losses, policies, scores), and the settings of
+losses, policies and scores (`loss.*`, `selection.*`) are declared beside their entries
+(cpjax/registry.py), so a new registry entry and its settings need no edit here. Unknown
+fields get the closest known names, and renamed ones a pointer to their replacement.
 """
 
-from collections.abc import Callable, Sequence
 import difflib
-import math
 from typing import Any
 
 import ml_collections
 
-from cpjax import models
+from cpjax import models, registry
 from cpjax.calibration import bootstrap, losses, posthoc, temperature
 from cpjax.data import readers, specs, splits
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
 
-Check = Callable[[Any], str | None]  # Returns a problem description, or None.
-
-
-def is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def integer(low: int | None = None, high: int | None = None) -> Check:
-  """An int in [low, high]."""
-  def check(value):
-    if not is_int(value):
-      return f"must be an int, got {value!r} ({type(value).__name__})"
-    if (low is not None and value < low) or (high is not None and value > high):
-      return f"must be in [{low}, {high}], got {value}"
-    return None
-  return check
-
-
-def number(low: float | None = None, high: float | None = None,
-           low_open: bool = False, high_open: bool = False) -> Check:
-  """A finite float (ints accepted) in [low, high]; low_open/high_open exclude the ends."""
-  def check(value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      return f"must be a number, got {value!r} ({type(value).__name__})"
-    if not math.isfinite(value):
-      return f"must be finite, got {value}"
-    below = low is not None and (value <= low if low_open else value < low)
-    above = high is not None and (value >= high if high_open else value > high)
-    if below or above:
-      return (f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, "
-              f"got {value}")
-    return None
-  return check
-
-
-def boolean() -> Check:
-  return lambda v: None if isinstance(v, bool) else f"must be True or False, got {v!r}"
-
-
-def string() -> Check:
-  return lambda v: None if isinstance(v, str) else f"must be a string, got {v!r}"
-
-
-def choice(options: Sequence[str]) -> Check:
-  """One of `options`."""
-  def check(value):
-    if value not in options:
-      return f"got {value!r}; valid choices: {', '.join(sorted(options))}"
-    return None
-  return check
-
-
-def int_sequence(low: int = 0) -> Check:
-  """A tuple/list of ints >= low, in increasing order."""
-  def check(value):
-    if not isinstance(value, (tuple, list)) or not all(is_int(v) for v in value):
-      return f"must be a tuple of ints, got {value!r}"
-    if any(v < low for v in value) or list(value) != sorted(value):
-      return f"must be increasing ints >= {low}, got {value!r}"
-    return None
-  return check
+# The checks' builders live with the registries (an entry's settings use them too).
+Check = registry.Check
+is_int, integer, number = registry.is_int, registry.integer, registry.number
+boolean, string, choice, int_sequence = (registry.boolean, registry.string, registry.choice,
+                                         registry.int_sequence)
 
 
 # Fields that were replaced: an old config or override gets a pointer to the new one.
@@ -114,7 +57,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.flip": boolean(),
       "model.name": choice(list(models.MODELS)),
       "model.dtype": choice(["float32", "bfloat16"]),
-      "loss.name": choice(list(losses.LOSSES)),
+      "loss.name": losses.LOSSES.check(),
       "loss.reduction": choice(["mean", "sum"]),
       "optimizer.learning_rate": number(0.0, 100.0, low_open=True),
       "optimizer.momentum": number(0.0, 1.0),
@@ -125,15 +68,9 @@ def spine_schema() -> dict[str, Check]:
       "optimizer.schedule_unit": choice(["epoch", "step"]),
       "optimizer.milestones": int_sequence(1),
       "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
-      "selection.method": choice(list(policies.METHODS)),
+      "selection.method": policies.POLICIES.check(),
       "selection.direction": choice(list(policies.DIRECTIONS)),
-      "selection.random_share": number(0.0, 1.0),
-      "selection.temperature": number(0.0),
-      "selection.stratify_drop": number(0.0, 1.0, high_open=True),
-      "selection.num_strata": integer(1),
-      "selection.prune_ratio": number(0.0, 1.0, high_open=True),
-      "selection.anneal_fraction": number(0.0, 1.0, high_open=True),
-      "selection.score": choice(list(scores.NAMES)),
+      "selection.score": scores.SCORES.check(),
       "selection.fraction": number(0.0, 1.0, low_open=True),
       "selection.count": integer(0),
       "selection.warmup_epochs": integer(0),
@@ -173,29 +110,10 @@ def spine_schema() -> dict[str, Check]:
       "compilation_cache_min_seconds": number(0.0),
       "step_transfer_guard": choice(["allow", "log", "disallow", "log_explicit",
                                      "disallow_explicit"]),
-      **_loss_schema(),
-  }
-
-
-def _loss_schema() -> dict[str, Check]:
-  """Checks of the loss hyper-parameter fields (`loss.*`)."""
-  return {
-      "loss.label_smoothing": number(0.0, 1.0),
-      "loss.ls_convention": choice(["uniform", "off_target"]),
-      "loss.focal_gamma": number(0.0, 20.0),
-      "loss.gamma_boundaries": int_sequence(1),
-      "loss.mmce_lambda": number(0.0),
-      "loss.mmce_form": choice(["code", "nominal"]),
-      "loss.mmce_kernel_width": number(0.0, low_open=True),
-      "loss.mbls_margin": number(0.0),
-      "loss.mbls_lambda": number(0.0),
-      "loss.ecp_alpha": number(0.0),
-      "loss.surrogate_lambda": number(0.0),
-      "loss.dece_bins": integer(1, 1000),
-      "loss.dece_t_a": number(0.0, low_open=True),
-      "loss.dece_t_b": number(0.0, low_open=True),
-      "loss.sece_bandwidth": number(0.0, low_open=True),
       "loss.mixup_alpha": number(0.0),
+      **losses.LOSSES.checks(),
+      **policies.POLICIES.checks(),
+      **scores.SCORES.checks(),
   }
 
 

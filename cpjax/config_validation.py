@@ -5,7 +5,8 @@ cpjax/config_schema.py) raises `ConfigError` naming the field and what would be 
 does a combination of fields that cannot work together (checked here).
 
 `implied_settings` lists what a choice needs and the user left unset (main.py applies it
-before validating): `selection.method='infobatch'` implies its score, scoring and direction;
+before validating): a policy's declared needs (`selection.method='infobatch'` implies its
+score, scoring and direction);
 an `flgamma_*` loss implies a meta-validation split. An explicit setting that contradicts
 the choice is still refused by `validate`.
 """
@@ -99,7 +100,7 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
                     "to score with the target run use selection.scoring='target' (its model "
                     "scores) or 'target_recorded' (its recorded scores of each epoch), or "
                     "selection.score='reducible_loss' (its losses as irreducible losses)")
-  targeted = [m for m in policies.SCORED_METHODS if m != "infobatch"]  # Its own losses only.
+  targeted = [p.name for p in policies.POLICIES.entries() if p.takes_target_scores]
   if target and selection.method not in targeted:
     problems.append(f"config.selection.target_workdir is set but selection.method="
                     f"{selection.method!r} uses no target scores; use {' or '.join(targeted)}")
@@ -107,7 +108,7 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   if target and restores_target and not os.path.isdir(os.path.join(target, "checkpoints")):
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
-  return problems + _reducible_loss_problems(config) + _infobatch_problems(config)
+  return problems + _reducible_loss_problems(config) + _needs_problems(selection)
 
 
 def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -128,27 +129,13 @@ def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
   return problems
 
 
-# InfoBatch's scores are the losses of the train pass: `loss` (cross-entropy) on train_pass.
-INFOBATCH_NEEDS = {"score": "loss", "scoring": "train_pass", "direction": "hardest"}
-
-
-def _infobatch_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """InfoBatch prunes by each example's own training loss, before its annealing epochs."""
-  selection, problems = config.selection, []
-  if selection.method != "infobatch":
-    return problems
-  for field, needed in INFOBATCH_NEEDS.items():
-    if selection[field] != needed:
-      problems.append(f"config.selection.{field}={selection[field]!r} does not work with "
-                      f"selection.method='infobatch' (it prunes by the train pass's own "
-                      f"per-example loss); valid: {needed!r}")
-  first_anneal = policies.anneal_start(config.num_epochs, selection.anneal_fraction)
-  if first_anneal <= selection.warmup_epochs:
-    problems.append(f"config.selection.anneal_fraction={selection.anneal_fraction} anneals "
-                    f"from epoch {first_anneal} of {config.num_epochs}, no later than the "
-                    f"selection.warmup_epochs={selection.warmup_epochs}: infobatch would "
-                    "never prune")
-  return problems
+def _needs_problems(selection: ml_collections.ConfigDict) -> list[str]:
+  """The selection fields the policy needs (`Policy.needs`; infobatch prunes by each
+  example's own training loss), set otherwise."""
+  policy = policies.POLICIES[selection.method]
+  return [f"config.selection.{field}={selection[field]!r} does not work with "
+          f"selection.method={policy.name!r} (it {policy.needs_reason}); valid: {needed!r}"
+          for field, needed in policy.needs.items() if selection[field] != needed]
 
 
 def default_meta_val_size(dataset: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -182,12 +169,12 @@ def implied_settings(config: ml_collections.ConfigDict,
     {dotted field: (value to set, the choice that implies it)}; empty when nothing is implied.
   """
   implied = {}
-  if config.selection.method == "infobatch":
-    for field, needed in INFOBATCH_NEEDS.items():
-      name = f"selection.{field}"
-      if name not in explicit and config.selection[field] != needed:
-        implied[name] = (needed, "selection.method='infobatch' prunes by the train pass's "
-                                 "own per-example loss")
+  method = config.selection.method
+  policy = policies.POLICIES[method] if method in policies.POLICIES else None
+  for field, needed in policy.needs.items() if policy else ():
+    name = f"selection.{field}"
+    if name not in explicit and config.selection[field] != needed:
+      implied[name] = (needed, f"selection.method={method!r} {policy.needs_reason}")
   name = "dataset.meta_val_size"
   if (config.loss.name in losses.LOSSES and losses.LOSSES[config.loss.name].meta_objective
       and name not in explicit and not config.dataset.meta_val_size
@@ -237,12 +224,8 @@ def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
   if selection.count > num_rows:
     return [f"config.selection.count={selection.count} exceeds the {num_rows} "
             "training examples"]
-  kept = num_rows - int(selection.stratify_drop * num_rows)
-  k = policies.subset_size(selection.fraction, selection.count, num_rows)
-  if selection.method == "stratified" and k > kept:
-    return [f"config.selection.stratify_drop={selection.stratify_drop} leaves {kept} of "
-            f"{num_rows} training examples, fewer than the subset size {k}"]
-  return []
+  policy_problems = policies.POLICIES[selection.method].problems
+  return policy_problems(selection, num_rows, config.num_epochs) if policy_problems else []
 
 
 def _holdout_problems(dataset: ml_collections.ConfigDict, pool_size: int) -> list[str]:
@@ -268,7 +251,7 @@ def size_warnings(config: ml_collections.ConfigDict) -> list[str]:
   if config.batch_size > num_rows:
     warnings.append(f"config.batch_size={config.batch_size} exceeds the {num_rows} training "
                     "examples: each epoch is one step whose batch repeats examples")
-  if config.selection.method in policies.FIXED_SIZE_METHODS:
+  if policies.fixed_size(config.selection.method):
     k = policies.subset_size(config.selection.fraction, config.selection.count, num_rows)
     if k < config.batch_size:
       warnings.append(f"the selected subset (k={k} from selection.fraction/count) is smaller "

@@ -251,7 +251,7 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool
   """The train step with the config's model, optimizer, loss and score bound; jitted once.
   `weighted`: batches carry loss weights (the selector's). FL_gamma losses train with the
   bilevel `steps.meta_train_step` instead."""
-  score_fn = scores.forward_score(config.selection.score)
+  score_fn = scores.forward_score(config.selection.score, config.selection)
   meta = run_state.meta_parts(config)
   spec = steps.step_spec(config.dataset, config.loss, weighted)
   if meta is None:

@@ -60,7 +60,7 @@ def main():
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
   tx = optim.create_optimizer(config.optimizer)
   bound = dict(model=model, tx=tx, loss_fn=losses.get_loss(config.loss),
-               score_fn=scores.forward_score(config.selection.score),
+               score_fn=scores.forward_score(config.selection.score, config.selection),
                spec=steps.step_spec(config.dataset, config.loss))
   # As the loop jits it (cpjax.train._jit_train_step): donated state, the config's options.
   options = compiler_options.compiler_options("train", config.xla_cpu_options)

@@ -22,6 +22,8 @@ ROOT = os.path.join(REPO, PACKAGE)
 # any of its modules is imported, so it sits at the rank of its lowest module.
 RANKS = {
     "": 0,
+    # 0: the registry pattern (entries with declared settings) and the checks of settings.
+    "registry": 0,
     # 0: runtime: mesh, multi-host start-up, checkpoints, logs, files, XLA options.
     "runtime": 0,
     "runtime.checkpoint_integrity": 0,
@@ -72,6 +74,7 @@ RANKS = {
     "selection.scores": 4,
     "selection.selector": 4,
     "selection.sources": 4,
+    "selection.subsets": 4,
     # 5-6: every config field's check (knows every registry); the validation that applies
     # them and the cross-field rules.
     "config_schema": 5,

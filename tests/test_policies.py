@@ -12,7 +12,7 @@ import pytest
 
 from cpjax import config_validation
 from cpjax.runtime import sharding
-from cpjax.selection import policies
+from cpjax.selection import policies, subsets
 from tests.helpers import tiny_config
 
 
@@ -52,17 +52,17 @@ def test_class_balanced_matches_a_per_class_reference(num_devices, n, k, num_cla
   scores = rng.integers(0, 15, n).astype(np.float32) / 15  # Many exact ties.
   scores[rng.choice(n, n // 20)] = np.nan
   ids = np.sort(rng.choice(10 * n, n, replace=False))
-  got = policies.select_class_balanced(scores, labels, ids, k, _mesh(num_devices))
+  got = subsets.select_class_balanced(scores, labels, ids, k, _mesh(num_devices))
   assert len(got) == k
   np.testing.assert_array_equal(np.sort(got), _reference_class_balanced(scores, labels, ids, k))
-  np.testing.assert_array_equal(policies.class_quotas(labels, k), _reference_quotas(labels, k))
+  np.testing.assert_array_equal(subsets.class_quotas(labels, k), _reference_quotas(labels, k))
 
 
 def test_class_quotas_by_hand():
   labels = np.array([0] * 6 + [1] * 3 + [2] * 1)  # Shares of k=5: 3, 1.5, 0.5.
-  assert policies.class_quotas(labels, 5).tolist() == [3, 2, 0]  # Tie 0.5/0.5: lower class.
-  assert policies.class_quotas(labels, 10).tolist() == [6, 3, 1]
-  assert policies.class_quotas(np.array([0, 0, 2]), 2).tolist() == [1, 0, 1]  # Class 1 absent.
+  assert subsets.class_quotas(labels, 5).tolist() == [3, 2, 0]  # Tie 0.5/0.5: lower class.
+  assert subsets.class_quotas(labels, 10).tolist() == [6, 3, 1]
+  assert subsets.class_quotas(np.array([0, 0, 2]), 2).tolist() == [1, 0, 1]  # Class 1 absent.
 
 
 def _reference_budgets(sizes, k):
@@ -83,7 +83,7 @@ def test_stratified_budgets_strata_and_drop_match_ccs(seed):
   scores = rng.beta(2, 5, n)  # Skewed: strata of very different sizes.
   ids = np.arange(n) * 3
   k = int(rng.integers(1, int(n * (1 - drop))))
-  got = policies.select_stratified(scores, ids, k, seed=1, epoch=seed, stratify_drop=drop,
+  got = subsets.select_stratified(scores, ids, k, seed=1, epoch=seed, stratify_drop=drop,
                                    num_strata=num_strata)
   assert len(got) == k == len(set(got.tolist()))
   kept = sorted(range(n), key=lambda i: scores[i])[:n - int(drop * n)]  # Hardest dropped.
@@ -101,31 +101,31 @@ def test_stratified_is_uniform_within_a_stratum_and_redraws_per_epoch():
   scores, ids = np.zeros(20), np.arange(20)  # One stratum: a uniform draw of k.
   counts = np.zeros(20)
   for epoch in range(2000):
-    counts[policies.select_stratified(scores, ids, 5, seed=0, epoch=epoch)] += 1
+    counts[subsets.select_stratified(scores, ids, 5, seed=0, epoch=epoch)] += 1
   # Binomial(2000, 1/4) per example: mean 500, sd ~19.4; 5 sd.
   assert np.all(np.abs(counts - 500) < 5 * 19.4), counts
-  again = policies.select_stratified(scores, ids, 5, seed=0, epoch=7)
-  np.testing.assert_array_equal(again, policies.select_stratified(scores, ids, 5, 0, 7))
+  again = subsets.select_stratified(scores, ids, 5, seed=0, epoch=7)
+  np.testing.assert_array_equal(again, subsets.select_stratified(scores, ids, 5, 0, 7))
 
 
 def test_mixed_takes_the_top_and_a_random_rest():
   rng = np.random.default_rng(0)
   scores, ids = rng.permutation(100).astype(np.float32), np.arange(100) + 1000
-  got = policies.select_mixed(scores, ids, 20, seed=3, epoch=1, random_share=0.25)
+  got = subsets.select_mixed(scores, ids, 20, seed=3, epoch=1, random_share=0.25)
   top = [1000 + i for i in sorted(range(100), key=lambda i: -scores[i])[:15]]
   assert got[:15].tolist() == top  # 20 - round(0.25 * 20) = 15 best, in rank order.
   assert len(set(got.tolist())) == 20 and not set(got[15:].tolist()) & set(top)
-  np.testing.assert_array_equal(got, policies.select_mixed(scores, ids, 20, 3, 1, 0.25))
-  assert not np.array_equal(got[15:], policies.select_mixed(scores, ids, 20, 3, 2, 0.25)[15:])
-  assert sorted(policies.select_mixed(scores, ids, 20, 3, 1, 0.0).tolist()) == sorted(
-      policies.select_top_k(scores, ids, 20).tolist())
+  np.testing.assert_array_equal(got, subsets.select_mixed(scores, ids, 20, 3, 1, 0.25))
+  assert not np.array_equal(got[15:], subsets.select_mixed(scores, ids, 20, 3, 2, 0.25)[15:])
+  assert sorted(subsets.select_mixed(scores, ids, 20, 3, 1, 0.0).tolist()) == sorted(
+      subsets.select_top_k(scores, ids, 20).tolist())
 
 
 def test_sampled_inclusion_follows_the_gumbel_max_closed_form():
   """k = 1: the Gumbel-max theorem gives P(i) = softmax(score / T)_i exactly."""
   scores, ids, temperature = np.array([0.0, 0.5, 1.0, 2.0]), np.arange(4), 0.7
   draws = 6000
-  counts = np.bincount([policies.select_sampled(scores, ids, 1, seed=0, epoch=e,
+  counts = np.bincount([subsets.select_sampled(scores, ids, 1, seed=0, epoch=e,
                                                 temperature=temperature)[0]
                         for e in range(draws)], minlength=4)
   expected = np.exp(scores / temperature) / np.exp(scores / temperature).sum()
@@ -137,12 +137,12 @@ def test_sampled_temperature_zero_is_top_k_and_large_is_random():
   rng = np.random.default_rng(1)
   scores, ids = rng.normal(size=200), np.arange(200)
   np.testing.assert_array_equal(
-      policies.select_sampled(scores, ids, 30, seed=0, epoch=0, temperature=0.0),
-      policies.select_top_k(scores, ids, 30))
+      subsets.select_sampled(scores, ids, 30, seed=0, epoch=0, temperature=0.0),
+      subsets.select_top_k(scores, ids, 30))
   hot = np.zeros(200)
   for epoch in range(300):
-    hot[policies.select_sampled(scores, ids, 30, seed=0, epoch=epoch, temperature=1e6)] += 1
-  top = policies.select_top_k(scores, ids, 30)
+    hot[subsets.select_sampled(scores, ids, 30, seed=0, epoch=epoch, temperature=1e6)] += 1
+  top = subsets.select_top_k(scores, ids, 30)
   # Random: each example in 15 % of 300 draws (sd ~6.2); top-k would put the top 30 in all.
   assert np.abs(hot[top].mean() - 45) < 5
 
@@ -152,24 +152,26 @@ def test_random_without_replacement_covers_everything_once_per_round(n, k):
   ids = np.arange(n) * 2 + 5
   rounds = -(-n // k)
   for r in range(2):
-    subsets = [policies.random_without_replacement(ids, k, seed=4, selected_epoch=r * rounds + e)
-               for e in range(rounds)]
-    assert all(len(s) == k == len(set(s.tolist())) for s in subsets)
-    seen, times = np.unique(np.concatenate(subsets), return_counts=True)
+    drawn = [subsets.random_without_replacement(ids, k, seed=4, selected_epoch=r * rounds + e)
+             for e in range(rounds)]
+    assert all(len(s) == k == len(set(s.tolist())) for s in drawn)
+    seen, times = np.unique(np.concatenate(drawn), return_counts=True)
     np.testing.assert_array_equal(seen, ids)  # Every example at least once per round,
     assert np.sum(times == 2) == rounds * k - n and times.max() <= 2  # the top-up twice.
-  first, second = (policies.random_without_replacement(ids, k, 4, e) for e in (0, rounds))
+  first, second = (subsets.random_without_replacement(ids, k, 4, e) for e in (0, rounds))
   assert n == k or not np.array_equal(first, second)  # Each round has its own permutation.
 
 
 def test_direction_easiest_ranks_the_lowest_first_and_nan_last():
   scores = np.array([0.3, np.nan, 0.1, 0.9, 0.2])
   ids = np.arange(5)
-  easiest = policies.PolicyParams(direction="easiest")
-  assert policies.choose_subset("top_k", scores, np.zeros(5, int), ids, 2, 0, 0,
-                                easiest).tolist() == [2, 4]
-  assert policies.choose_subset("top_k", scores, np.zeros(5, int), ids, 4, 0, 0,
-                                easiest).tolist() == [2, 4, 0, 3]
+  def easiest(k):
+    request = policies.Request(scores, np.zeros(5, int), ids, k, seed=0, epoch=0)
+    return policies.POLICIES["top_k"].fn(request._replace(scores=-scores)).tolist()
+  assert easiest(2) == [2, 4] and easiest(4) == [2, 4, 0, 3]  # Rank order.
+  chosen, weights = policies.select("top_k", policies.Request(scores, np.zeros(5, int), ids, 4,
+                                                              seed=0, epoch=0), {}, "easiest")
+  assert chosen.tolist() == [0, 2, 3, 4] and weights is None  # `select` sorts the ids.
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -192,16 +194,18 @@ def test_a_drop_that_leaves_fewer_than_k_is_an_early_error():
     config_validation.validate(config)
 
 
-@pytest.mark.parametrize("method", policies.FIXED_SIZE_METHODS)
+@pytest.mark.parametrize("method", [name for name in policies.POLICIES.names()
+                                    if policies.fixed_size(name)])
 def test_every_method_gives_k_distinct_ids_and_the_same_again_for_the_same_epoch(method):
   rng = np.random.default_rng(7)
   scores, labels, ids = rng.normal(size=120), rng.integers(0, 5, 120), np.arange(120) * 2
-  params = policies.PolicyParams(random_share=0.3, temperature=0.5, stratify_drop=0.1,
-                                 num_strata=6, first_epoch=2)
-  got = policies.choose_subset(method, scores, labels, ids, 25, 1, 4, params)
+  section = {"random_share": 0.3, "temperature": 0.5, "stratify_drop": 0.1, "num_strata": 6}
+  settings = policies.POLICIES.keywords(method, section)
+  request = policies.Request(scores, labels, ids, 25, seed=1, epoch=4, first_epoch=2)
+  got, weights = policies.select(method, request, settings)
   assert len(got) == len(set(got.tolist())) == 25 and set(got.tolist()) <= set(ids.tolist())
-  np.testing.assert_array_equal(
-      got, policies.choose_subset(method, scores, labels, ids, 25, 1, 4, params))
+  assert weights is None and np.all(np.diff(got) > 0)
+  np.testing.assert_array_equal(got, policies.select(method, request, settings)[0])
 
 
 def _reference_infobatch(scores, ids, seed, epoch, r, first_anneal_epoch):
@@ -209,7 +213,7 @@ def _reference_infobatch(scores, ids, seed, epoch, r, first_anneal_epoch):
   each below-mean example pruned when its uniform draw is below r, else kept with 1/(1-r)."""
   if epoch >= first_anneal_epoch:
     return list(ids), [1.0] * len(ids)
-  uniform = np.random.default_rng([seed, policies._INFOBATCH, epoch]).random(len(ids))
+  uniform = np.random.default_rng([seed, subsets._INFOBATCH, epoch]).random(len(ids))
   mean = math.fsum(float(s) for s in scores) / len(scores)
   kept, weights = [], []
   for i, score in enumerate(scores):
@@ -228,7 +232,7 @@ def test_infobatch_matches_a_per_example_loop(n, r, epoch):
   rng = np.random.default_rng(n)
   scores = rng.gamma(1.0, 1.0, n).astype(np.float32)  # Losses: skewed, mean above median.
   ids = np.sort(rng.choice(10 * n, n, replace=False))
-  got_ids, got_weights = policies.select_infobatch(scores, ids, 5, epoch, r, 10)
+  got_ids, got_weights = subsets.select_infobatch(scores, ids, 5, epoch, r, 10)
   want_ids, want_weights = _reference_infobatch(scores, ids, 5, epoch, r, 10)
   np.testing.assert_array_equal(got_ids, want_ids)
   np.testing.assert_array_equal(got_weights, np.float32(want_weights))
@@ -241,7 +245,7 @@ def test_infobatch_prunes_only_below_the_mean_and_reweights_exactly():
   below = scores < scores.mean()
   pruned_share = []
   for epoch in range(40):
-    kept, weights = policies.select_infobatch(scores, ids, 1, epoch, r, 100)
+    kept, weights = subsets.select_infobatch(scores, ids, 1, epoch, r, 100)
     kept_below = below[kept // 3]
     assert set(np.setdiff1d(ids, kept) // 3) <= set(np.flatnonzero(below))  # Only below.
     assert np.all(weights[kept_below] == np.float32(1 / (1 - r)))
@@ -257,7 +261,7 @@ def test_infobatch_rescaling_is_unbiased_for_the_epoch_loss_sum():
   rng = np.random.default_rng(1)
   losses, ids, r = rng.gamma(0.5, 2.0, 500), np.arange(500), 0.5
   sums = [np.sum(w * losses[kept]) for kept, w in
-          (policies.select_infobatch(losses, ids, 2, epoch, r, 10**6) for epoch in range(2000))]
+          (subsets.select_infobatch(losses, ids, 2, epoch, r, 10**6) for epoch in range(2000))]
   below = losses < losses.mean()
   sd = math.sqrt(np.sum(losses[below] ** 2) * r / (1 - r) / 2000)  # Var of w l 1[kept].
   assert abs(np.mean(sums) - losses.sum()) < 5 * sd
@@ -267,20 +271,20 @@ def test_infobatch_edge_cases_annealing_and_determinism():
   rng = np.random.default_rng(2)
   scores, ids = rng.normal(size=300), np.arange(300) + 7
   for epoch in (0, 5):  # r = 0 keeps everything with weight 1.
-    kept, weights = policies.select_infobatch(scores, ids, 0, epoch, 0.0, 9)
+    kept, weights = subsets.select_infobatch(scores, ids, 0, epoch, 0.0, 9)
     np.testing.assert_array_equal(kept, ids)
     assert np.all(weights == 1.0)
   for epoch in (9, 10, 50):  # Annealing: all data, weight 1, whatever the scores.
-    kept, weights = policies.select_infobatch(scores, ids, 0, epoch, 0.5, 9)
+    kept, weights = subsets.select_infobatch(scores, ids, 0, epoch, 0.5, 9)
     np.testing.assert_array_equal(kept, ids)
     assert np.all(weights == 1.0)
-  same = [policies.select_infobatch(scores, ids, 3, 4, 0.5, 9) for _ in range(2)]
+  same = [subsets.select_infobatch(scores, ids, 3, 4, 0.5, 9) for _ in range(2)]
   np.testing.assert_array_equal(same[0][0], same[1][0])
   np.testing.assert_array_equal(same[0][1], same[1][1])
-  assert not np.array_equal(same[0][0], policies.select_infobatch(scores, ids, 3, 5, 0.5, 9)[0])
-  assert not np.array_equal(same[0][0], policies.select_infobatch(scores, ids, 4, 4, 0.5, 9)[0])
+  assert not np.array_equal(same[0][0], subsets.select_infobatch(scores, ids, 3, 5, 0.5, 9)[0])
+  assert not np.array_equal(same[0][0], subsets.select_infobatch(scores, ids, 4, 4, 0.5, 9)[0])
   for constant in (np.zeros(300), np.r_[np.nan, scores[1:]]):  # Nothing below a flat or NaN mean.
-    np.testing.assert_array_equal(policies.select_infobatch(constant, ids, 0, 1, 0.5, 9)[0], ids)
+    np.testing.assert_array_equal(subsets.select_infobatch(constant, ids, 0, 1, 0.5, 9)[0], ids)
 
 
 def _reference_pruned_epochs(num_epochs: int, delta: Fraction) -> list[int]:
@@ -302,13 +306,13 @@ def test_infobatch_anneals_where_the_reference_sampler_stops_pruning(delta):
   for num_epochs in range(1, 301):
     pruned = _reference_pruned_epochs(num_epochs, delta)
     assert pruned == list(range(len(pruned)))  # A prefix of the run.
-    assert policies.anneal_start(num_epochs, float(1 - delta)) == len(pruned), num_epochs
+    assert subsets.anneal_start(num_epochs, float(1 - delta)) == len(pruned), num_epochs
 
 
 @pytest.mark.parametrize("num_epochs, first", [(6, 5), (10, 8), (20, 17), (8, 7), (200, 175)])
 def test_infobatch_default_keeps_a_full_data_epoch_at_the_end(num_epochs, first):
   # Hand-worked: floor(0.875 C); C = 6 and 10 anneal 1 and 2 epochs (the reference's rounding).
-  assert policies.anneal_start(num_epochs, 0.125) == first
+  assert subsets.anneal_start(num_epochs, 0.125) == first
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -15,7 +15,7 @@ import scipy.stats
 from cpjax import models, run_state, steps, train
 from cpjax.data import augment, specs
 from cpjax.runtime import preemption, sharding
-from cpjax.selection import bookkeeping, policies, score_files, scores, selector, sources
+from cpjax.selection import bookkeeping, policies, score_files, scores, selector, sources, subsets
 from tests import helpers
 from tests.helpers import read_metrics
 
@@ -63,7 +63,7 @@ def test_top_k_matches_numpy_with_ties(num_devices, n, k):
   scores[rng.integers(0, n, 3)] = np.nan
   ids = np.sort(rng.choice(10 * n, n, replace=False)).astype(np.int32)
   mesh = sharding.create_mesh(jax.devices()[:num_devices])
-  got = policies.select_top_k(scores, ids, k, mesh)
+  got = subsets.select_top_k(scores, ids, k, mesh)
   np.testing.assert_array_equal(got, _numpy_top_k(scores, ids, k))
 
 
@@ -71,25 +71,25 @@ def test_uniform_sorted_takes_every_stride_th_of_the_ranking():
   scores = np.array([0.1, 0.9, 0.5, 0.7, 0.3, 0.8, 0.2], np.float32)
   ids = np.arange(7) * 2
   # Ranking by score: ids 2(0.9) 10(0.8) 6(0.7) 4(0.5) 8(0.3) 12(0.2) 0(0.1); stride 7 // 3 = 2.
-  np.testing.assert_array_equal(policies.select_uniform_sorted(scores, ids, 3), [2, 6, 8])
+  np.testing.assert_array_equal(subsets.select_uniform_sorted(scores, ids, 3), [2, 6, 8])
 
 
 def test_random_baselines_redraw_per_epoch_and_static_stays():
   ids = np.arange(100, 600)
-  per_epoch = [policies.random_subset(ids, 50, seed=1, epoch=e) for e in range(3)]
-  static = [policies.random_subset(ids, 50, seed=1, epoch=None) for _ in range(3)]
+  per_epoch = [subsets.random_subset(ids, 50, seed=1, epoch=e) for e in range(3)]
+  static = [subsets.random_subset(ids, 50, seed=1, epoch=None) for _ in range(3)]
   for subset in per_epoch + static:
     assert len(np.unique(subset)) == 50 and np.isin(subset, ids).all()
   assert not np.array_equal(per_epoch[0], per_epoch[1])
-  np.testing.assert_array_equal(per_epoch[1], policies.random_subset(ids, 50, seed=1, epoch=1))
+  np.testing.assert_array_equal(per_epoch[1], subsets.random_subset(ids, 50, seed=1, epoch=1))
   assert all(np.array_equal(static[0], s) for s in static)
 
 
 def test_selection_rejects_bad_inputs():
   with pytest.raises(ValueError, match="k=0 must be in"):
-    policies.select_top_k(np.zeros(3), np.arange(3), 0)
+    subsets.select_top_k(np.zeros(3), np.arange(3), 0)
   with pytest.raises(ValueError, match="strictly increasing"):
-    policies.select_top_k(np.zeros(3), np.array([0, 2, 1]), 1)
+    subsets.select_top_k(np.zeros(3), np.array([0, 2, 1]), 1)
   assert policies.subset_size(0.1, 0, 45000) == 4500
   assert policies.subset_size(0.1, 7, 45000) == 7
 
@@ -108,8 +108,8 @@ def test_scores_match_numpy():
       "loss": -np.log(p[np.arange(64), labels]),
       "el2n": np.sqrt(((p - np.eye(7)[labels]) ** 2).sum(1)),
   }
-  assert set(expected) == set(scores.SCORES)
-  for name, fn in scores.SCORES.items():
+  assert set(expected) | {"reducible_loss"} == set(scores.SCORES.names())
+  for name, fn in ((name, scores.forward_score(name)) for name in expected):
     np.testing.assert_allclose(fn(jnp.asarray(logits), jnp.asarray(labels)), expected[name],
                                rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -226,7 +226,7 @@ def test_reducible_loss_by_hand():
   np.testing.assert_allclose(scores.reducible_loss(train_loss, irreducible),
                              [1.8, 0.1, 0.05, -1.9], rtol=1e-6)
   # Only the learnable, not yet learnt example ranks above the others.
-  assert policies.select_top_k(scores.reducible_loss(train_loss, irreducible),
+  assert subsets.select_top_k(scores.reducible_loss(train_loss, irreducible),
                                np.arange(4), 1).tolist() == [0]
   # The current model's passes compute its plain cross-entropy.
   assert scores.forward_score("reducible_loss") is scores.loss
@@ -351,7 +351,7 @@ def test_infobatch_trains_the_policys_rows_then_all_data(infobatch_run, digits):
     assert records[epoch]["kept_count"] == sizes[epoch]
     assert records[epoch]["pruned_share"] == pytest.approx(1 - sizes[epoch] / 1257)
     buffer = helpers.restore_checkpoint(infobatch_run, checkpoints[epoch - 1])["selection"]
-    want, _ = policies.select_infobatch(np.asarray(buffer["scores"]), ids, 0, epoch, 0.5, 3)
+    want, _ = subsets.select_infobatch(np.asarray(buffer["scores"]), ids, 0, epoch, 0.5, 3)
     trained = ~np.isnan(np.load(score_files.score_path(infobatch_run, epoch))[ids])
     np.testing.assert_array_equal(ids[trained], want)
   assert records[3]["pruned_share"] == 0.0

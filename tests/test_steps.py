@@ -252,7 +252,7 @@ def test_train_step_never_mutates_its_inputs(digits):
   assert max(moved) > 0
 
 
-@pytest.mark.parametrize("name", sorted(scores.SCORES))
+@pytest.mark.parametrize("name", sorted(scores.SCORES.names()))
 def test_score_step_is_the_registered_score_of_eval_step_logits(name, digits):
   config = tiny_config()
   mesh, model, state, step = _setup(config, jax.devices())
@@ -260,7 +260,7 @@ def test_score_step_is_the_registered_score_of_eval_step_logits(name, digits):
   host = splits.batch_at(digits["train"], np.arange(64))
   batch = sharding.to_global(mesh, host, 64)
   state, _, _ = step(state, batch, np.float32(0.1), {})  # Trained BatchNorm statistics.
-  score_fn = scores.SCORES[name]
+  score_fn = scores.forward_score(name)
   got = np.asarray(jax.jit(functools.partial(steps.score_step, model=model, spec=spec,
                                              score_fn=score_fn))(state, batch))
   logits = np.asarray(jax.jit(functools.partial(steps.eval_step, model=model, spec=spec))(

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
+from cpjax import registry
 from cpjax.calibration import surrogates
 
 LossFn = Callable[..., jax.Array]
@@ -176,39 +176,94 @@ def ce_sece_loss(logits, labels, lam: float, bandwidth: float):
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-  """How a registered loss is built from `config.loss`."""
-  fn: LossFn
-  hparams: Callable[[ml_collections.ConfigDict], dict[str, Any]]  # Fixed hyper-parameters.
-  soft_targets: bool  # Accepts [B, K] probability targets (mixup).
+  """A registered loss (`config.loss.name`) and the `config.loss.*` settings it reads."""
+  name: str
+  fn: LossFn  # fn(logits, labels, **settings, **scheduled) -> [B].
+  doc: str  # One line for the docs' table: the loss and its paper.
+  settings: tuple[registry.Setting, ...] = ()  # Bound by `get_loss` (those with a keyword).
+  soft_targets: bool = False  # Accepts [B, K] probability targets (mixup).
   gamma_schedule: tuple[float, ...] | None = None  # FLSc: gamma per schedule phase.
   # FL_gamma-*: the focal loss with gamma-Net's per-example gamma, gamma-Net trained on this
-  # meta-objective (cpjax.calibration.gamma_net, cpjax.steps.meta_train_step).
+  # meta-objective (cpjax.calibration.gamma_net, cpjax.steps.meta_train_step), which reads
+  # `meta_settings` (not passed to `fn`).
   meta_objective: str | None = None
+  meta_settings: tuple[registry.Setting, ...] = ()
 
 
-LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, lambda c: {}, True),
-    "label_smoothing": LossSpec(label_smoothing, lambda c: {
-        "alpha": c.label_smoothing, "convention": c.ls_convention}, True),
-    "focal": LossSpec(focal_loss, lambda c: {"gamma": c.focal_gamma}, False),
-    "flsc531": LossSpec(focal_loss, lambda c: {}, False, gamma_schedule=(5.0, 3.0, 1.0)),
-    "flsc532": LossSpec(focal_loss, lambda c: {}, False, gamma_schedule=(5.0, 3.0, 2.0)),
-    "flsd53": LossSpec(flsd_loss, lambda c: {"high_p_gamma": 3.0}, False),
-    "flsd532": LossSpec(flsd_loss, lambda c: {"high_p_gamma": 2.0}, False),
-    "brier": LossSpec(brier_score, lambda c: {}, True),
-    "mmce": LossSpec(mmce_loss, lambda c: {"lam": c.mmce_lambda, "form": c.mmce_form,
-                                           "kernel_width": c.mmce_kernel_width}, False),
-    "mbls": LossSpec(mbls_loss, lambda c: {"margin": c.mbls_margin, "lam": c.mbls_lambda}, True),
-    "ecp": LossSpec(ecp_loss, lambda c: {"alpha": c.ecp_alpha}, True),
-    "ce_dece": LossSpec(ce_dece_loss, lambda c: {"lam": c.surrogate_lambda, "num_bins": c.dece_bins,
-                                                 "t_a": c.dece_t_a, "t_b": c.dece_t_b}, False),
-    "ce_sece": LossSpec(ce_sece_loss, lambda c: {"lam": c.surrogate_lambda,
-                                                 "bandwidth": c.sece_bandwidth}, False),
-    # Wang & Golebiowski's FL_gamma-SECE / FL_gamma-DECE (docs/methods.md#gamma-net): gamma per
-    # example.
-    "flgamma_sece": LossSpec(focal_loss, lambda c: {}, False, meta_objective="sece"),
-    "flgamma_dece": LossSpec(focal_loss, lambda c: {}, False, meta_objective="dece"),
-}
+LOSSES: registry.Registry[LossSpec] = registry.Registry("loss", "loss")
+
+# Settings that several losses read are one object each (the registry refuses two
+# different declarations of one field).
+_LAMBDA = registry.Setting("surrogate_lambda", 0.5, registry.number(0.0),
+                           "ce_dece/ce_sece: weight of the surrogate.", arg="lam")
+_DECE = (registry.Setting("dece_bins", 15, registry.integer(1, 1000),
+                          "ce_dece, flgamma_dece: soft bins M.", arg="num_bins"),
+         registry.Setting("dece_t_a", 100.0, registry.number(0.0, low_open=True),
+                          "ce_dece, flgamma_dece: soft-rank temperature.", arg="t_a"),
+         registry.Setting("dece_t_b", 0.01, registry.number(0.0, low_open=True),
+                          "ce_dece, flgamma_dece: soft-binning temperature.", arg="t_b"))
+_BANDWIDTH = registry.Setting("sece_bandwidth", 0.05, registry.number(0.0, low_open=True),
+                              "ce_sece, flgamma_sece: Gaussian kernel bandwidth h.",
+                              arg="bandwidth")
+_BOUNDARIES = registry.Setting("gamma_boundaries", (100, 250), registry.int_sequence(1),
+                               "flsc531/flsc532: epochs where gamma steps down.", arg=None)
+
+for _spec in (
+    LossSpec("cross_entropy", cross_entropy, "CE", soft_targets=True),
+    LossSpec("label_smoothing", label_smoothing,
+             "CE against smoothed targets (Szegedy et al. 2016)", soft_targets=True, settings=(
+                 registry.Setting("label_smoothing", 0.05, registry.number(0.0, 1.0),
+                                  "label_smoothing: alpha.", arg="alpha"),
+                 registry.Setting("ls_convention", "uniform",
+                                  registry.choice(["uniform", "off_target"]),
+                                  "label_smoothing: uniform (alpha/K) or off_target "
+                                  "(alpha/(K-1), Mukhoti et al.).", arg="convention"))),
+    LossSpec("focal", focal_loss, "-(1-p)^gamma log p (Lin et al. 2017; Mukhoti et al. 2020)",
+             settings=(registry.Setting("focal_gamma", 3.0, registry.number(0.0, 20.0),
+                                        "focal: fixed gamma (FL-3).", arg="gamma"),)),
+    LossSpec("flsc531", focal_loss, "focal, gamma 5/3/1 by epoch (Mukhoti et al. 2020)",
+             settings=(_BOUNDARIES,), gamma_schedule=(5.0, 3.0, 1.0)),
+    LossSpec("flsc532", focal_loss, "focal, gamma 5/3/2 by epoch (Mukhoti et al. 2020)",
+             settings=(_BOUNDARIES,), gamma_schedule=(5.0, 3.0, 2.0)),
+    LossSpec("flsd53", functools.partial(flsd_loss, high_p_gamma=3.0),
+             "focal, gamma per sample from p: 5 below 0.2, 3 below 0.5, else 3 "
+             "(Mukhoti et al. 2020)"),
+    LossSpec("flsd532", functools.partial(flsd_loss, high_p_gamma=2.0),
+             "focal, gamma per sample from p: 5 below 0.2, 3 below 0.5, else 2 "
+             "(Mukhoti et al. 2020)"),
+    LossSpec("brier", brier_score, "sum_k (p_k - t_k)^2 (Brier 1950)", soft_targets=True),
+    LossSpec("mmce", mmce_loss, "CE + lambda weighted MMCE (Kumar et al. 2018)", settings=(
+        registry.Setting("mmce_lambda", 2.0, registry.number(0.0),
+                         "mmce: weight of the MMCE penalty (focal-loss code).", arg="lam"),
+        registry.Setting("mmce_form", "code", registry.choice(["code", "nominal"]),
+                         "mmce: code (reference normalisation) or nominal (paper).",
+                         arg="form"),
+        registry.Setting("mmce_kernel_width", 0.4, registry.number(0.0, low_open=True),
+                         "mmce: Laplacian kernel width.", arg="kernel_width"))),
+    LossSpec("mbls", mbls_loss, "CE + lambda mean ReLU(d - m) (Liu et al. 2022)",
+             soft_targets=True, settings=(
+                 registry.Setting("mbls_margin", 10.0, registry.number(0.0),
+                                  "mbls: logit-distance margin m (0 for \"m=0\").", arg="margin"),
+                 registry.Setting("mbls_lambda", 0.1, registry.number(0.0),
+                                  "mbls: penalty weight.", arg="lam"))),
+    LossSpec("ecp", ecp_loss, "CE - alpha entropy (Pereyra et al. 2017)", soft_targets=True,
+             settings=(registry.Setting("ecp_alpha", 0.1, registry.number(0.0),
+                                        "ecp: entropy-penalty weight.", arg="alpha"),)),
+    LossSpec("ce_dece", ce_dece_loss, "CE + lambda DECE (Bohdal et al. 2023; our reading of "
+             "Wang & Golebiowski's \"CE-DECE\")", settings=(_LAMBDA, *_DECE)),
+    LossSpec("ce_sece", ce_sece_loss, "CE + lambda s-ECE (\"our SECE\", Wang & Golebiowski "
+             "2024)", settings=(_LAMBDA, _BANDWIDTH)),
+    # Wang & Golebiowski's FL_gamma-SECE / FL_gamma-DECE (docs/methods.md#gamma-net): gamma
+    # per example from gamma-Net.
+    LossSpec("flgamma_sece", focal_loss, "focal with a per-example gamma from gamma-Net, "
+             "meta-learned on s-ECE (Wang & Golebiowski 2024); needs dataset.meta_val_size, "
+             "reads meta.*", meta_objective="sece", meta_settings=(_BANDWIDTH,)),
+    LossSpec("flgamma_dece", focal_loss, "focal with a per-example gamma from gamma-Net, "
+             "meta-learned on DECE (Wang & Golebiowski 2024, with Bohdal et al.'s meta step); "
+             "needs dataset.meta_val_size, reads meta.*", meta_objective="dece",
+             meta_settings=_DECE),
+):
+  LOSSES.register(_spec)
 
 
 def scheduled_hparams(config: ml_collections.ConfigDict, epoch: int) -> dict[str, float]:
@@ -227,5 +282,4 @@ def scheduled_hparams(config: ml_collections.ConfigDict, epoch: int) -> dict[str
 
 def get_loss(config: ml_collections.ConfigDict) -> LossFn:
   """Binds `config.loss`'s fixed hyper-parameters: fn(logits, labels, **scheduled) -> [B]."""
-  spec = LOSSES[config.name]
-  return functools.partial(spec.fn, **spec.hparams(config))
+  return functools.partial(LOSSES[config.name].fn, **LOSSES.keywords(config.name, config))

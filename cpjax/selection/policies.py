@@ -1,385 +1,200 @@
-"""Subset policies: which training examples an epoch trains on (pure: scores, ids -> ids;
-infobatch also returns a loss weight per id).
+"""The selection policies (`config.selection.method`), each registered in POLICIES with the
+settings it reads (`config.selection.<setting>`, declared beside it): config validation,
+configs/default.py's fields and docs/selection.md's table all come from this registry.
 
-The score-based policies rank globally: `jax.lax.top_k` over a score array
-sharded over the device mesh (XLA gathers what it needs; every process gets
-the same ids). Ties go to the lower example id: scores are laid out in
-increasing id order and `jax.lax.top_k` returns the lower index first among
-equal values. NaN scores rank last. Scores rank "hardest first" (highest
-first); `direction="easiest"` negates them first. Every random draw is a
-NumPy draw that is a pure function of (seed, a tag per policy, epoch), so a
-resumed run redraws the same subsets and nothing about them needs
-checkpointing.
-
-  top_k                       the k highest scores (Tata et al. 2022's selection)
-  uniform_sorted              every floor(N/k)-th of the ranking (their code's "uniform")
-  class_balanced              per-class quotas proportional to class frequencies, top-k
-                              inside each class
-  stratified                  CCS (Zheng et al., ICLR 2023): drop the hardest share,
-                              equal-width score strata, budget spread evenly, random within
-  mixed                       a share of the budget drawn at random, the rest top-k
-  sampled                     Gumbel-top-k: without replacement, P ~ exp(score / T)
-  random                      a fresh uniform draw each epoch
-  static_random               one uniform draw for the whole run
-  random_without_replacement  RS2 (Okanovic et al. 2023): every example once per
-                              ceil(N/k) selected epochs
-  infobatch                   InfoBatch (Qin et al., ICLR 2024): prune below-mean losses at
-                              random, up-weight the kept ones; no fixed k (returns weights)
+A policy is `fn(request, **settings)`: the epoch's scores, labels, ids, k, seed and epoch
+in, the ids it trains on out (infobatch: ids and a loss weight each). The algorithms are
+the pure functions of cpjax/selection/subsets.py. `select` is the one entry point, shared
+by the trainer's `Selector` and the library API (`cpjax.selection.api`); scores rank
+"hardest first" (highest first) and `direction="easiest"` negates them first. Adding a
+policy: docs/extending.md.
 """
 
-import math
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
+import ml_collections
 import numpy as np
 
-from cpjax.runtime import sharding
+from cpjax import registry
+from cpjax.selection import subsets
 
-# The methods that train on k = subset_size(fraction, count, N) examples per selected epoch.
-FIXED_SIZE_METHODS = ("top_k", "uniform_sorted", "class_balanced", "stratified", "mixed",
-                      "sampled", "random", "static_random", "random_without_replacement")
-# The methods whose subset size varies per epoch and that weight each example's loss
-# (their batches carry a weight per example: `weights_loss`).
-WEIGHTED_METHODS = ("infobatch",)
-METHODS = ("full", *FIXED_SIZE_METHODS, *WEIGHTED_METHODS)
-# The methods that read scores (the others need no scoring pass).
-SCORED_METHODS = ("top_k", "uniform_sorted", "class_balanced", "stratified", "mixed", "sampled",
-                  "infobatch")
+FULL = "full"  # No selection: every epoch trains on all data.
 DIRECTIONS = ("hardest", "easiest")
-# Tags that keep each policy's random stream apart from the others' for the same (seed, epoch).
-_RANDOM, _STRATIFIED, _MIXED, _SAMPLED, _RS2, _INFOBATCH = (0x5E1EC7, 0xCC5, 0x313ED, 0x6B3E1,
-                                                            0x252, 0x1B7)
 
 
-class PolicyParams(NamedTuple):
-  """The policies' knobs: config.selection's fields of the same names."""
-  direction: str = "hardest"  # Any scored method: "easiest" ranks the lowest scores first.
-  random_share: float = 0.5  # mixed: share of k drawn uniformly at random.
-  temperature: float = 1.0  # sampled: T of P ~ exp(score / T).
-  stratify_drop: float = 0.0  # stratified: the hardest share left out (CCS's beta).
-  num_strata: int = 50  # stratified: equal-width score strata.
-  first_epoch: int = 0  # random_without_replacement: the first selected epoch (warm-up).
-  prune_ratio: float = 0.5  # infobatch: probability r of pruning a below-mean example.
+class Request(NamedTuple):
+  """What a policy function is given for one epoch (besides its own settings)."""
+  scores: np.ndarray  # [N] priorities in the order of `ids`, highest first (direction applied).
+  labels: np.ndarray  # [N] the examples' labels.
+  ids: np.ndarray  # [N] the training examples' ids, increasing (ties go to the lower id).
+  k: int  # The subset size of fixed-size policies.
+  seed: int  # The run's root seed (every random draw).
+  epoch: int  # The 0-indexed epoch (per-epoch random draws).
+  first_epoch: int = 0  # The first selected epoch (after the warm-up).
+  num_epochs: int = 1  # The run's epochs (infobatch's annealing).
+  mesh: jax.sharding.Mesh | None = None  # The mesh of the global ranking (None: all devices).
+
+
+PolicyFn = Callable[..., Any]  # fn(request, **settings) -> ids [k], or (ids, weights).
+ProblemsFn = Callable[[ml_collections.ConfigDict, int, int], list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A registered selection policy (`config.selection.method`)."""
+  name: str
+  fn: PolicyFn  # fn(request: Request, **settings) -> int ids, or (ids, float32 weights).
+  doc: str  # One line for the docs' table.
+  settings: tuple[registry.Setting, ...] = ()  # `config.selection.<name>` fields it reads.
+  needs_scores: bool = True  # Ranks scores (the others need no scoring pass).
+  weights_loss: bool = False  # No fixed k: returns (ids, weights), the loss weighted per example.
+  # Other selection fields it needs, and why: implied when unset, refused when set otherwise.
+  needs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  needs_reason: str = ""
+  # Cross-field problems: (config.selection, training examples, config.num_epochs) -> messages.
+  problems: ProblemsFn | None = None
+
+  @property
+  def takes_target_scores(self) -> bool:
+    """Ranks whatever scores a source gives (a target's too), not only its own train pass's."""
+    return self.needs_scores and "scoring" not in self.needs
+
+
+POLICIES: registry.Registry[Policy] = registry.Registry("selection policy", "selection")
+POLICIES.register(Policy(FULL, lambda request: request.ids, "all data, every epoch",
+                         needs_scores=False))
 
 
 def weights_loss(method: str) -> bool:
   """Whether selection `method` gives each training example a loss weight (infobatch)."""
-  return method in WEIGHTED_METHODS
+  return method in POLICIES and POLICIES[method].weights_loss
+
+
+def fixed_size(method: str) -> bool:
+  """Whether `method` trains on k = subset_size(...) examples per selected epoch."""
+  return method != FULL and not POLICIES[method].weights_loss
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:
   """k: `count` if set (> 0), else round(fraction * num_train), at least 1."""
   k = count if count > 0 else int(round(fraction * num_train))
   return max(1, min(k, num_train))
+POLICIES.register(Policy(
+    "top_k", lambda r: subsets.select_top_k(r.scores, r.ids, r.k, r.mesh),
+    "the k highest scores (Tata et al. 2022's selection): a global `jax.lax.top_k` over a "
+    "score array sharded on the mesh, ties to the lower example id"))
+POLICIES.register(Policy(
+    "uniform_sorted", lambda r: subsets.select_uniform_sorted(r.scores, r.ids, r.k, r.mesh),
+    "every floor(N/k)-th example of the score ranking (Tata et al.'s code's `uniform`)"))
+POLICIES.register(Policy(
+    "class_balanced",
+    lambda r: subsets.select_class_balanced(r.scores, r.labels, r.ids, r.k, r.mesh),
+    "per-class quotas proportional to the class frequencies (largest-remainder rounding), "
+    "top-k inside each class"))
 
 
-def _ranked_positions(scores: np.ndarray, k: int, mesh: jax.sharding.Mesh | None) -> np.ndarray:
-  """Positions of the k highest scores, best first (lower position on ties)."""
-  scores = np.where(np.isnan(scores), -np.inf, np.asarray(scores, np.float32))
-  if mesh is None:
-    mesh = sharding.create_mesh()
-  devices = mesh.devices.size
-  padded = np.pad(scores, (0, -len(scores) % devices), constant_values=-np.inf)
-  sharded = jax.make_array_from_callback(padded.shape, sharding.batch_sharded(mesh),
-                                         lambda index: padded[index])
-  _, positions = _top_k(sharded, k)
-  return np.asarray(sharding.to_host(positions))
+def _stratified_problems(selection: ml_collections.ConfigDict, num_rows: int,
+                        num_epochs: int) -> list[str]:
+  """The drop must leave at least k examples to stratify."""
+  del num_epochs
+  kept = num_rows - int(selection.stratify_drop * num_rows)
+  k = subset_size(selection.fraction, selection.count, num_rows)
+  if k > kept:
+    return [f"config.selection.stratify_drop={selection.stratify_drop} leaves {kept} of "
+            f"{num_rows} training examples, fewer than the subset size {k}"]
+  return []
 
 
-@jax.jit(static_argnums=1)
-def _top_k(scores: jax.Array, k: int):
-  return jax.lax.top_k(scores, k)
+POLICIES.register(Policy(
+    "stratified", lambda r, stratify_drop, num_strata: subsets.select_stratified(
+        r.scores, r.ids, r.k, r.seed, r.epoch, stratify_drop, num_strata),
+    "CCS (Zheng et al., ICLR 2023): leave out the hardest `stratify_drop` share, "
+    "`num_strata` equal-width score strata, the budget spread evenly over them (smallest "
+    "first), a uniform draw inside each",
+    settings=(registry.Setting("stratify_drop", 0.0, registry.number(0.0, 1.0, high_open=True),
+                               "stratified (CCS): hardest share left out (beta)."),
+              registry.Setting("num_strata", 50, registry.integer(1),
+                               "stratified (CCS): equal-width score strata.")),
+    problems=_stratified_problems))
+POLICIES.register(Policy(
+    "mixed", lambda r, random_share: subsets.select_mixed(r.scores, r.ids, r.k, r.seed, r.epoch,
+                                                  random_share, r.mesh),
+    "a `random_share` of k drawn uniformly at random, the rest top-k",
+    settings=(registry.Setting("random_share", 0.5, registry.number(0.0, 1.0),
+                               "mixed: share of the subset drawn uniformly at random."),)))
+POLICIES.register(Policy(
+    "sampled", lambda r, temperature: subsets.select_sampled(r.scores, r.ids, r.k, r.seed, r.epoch,
+                                                     temperature, r.mesh),
+    "Gumbel-top-k: k drawn without replacement with P ~ exp(score / `temperature`); T=0 is "
+    "`top_k`, a large T is `random`",
+    settings=(registry.Setting("temperature", 1.0, registry.number(0.0),
+                               "sampled: P ~ exp(score / T); 0 = top_k, large = random."),)))
+POLICIES.register(Policy(
+    "random", lambda r: subsets.random_subset(r.ids, r.k, r.seed, r.epoch),
+    "a fresh uniform random subset of size k each epoch (baseline)", needs_scores=False))
+POLICIES.register(Policy(
+    "static_random", lambda r: subsets.random_subset(r.ids, r.k, r.seed, None),
+    "one random subset, the same every epoch (baseline)", needs_scores=False))
+POLICIES.register(Policy(
+    "random_without_replacement",
+    lambda r: subsets.random_without_replacement(r.ids, r.k, r.seed, r.epoch - r.first_epoch),
+    "RS2 (Okanovic et al. 2023): one random permutation per round of ceil(N/k) selected "
+    "epochs, walked in slices of k, so every example is trained once per round",
+    needs_scores=False))
 
 
-def select_top_k(scores: np.ndarray, ids: np.ndarray, k: int,
-                 mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """Ids of the k highest-scoring examples, best first.
-
-  Args:
-    scores: [N] one score per training example, in the order of `ids`.
-    ids: [N] the examples' ids, increasing (ties go to the lower id).
-    k: how many to select (<= N).
-    mesh: the device mesh to shard the scores over (default: all devices).
-
-  Returns:
-    int [k] selected ids.
-  """
-  _check(scores, ids, k)
-  return np.asarray(ids)[_ranked_positions(scores, k, mesh)]
+def _infobatch_problems(selection: ml_collections.ConfigDict, num_rows: int,
+                        num_epochs: int) -> list[str]:
+  """InfoBatch prunes only before its annealing epochs."""
+  del num_rows
+  first_anneal = subsets.anneal_start(num_epochs, selection.anneal_fraction)
+  if first_anneal <= selection.warmup_epochs:
+    return [f"config.selection.anneal_fraction={selection.anneal_fraction} anneals "
+            f"from epoch {first_anneal} of {num_epochs}, no later than the "
+            f"selection.warmup_epochs={selection.warmup_epochs}: infobatch would never prune"]
+  return []
 
 
-def select_uniform_sorted(scores: np.ndarray, ids: np.ndarray, k: int,
-                          mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """Tata et al. 2022's code's "uniform" criterion: every floor(N/k)-th of the sorted list.
-
-  Spreads the subset over the whole score range instead of its top.
-  """
-  _check(scores, ids, k)
-  ranked = _ranked_positions(scores, len(scores), mesh)
-  return np.asarray(ids)[ranked[::len(scores) // k][:k]]
-
-
-def random_subset(ids: np.ndarray, k: int, seed: int, epoch: int | None) -> np.ndarray:
-  """k ids drawn without replacement; a new draw per epoch, or one for all (epoch=None)."""
-  key = [seed, _RANDOM] if epoch is None else [seed, _RANDOM, epoch]
-  return np.sort(np.random.default_rng(key).choice(np.asarray(ids), size=k, replace=False))
-
-
-def class_quotas(labels: np.ndarray, k: int) -> np.ndarray:
-  """Per-class subset sizes proportional to the class frequencies, summing to k.
-
-  q_c = floor(k n_c / N), and the k - sum_c q_c slots left go one each to the
-  classes with the largest remainders k n_c mod N (the lower class on ties):
-  Hamilton's largest-remainder apportionment, in exact integer arithmetic. A
-  class never gets more than it has, and an absent class gets 0.
-
-  Args:
-    labels: [N] integer labels >= 0.
-    k: the subset size, 1 <= k <= N.
-  """
-  counts = np.bincount(np.asarray(labels))
-  quotas, remainders = np.divmod(k * counts, len(labels))
-  by_remainder = np.lexsort((np.arange(len(counts)), -remainders))
-  quotas[by_remainder[:k - quotas.sum()]] += 1
-  return quotas
+POLICIES.register(Policy(
+    "infobatch", lambda r, prune_ratio, anneal_fraction: subsets.select_infobatch(
+        r.scores, r.ids, r.seed, r.epoch, prune_ratio, subsets.anneal_start(r.num_epochs,
+                                                                    anneal_fraction)),
+    "InfoBatch (Qin et al., ICLR 2024): no fixed k. Each example whose last train-pass loss "
+    "is below the mean is pruned with probability `prune_ratio` (r); the kept ones of them "
+    "get loss weight 1/(1-r), all others 1, so the epoch's expected gradient is the full "
+    "data's. The last `anneal_fraction` of the epochs train on all data with weight 1. "
+    "`fraction` and `count` are range-checked but unused",
+    settings=(registry.Setting("prune_ratio", 0.5, registry.number(0.0, 1.0, high_open=True),
+                               "infobatch: P(prune) of a below-mean-loss example, r."),
+              registry.Setting("anneal_fraction", 0.125,
+                               registry.number(0.0, 1.0, high_open=True),
+                               "infobatch: last share of epochs on all data (1 - delta).")),
+    weights_loss=True, needs={"score": "loss", "scoring": "train_pass", "direction": "hardest"},
+    needs_reason="prunes by the train pass's own per-example loss",
+    problems=_infobatch_problems))
 
 
-def _rank_within_group(groups: np.ndarray) -> np.ndarray:
-  """For each position, how many earlier positions hold the same group."""
-  order = np.argsort(groups, kind="stable")
-  sorted_groups = groups[order]
-  within = np.empty(len(groups), np.int64)
-  within[order] = np.arange(len(groups)) - np.searchsorted(sorted_groups, sorted_groups)
-  return within
-
-
-def select_class_balanced(scores: np.ndarray, labels: np.ndarray, ids: np.ndarray, k: int,
-                          mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """Top-k inside each class, with `class_quotas` (proportional to class frequencies).
-
-  The fix for max-entropy subsets that starve the easy classes (the study in
-  studies/prioritization found the smallest class at 0.2 % of a 10 % subset).
-  One global ranking (as `select_top_k`), then each class's best q_c in it.
-
-  Returns:
-    int [k] ids, in global rank order.
-  """
-  _check(scores, ids, k)
-  labels = np.asarray(labels)
-  if len(labels) != len(ids):
-    raise ValueError(f"{len(labels)} labels for {len(ids)} ids")
-  ranked = _ranked_positions(scores, len(scores), mesh)
-  ranked_labels = labels[ranked]
-  keep = _rank_within_group(ranked_labels) < class_quotas(labels, k)[ranked_labels]
-  return np.asarray(ids)[ranked[keep]]
-
-
-def stratum_budgets(sizes: np.ndarray, k: int) -> np.ndarray:
-  """CCS's budget per stratum: the smallest non-empty stratum first, each taking
-  min(its size, floor(budget left / non-empty strata left)).
+def select(method: str, request: Request, settings: Mapping[str, Any],
+           direction: str = "hardest") -> tuple[np.ndarray, np.ndarray | None]:
+  """The ids policy `method` trains on in `request.epoch`: the one entry point of every policy.
 
   Args:
-    sizes: [S] examples per stratum.
-    k: the total budget, <= sizes.sum().
-  """
-  budgets = np.zeros(len(sizes), np.int64)
-  filled = np.flatnonzero(sizes)
-  left = k
-  for i, stratum in enumerate(filled[np.argsort(sizes[filled], kind="stable")]):
-    budgets[stratum] = min(sizes[stratum], left // (len(filled) - i))
-    left -= budgets[stratum]
-  return budgets
-
-
-def select_stratified(scores: np.ndarray, ids: np.ndarray, k: int, seed: int, epoch: int,
-                      stratify_drop: float = 0.0, num_strata: int = 50) -> np.ndarray:
-  """Coverage-centric coreset selection (CCS; Zheng et al., ICLR 2023, Algorithm 1).
-
-  1. Leave out the hardest floor(stratify_drop * N) examples (highest scores;
-     ties: the higher id goes first). 2. Split [min, max] of the remaining
-  scores into `num_strata` equal-width strata (the last one closed). 3. Spread
-  k over the strata with `stratum_budgets`. 4. Draw each stratum's budget
-  uniformly without replacement (a function of seed and epoch). NaN scores
-  (never scored) count as the lowest score.
+    method: a registered policy name (POLICIES).
+    request: the epoch's scores, labels, ids, k, seed and epoch.
+    settings: the policy's own settings by keyword (`POLICIES.keywords(method, section)`).
+    direction: "easiest" ranks the lowest scores first (scored policies; NaN stays last).
 
   Returns:
-    int [k] ids, sorted.
-
-  Raises:
-    ValueError: fewer than k examples remain after the drop.
+    (int ids, increasing; float32 loss weights of those ids, or None for a policy that
+    weights no loss).
   """
-  _check(scores, ids, k)
-  scores = np.asarray(scores, np.float64)
-  scores = np.where(np.isnan(scores), np.nanmin(scores) if np.isfinite(scores).any() else 0.0,
-                    scores)
-  ranked = np.lexsort((np.arange(len(scores)), scores))  # Ascending; hardest last.
-  kept = np.sort(ranked[:len(scores) - int(stratify_drop * len(scores))])
-  if len(kept) < k:
-    raise ValueError(f"k={k} is more than the {len(kept)} examples left after dropping the "
-                     f"hardest {stratify_drop:.0%}")
-  low, high = scores[kept].min(), scores[kept].max()
-  width = (high - low) / num_strata
-  stratum = (np.minimum(((scores[kept] - low) / width).astype(np.int64), num_strata - 1)
-             if width > 0 else np.zeros(len(kept), np.int64))
-  budgets = stratum_budgets(np.bincount(stratum, minlength=num_strata), k)
-  rng = np.random.default_rng([seed, _STRATIFIED, epoch])
-  chosen = [rng.choice(kept[stratum == s], size=b, replace=False)
-            for s, b in enumerate(budgets) if b]
-  return np.sort(np.asarray(ids)[np.concatenate(chosen)])
-
-
-def select_mixed(scores: np.ndarray, ids: np.ndarray, k: int, seed: int, epoch: int,
-                 random_share: float, mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """The k - r top-scored examples plus r drawn uniformly from all the others,
-  r = round(random_share * k): a random share keeps a small subset from
-  collapsing onto the hardest examples (Sorscher et al. 2022; Ayed & Hayou 2023).
-
-  Returns:
-    int [k] ids: the top part in rank order, then the random part sorted.
-  """
-  _check(scores, ids, k)
-  num_random = int(round(random_share * k))
-  ranked = _ranked_positions(scores, len(scores), mesh)
-  rest = np.sort(ranked[k - num_random:])
-  drawn = np.random.default_rng([seed, _MIXED, epoch]).choice(rest, size=num_random,
-                                                               replace=False)
-  return np.asarray(ids)[np.concatenate([ranked[:k - num_random], np.sort(drawn)])]
-
-
-def select_sampled(scores: np.ndarray, ids: np.ndarray, k: int, seed: int, epoch: int,
-                   temperature: float, mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """k examples drawn without replacement, each draw with P(i) ~ exp(score_i / T).
-
-  The Gumbel-top-k trick (Kool et al., ICML 2019): the k largest of
-  score_i / T + G_i, G_i iid standard Gumbel, are such a draw. Ranked here as
-  score_i + T G_i (the same order, and T = 0 is exactly top-k); T -> infinity
-  is a uniform random subset. The noise is a function of (seed, epoch).
-
-  Returns:
-    int [k] ids, in the order of the noisy ranking.
-  """
-  _check(scores, ids, k)
-  gumbel = np.random.default_rng([seed, _SAMPLED, epoch]).gumbel(size=len(scores))
-  return select_top_k(np.asarray(scores, np.float64) + temperature * gumbel, ids, k, mesh)
-
-
-def random_without_replacement(ids: np.ndarray, k: int, seed: int,
-                               selected_epoch: int) -> np.ndarray:
-  """RS2 without replacement (Okanovic et al. 2023): each round of m = ceil(N/k) selected
-  epochs walks one random permutation of the ids in slices of k, so every example is
-  trained once per round; the round's last slice, short when k does not divide N, is
-  filled up with the first ids of the same permutation.
-
-  Args:
-    selected_epoch: 0 for the first epoch after the warm-up.
-
-  Returns:
-    int [k] ids, sorted.
-  """
-  ids = np.asarray(ids)
-  rounds, position = divmod(selected_epoch, -(-len(ids) // k))
-  order = np.random.default_rng([seed, _RS2, rounds]).permutation(len(ids))
-  chosen = order[position * k:(position + 1) * k]
-  return np.sort(ids[np.concatenate([chosen, order[:k - len(chosen)]])])
-
-
-def anneal_start(num_epochs: int, anneal_fraction: float) -> int:
-  """InfoBatch's first annealing epoch: floor(delta * C), delta = 1 - anneal_fraction.
-
-  The authors' sampler (InfoBatch's `IBSampler`, Qin et al., ICLR 2024) counts
-  its resets from 1 at the first epoch and prunes while the count is at most
-  delta * C, so epochs 0 .. floor(delta * C) - 1 are pruned and the remaining
-  C - floor(delta * C) train on all data: with the default delta = 0.875,
-  C = 6 prunes 5 epochs and anneals 1, C = 20 prunes 17 and anneals 3. The
-  product is rounded to 6 decimals first, so that 0.7 * 10 counts as 7.
-  """
-  return math.floor(round((1.0 - anneal_fraction) * num_epochs, 6))
-
-
-def select_infobatch(scores: np.ndarray, ids: np.ndarray, seed: int, epoch: int,
-                     prune_ratio: float, first_anneal_epoch: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
-  """InfoBatch's soft pruning and rescaling (Qin et al., "InfoBatch: Lossless Training Speed
-  Up by Unbiased Dynamic Data Pruning", ICLR 2024; arXiv 2303.04947).
-
-  With H_i the score (the example's last training loss) and r = prune_ratio:
-  an example with H_i < mean(H) is pruned with probability r, independently
-  (u_i < r, u_i ~ U[0, 1) drawn for every example as a function of (seed,
-  epoch)); every other example is kept. A kept example's loss weight is
-  w_i = 1 / (1 - r) if H_i < mean(H), else 1, so that E[sum_kept w_i l_i] =
-  sum_all l_i: the expected gradient of an epoch is the full data's. From
-  `first_anneal_epoch` on (annealing) every example is kept with weight 1.
-  (The authors' code keeps exactly floor((1 - r) n) of the n below-mean
-  examples; this is the paper's independent draw.) A NaN score makes the mean
-  NaN: nothing is pruned.
-
-  Args:
-    scores: [N] the score buffer, in the order of `ids`.
-    ids: [N] the training examples' ids, increasing.
-    seed: the run's root seed.
-    epoch: the 0-indexed epoch.
-    prune_ratio: r in [0, 1).
-    first_anneal_epoch: the first epoch of the full-data annealing (`anneal_start`).
-
-  Returns:
-    (ids [M] kept, increasing; float32 weights [M] of those ids).
-  """
-  ids = np.asarray(ids)
-  if len(scores) != len(ids):
-    raise ValueError(f"{len(scores)} scores for {len(ids)} ids")
-  if epoch >= first_anneal_epoch:
-    return ids, np.ones(len(ids), np.float32)
-  scores = np.asarray(scores, np.float64)
-  well_learned = scores < np.mean(scores)  # False everywhere if any score is NaN.
-  uniform = np.random.default_rng([seed, _INFOBATCH, epoch]).random(len(ids))
-  kept = ~(well_learned & (uniform < prune_ratio))
-  weights = np.where(well_learned, 1.0 / (1.0 - prune_ratio), 1.0).astype(np.float32)
-  return ids[kept], weights[kept]
-
-
-def _check(scores: np.ndarray, ids: np.ndarray, k: int) -> None:
-  if len(scores) != len(ids):
-    raise ValueError(f"{len(scores)} scores for {len(ids)} ids")
-  if not 1 <= k <= len(scores):
-    raise ValueError(f"k={k} must be in [1, {len(scores)}]")
-  if np.any(np.diff(ids) <= 0):
-    raise ValueError("ids must be strictly increasing (the tie-break is by id)")
-
-
-def choose_subset(method: str, scores: np.ndarray, labels: np.ndarray, ids: np.ndarray,
-                  k: int, seed: int, epoch: int, params: PolicyParams = PolicyParams(),
-                  mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-  """The ids of `method`'s subset of size k for `epoch` (a FIXED_SIZE_METHODS method).
-
-  Args:
-    method: one of FIXED_SIZE_METHODS.
-    scores: [N] the score buffer, in the order of `ids` (unused by the random ones).
-    labels: [N] the examples' labels (class_balanced).
-    ids: [N] the training examples' ids, increasing.
-    k: subset size.
-    seed: the run's root seed (every random draw).
-    epoch: the 0-indexed epoch (per-epoch random draws).
-    params: the policies' knobs; `direction` applies to every scored method.
-    mesh: the device mesh of the global ranking.
-  """
-  if method in SCORED_METHODS and params.direction == "easiest":
-    scores = -np.asarray(scores)  # NaN stays NaN: still ranked last.
-  if method == "top_k":
-    return select_top_k(scores, ids, k, mesh)
-  if method == "uniform_sorted":
-    return select_uniform_sorted(scores, ids, k, mesh)
-  if method == "class_balanced":
-    return select_class_balanced(scores, labels, ids, k, mesh)
-  if method == "stratified":
-    return select_stratified(scores, ids, k, seed, epoch, params.stratify_drop,
-                             params.num_strata)
-  if method == "mixed":
-    return select_mixed(scores, ids, k, seed, epoch, params.random_share, mesh)
-  if method == "sampled":
-    return select_sampled(scores, ids, k, seed, epoch, params.temperature, mesh)
-  if method in ("random", "static_random"):
-    return random_subset(ids, k, seed, None if method == "static_random" else epoch)
-  if method == "random_without_replacement":
-    return random_without_replacement(ids, k, seed, epoch - params.first_epoch)
-  raise ValueError(f"selection method {method!r} has no subset of size k; valid: "
-                   f"{', '.join(FIXED_SIZE_METHODS)}")
+  policy = POLICIES[method]
+  if policy.needs_scores and direction == "easiest":
+    request = request._replace(scores=-np.asarray(request.scores))  # NaN stays NaN.
+  chosen = policy.fn(request, **settings)
+  if policy.weights_loss:
+    return chosen
+  return np.sort(chosen), None

@@ -1,6 +1,6 @@
 """Per-example priority scores from logits: pure jnp, higher = more worth training on.
 
-Every score of SCORES is `score(logits [B, K], labels [B]) -> [B]` in float32
+Every score registered in SCORES is `score(logits [B, K], labels [B]) -> [B]` in float32
 (labels are ignored by the label-free scores). The default, normalised
 predictive entropy, is exactly that of Tata et al. 2022 ("Can Calibration
 Improve Sample Prioritization?", NeurIPS HITY workshop; docs/methods.md#scores):
@@ -12,9 +12,14 @@ losses of the same examples (`reducible_loss` below) before ranking.
 """
 
 from collections.abc import Callable
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+
+from cpjax import registry
 
 ScoreFn = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -55,25 +60,43 @@ def el2n(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return jnp.linalg.norm(p - jax.nn.one_hot(labels, p.shape[-1]), axis=-1)
 
 
-SCORES: dict[str, ScoreFn] = {
-    "entropy": normalized_entropy,
-    "least_confidence": least_confidence,
-    "margin": margin,
-    "loss": loss,
-    "el2n": el2n,
-}
+@dataclasses.dataclass(frozen=True)
+class Score:
+  """A registered priority score (`config.selection.score`)."""
+  name: str
+  fn: ScoreFn  # What the model's forward passes compute: fn(logits, labels, **settings) -> [B].
+  doc: str  # One line for the docs' table.
+  settings: tuple[registry.Setting, ...] = ()  # `config.selection.<name>` fields it reads.
+  uses_labels: bool = True  # False: label-free (uncertainty) scores.
+  # RHO-LOSS: the selector subtracts another run's `fn` of the same rows (the irreducible
+  # losses of `selection.target_workdir`) before ranking.
+  subtracts_target: bool = False
 
 
+SCORES: registry.Registry[Score] = registry.Registry("selection score", "selection")
 REDUCIBLE_LOSS = "reducible_loss"
-# The per-logit score that the current model's forward passes compute for each score name
-# that is not itself in SCORES (the rest of such a score comes from another run).
-_FORWARD = {REDUCIBLE_LOSS: "loss"}
-NAMES = (*SCORES, *_FORWARD)  # The values of config.selection.score.
+for _score in (
+    Score("entropy", normalized_entropy, "normalised predictive entropy H(p) / log K "
+          "(Tata et al. 2022)", uses_labels=False),
+    Score("least_confidence", least_confidence, "1 - max_k p_k (Settles 2009)",
+          uses_labels=False),
+    Score("margin", margin, "-(p_(1) - p_(2)), the gap of the two top classes",
+          uses_labels=False),
+    Score("loss", loss, "cross-entropy of the label (Loshchilov & Hutter 2015)"),
+    Score("el2n", el2n, "||softmax(z) - onehot(y)||_2 (Paul et al. 2021)"),
+    Score(REDUCIBLE_LOSS, loss, "RHO-LOSS (Mindermann et al., ICML 2022): this model's loss "
+          "less `target_workdir`'s loss of the same example", subtracts_target=True),
+):
+  SCORES.register(_score)
 
 
-def forward_score(name: str) -> ScoreFn:
-  """The score function the train step and scoring passes compute for score `name`."""
-  return SCORES[_FORWARD.get(name, name)]
+def forward_score(name: str, selection: ml_collections.ConfigDict | None = None) -> ScoreFn:
+  """The score function the train step and scoring passes compute for score `name`, with
+  its settings bound from `selection` (config.selection; None: the declared defaults)."""
+  score = SCORES[name]
+  settings = {s.keyword: s.default if selection is None else selection[s.name]
+              for s in score.settings if s.keyword is not None}
+  return functools.partial(score.fn, **settings) if settings else score.fn
 
 
 def reducible_loss(train_loss, irreducible_loss):

@@ -36,16 +36,11 @@ class Selector:
     # epoch (1 outside pruning), so that the run compiles one train step.
     self.weighted = policies.weights_loss(self._selection.method)
     self._reducible = self._selection.score == scores.REDUCIBLE_LOSS
-    self._anneal_start = policies.anneal_start(config.num_epochs, self._selection.anneal_fraction)
     self._source = sources.create_source(config, train_split, mesh)
-    self._params = policies.PolicyParams(
-        direction=self._selection.direction, random_share=self._selection.random_share,
-        temperature=self._selection.temperature, stratify_drop=self._selection.stratify_drop,
-        num_strata=self._selection.num_strata, first_epoch=self._selection.warmup_epochs,
-        prune_ratio=self._selection.prune_ratio)
+    self._settings = policies.POLICIES.keywords(self._selection.method, self._selection)
 
   def selecting(self, epoch: int) -> bool:
-    return self._selection.method != "full" and epoch >= self._selection.warmup_epochs
+    return self._selection.method != policies.FULL and epoch >= self._selection.warmup_epochs
 
   def steps_in_epoch(self, epoch: int) -> int:
     """Steps of `epoch` for the progress report's total. An infobatch epoch's size is known
@@ -68,7 +63,7 @@ class Selector:
       return (rows, self._unit_weights(rows), state,
               {"scoring_seconds": 0.0, "selection_seconds": 0.0})
     start = time.perf_counter()
-    if self._selection.method in policies.SCORED_METHODS:
+    if policies.POLICIES[self._selection.method].needs_scores:
       state = self._source.refresh(epoch, train_state, state)
     scored = time.perf_counter()
     chosen, weights = self._choose(epoch, self._priorities(state))
@@ -86,12 +81,11 @@ class Selector:
 
   def _choose(self, epoch: int, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """The policy's ids (increasing) and their weights (None for unweighted methods)."""
-    if self.weighted:
-      return policies.select_infobatch(scores, self._split.ids, self._config.seed, epoch,
-                                       self._params.prune_ratio, self._anneal_start)
-    return np.sort(policies.choose_subset(
-        self._selection.method, scores, self._split.labels, self._split.ids, self.k,
-        self._config.seed, epoch, self._params, self._mesh)), None
+    request = policies.Request(scores, self._split.labels, self._split.ids, self.k,
+                               self._config.seed, epoch, self._selection.warmup_epochs,
+                               self._config.num_epochs, self._mesh)
+    return policies.select(self._selection.method, request, self._settings,
+                           self._selection.direction)
 
   def _unit_weights(self, rows: np.ndarray) -> np.ndarray | None:
     return np.ones(len(rows), np.float32) if self.weighted else None

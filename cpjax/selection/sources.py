@@ -231,7 +231,7 @@ def _check_target_part(theirs: str, ours: str, target_workdir: str) -> None:
                   "seen the rows it scores (in-sample scores).", target_workdir, theirs, ours)
 
 
-def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_name: str,
+def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_fn,
                     preset: str, step_fn=steps.scoring_pass_step):
   """A jitted eval-mode `step_fn` (a scoring pass's [B, 3] columns, or `steps.score_step`'s
   scores) for a run config's model, in compute `dtype`."""
@@ -239,7 +239,7 @@ def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_n
                               specs.DATASETS[model_config.dataset.name].num_classes, dtype)
   return jax.jit(
       functools.partial(step_fn, model=model, spec=steps.step_spec(model_config.dataset),
-                        score_fn=scores.forward_score(score_name)),
+                        score_fn=score_fn),
       compiler_options=compiler_options.compiler_options("inference", preset))
 
 
@@ -265,7 +265,8 @@ def _scoring_source(config: ml_collections.ConfigDict, split: splits.Split | rea
     return TargetRecorded(selection.target_workdir, split.ids)
   pass_args = (split, mesh, selection.score_batch_size, selection.rescore_every)
   if selection.scoring == "fresh":
-    score_fn = _jit_score_step(config, selection.score_dtype, selection.score,
+    score_fn = _jit_score_step(config, selection.score_dtype,
+                               scores.forward_score(selection.score, selection),
                                config.xla_cpu_options)
     return ScoringPass(score_fn, *pass_args)
   score_fn, target = _target_scorer(config, selection.score, mesh)
@@ -279,7 +280,8 @@ def _target_scorer(config: ml_collections.ConfigDict, score_name: str,
   and the target."""
   selection = config.selection
   target_config = read_run_config(selection.target_workdir)
-  score_fn = _jit_score_step(target_config, selection.score_dtype, score_name,
+  score_fn = _jit_score_step(target_config, selection.score_dtype,
+                             scores.forward_score(score_name, selection),
                              config.xla_cpu_options, step_fn)
   logging.info("Scoring with target run %s (%s).", selection.target_workdir,
                target_config.model.name)
