@@ -68,6 +68,7 @@ RANKS = {
     "run_state": 3,
     # 4: selection: scores, policies, bookkeeping, score files, score sources, the selector.
     "selection": 4,
+    "selection.api": 4,
     "selection.bookkeeping": 4,
     "selection.policies": 4,
     "selection.score_files": 4,

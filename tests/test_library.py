@@ -1,0 +1,106 @@
+"""The library API for one's own loop (cpjax.selection.api, examples/own_loop.py): the same ids
+as the trainer's selection for the same seed and scores, a checkpointable state, clear errors."""
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from cpjax.data import splits
+from cpjax.runtime import sharding
+from cpjax.selection import api, bookkeeping, policies, selector
+from examples import own_loop
+from tests.helpers import tiny_config
+
+# Non-default settings, so that a setting the API dropped would show.
+SETTINGS = {"random_share": 0.3, "temperature": 0.2, "stratify_drop": 0.1, "num_strata": 7,
+            "prune_ratio": 0.4, "anneal_fraction": 0.25}
+
+
+def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup, fraction):
+  """The trainer's Selector (train-pass scoring) on the same ids, labels and score buffers:
+  {epoch: (ids, weights)}."""
+  config = tiny_config(**{"seed": seed, "num_epochs": num_epochs, "selection.method": method,
+                          "selection.warmup_epochs": warmup, "selection.fraction": fraction,
+                          **{f"selection.{k}": v for k, v in SETTINGS.items()}})
+  chooser = selector.Selector(config, splits.Split(None, labels, ids), sharding.create_mesh())
+  out = {}
+  for epoch, buffer in scores_by_epoch.items():
+    state = {**bookkeeping.initial_state(len(ids)), "scores": np.asarray(buffer, np.float32)}
+    rows, weights, _, _ = chooser.rows_for_epoch(epoch, None, state)
+    out[epoch] = ids[rows], weights
+  return out
+
+
+@pytest.mark.parametrize("method", policies.POLICIES.names())
+def test_every_policy_selects_the_trainers_ids_for_the_same_seed_and_scores(method):
+  rng = np.random.default_rng(3)
+  ids, labels = np.sort(rng.choice(5000, 300, replace=False)), rng.integers(0, 4, 300)
+  buffers = {epoch: rng.normal(size=300).astype(np.float32) for epoch in range(6)}
+  settings = {s.name: SETTINGS[s.name] for s in policies.POLICIES[method].settings}
+  selection = api.Selection(ids, labels, method=method, fraction=0.2, warmup_epochs=2,
+                            num_epochs=6, seed=11, **settings)
+  want = _trainer_ids(method, ids, labels, buffers, 11, 6, 2, 0.2)
+  for epoch, buffer in buffers.items():
+    got = selection.select({"scores": buffer}, epoch)
+    np.testing.assert_array_equal(got.ids, want[epoch][0], err_msg=f"{method} epoch {epoch}")
+    if selection.weighted:
+      np.testing.assert_array_equal(got.weights, want[epoch][1])
+    else:
+      assert got.weights is None and want[epoch][1] is None
+  if method == "top_k":  # And by hand: the 60 highest, ties to the lower id (none here).
+    np.testing.assert_array_equal(selection.select({"scores": buffers[3]}, 3).ids,
+                                  np.sort(ids[np.argsort(-buffers[3], kind="stable")[:60]]))
+
+
+def test_the_own_loop_example_selects_what_the_trainer_selects():
+  """examples/own_loop.py, 3 epochs: its top-k entropy subsets are the trainer's for the
+  scores its train step recorded, and by hand the 30 % highest of those scores."""
+  history, report = own_loop.train(epochs=3, fraction=0.3, seed=0)
+  ids = np.arange(len(history[0]["ids"]))
+  labels = own_loop.load(0)["train"][1]
+  want = _trainer_ids("top_k", ids, labels, {h["epoch"]: h["scores"] for h in history}, 0, 3,
+                      1, 0.3)
+  k = int(round(0.3 * len(ids)))
+  for h in history:
+    np.testing.assert_array_equal(h["ids"], want[h["epoch"]][0])
+    if h["epoch"] >= 1:
+      assert len(h["ids"]) == k and np.all(h["scores"] >= 0) and h["scores"].max() > 0
+      np.testing.assert_array_equal(h["ids"], np.sort(np.argsort(-h["scores"],
+                                                                 kind="stable")[:k]))
+  assert 0.5 < report["accuracy"] <= 1 and 0 <= report["ece"] < 1
+  assert report["nll_calibrated"] <= report["nll"] + 1e-3  # Fitted on validation, tested here.
+
+
+def test_the_state_is_a_pytree_that_orbax_round_trips(tmp_path):
+  selection = api.Selection(np.arange(50), method="sampled", fraction=0.2, temperature=0.5,
+                            num_epochs=4, seed=2)
+  state = selection.record(selection.init(), np.arange(50),
+                           np.random.default_rng(0).normal(size=50))
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "selection", state)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(tmp_path / "selection")
+  np.testing.assert_array_equal(restored["scores"], state["scores"])
+  np.testing.assert_array_equal(selection.select(restored, 3).ids,
+                                selection.select(state, 3).ids)
+
+
+def test_record_keeps_an_ids_first_score_and_refuses_unknown_ids():
+  selection = api.Selection(np.array([3, 5, 9]), method="top_k", count=1)
+  state = selection.record(selection.init(), [9, 3, 9], [1.0, 2.0, 7.0])
+  np.testing.assert_array_equal(state["scores"], [2.0, 0.0, 1.0])
+  assert selection.select(state, 0).ids.tolist() == [3]
+  with pytest.raises(ValueError, match=r"ids not in the training set: \[4\]"):
+    selection.record(state, [4, 5], [0.0, 0.0])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "sampled", "temprature": 0.1}, "no setting 'temprature'; did you mean "
+                                               "temperature"),
+    ({"method": "sampled", "temperature": -1.0}, "sampled setting temperature: must be in"),
+    ({"method": "top-k"}, "unknown selection policy 'top-k'; did you mean top_k"),
+    ({"method": "infobatch", "direction": "easiest"}, "valid: 'hardest'"),
+])
+def test_bad_arguments_are_named_with_the_valid_ones(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    api.Selection(np.arange(10), **kwargs)
