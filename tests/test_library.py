@@ -1,6 +1,9 @@
 """The library API for one's own loop (cpjax.selection.api, examples/own_loop.py): the same ids
 as the trainer's selection for the same seed and scores, a checkpointable state, clear errors."""
 
+import os
+import re
+
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -9,6 +12,7 @@ from cpjax.data import splits
 from cpjax.runtime import sharding
 from cpjax.selection import api, bookkeeping, policies, selector
 from examples import own_loop
+from tests import helpers
 from tests.helpers import tiny_config
 
 # Non-default settings, so that a setting the API dropped would show.
@@ -104,3 +108,14 @@ def test_record_keeps_an_ids_first_score_and_refuses_unknown_ids():
 def test_bad_arguments_are_named_with_the_valid_ones(kwargs, message):
   with pytest.raises(ValueError, match=message):
     api.Selection(np.arange(10), **kwargs)
+
+
+def _python_blocks(path: str) -> list[str]:
+  with open(os.path.join(helpers.REPO, path)) as f:
+    return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_python_blocks("docs/library.md"))))
+def test_every_python_block_of_docs_library_runs(index):
+  exec(compile(_python_blocks("docs/library.md")[index], f"docs/library.md block {index}",
+               "exec"), {})  # pylint: disable=exec-used

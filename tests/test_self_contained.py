@@ -13,7 +13,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCANNED_DIRS = ("cpjax", "configs", "scripts", "studies", "benchmarks", "docs", "tests", ".ci")
+SCANNED_DIRS = ("cpjax", "configs", "scripts", "studies", "benchmarks", "docs", "tests", ".ci",
+                "examples")
 SCANNED_FILES = ("README.md", "main.py", "pyproject.toml", "requirements.txt")
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".sbatch", ".sh", ".json", ""}
 SKIPPED_PARTS = {"__pycache__", "out", "workdir"}
