@@ -64,6 +64,7 @@ def pytest_collection_modifyitems(items):
     shared = [name for name in _SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
     if shared:  # No test reads two of them; if one did, both runs would build on its worker.
       item.add_marker(pytest.mark.xdist_group(shared[0]))
+      item.add_marker(pytest.mark.slow)  # Needs a whole training run (or the built tfds set).
 
 
 @pytest.fixture(scope="session")

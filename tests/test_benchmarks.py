@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import xla_cpu_variants
 from tests.helpers import REPO, subprocess_env
+
+pytestmark = pytest.mark.slow  # Each smoke run is a process that compiles and runs steps.
 
 
 def _run(module, *args, tmp_path):

@@ -431,6 +431,7 @@ def _two_processes(phase: str, workdir: str) -> list[tuple[dict, str]]:
   return run_processes(_WORKER, [[str(pid), phase, workdir] for pid in range(2)])
 
 
+@pytest.mark.slow
 def test_two_processes_agree_process_0_moves_aside_and_the_step_is_redone(tmp_path):
   workdir = str(tmp_path / "wd")
   assert [r for r, _ in _two_processes("save", workdir)] == [{"10": True, "20": True}] * 2

@@ -84,6 +84,7 @@ def _run_main(workdir: str, cache: str) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_restart_loads_its_programs_from_the_cache(tmp_path):
   """main.py twice with the same config and a cache of its own: the first run compiles and
   writes every program, the second loads them all and logs so."""

@@ -186,6 +186,7 @@ def _preempt_requeue_and_compare(tmp_path, port: int, straight_job: subprocess.P
   assert without_timing(read_metrics(workdir)) == without_timing(read_metrics(straight))
 
 
+@pytest.mark.slow
 def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_path):
   """lr=100 after a good epoch: the run stops on a non-finite loss or logits, names the last
   checkpoint it saved, which holds finite parameters and survives rotation
@@ -248,6 +249,7 @@ def test_a_second_run_on_a_held_workdir_fails_fast_naming_the_holder(tmp_path):
   assert workdir_lock.read_holder(os.path.join(workdir, workdir_lock.LOCK_FILE)) is None
 
 
+@pytest.mark.slow
 def test_a_killed_holder_never_blocks_the_rerun(tmp_path):
   """SIGKILL gives no chance to clean up: the kernel drops the flock with the process."""
   workdir = str(tmp_path)

@@ -77,6 +77,7 @@ def test_paired_bootstrap_of_a_run_with_itself_is_zero_and_brackets_a_known_gap(
   assert low < 0.05 < high and low > 0.03  # Paired: only the 100 changed images vary.
 
 
+@pytest.mark.slow
 def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
   """Three arms on configs/test.py (3 epochs, 1 of warm-up), one seed: the RHO-LOSS arm
   trains its held-out target first; the summary pairs each arm with its references and the
@@ -178,6 +179,7 @@ def test_answers_name_the_winner_and_the_targets_met_or_missed():
           and "matches or beats full data: met" in text)
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_reported_but_a_stop_request_stops_the_study(tmp_path, monkeypatch):
   """A run that raises is listed under the summary's failed runs and the study goes on; a
   preemption (SIGTERM) propagates, so the study stops and its rerun resumes the run."""

@@ -275,6 +275,7 @@ def test_every_registered_loss_lowers_its_loss_in_jitted_train_steps(name, fixed
   assert loss_sums[-1] < loss_sums[0], loss_sums
 
 
+@pytest.mark.slow
 def test_mixup_trains_through_the_loop_with_a_loss_chosen_by_name(tmp_path):
   """The one end-to-end run of the loss features: mixup, with a loss chosen by its name."""
   workdir = str(tmp_path / "run")

@@ -88,6 +88,7 @@ def test_host_batches_are_the_same_with_and_without_prefetch(digits):
   np.testing.assert_array_equal(batches[2][3]["image"], digits["train"].images[blocks[3]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["host", "stream"])
 def test_a_run_is_the_same_with_and_without_prefetch(kind, tmp_path):
   """InfoBatch (weighted batches) after a warm-up epoch, evaluated through the same reader:

@@ -78,6 +78,7 @@ def test_auto_picks_device_when_the_splits_fit_the_budget():
     config_validation.validate(tiny_config(**{"dataset.reader": "disk"}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     # Subsets with per-example loss weights.
     {"selection.method": "infobatch", "selection.score": "loss",
@@ -264,6 +265,7 @@ def _stream_processes(directory, blocks, num_processes, devices):
   return results, masks, weights
 
 
+@pytest.mark.slow
 def test_two_processes_read_disjoint_halves_whose_union_is_the_global_batch(tmp_path):
   """2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed), generated records."""
   _write_generated(str(tmp_path), 300, (8, 8, 1))
@@ -282,6 +284,7 @@ def test_two_processes_read_disjoint_halves_whose_union_is_the_global_batch(tmp_
                                   weights[blocks[:, half]])
 
 
+@pytest.mark.slow
 def test_streaming_a_set_four_times_the_memory_cap_stays_under_the_cap(tmp_path):
   """60,000 GENERATED 32x32x3 images (176 MB of uncompressed records) streamed in one epoch of
   batches of 256 by a fresh process: its resident memory grows by less than 40 MB."""

@@ -46,6 +46,7 @@ def _strict_load(path: str):
     return json.load(f, parse_constant=lambda name: pytest.fail(f"{name} in {path}"))
 
 
+@pytest.mark.slow
 def test_a_failing_report_keeps_the_last_epoch_and_evaluate_finishes_it(tmp_path, monkeypatch):
   """The report fails after the last epoch: its checkpoint is already committed, so
   --mode=evaluate writes the report from it, and a rerun of the training command writes it
@@ -104,6 +105,7 @@ def test_report_json_is_strict_with_null_for_undefined_values(tmp_path):
   assert np.isnan(back["metrics"]["test"]["before_ts"]["s99_accuracy"])  # Nothing >= 0.99.
 
 
+@pytest.mark.slow
 def test_a_run_that_learns_nothing_stops_with_a_clear_message(tmp_path):
   """The outside report's run: FL_gamma with meta.max_gamma=0 and meta.temperature=1e-30
   trained with a loss of exactly 0.0 and exited 0 at chance accuracy. Now the first epoch
@@ -313,6 +315,7 @@ def _make_unwritable(path: str) -> str:
   return f"chattr -i {path}"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_folder_turning_read_only_mid_run_stops_in_one_line(tmp_path):
   """checkpoints/ refuses new files after the first checkpoint (a read-only remount, a full
   disk, a quota): the next save stops the run at once with one line, exit 1, instead of

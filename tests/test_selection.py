@@ -357,6 +357,7 @@ def test_infobatch_trains_the_policys_rows_then_all_data(infobatch_run, digits):
   assert records[3]["pruned_share"] == 0.0
 
 
+@pytest.mark.slow
 def test_infobatch_resumes_mid_epoch_exactly(infobatch_run, tmp_path, monkeypatch):
   """A stop 3 steps into pruned epoch 2, then a rerun: the same rows, weights and number of
   steps, so the metrics and the final state are the uninterrupted run's, bit for bit."""

@@ -60,6 +60,7 @@ def test_epoch_steps_under_a_step_budget_by_hand(natural, budget, expected):
   assert train._epoch_steps(natural, budget) == expected
 
 
+@pytest.mark.slow
 def test_budgeted_run_stops_at_the_budget_with_the_schedule_spread_over_it(tmp_path):
   """The "same budget" baseline: full data cut to 27 steps, cosine over those 27 steps."""
   budget = STEPS_PER_EPOCH + 7
@@ -103,6 +104,7 @@ def test_train_step_compiles_once_per_run(selected_run):
   assert selected_run.train_step_executables == 1
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monkeypatch):
   real = optim.learning_rate_at
   monkeypatch.setattr(optim, "learning_rate_at",  # Epoch 1 diverges.

@@ -63,6 +63,7 @@ def host_reads(monkeypatch):
   return reads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     {**helpers.SELECTED, "selection.record_scores": False},
     {"num_epochs": 3, "selection.method": "infobatch", "selection.score": "loss",
@@ -77,6 +78,7 @@ def test_epochs_run_without_per_step_host_reads(tmp_path, host_reads, overrides)
   assert host_reads == []
 
 
+@pytest.mark.slow
 def test_a_per_step_host_read_is_counted(tmp_path, host_reads, monkeypatch):
   """A loss read back after every step (as a `float(loss)` in the loop would) is counted once
   per step; the logging points' own reads (every 5 steps) are not."""
