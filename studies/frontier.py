@@ -65,10 +65,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from scipy import stats  # noqa: E402
 
 from cpjax.runtime import preemption  # noqa: E402
-from studies import grid, long_schedule  # noqa: E402
+from studies import equivalence, grid, long_schedule  # noqa: E402
 
 RECORDS = "studies/results/frontier_runs"
 LONG_RECORDS = long_schedule.RECORDS
@@ -77,9 +76,8 @@ CONFIRM_SEEDS = (3, 4, 5, 6, 7)
 HALF = 45  # The half-compute budget: 0.05 + 0.95 * 0.45 = 47.75 % of full data's passes.
 BUDGETS = (30, 45, 55, 70)
 INFOBATCH_RATIOS = {45: 85, 30: 95, 55: 70, 70: 50}  # Budget column -> prune ratio (%).
-MARGIN = 0.002  # Equivalence margin: 0.2 accuracy points.
-MIN_MEAN = -0.001  # Lossless also needs a mean difference of at least -0.1 points.
-ALPHA = 0.05  # Each one-sided test; the TOST's interval is the 1 - 2 alpha = 90 % t interval.
+MARGIN, MIN_MEAN, ALPHA = equivalence.MARGIN, equivalence.MIN_MEAN, equivalence.ALPHA
+tost, lossless = equivalence.tost, equivalence.lossless
 ANNEAL_EPOCHS = 2
 NOISE = 0.2
 SAMPLED = {"selection.method": "sampled", "selection.temperature": 0.1}
@@ -200,35 +198,6 @@ def base_config():
 
 # ---------------------------------------------------------------------------------------------
 # Statistics.
-
-
-def tost(differences, margin: float = MARGIN, alpha: float = ALPHA) -> dict:
-  """Two one-sided t-tests of equivalence (Schuirmann 1987) on paired differences d:
-  H0- : mean <= -margin vs mean > -margin, and H0+ : mean >= margin vs mean < margin.
-  Equivalence at level alpha when both reject, i.e. max(p-, p+) < alpha, the same as the
-  1 - 2 alpha t interval lying inside (-margin, margin)."""
-  d = np.asarray(differences, np.float64)
-  n = len(d)
-  mean = float(d.mean())
-  if n < 2:
-    return {"n": n, "mean": mean, "p": math.nan, "equivalent": False,
-            "low": math.nan, "high": math.nan}
-  se = d.std(ddof=1) / math.sqrt(n)
-  if se == 0:
-    p_value = 0.0 if abs(mean) < margin else 1.0
-    half = 0.0
-  else:
-    p_low = stats.t.sf((mean + margin) / se, n - 1)  # H0: mean <= -margin.
-    p_high = stats.t.cdf((mean - margin) / se, n - 1)  # H0: mean >= +margin.
-    p_value = float(max(p_low, p_high))
-    half = stats.t.ppf(1 - alpha, n - 1) * se
-  return {"n": n, "mean": mean, "p": p_value, "equivalent": bool(p_value < alpha),
-          "low": mean - half, "high": mean + half}
-
-
-def lossless(test: dict) -> bool:
-  """Equivalent at the margin and a mean difference of at least MIN_MEAN."""
-  return bool(test["equivalent"] and test["mean"] >= MIN_MEAN)
 
 
 def paired_differences(arm: dict, reference: dict, key: str = "accuracy") -> tuple[list, list]:

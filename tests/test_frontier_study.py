@@ -8,13 +8,13 @@ import pytest
 from scipy import stats
 
 from cpjax import config_validation
-from studies import frontier, grid
+from studies import equivalence, frontier, grid
 
 
 def test_tost_by_hand():
   # d = (+0.1, 0, -0.1) points: mean 0, sd 0.1, se 0.1 / sqrt(3); t = 0.2 / se = sqrt(12).
   # With 2 degrees of freedom the t tail is closed-form: sf(t) = (1 - t / sqrt(t^2 + 2)) / 2.
-  result = frontier.tost([0.001, 0.0, -0.001])
+  result = equivalence.tost([0.001, 0.0, -0.001])
   t = math.sqrt(12)
   assert result["p"] == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, rel=1e-9)
   assert result["equivalent"] and result["mean"] == 0.0
@@ -26,22 +26,22 @@ def test_tost_by_hand():
 def test_tost_equals_two_one_sided_scipy_tests(seed):
   rng = np.random.default_rng(seed)
   d = rng.normal(rng.uniform(-0.003, 0.003), 0.0015, size=int(rng.integers(3, 9)))
-  lower = stats.ttest_1samp(d + frontier.MARGIN, 0.0, alternative="greater").pvalue
-  upper = stats.ttest_1samp(d - frontier.MARGIN, 0.0, alternative="less").pvalue
-  result = frontier.tost(d)
+  lower = stats.ttest_1samp(d + equivalence.MARGIN, 0.0, alternative="greater").pvalue
+  upper = stats.ttest_1samp(d - equivalence.MARGIN, 0.0, alternative="less").pvalue
+  result = equivalence.tost(d)
   assert result["p"] == pytest.approx(max(lower, upper), rel=1e-9)
   # Equivalence at alpha 0.05 is the 90 % t interval inside the margin.
   low, high = stats.t.interval(0.9, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
-  inside = -frontier.MARGIN < low and high < frontier.MARGIN
+  inside = -equivalence.MARGIN < low and high < equivalence.MARGIN
   assert result["equivalent"] == inside
   assert (result["low"], result["high"]) == pytest.approx((low, high), rel=1e-9)
 
 
 def test_lossless_needs_equivalence_and_a_small_mean_loss():
-  assert frontier.lossless({"equivalent": True, "mean": -0.0005})
-  assert not frontier.lossless({"equivalent": True, "mean": -0.0015})  # Below -0.1 points.
-  assert not frontier.lossless({"equivalent": False, "mean": 0.0})
-  assert not frontier.tost([0.0005])["equivalent"]  # One seed proves nothing.
+  assert equivalence.lossless({"equivalent": True, "mean": -0.0005})
+  assert not equivalence.lossless({"equivalent": True, "mean": -0.0015})  # Below -0.1 points.
+  assert not equivalence.lossless({"equivalent": False, "mean": 0.0})
+  assert not equivalence.tost([0.0005])["equivalent"]  # One seed proves nothing.
 
 
 @pytest.mark.parametrize("budget", frontier.BUDGETS)
