@@ -20,12 +20,13 @@ SETTINGS = {"random_share": 0.3, "temperature": 0.2, "stratify_drop": 0.1, "num_
             "prune_ratio": 0.4, "anneal_fraction": 0.25}
 
 
-def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup, fraction):
+def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup, fraction,
+                 **schedule):
   """The trainer's Selector (train-pass scoring) on the same ids, labels and score buffers:
-  {epoch: (ids, weights)}."""
+  {epoch: (ids, weights)}. `schedule`: final_full_epochs, fraction_end."""
   config = tiny_config(**{"seed": seed, "num_epochs": num_epochs, "selection.method": method,
                           "selection.warmup_epochs": warmup, "selection.fraction": fraction,
-                          **{f"selection.{k}": v for k, v in SETTINGS.items()}})
+                          **{f"selection.{k}": v for k, v in {**SETTINGS, **schedule}.items()}})
   chooser = selector.Selector(config, splits.Split(None, labels, ids), sharding.create_mesh())
   out = {}
   for epoch, buffer in scores_by_epoch.items():
@@ -52,8 +53,27 @@ def test_every_policy_selects_the_trainers_ids_for_the_same_seed_and_scores(meth
     else:
       assert got.weights is None and want[epoch][1] is None
   if method == "top_k":  # And by hand: the 60 highest, ties to the lower id (none here).
+    assert selection.k_at(3) == 60
     np.testing.assert_array_equal(selection.select({"scores": buffers[3]}, 3).ids,
                                   np.sort(ids[np.argsort(-buffers[3], kind="stable")[:60]]))
+
+
+@pytest.mark.parametrize("method", ["top_k", "sampled", "random"])
+def test_a_budget_schedule_selects_the_trainers_ids(method):
+  """fraction_end 0.1 -> 0.5 over selected epochs 1..4, then 2 final full epochs."""
+  rng = np.random.default_rng(5)
+  ids, labels = np.arange(200), rng.integers(0, 3, 200)
+  buffers = {epoch: rng.normal(size=200).astype(np.float32) for epoch in range(7)}
+  selection = api.Selection(ids, labels, method=method, fraction=0.1, fraction_end=0.5,
+                            final_full_epochs=2, warmup_epochs=1, num_epochs=7, seed=4,
+                            **({"temperature": 0.2} if method == "sampled" else {}))
+  want = _trainer_ids(method, ids, labels, buffers, 4, 7, 1, 0.1, final_full_epochs=2,
+                      fraction_end=0.5)
+  sizes = [len(selection.select({"scores": b}, e).ids) for e, b in buffers.items()]
+  assert sizes == [200, 20, 47, 73, 100, 200, 200]  # round(200 (0.1 + 0.4 (e - 1) / 3)).
+  for epoch, buffer in buffers.items():
+    np.testing.assert_array_equal(selection.select({"scores": buffer}, epoch).ids,
+                                  want[epoch][0], err_msg=f"{method} epoch {epoch}")
 
 
 def test_the_own_loop_example_selects_what_the_trainer_selects():

@@ -41,7 +41,8 @@ class Selection:
 
   def __init__(self, ids, labels=None, *, method: str = "top_k", fraction: float = 0.1,
                count: int = 0, warmup_epochs: int = 0, num_epochs: int = 1, seed: int = 0,
-               direction: str = "hardest", mesh: jax.sharding.Mesh | None = None,
+               direction: str = "hardest", final_full_epochs: int = 0,
+               fraction_end: float = -1.0, mesh: jax.sharding.Mesh | None = None,
                **settings: Any):
     """Binds a policy and its settings to the training examples.
 
@@ -55,6 +56,9 @@ class Selection:
       num_epochs: the run's epochs (infobatch anneals on the last ones).
       seed: the root seed of every random draw (the trainer's config.seed).
       direction: "hardest" (highest scores first) or "easiest".
+      final_full_epochs: fixed-size policies: the last epochs train on all data.
+      fraction_end: fixed-size policies: >= 0 moves the kept fraction linearly from
+        `fraction` (first selected epoch) to this (last selected epoch); < 0: constant.
       mesh: the mesh of the global ranking (None: all devices).
       **settings: the policy's own settings (e.g. temperature=0.1 for sampled); the
         others keep their declared defaults.
@@ -77,9 +81,12 @@ class Selection:
     if "direction" in self.policy.needs and direction != self.policy.needs["direction"]:
       raise ValueError(f"direction={direction!r} does not work with method={method!r} (it "
                        f"{self.policy.needs_reason}); valid: {self.policy.needs['direction']!r}")
-    self.k = policies.subset_size(fraction, count, len(self.ids))
+    if (final_full_epochs or fraction_end >= 0) and not policies.fixed_size(method):
+      raise ValueError(f"final_full_epochs and fraction_end work with the fixed-size "
+                       f"policies only, not method={method!r}")
+    self.fraction, self.count, self.fraction_end = fraction, count, fraction_end
     self.warmup_epochs, self.num_epochs, self.seed = warmup_epochs, num_epochs, seed
-    self.direction, self.mesh = direction, mesh
+    self.final_full_epochs, self.direction, self.mesh = final_full_epochs, direction, mesh
 
   @property
   def weighted(self) -> bool:
@@ -91,14 +98,22 @@ class Selection:
     return {"scores": np.zeros(len(self.ids), np.float32)}
 
   def selecting(self, epoch: int) -> bool:
-    """Whether `epoch` trains on a policy's subset (not warm-up, not method=full)."""
-    return self.policy.name != policies.FULL and epoch >= self.warmup_epochs
+    """Whether `epoch` trains on a policy's subset (not warm-up, not the final full epochs,
+    not method=full)."""
+    return policies.selecting(self.policy.name, epoch, self.warmup_epochs, self.num_epochs,
+                              self.final_full_epochs)
+
+  def k_at(self, epoch: int) -> int:
+    """The subset size of a fixed-size policy in selected `epoch`."""
+    return policies.k_at(self.fraction, self.count, len(self.ids), epoch, self.warmup_epochs,
+                         self.num_epochs, self.final_full_epochs, self.fraction_end)
 
   def select(self, state: State, epoch: int) -> Subset:
     """The ids to train on in `epoch` (all of them in warm-up), by the recorded scores."""
     if not self.selecting(epoch):
       return Subset(self.ids, np.ones(len(self.ids), np.float32) if self.weighted else None)
-    request = policies.Request(np.asarray(state["scores"]), self.labels, self.ids, self.k,
+    request = policies.Request(np.asarray(state["scores"]), self.labels, self.ids,
+                               self.k_at(epoch),
                                self.seed, epoch, self.warmup_epochs, self.num_epochs,
                                self.mesh)
     return Subset(*policies.select(self.policy.name, request, self._settings,

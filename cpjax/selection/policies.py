@@ -56,6 +56,7 @@ class Policy:
   needs_reason: str = ""
   # Cross-field problems: (config.selection, training examples, config.num_epochs) -> messages.
   problems: ProblemsFn | None = None
+  one_size: bool = False  # Its subsets need one k all run (no `fraction_end` schedule).
 
   @property
   def takes_target_scores(self) -> bool:
@@ -82,6 +83,42 @@ def subset_size(fraction: float, count: int, num_train: int) -> int:
   """k: `count` if set (> 0), else round(fraction * num_train), at least 1."""
   k = count if count > 0 else int(round(fraction * num_train))
   return max(1, min(k, num_train))
+
+
+def fraction_at(fraction: float, fraction_end: float, epoch: int, first_selected: int,
+                last_selected: int) -> float:
+  """The kept fraction of selected `epoch` under a linear budget schedule.
+
+  f(e) = f0 + (f1 - f0) * (e - e0) / (e1 - e0) for the selected epochs e0 .. e1
+  (`first_selected` .. `last_selected`), f0 = `fraction`, f1 = `fraction_end`;
+  a negative `fraction_end` keeps f0 throughout (the constant budget of the
+  papers). A rising schedule trains lean while the model learns the easy bulk
+  and spends its budget late, where a subset's bias costs most.
+  """
+  if fraction_end < 0 or last_selected <= first_selected:
+    return fraction
+  progress = (epoch - first_selected) / (last_selected - first_selected)
+  return fraction + (fraction_end - fraction) * progress
+
+
+def selecting(method: str, epoch: int, warmup_epochs: int, num_epochs: int,
+              final_full_epochs: int = 0) -> bool:
+  """Whether `epoch` trains on a selected subset: after the warm-up epochs and before the
+  final full-data epochs (`final_full_epochs`, an annealing phase as InfoBatch's for the
+  fixed-size methods); never under method=full."""
+  return method != FULL and warmup_epochs <= epoch < num_epochs - final_full_epochs
+
+
+def k_at(fraction: float, count: int, num_train: int, epoch: int, warmup_epochs: int,
+         num_epochs: int, final_full_epochs: int = 0, fraction_end: float = -1.0) -> int:
+  """k of a fixed-size method in selected `epoch`: `count`, or the kept fraction of the
+  epoch (`fraction`, moving linearly to `fraction_end` over the selected epochs when that
+  is >= 0) times the training rows."""
+  fraction = fraction_at(fraction, fraction_end, epoch, warmup_epochs,
+                         num_epochs - final_full_epochs - 1)
+  return subset_size(fraction, count, num_train)
+
+
 POLICIES.register(Policy(
     "top_k", lambda r: subsets.select_top_k(r.scores, r.ids, r.k, r.mesh),
     "the k highest scores (Tata et al. 2022's selection): a global `jax.lax.top_k` over a "
@@ -137,13 +174,13 @@ POLICIES.register(Policy(
     "a fresh uniform random subset of size k each epoch (baseline)", needs_scores=False))
 POLICIES.register(Policy(
     "static_random", lambda r: subsets.random_subset(r.ids, r.k, r.seed, None),
-    "one random subset, the same every epoch (baseline)", needs_scores=False))
+    "one random subset, the same every epoch (baseline)", needs_scores=False, one_size=True))
 POLICIES.register(Policy(
     "random_without_replacement",
     lambda r: subsets.random_without_replacement(r.ids, r.k, r.seed, r.epoch - r.first_epoch),
     "RS2 (Okanovic et al. 2023): one random permutation per round of ceil(N/k) selected "
     "epochs, walked in slices of k, so every example is trained once per round",
-    needs_scores=False))
+    needs_scores=False, one_size=True))
 
 
 def _infobatch_problems(selection: ml_collections.ConfigDict, num_rows: int,

@@ -30,8 +30,6 @@ class Selector:
     self._config, self._selection, self._split, self._mesh = (
         config, config.selection, train_split, mesh)
     self._num_classes = specs.DATASETS[config.dataset.name].num_classes
-    self.k = policies.subset_size(self._selection.fraction, self._selection.count,
-                                  len(train_split))  # Fixed-size methods only.
     # Weighted methods (infobatch) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
     self.weighted = policies.weights_loss(self._selection.method)
@@ -40,14 +38,25 @@ class Selector:
     self._settings = policies.POLICIES.keywords(self._selection.method, self._selection)
 
   def selecting(self, epoch: int) -> bool:
-    return self._selection.method != policies.FULL and epoch >= self._selection.warmup_epochs
+    """Whether `epoch` trains on a selected subset (after the warm-up, before the
+    `selection.final_full_epochs`)."""
+    return policies.selecting(self._selection.method, epoch, self._selection.warmup_epochs,
+                              self._config.num_epochs, self._selection.final_full_epochs)
+
+  def k_at(self, epoch: int) -> int:
+    """k of a fixed-size method in selected `epoch` (`policies.k_at`: `selection.count`, or
+    the epoch's kept fraction under `selection.fraction_end`'s schedule)."""
+    selection = self._selection
+    return policies.k_at(selection.fraction, selection.count, len(self._split), epoch,
+                         selection.warmup_epochs, self._config.num_epochs,
+                         selection.final_full_epochs, selection.fraction_end)
 
   def steps_in_epoch(self, epoch: int) -> int:
     """Steps of `epoch` for the progress report's total. An infobatch epoch's size is known
     only once its rows are drawn: its full size counts (an upper bound; the loop trains
     ceil(rows / batch_size) steps of the rows it gets)."""
     fixed_subset = self.selecting(epoch) and not self.weighted
-    rows = self.k if fixed_subset else len(self._split)
+    rows = self.k_at(epoch) if fixed_subset else len(self._split)
     return -(-rows // self._config.batch_size)
 
   def rows_for_epoch(self, epoch: int, train_state: steps.TrainState,
@@ -81,7 +90,7 @@ class Selector:
 
   def _choose(self, epoch: int, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """The policy's ids (increasing) and their weights (None for unweighted methods)."""
-    request = policies.Request(scores, self._split.labels, self._split.ids, self.k,
+    request = policies.Request(scores, self._split.labels, self._split.ids, self.k_at(epoch),
                                self._config.seed, epoch, self._selection.warmup_epochs,
                                self._config.num_epochs, self._mesh)
     return policies.select(self._selection.method, request, self._settings,
