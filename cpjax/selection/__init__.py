@@ -1,2 +1,3 @@
-"""Sample prioritization: per-example scores, subset policies, score sources and the
-per-epoch bookkeeping that chooses what each epoch trains on."""
+"""Sample prioritization: per-example scores, subset policies (a registry), score sources,
+the per-epoch bookkeeping that chooses what each epoch trains on, and `api` for one's own
+training loop."""
