@@ -2,7 +2,8 @@
 
 Every step kind (train, InfoBatch-weighted train, gamma-Net meta train, eval, scoring pass),
 for a ResNet and small_cnn, in float32 and bfloat16, exported for ("cuda",) and ("tpu",) with
-the batch sharded over conftest's 8 forced CPU devices. The exported StableHLO must hold no
+the batch sharded over conftest's 8 forced CPU devices; and the train, scoring and eval steps
+of the ImageNet-stem ResNet-50 on 224 px images in bfloat16. The exported StableHLO must hold no
 host callback and no float64, and keep the batch sharded on `data`. The checker itself is
 tested on modules that do hold a callback and float64, so a pass is not vacuous.
 """
@@ -28,7 +29,24 @@ def mesh():
 @pytest.mark.parametrize("dtype", lowering.DTYPES)
 @pytest.mark.parametrize("model_name", ["resnet18", "small_cnn"])
 def test_step_lowers_for_gpu_and_tpu(mesh, model_name, dtype, kind):
-  step = lowering.build_step(kind, model_name, dtype, "digits", BATCH, mesh)
+  _check_lowers(lowering.build_step(kind, model_name, dtype, "digits", BATCH, mesh), kind, dtype)
+
+
+@pytest.mark.parametrize("kind", ["train", "score", "eval"])
+def test_imagenet_resnet50_at_224_lowers_for_gpu_and_tpu(mesh, kind):
+  """ResNet-50 with the ImageNet stem on 224 px images, bfloat16 compute, as an ImageNet
+  config runs it (3-channel normalisation and the classes from cifar10's spec)."""
+  step = lowering.build_step(kind, "resnet50_imagenet", "bfloat16", "cifar10", BATCH, mesh,
+                             image_size=224)
+  for text in _check_lowers(step, kind, "bfloat16"):
+    assert lowering.parameters(text)["batch['image']"][0] == f"{BATCH}x224x224x3xui8"
+    assert "bf16" in text  # Every step, eval too, runs the bfloat16 network.
+
+
+def _check_lowers(step, kind, dtype):
+  """`step` exported for each platform: no callback or float64, batch sharded on `data`,
+  state replicated, the compute dtype in the module. Returns the exported modules' text."""
+  texts = []
   for platforms in lowering.PLATFORMS:
     exported = lowering.export(step, platforms)
     text = exported.mlir_module()
@@ -49,6 +67,8 @@ def test_step_lowers_for_gpu_and_tpu(mesh, model_name, dtype, kind):
     assert state and not any('"data"' in attrs for attrs in state)  # Replicated.
     if dtype == "bfloat16" and kind != "eval":
       assert "bf16" in text  # The compute dtype reached the module.
+    texts.append(text)
+  return texts
 
 
 def test_problems_finds_host_callbacks_and_float64():

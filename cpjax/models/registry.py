@@ -50,7 +50,7 @@ _SPECS = (
     ModelSpec("resnet110", functools.partial(_kuangliu, stage_sizes=(3, 4, 26, 3),
                                              block=nets.Bottleneck), 32, 8,
               "ResNet-110 as the focal-loss code builds it (bottleneck [3, 4, 26, 3]), "
-              "CIFAR stem"),
+              "CIFAR stem, 45.9M parameters"),
     ModelSpec("resnet18_imagenet", functools.partial(_imagenet, stage_sizes=_BASIC_18),
               224, 32, "ResNet-18, ImageNet stem (7x7/2 conv, 3x3/2 max-pool), 11.7M "
               "parameters at 1,000 classes"),
@@ -63,11 +63,11 @@ _SPECS = (
               "He et al.'s CIFAR ResNet-20 (16/32/64 channels, parameter-free shortcuts), "
               "0.27M parameters"),
     ModelSpec("resnet32", functools.partial(_he_cifar, stage_sizes=(5, 5, 5)), 32, 4,
-              "He et al.'s CIFAR ResNet-32"),
+              "He et al.'s CIFAR ResNet-32, 0.46M parameters"),
     ModelSpec("resnet56", functools.partial(_he_cifar, stage_sizes=(9, 9, 9)), 32, 4,
-              "He et al.'s CIFAR ResNet-56"),
+              "He et al.'s CIFAR ResNet-56, 0.85M parameters"),
     ModelSpec("wrn26_10", functools.partial(_wide, stage_sizes=(4, 4, 4)), 32, 4,
-              "WideResNet-26-10 as the focal-loss code builds it"),
+              "WideResNet-26-10 as the focal-loss code builds it, 36.5M parameters"),
 )
 MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}
 
@@ -115,7 +115,7 @@ def create_model(name: str, num_classes: int, dtype: str = "float32") -> nn.Modu
 
 def markdown_table() -> str:
   """The README's model table, one row per registered model, in registration order."""
-  rows = ["| `model.name` | designed for | downsampling | model |", "|---|---|---|---|"]
+  rows = ["| name | designed for | downsampling | model |", "|---|---|---|---|"]
   rows += [f"| `{s.name}` | {s.image_size} px | x{s.downsampling} | {s.doc} |"
            for s in _SPECS]
   return "\n".join(rows)
