@@ -32,7 +32,7 @@ from configs import default
 from cpjax import models, optim, run_state, steps, train
 from cpjax.data import specs
 from cpjax.runtime import sharding
-from cpjax.selection import policies, sources
+from cpjax.selection import policies, scores, sources
 
 KINDS = ("train", "infobatch_train", "meta_train", "eval", "score")
 PLATFORMS = (("cuda",), ("tpu",))
@@ -90,7 +90,8 @@ def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size:
   if kind == "eval":
     return Step(train._jit_eval_step(config, model), (state, batch))  # pylint: disable=protected-access
   if kind == "score":
-    fn = sources._jit_score_step(config, dtype, config.selection.score,  # pylint: disable=protected-access
+    score_fn = scores.forward_score(config.selection.score, config.selection)
+    fn = sources._jit_score_step(config, dtype, score_fn,  # pylint: disable=protected-access
                                  config.xla_cpu_options)
     return Step(fn, (state, batch))
   learning_rate = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(mesh))

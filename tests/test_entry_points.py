@@ -86,6 +86,7 @@ def test_write_array_records_reads_back_the_config_splits(tmp_path):
     ("studies.losses", "--out"), ("studies.prioritization", "--out"),
     ("studies.selection", "--out"), ("studies.meta_calibration", "--out"),
     ("studies.long_schedule", "--summarise-only"), ("studies.posthoc", "--out"),
+    ("studies.frontier", "--summarise-only"),
     # Timed in-process at a tiny size in tests/test_benchmarks.py; here its command line.
     ("benchmarks.xla_cpu_variants", "--batch-size")])
 def test_long_entry_points_start(module, flag):
@@ -93,14 +94,23 @@ def test_long_entry_points_start(module, flag):
   assert flag in _module(module, "--help").stdout
 
 
+def test_registry_tables_find_the_docs_up_to_date():
+  assert "up to date" in _module("scripts.registry_tables", "--check").stdout
+
+
+def test_the_own_loop_example_starts():
+  """Run for a few epochs in tests/test_library.py; here its command line."""
+  assert "--epochs" in _module("examples.own_loop", "--help").stdout
+
+
 def test_every_entry_point_has_a_smoke_test():
-  """A new script or benchmark with a __main__ must get a smoke run here or in
+  """A new script, benchmark or example with a __main__ must get a smoke run here or in
   tests/test_benchmarks.py."""
   tested = ""
   for name in ("test_entry_points.py", "test_benchmarks.py"):
     with open(os.path.join(REPO, "tests", name)) as f:
       tested += f.read()
-  for directory in ("scripts", "benchmarks", "studies"):
+  for directory in ("scripts", "benchmarks", "studies", "examples"):
     for file in sorted(os.listdir(os.path.join(REPO, directory))):
       if not file.endswith(".py"):
         continue
