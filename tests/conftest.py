@@ -56,6 +56,8 @@ def pytest_sessionfinish(session, exitstatus):
 # still trains once, and the groups spread over the workers.
 _SHARED_FIXTURES = ("selected_run", "main_run", "other_model_run", "meta_run",
                     "fashion_mnist_tfds")
+# Fixtures that train a whole run (or build a tfds set): their tests are marked `slow`.
+_TRAINED_RUN_FIXTURES = (*_SHARED_FIXTURES, "infobatch_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups off the markers.
@@ -64,6 +66,7 @@ def pytest_collection_modifyitems(items):
     shared = [name for name in _SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
     if shared:  # No test reads two of them; if one did, both runs would build on its worker.
       item.add_marker(pytest.mark.xdist_group(shared[0]))
+    if any(name in getattr(item, "fixturenames", ()) for name in _TRAINED_RUN_FIXTURES):
       item.add_marker(pytest.mark.slow)  # Needs a whole training run (or the built tfds set).
 
 

@@ -265,6 +265,7 @@ def test_a_bad_config_prints_its_problem_alone_and_exits_with_a_usage_status(tmp
   assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.slow  # Two main.py processes.
 def test_main_logs_the_implied_fields_and_refuses_an_explicit_contradiction(tmp_path):
   # infobatch alone: score=loss is implied (logged); warmup 5 of 2 epochs stops it before work.
   result = _run_main_fast(tmp_path, "--config.selection.method", "infobatch",

@@ -82,6 +82,7 @@ def test_wrapper_keeps_the_modules_own_parameters_and_outputs(cls, returns_featu
   assert (features is not None) == returns_features
 
 
+@pytest.mark.slow
 def test_training_runs_with_a_users_module(tmp_path):
   """configs/test.py with a logits-only, BatchNorm-free MLP: trains, evaluates and checkpoints
   the module's own parameter tree (an empty batch_stats)."""

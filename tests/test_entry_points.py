@@ -130,6 +130,7 @@ def test_posthoc_fits_times_every_map_and_the_table():
   assert "post-hoc table" in result.stdout and "ratio" in result.stdout
 
 
+@pytest.mark.slow
 def test_soak_logs_memory_per_epoch(tmp_path):
   out = tmp_path / "soak.json"
   result = _module("benchmarks.soak", "--epochs=3", "--skip=0", f"--out={out}")

@@ -419,6 +419,7 @@ SCHEDULED = {"num_epochs": 4, "selection.method": "top_k", "selection.fraction":
              "keep_checkpoints": 10}
 
 
+@pytest.mark.slow
 def test_budget_schedule_and_final_full_epochs_train_the_planned_rows(digits, tmp_path):
   """Epoch sizes by hand: round(0.2 * 1257) = 251 and round(0.6 * 1257) = 754 between two
   full epochs; each selected epoch trains the 251 / 754 highest entropies of the buffer it
