@@ -28,7 +28,7 @@ from ml_collections import config_flags
 
 from configs import default
 from cpjax import config_schema, config_validation, preflight, train
-from cpjax.runtime import checkpointing, distributed, preemption
+from cpjax.runtime import checkpointing, distributed, failures, preemption
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -64,7 +64,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_quiet_library_info)
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                         FLAGS.heartbeat_timeout_s)
+                         FLAGS.heartbeat_timeout_s, FLAGS.workdir)
   config = _config_with_implied_settings()
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
@@ -74,16 +74,34 @@ def main(argv):
     else:
       train.evaluate_only(config, FLAGS.workdir)
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
+    distributed.finished()
     sys.exit(preemption.EXIT_CODE)
   except preflight.StartupCheckError as err:  # One line per problem, no traceback.
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)
-  except checkpointing.CheckpointSaveError as err:
-    print(f"FATAL {err}", file=sys.stderr, flush=True)
-    # After a failed write orbax's background threads may never end, and a normal exit
-    # waits for them (the process would hang, holding its allocation): end it now. The
-    # workdir lock is released with the process.
-    os._exit(1)
+  except Exception as err:  # pylint: disable=broad-except  (a bug re-raises below)
+    _exit_on_failure(err)
+    raise
+  distributed.finished()
+
+
+def _exit_on_failure(err: Exception) -> None:
+  """Ends the process with one FATAL line if `err` is an operational failure (a failed
+  checkpoint write, a full or read-only folder, a lost process); returns for a bug."""
+  if isinstance(err, checkpointing.CheckpointSaveError):
+    line = str(err)
+  elif failures.cause(err, jax.process_count()) != failures.OTHER:
+    line = failures.line(err, os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints"),
+                         jax.process_count())
+  else:
+    return
+  if failures.is_lost_peer(err, jax.process_count()):
+    distributed.await_lost_process()  # The liveness watch names the lost process and exits.
+  print(f"FATAL {line}", file=sys.stderr, flush=True)
+  # After a failed write orbax's background threads may never end, and a normal exit waits
+  # for them (the process would hang, holding its allocation): end it now. The workdir
+  # lock is released with the process.
+  os._exit(1)
 
 
 def _config_with_implied_settings():
