@@ -146,8 +146,24 @@ def _flag_value(argv: list[str], name: str) -> str | None:
   return value
 
 
+def _check_config_file(value: str) -> None:
+  """Exits with one line (status 2) if the file of `--config=PATH[:ARGS]` is not there;
+  ml_collections would otherwise fail later with a traceback and status 1."""
+  path = value.split(":", 1)[0]
+  if os.path.isfile(path):
+    return
+  configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+  names = sorted(n for n in os.listdir(configs) if n.endswith(".py") and n != "__init__.py")
+  _usage_exit(f"--config file {path!r} does not exist (or is not a file); the configs in "
+              f"{configs}: {', '.join(names)}")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with an unknown `--config.FIELD` reported as a one-line error."""
+  """absl's flag parsing, with a missing --config file or an unknown `--config.FIELD`
+  reported as a one-line error."""
+  config_path = _flag_value(argv, "config")
+  if config_path is not None:
+    _check_config_file(config_path)
   try:
     return FLAGS(argv)
   except (AttributeError, KeyError) as err:  # ml_collections: the override's field is unknown.
