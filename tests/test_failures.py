@@ -74,6 +74,11 @@ def one_checkpoint(tmp_path):
      "writing a checkpoint in {d} failed (OSError: [Errno 122] Disk quota exceeded: '/ck/8'); "
      "make the folder {d} writable (or free space there), then rerun the same command: it "
      "resumes from the last good checkpoint, step 7 in {d}"),
+    # tensorstore (under orbax) reports a full disk in its own exception type, by text.
+    (ValueError('Error writing "ocdbt/d/1f": No space left on device'), 1,
+     "writing a checkpoint in {d} failed (ValueError: Error writing \"ocdbt/d/1f\": No space "
+     "left on device); make the folder {d} writable (or free space there), then rerun the "
+     "same command: it resumes from the last good checkpoint, step 7 in {d}"),
     # A lost peer (Gloo's reset) in a 2-process run: a process was lost, and how to resume.
     (RuntimeError(GLOO_RESET), 2,
      "a process of this job (see the other processes' logs for which) was lost "

@@ -5,8 +5,9 @@ why, what to do, and where the rerun resumes. The causes are told apart because 
 out differ:
 
   * storage: an OSError whose errno says the folder refuses the write (full disk, exceeded
-    quota, read-only or permission denied: `STORAGE_ERRNOS`): make the folder writable or
-    free space there, then rerun;
+    quota, read-only or permission denied: `STORAGE_ERRNOS`), or an error of another type
+    with such an errno's text (tensorstore's): make the folder writable or free space
+    there, then rerun;
   * a lost process: in a multi-process run, the text of a collective's or JAX's coordination
     service's error says a peer is gone (Gloo's "Connection reset by peer", "stopped sending
     heartbeats", ...: `LOST_PEER_TEXT`): nothing to fix here; rerun the same command on every
@@ -43,10 +44,18 @@ def chain(err: BaseException) -> Iterator[BaseException]:
     err = err.__cause__ or err.__context__
 
 
-def storage_error(err: BaseException) -> OSError | None:
-  """The OSError in `err`'s chain that says a folder refuses writes, if there is one."""
-  return next((e for e in chain(err)
-               if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS), None)
+# The same errors as text (tensorstore, under orbax, reports them in its own exceptions).
+_STORAGE_TEXT = tuple(sorted(os.strerror(code).lower() for code in STORAGE_ERRNOS))
+
+
+def storage_error(err: BaseException) -> BaseException | None:
+  """The error in `err`'s chain that says a folder refuses writes, if there is one: an
+  OSError with one of STORAGE_ERRNOS, else one whose message is such an errno's text."""
+  errors = list(chain(err))
+  found = next((e for e in errors if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS),
+               None)
+  return found or next((e for e in errors if not isinstance(e, OSError) and any(
+      text in str(e).lower() for text in _STORAGE_TEXT)), None)
 
 
 def is_lost_peer(err: BaseException, process_count: int) -> bool:
@@ -110,7 +119,8 @@ def line(err: BaseException, checkpoint_dir: str, process_count: int, what: str 
   kind = cause(err, process_count)
   if kind == STORAGE:
     oserror = storage_error(err)
-    path = oserror.filename if isinstance(oserror.filename, str) else ""
+    path = getattr(oserror, "filename", None)
+    path = path if isinstance(path, str) else ""
     what = what or (f"writing {path}" if path else "writing the run's files")
     folder = folder or os.path.dirname(path) or checkpoint_dir
     return (f"{what} failed ({describe(oserror)}); make the folder {folder} writable (or "
