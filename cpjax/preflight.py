@@ -1,7 +1,8 @@
 """Start-up checks: everything a run will need, checked before the workdir is touched.
 
 `check(config, workdir, mode)` runs after config validation and before the workdir lock,
-the checkpoint folder, any data load or compile. It checks
+the checkpoint folder or any compile; the datasets it prepares are the ones the run would
+prepare at its start (or, for the OOD set, at its report). It checks
 
   * the dataset: opened through its tfds builder, or prepared now if it is to be prepared
     (download, manual_dir, a local builder: `input_pipeline.open_or_prepare`), or, for a
