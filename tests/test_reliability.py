@@ -146,12 +146,17 @@ def test_stall_rule_by_hand(loss_min, loss_max, grad_max, steps, stalls, tmp_pat
 # Start-up checks (cpjax.preflight): every failure is found before anything is written.
 
 
-def _fails_at_start_up(config, workdir: str, *expected: str) -> str:
+def _fails_at_start_up(config, workdir: str, *expected: str, checks_only: bool = False) -> str:
   """train_and_evaluate(config) stops in its start-up checks with one line per problem,
-  each matching one of `expected` in order, and leaves `workdir` as it found it."""
+  each matching one of `expected` in order, and leaves `workdir` as it found it.
+  `checks_only`: call those checks alone (cpjax.preflight.check, the first thing a run
+  does), for a config whose training would take many minutes if the checks let it pass."""
   before = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None
   with pytest.raises(preflight.StartupCheckError) as info:
-    train.train_and_evaluate(config, workdir)
+    if checks_only:
+      preflight.check(config, workdir)
+    else:
+      train.train_and_evaluate(config, workdir)
   lines = str(info.value).splitlines()[1:]
   assert len(lines) == len(expected), str(info.value)
   for line, pattern in zip(lines, expected):
@@ -210,7 +215,7 @@ def test_an_ood_set_that_cannot_be_prepared_fails_at_start_up_despite_manual_dir
       r"^ *the OOD set evaluation\.ood='fashion_mnist_tfds' of the final report is missing: "
       r"could not prepare tfds dataset 'fashion_mnist' in '.*/tfds/fashion_mnist/[\d.]+' "
       rf"\(manual_dir='{fashion_mnist_local.DEFAULT_DIR}'\): NonMatchingChecksumError: .*"
-      r'pass --config\.evaluation\.ood=""$')
+      r'pass --config\.evaluation\.ood=""$', checks_only=True)
 
 
 def test_a_manual_archive_for_the_run_does_not_let_a_missing_ood_set_through(tmp_path,
@@ -245,7 +250,8 @@ def test_a_manual_archive_for_the_run_does_not_let_a_missing_ood_set_through(tmp
       config, str(tmp_path / "run"),
       r"^ *the OOD set evaluation\.ood='svhn' of the final report is missing: could not prepare "
       rf"tfds dataset 'svhn_cropped' in '.*' \(manual_dir='{manual}'\): ConnectionError: no "
-      r'route to host \(stand-in for an offline machine\)\. .*pass --config\.evaluation\.ood=""$')
+      r'route to host \(stand-in for an offline machine\)\. .*pass --config\.evaluation\.ood=""$',
+      checks_only=True)
   assert attempts == [("svhn_cropped", manual)]
 
 

@@ -63,6 +63,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   """Calls jax.distributed.initialize when running as one of several processes, and starts
   the LivenessWatch: a process silent for `heartbeat_timeout_s` seconds ends the others
   with one FATAL line naming it and the last good checkpoint under `workdir`."""
+  global _watch
   if heartbeat_timeout_s < 1:
     raise ValueError(f"--heartbeat_timeout_s={heartbeat_timeout_s} must be at least 1 second")
   explicit = (coordinator_address, num_processes, process_id)
@@ -79,7 +80,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return
   client = jax_distributed.global_state.client
   if client is not None and jax.process_count() > 1:
-    global _watch
     checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
     _watch = LivenessWatch(client, jax.process_index(), jax.process_count(),
                            heartbeat_timeout_s,

@@ -29,9 +29,9 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCE
                             errno.EROFS})
 # Lower-case fragments of the errors a collective (Gloo, NCCL, the TPU runtime) or JAX's
 # coordination service raises when a peer process has died or become unreachable.
-LOST_PEER_TEXT = ("connection reset by peer", "connection closed by peer", "broken pipe",
+LOST_PEER_TEXT = ("connection reset by peer", "connection closed by peer",
                   "stopped sending heartbeats", "heartbeat timeout", "tasks have crashed",
-                  "tasks are unhealthy", "remote peer", "peer closed", "socket closed")
+                  "tasks are unhealthy", "leader task was preempted/died")
 STORAGE, LOST_PROCESS, OTHER = "storage", "lost process", "other"
 
 
