@@ -8,7 +8,10 @@
 Rerunning the same command resumes from the latest checkpoint in --workdir. A choice sets
 what it needs unless the command line or the config file sets it (logged): e.g.
 --config.selection.method=infobatch implies --config.selection.score=loss. A bad config
-prints its problems and exits with status 2 (a usage error).
+(or a missing --config file) prints its problems and exits with status 2 (a usage error).
+An operational failure (a full or read-only folder, a failed checkpoint write, a lost
+process) ends in one FATAL line naming the cause, the way out and the last good
+checkpoint, and status 1 (cpjax/runtime/failures.py).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
