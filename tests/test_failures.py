@@ -96,9 +96,9 @@ def one_checkpoint(tmp_path):
 ])
 def test_a_failed_checkpoint_write_is_worded_by_its_cause(one_checkpoint, monkeypatch, error,
                                                           processes, expected):
-  """Every write error used to read "make the folder writable (or free space there)", a
-  lost peer's too. Now: storage errors (by errno) get that advice, a lost peer gets the
-  lost-process line, anything else its type and message; each names the last good step."""
+  """Storage errors (by errno, or tensorstore's text) get "make the folder writable (or
+  free space there)"; a lost peer (Gloo's reset) gets the lost-process line, never the
+  storage advice; anything else its type and message; each names the last good step."""
   directory = one_checkpoint.directory
 
   def failing():
@@ -367,8 +367,8 @@ def test_a_full_disk_mid_run_leaves_no_temporary_after_the_rerun(tmp_path, monke
 
 def test_a_workdir_turning_read_only_mid_run_ends_in_one_fatal_line(tmp_path):
   """The workdir refuses new files once the first checkpoint is committed (as root: the
-  immutable attribute, since chmod does not stop root). The run used to end in an 11-frame
-  PermissionError traceback from metrics.jsonl's write; now: one FATAL line naming the file,
+  immutable attribute, since chmod does not stop root). metrics.jsonl's write then fails
+  with PermissionError; the run ends without a traceback, in one FATAL line naming the file,
   the folder to make writable and the last good checkpoint, exit status 1, and that
   checkpoint intact."""
   workdir = str(tmp_path / "run")

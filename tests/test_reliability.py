@@ -197,9 +197,9 @@ def test_cifar10_without_cifar_or_svhn_fails_at_start_up_in_seconds(tmp_path):
 def test_an_ood_set_that_cannot_be_prepared_fails_at_start_up_despite_manual_dir(
     fashion_mnist_tfds, tmp_path):
   """configs/fashion_mnist.py with Debian's files as dataset.manual_dir and
-  evaluation.ood=fashion_mnist_tfds (tfds's own builder, not prepared in data_dir). The
-  check used to return as soon as manual_dir was set: both epochs trained and were saved,
-  then tfds's checksum error came at the report. Now tfds's builder prepares the OOD set
+  evaluation.ood=fashion_mnist_tfds (tfds's own builder, not prepared in data_dir). A check
+  that passed the OOD set because manual_dir is set would let both epochs train, and tfds's
+  checksum error would come at the report. tfds's builder prepares the OOD set
   at start-up from that folder, rejects Debian's re-compressed files by checksum (offline,
   no download), and the run stops before its first step with that one line."""
   prepared, _ = fashion_mnist_tfds
@@ -221,9 +221,9 @@ def test_an_ood_set_that_cannot_be_prepared_fails_at_start_up_despite_manual_dir
 def test_a_manual_archive_for_the_run_does_not_let_a_missing_ood_set_through(tmp_path,
                                                                              monkeypatch):
   """configs/cifar10.py with a CIFAR-10 archive in manual_dir and its OOD set, SVHN, not
-  prepared and not downloadable: found at start-up (it used to be found after the 200
-  epochs). There is no CIFAR-10 archive here: its builder is replaced by a stand-in that is
-  prepared, as the archive would make it. SVHN goes through tfds's real builder; only its
+  prepared and not downloadable: found at start-up, not after the 200 epochs. There is no
+  CIFAR-10 archive here: its builder is replaced by a stand-in that is prepared, as the
+  archive would make it. SVHN goes through tfds's real builder; only its
   download_and_prepare is replaced, by the error an offline machine gets. The OOD set is
   prepared with its own builder, given the run's manual_dir (a folder may hold several
   archives), exactly once."""
@@ -457,8 +457,8 @@ def test_a_killed_process_ends_its_peer_in_bounded_time_and_both_resume(selected
                                                                        tmp_path):
   """2 processes (2 x 4 devices); SIGKILL process 1 in epoch 1: process 0 exits with status
   1 once the heartbeat timeout (30 s here) has passed, never waiting forever, and its last
-  line is one FATAL line naming process 1, the last good checkpoint and the rerun (it used
-  to end in JAX's 64-line abort dump). The rerun of both resumes from that checkpoint
+  line is one FATAL line naming process 1, the last good checkpoint and the rerun (not
+  JAX's 64-line abort dump). The rerun of both resumes from that checkpoint
   and computes what one process computes (`selected_run`, as the SLURM test compares); so
   does the same checkpoint resumed as 1 process on 8 devices."""
   # 10 s once declared a healthy but CPU-starved process dead on a loaded 2-core machine.
