@@ -112,7 +112,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.prefetch_depth": integer(0, 64),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
-      "model.name": choice(list(models.MODELS)),
+      "model.name": models.name_problem,
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": choice(list(losses.LOSSES)),
       "loss.reduction": choice(["mean", "sum"]),
