@@ -334,6 +334,7 @@ def test_metrics_on_a_real_full_file_system_leave_no_temporary(tmp_path):
     subprocess.run(["umount", folder], check=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_mid_run_leaves_no_temporary_after_the_rerun(tmp_path, monkeypatch):
   """configs/test.py, 3 epochs: metrics.jsonl's write after epoch 1 fails with ENOSPC (the file
   system fills). No 0-byte metrics.jsonl.tmp* is left; the last good checkpoint (epoch 0)
@@ -365,6 +366,7 @@ def test_a_full_disk_mid_run_leaves_no_temporary_after_the_rerun(tmp_path, monke
 # A workdir turning read-only mid-run, and a missing --config file (main.py, as users run it).
 
 
+@pytest.mark.slow
 def test_a_workdir_turning_read_only_mid_run_ends_in_one_fatal_line(tmp_path):
   """The workdir refuses new files once the first checkpoint is committed (as root: the
   immutable attribute, since chmod does not stop root). The next write there (metrics.jsonl's
