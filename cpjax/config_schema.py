@@ -15,7 +15,8 @@ import ml_collections
 
 from cpjax import models
 from cpjax.calibration import bootstrap, losses, posthoc, temperature
-from cpjax.data import readers, specs, splits
+from cpjax.data import preprocess, readers, specs, splits
+from cpjax.data import sources as data_sources
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
 
@@ -93,7 +94,7 @@ def spine_schema() -> dict[str, Check]:
   """Checks of every field; the registries of the modules that own them give the choices."""
   return {
       "seed": integer(0, 2**31 - 1),
-      "dataset.name": choice(list(specs.DATASETS)),
+      "dataset.name": data_sources.name_problem,
       "dataset.data_dir": string(),
       "dataset.manual_dir": string(),
       "dataset.download": boolean(),
@@ -112,6 +113,20 @@ def spine_schema() -> dict[str, Check]:
       "dataset.prefetch_depth": integer(0, 64),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
+      "dataset.folder": string(),
+      "dataset.test_size": integer(0),
+      "dataset.image_size": integer(0, 4096),
+      "dataset.channels": lambda v: None if is_int(v) and v in (0, 1, 3) else (
+          f"must be 0 (the dataset's own), 1 or 3, got {v!r}"),
+      "dataset.train_crop": choice(list(preprocess.TRAIN_CROPS)),
+      "dataset.crop_scale": lambda v: data_sources.floats_problem(v, 2, 1e-6, 1.0, True),
+      "dataset.crop_ratio": lambda v: data_sources.floats_problem(v, 2, 1e-3, 1e3, True),
+      "dataset.eval_crop_fraction": number(0.0, 1.0, low_open=True),
+      "dataset.mean": lambda v: data_sources.floats_problem(v, None, 0.0, 1.0),
+      "dataset.std": lambda v: data_sources.floats_problem(v, None, 1e-6, 1.0),
+      "dataset.check_files": integer(0),
+      "dataset.skip_bad_files": boolean(),
+      "dataset.num_workers": integer(0, 256),
       "model.name": choice(list(models.MODELS)),
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": choice(list(losses.LOSSES)),

@@ -17,7 +17,16 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.download import downloader as tfds_downloader
 
-from cpjax.data import array_records, datasets, readers, specs, splits
+from cpjax.data import (
+  array_records,
+  datasets,
+  host_stage,
+  preprocess,
+  readers,
+  sources,
+  specs,
+  splits,
+)
 from cpjax.data.splits import Split
 
 
@@ -60,6 +69,9 @@ def check_prepared(name: str, config: ml_collections.ConfigDict) -> None:
   """Raises DataNotFoundError at once unless dataset `name` can be read as `config` (a
   dataset config) would read it: prepared, or to be prepared (download, manual_dir, or a
   local builder). Reads only tfds's metadata."""
+  if specs.is_source_name(name):  # Read (and named when missing) by sources.resolve.
+    sources.resolve(config)
+    return
   spec = specs.DATASETS[name]
   if spec.local or config.download or config.manual_dir:
     return
@@ -158,10 +170,23 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   return result
 
 
-def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int = 0
          ) -> tuple[dict[str, Split], dict[str, readers.HostReader]]:
   """A run's splits (train, val, test, and meta_val with a meta_val_size) and the readers
-  (cpjax.data.readers) that put their batches on `mesh`. Streamed splits hold no images."""
+  (cpjax.data.readers) that put their batches on `mesh`. Streamed splits and those of a
+  source dataset (folder, tfds:NAME; read through the host stage, whose crops `seed` draws)
+  hold no images."""
+  spec = specs.DATASETS[dataset.name]
+  if spec.host_stage:
+    transform = preprocess.from_config(dataset, spec.image_shape, seed)
+    by_name = {name: host_stage.PreprocessReader(source, transform, mesh, dataset.num_workers,
+                                                 dataset.prefetch_depth)
+               for name, source in sources.open_splits(dataset).items()}
+    _log_reader("preprocess", dataset, sum(len(r) for r in by_name.values()) * 8)
+    logging.info("Dataset %s: %s; images decoded to %s on the host by %d threads.",
+                 dataset.name, {k: len(v) for k, v in by_name.items()}, spec.image_shape,
+                 by_name["train"].num_workers)
+    return {name: r.split for name, r in by_name.items()}, by_name
   if readers.streams(dataset):
     names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
     by_name = {name: array_records.stream_reader(dataset.stream_dir, name, mesh, dataset)
