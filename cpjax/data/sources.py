@@ -106,7 +106,8 @@ def channel_stats(train: DataSource, transform: preprocess.Transform,
   """Per-channel mean and standard deviation of pixels / 255 over a seeded sample of
   `train`'s images under the evaluation transform (rounded to 4 decimals)."""
   rows = np.sort(np.random.default_rng(0).permutation(len(train))[:sample])
-  images = np.stack([transform(data, 0, None, where=str(row))
+  where = getattr(train, "where", str)
+  images = np.stack([transform(data, 0, None, where=where(row))
                      for row, data in zip(rows, train.read(rows))]).astype(np.float64) / 255
   axes = tuple(range(images.ndim - 1))
   return (tuple(round(float(v), 4) for v in images.mean(axes)),
