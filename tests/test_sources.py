@@ -6,14 +6,13 @@ expected pixels come from the arrays themselves or from closed forms, not from t
 under test.
 """
 
-import json
 import os
 
 import jax
 import ml_collections
 import numpy as np
-import pytest
 from PIL import Image
+import pytest
 
 from configs import default
 from cpjax import config_validation
