@@ -8,11 +8,13 @@ under test.
 
 import os
 
+import etils.epath
 import jax
 import ml_collections
 import numpy as np
 from PIL import Image
 import pytest
+import tensorflow_datasets as tfds
 
 from configs import default
 from cpjax import config_validation
@@ -279,3 +281,81 @@ def test_damage_past_the_header_is_named_when_the_file_is_read(folder):
 def test_header_checks_and_path_table():
   table = folder_source.PathTable(["a/x.png", "bé/ü.jpg", ""])
   assert [table[i] for i in range(3)] == ["a/x.png", "bé/ü.jpg", ""] and len(table) == 3
+
+
+# ---------------------------------------------------------------- tfds:NAME
+
+
+class CpjaxGeneratedImages(tfds.core.GeneratorBasedBuilder):
+  """Generated (random) images of varying size in 3 classes: tfds's Image feature, PNG."""
+  VERSION = tfds.core.Version("1.0.0")
+  pkg_dir_path = etils.epath.Path(__file__).parent
+
+  def _info(self):
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({
+            "image": tfds.features.Image(shape=(None, None, 3)),
+            "label": tfds.features.ClassLabel(names=["zebra", "ant", "cat"])}),
+        supervised_keys=("image", "label"))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples("train"), "test": self._generate_examples("test")}
+
+  def _generate_examples(self, split):
+    for i, (image, label) in enumerate(generated_examples(split)):
+      yield i, {"image": image, "label": label}
+
+
+def generated_examples(split: str) -> list[tuple[np.ndarray, int]]:
+  rng = np.random.default_rng({"train": 0, "test": 1}[split])
+  out = []
+  for i in range({"train": 30, "test": 9}[split]):
+    h, w = (int(v) for v in rng.integers(10, 30, 2))
+    out.append((rng.integers(0, 256, (h, w, 3), np.uint8), i % 3))
+  return out
+
+
+@pytest.fixture(name="tfds_dir", scope="module")
+def _tfds_dir(tmp_path_factory):
+  """A prepared generated tfds dataset (array_record) in a fresh data_dir."""
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  tfds.builder("cpjax_generated_images", data_dir=data_dir,
+               file_format="array_record").download_and_prepare()
+  return data_dir
+
+
+def test_a_tfds_dataset_by_name_reads_its_metadata_and_images(tfds_dir):
+  dataset = _dataset("", name="tfds:cpjax_generated_images", data_dir=tfds_dir,
+                     image_size=12)
+  spec = sources.resolve(dataset)
+  # Classes in tfds's label order (not sorted), sizes from builder.info; val carved.
+  assert spec.classes == ("zebra", "ant", "cat") and spec.num_classes == 3
+  assert spec.num_train == 30 and spec.test_split == "test" and spec.val_split == ""
+  assert spec.image_shape == (12, 12, 3) and specs.DATASETS[dataset.name] == spec
+  opened = sources.open_splits(dataset)
+  assert [len(opened[s]) for s in ("train", "val", "test")] == [27, 3, 9]
+  # Every row decodes to one generated image of its label (PNG: exactly), each once.
+  expected = generated_examples("train")
+  seen = set()
+  for name in ("train", "val"):
+    source = opened[name]
+    for row, data in enumerate(source.read(np.arange(len(source)))):
+      pixels = preprocess.decode(data, 3)
+      (match,) = [i for i, (image, _) in enumerate(expected)
+                  if image.shape == pixels.shape and np.array_equal(image, pixels)]
+      assert expected[match][1] == source.labels[row]
+      seen.add(match)
+  assert seen == set(range(30))
+  batch = _reader(dataset, "test").images(np.arange(9))
+  assert batch.shape == (9, 12, 12, 3) and batch.dtype == np.uint8
+
+
+def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
+  config = tiny_config(**{"dataset.name": "tfds:mnist", "dataset.data_dir": str(tmp_path),
+                          "evaluation.ood": ""})
+  with pytest.raises(config_validation.ConfigError, match="not prepared.*array_record"):
+    config_validation.validate(config)
+  config.dataset.name = "tfds:no_such_dataset_anywhere"
+  with pytest.raises(config_validation.ConfigError, match="no such dataset"):
+    config_validation.validate(config)
