@@ -115,6 +115,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.weight_decay = 5e-4  # Coupled (PyTorch-style) L2 added to the gradient.
   config.optimizer.grad_clip_norm = 0.0  # Clip the global gradient norm to this; 0 = off.
   config.optimizer.schedule = "cosine"  # LR schedule: cosine, multistep or constant.
+  # Linear warm-up to learning_rate over this many epochs (cosine starts after it); 0 = none.
+  config.optimizer.warmup_epochs = 0.0
   # "epoch": the LR changes once per epoch (the sources); "step": every step, the schedule
   # stretched over the run's optimizer steps (budget_steps when that cuts the run short).
   config.optimizer.schedule_unit = "epoch"

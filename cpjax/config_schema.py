@@ -138,6 +138,7 @@ def spine_schema() -> dict[str, Check]:
       "optimizer.grad_clip_norm": number(0.0),
       "optimizer.schedule": choice(["cosine", "multistep", "constant"]),
       "optimizer.schedule_unit": choice(["epoch", "step"]),
+      "optimizer.warmup_epochs": number(0.0),
       "optimizer.milestones": int_sequence(1),
       "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
       "selection.method": choice(list(policies.METHODS)),

@@ -328,6 +328,9 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
     if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "
                       f"device count {devices} (every device gets an equal share)")
+  if config.optimizer.warmup_epochs >= config.num_epochs:
+    problems.append(f"config.optimizer.warmup_epochs={config.optimizer.warmup_epochs} must be "
+                    f"below config.num_epochs={config.num_epochs}")
   if config.evaluation.bootstrap_level >= 1.0:
     problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
                     "must be below 1 (e.g. 0.9 for a 90 % interval)")
