@@ -64,6 +64,9 @@ def test_the_imagenet_pipeline_end_to_end_with_a_tiny_model(tmp_path):
   config.batch_size = config.eval_batch_size = config.selection.score_batch_size = 16
   config.num_epochs, config.optimizer.warmup_epochs = 2, 1.0
   config.evaluation.bootstrap_resamples = config.evaluation.calibrator_resamples = 20
+  # Selection over host-decoded data: epoch 1 trains the top half by a fresh scoring pass.
+  config.selection.method, config.selection.fraction = "top_k", 0.5
+  config.selection.warmup_epochs, config.selection.scoring = 1, "fresh"
   workdir = str(tmp_path / "run")
   record = train.train_and_evaluate(config, workdir)
   assert specs.DATASETS["folder"].image_shape == (224, 224, 3)
@@ -72,6 +75,9 @@ def test_the_imagenet_pipeline_end_to_end_with_a_tiny_model(tmp_path):
     assert json.load(f)["classes"] == [f"n{c:08d}" for c in range(10)]
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  # Warm-up: the first epoch's first step at lr0 / (steps of the warm-up).
-  steps = -(-(80 - 10) // 16)
-  assert records[0]["learning_rate"] == pytest.approx(config.optimizer.learning_rate / steps)
+  assert records[1]["selected_k"] == 35 and records[1]["scoring_seconds"] > 0
+  # Warm-up over the first of 2 epochs, per step: the run's first step at lr0 times one
+  # step's share of an epoch, 2 epochs / (5 full-data steps + 3 of the top half).
+  total_steps = -(-(80 - 10) // 16) + -(-35 // 16)
+  assert records[0]["learning_rate"] == pytest.approx(
+      config.optimizer.learning_rate * 2 / total_steps)

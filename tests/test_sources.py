@@ -10,6 +10,7 @@ import os
 
 import etils.epath
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from PIL import Image
@@ -17,7 +18,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import default
-from cpjax import config_validation
+from cpjax import config_validation, steps
 from cpjax.data import folder_source, host_stage, preprocess, sources, specs, splits
 from cpjax.runtime import sharding
 from tests.helpers import tiny_config
@@ -359,3 +360,21 @@ def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
   config.dataset.name = "tfds:no_such_dataset_anywhere"
   with pytest.raises(config_validation.ConfigError, match="no such dataset"):
     config_validation.validate(config)
+
+
+# ---------------------------------------------------------------- selection over such data
+
+
+def test_a_scoring_pass_streams_every_row_once_through_the_evaluation_transform(folder):
+  """steps.predict (the fresh and target scoring passes, evaluation) over a host-stage
+  reader: each row once, in row order, with the deterministic centre crop."""
+  dataset = _dataset(folder)
+  reader = _reader(dataset)
+  per_example = jax.jit(lambda state, batch: jnp.concatenate(
+      [batch["id"][:, None].astype(jnp.int32),
+       batch["image"].reshape(batch["image"].shape[0], -1).astype(jnp.int32)], axis=1))
+  out = steps.predict(per_example, None, reader, sharding.create_mesh(), 8)
+  np.testing.assert_array_equal(out[:, 0], reader.ids)
+  expected = reader.images(np.arange(len(reader))).reshape(len(reader), -1)
+  np.testing.assert_array_equal(out[:, 1:], expected)
+  assert reader.rows_read == 2 * len(reader) + (-len(reader)) % 8  # predict's + ours + padding
