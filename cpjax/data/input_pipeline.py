@@ -150,6 +150,9 @@ def get_test_split(config: ml_collections.ConfigDict, name: str) -> Split:
 def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   """Returns {"train", "val", "test"} host splits for `config.dataset`, and "meta_val"
   with a `meta_val_size` (FL_gamma's meta-validation batches)."""
+  if specs.is_source_name(config.name):
+    raise ValueError(f"dataset {config.name!r} is not read into memory: its images are decoded "
+                     "per batch by the host stage (input_pipeline.load)")
   spec = specs.DATASETS[config.name]
   builder = _builder(spec, config)
   full_train = _read_split(builder, "train")
