@@ -153,6 +153,8 @@ def spine_schema() -> dict[str, Check]:
       "selection.fraction": number(0.0, 1.0, low_open=True),
       "selection.count": integer(0),
       "selection.warmup_epochs": integer(0),
+      "selection.final_full_epochs": integer(0),
+      "selection.fraction_end": number(-1.0, 1.0),
       "selection.scoring": choice(list(sources.SOURCES)),
       "selection.rescore_every": integer(0),
       "selection.score_dtype": choice(["float32", "bfloat16"]),

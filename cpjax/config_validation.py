@@ -142,7 +142,40 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   if target and restores_target and not os.path.isdir(os.path.join(target, "checkpoints")):
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
-  return problems + _reducible_loss_problems(config) + _infobatch_problems(config)
+  return (problems + _reducible_loss_problems(config) + _infobatch_problems(config)
+          + _budget_schedule_problems(config))
+
+
+def _budget_schedule_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """final_full_epochs and fraction_end shape a fixed-size method's budget over epochs."""
+  selection, problems = config.selection, []
+  fixed = selection.method in policies.FIXED_SIZE_METHODS
+  if selection.final_full_epochs and not fixed:
+    problems.append(f"config.selection.final_full_epochs={selection.final_full_epochs} works "
+                    f"with the fixed-size methods only, not selection.method="
+                    f"{selection.method!r}" + (" (use selection.anneal_fraction)"
+                                               if selection.method == "infobatch" else ""))
+  selected = config.num_epochs - selection.final_full_epochs - selection.warmup_epochs
+  if fixed and selection.final_full_epochs and selected <= 0:
+    problems.append(f"config.selection.warmup_epochs={selection.warmup_epochs} and "
+                    f"selection.final_full_epochs={selection.final_full_epochs} leave no epoch "
+                    f"of the {config.num_epochs} (config.num_epochs) to select in")
+  if selection.fraction_end < 0:
+    return problems
+  if selection.fraction_end == 0:
+    problems.append("config.selection.fraction_end=0 keeps no example in the last selected "
+                    "epoch; valid: -1 (a constant fraction) or a share in (0, 1]")
+  varying = [m for m in policies.FIXED_SIZE_METHODS if m not in ("random_without_replacement",
+                                                                  "static_random")]
+  if selection.method not in varying:
+    problems.append(f"config.selection.fraction_end={selection.fraction_end} does not work with "
+                    f"selection.method={selection.method!r} (its subset needs one size); "
+                    f"valid: {', '.join(varying)}")
+  if selection.count:
+    problems.append(f"config.selection.fraction_end={selection.fraction_end} needs "
+                    f"selection.count=0 (the schedule moves the fraction; count "
+                    f"{selection.count} fixes k)")
+  return problems
 
 
 def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
