@@ -105,11 +105,15 @@ def _check_headers(root: str, split: str, paths: list[str], limit: int) -> dict[
   chosen = paths if len(paths) <= limit else [
       paths[i] for i in np.sort(np.random.default_rng(0).choice(len(paths), limit, False))]
   split_dir = os.path.join(root, split)
-  # Threads: opening files waits on the disk, and PIL releases the GIL while reading.
+  found = {}
+  # Threads: opening files waits on the disk, and PIL releases the GIL while reading. In
+  # chunks: Executor.map submits all its items at once (a future each, ~1 KB).
   with concurrent.futures.ThreadPoolExecutor(min(16, 4 * (os.cpu_count() or 1))) as pool:
-    problems = pool.map(lambda p: header_problem(os.path.join(split_dir, p)), chosen,
-                        chunksize=256)
-    return {p: problem for p, problem in zip(chosen, problems) if problem is not None}
+    for start in range(0, len(chosen), 4096):
+      chunk = chosen[start:start + 4096]
+      problems = pool.map(lambda p: header_problem(os.path.join(split_dir, p)), chunk)
+      found.update({p: problem for p, problem in zip(chunk, problems) if problem is not None})
+  return found
 
 
 @dataclasses.dataclass(frozen=True)
