@@ -71,7 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.num_workers = 0  # Host-stage decode threads per process; 0 = one per core.
 
   config.model = ml_collections.ConfigDict()
-  config.model.name = "resnet18"  # One of cpjax.models.MODELS.
+  config.model.name = "resnet18"  # Registered (README) or a Flax module "pkg.module:Class".
   config.model.dtype = "float32"  # Compute dtype: float32 or bfloat16 (params stay float32).
 
   config.loss = ml_collections.ConfigDict()

@@ -127,7 +127,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.check_files": integer(0),
       "dataset.skip_bad_files": boolean(),
       "dataset.num_workers": integer(0, 256),
-      "model.name": choice(list(models.MODELS)),
+      "model.name": models.name_problem,
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": choice(list(losses.LOSSES)),
       "loss.reduction": choice(["mean", "sum"]),

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from cpjax import config_schema
+from cpjax import config_schema, models
 from cpjax.calibration import losses
 from cpjax.data import readers, specs, splits
 from cpjax.data import sources as data_sources
@@ -349,7 +349,19 @@ def size_warnings(config: ml_collections.ConfigDict) -> list[str]:
       warnings.append(f"the selected subset (k={k} from selection.fraction/count) is smaller "
                       f"than config.batch_size={config.batch_size}: each selected epoch is one "
                       "step whose batch repeats examples")
-  return warnings
+  return warnings + _model_size_warnings(config)
+
+
+def _model_size_warnings(config: ml_collections.ConfigDict) -> list[str]:
+  """A registered model whose downsampling leaves less than one pixel of the image."""
+  spec = models.MODELS.get(config.model.name)
+  side = min(specs.DATASETS[config.dataset.name].image_shape[:2])
+  if spec is None or side >= spec.downsampling:
+    return []
+  return [f"config.model.name={spec.name!r} downsamples x{spec.downsampling} (made for "
+          f"{spec.image_size} px images); the {side} px images of {config.dataset.name!r} "
+          "reach its last stages as 1x1 maps, mostly padding: a model made for small images "
+          "(see the README's model table) may do better"]
 
 
 def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -389,7 +401,18 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
       != specs.DATASETS[config.dataset.name].image_shape):
     problems.append(f"config.evaluation.ood={ood!r} must be another dataset with the image "
                     f"shape of {config.dataset.name!r}, gaussian_noise, or '' (none)")
-  return problems + _reader_problems(config)
+  return problems + _reader_problems(config) + _model_problems(config)
+
+
+def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """A user's module by import path: built and traced on one dummy batch of the dataset's
+  image shape (jax.eval_shape: nothing computed or compiled), against cpjax's contract."""
+  if not models.is_import_path(config.model.name):
+    return []  # Registered models meet it by construction (tests/test_models.py).
+  data = specs.DATASETS[config.dataset.name]
+  return [f"config.model.name: {problem}" for problem in models.contract_problems(
+      config.model.name, data.image_shape, data.num_classes, config.model.dtype,
+      needs_head=losses.LOSSES[config.loss.name].meta_objective is not None)]
 
 
 def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:

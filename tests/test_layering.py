@@ -29,6 +29,7 @@ RANKS = {
     "runtime.compilation_cache": 0,
     "runtime.compiler_options": 0,
     "runtime.distributed": 0,
+    "runtime.failures": 0,
     "runtime.files": 0,
     "runtime.orbax_layout": 0,
     "runtime.preemption": 0,
@@ -64,6 +65,9 @@ RANKS = {
     "calibration.surrogates": 1,
     "calibration.temperature": 1,
     "models": 1,
+    "models.custom": 1,
+    "models.nets": 1,
+    "models.registry": 1,
     "optim": 1,
     # 2: the jitted steps (the score they compute is a function passed in).
     "steps": 2,
