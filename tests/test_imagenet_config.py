@@ -11,7 +11,7 @@ from PIL import Image
 import pytest
 
 from configs import imagenet
-from cpjax import optim, train
+from cpjax import models, optim, train
 from cpjax.data import specs
 
 
@@ -36,6 +36,7 @@ def test_the_recipe_numbers():
   assert (config.batch_size, config.optimizer.momentum, config.optimizer.weight_decay,
           config.num_epochs) == (1024, 0.9, 1e-4, 90)
   assert (config.dataset.image_size, tuple(config.dataset.crop_scale)) == (224, (0.08, 1.0))
+  assert models.name_problem(config.model.name) is None  # resnet50_imagenet is registered.
 
 
 def _imagenet_shaped(root: str) -> str:
