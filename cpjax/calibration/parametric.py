@@ -38,9 +38,10 @@ class Solver:
   newton_steps: int = 0  # The most trust-ncg iterations after them.
   # Convergence: max |gradient| <= gtol. None: L-BFGS-B's own tests and options (its status).
   gtol: float | None = None
-  # And, with gtol, max |Newton step| <= xtol: the parameters are determined, not drifting
-  # along a direction the objective hardly curves in (rows that nearly separate).
-  xtol: float | None = None
+  # And, with gtol, the Newton step left moves no fit row's probability by more than
+  # xtol: the map is determined, not drifting along a direction the objective hardly curves
+  # in (rows that nearly separate).
+  xtol: float = 1e-6  # A probability: see `minimise`.
 
 
 class Fit(NamedTuple):
@@ -226,6 +227,14 @@ SEPARATION_NLL = 1e-6
 SEPARATED = f"separates its rows (mean NLL < {SEPARATION_NLL:g}): no finite minimiser"
 
 
+def _prob_change(key: str, probs: np.ndarray, step: dict, inputs: np.ndarray) -> float:
+  """max |first-order change of softmax(scores)| along `step` over the rows of `inputs`
+  (probs: their softmax(scores)). Probabilities, not their logarithms: a class of
+  probability e^-300 may move its log by 1e-5 and matter to nothing."""
+  ds = _scores(key, step, inputs)  # Linear in the parameters for vector and matrix scaling.
+  return float(np.max(np.abs(probs * (ds - np.sum(probs * ds, axis=1, keepdims=True)))))
+
+
 def _separates(key: str, params: dict, inputs, labels, weights) -> bool:
   nll, _ = value_and_grad(key, params, inputs, labels, weights, 0.0)
   return nll < SEPARATION_NLL
@@ -260,28 +269,36 @@ def minimise(key: str, init: dict, inputs: np.ndarray, labels: np.ndarray,
     return Fit(flat.unravel(x), bool(result.success), grad_norm, count[0], message)
   if _separates(key, flat.unravel(x), inputs, labels, weights):
     return Fit(flat.unravel(x), False, grad_norm, count[0], SEPARATED)
+  stalled = False
   if grad_norm > solver.gtol and solver.newton_steps:
     result = scipy.optimize.minimize(fun, x, jac=True, hessp=hess_vector, method="trust-ncg",
                                      options={"maxiter": solver.newton_steps,
                                               "gtol": solver.gtol})
-    # trust-ncg tests the gradient's 2-norm, and can stop at rounding level short of its
-    # tolerance: the verdict is the recomputed gradient's.
-    x, message = result.x, str(result.message)
+    # trust-ncg tests the gradient's 2-norm (the verdict is the recomputed gradient's), and
+    # judges a step by the objective's decrease, which next to the optimum falls below
+    # float64's resolution of the objective: it then stops (status 2, "a bad approximation")
+    # with a gradient of ~1e-8 that it cannot reduce; the Newton step below judges that.
+    x, message, stalled = result.x, str(result.message), result.status == 2
     grad_norm = float(np.max(np.abs(fun(x)[1])))
     if _separates(key, flat.unravel(x), inputs, labels, weights):
       return Fit(flat.unravel(x), False, grad_norm, count[0], SEPARATED)
-  if grad_norm > solver.gtol or solver.xtol is None:
-    return Fit(flat.unravel(x), grad_norm <= solver.gtol, grad_norm, count[0], message)
-  # A small gradient on a nearly flat direction is no optimum: the remaining Newton step
-  # (by CG, to 1e-3 relative) says how far the parameters still are from one.
+  # A small gradient on a nearly flat direction is no optimum, and a stalled solver may be
+  # next to one or not: the remaining Newton step (by CG, to 1e-3 relative) says how far the
+  # fit still is from one, as the largest change it would make to a fit row's probabilities
+  # (the parameters themselves can have exactly flat directions: at
+  # strength 0, b + c and W + 1 v^T are the same map).
   operator = scipy.sparse.linalg.LinearOperator((len(x), len(x)), lambda d: hess_vector(x, d))
+  hess_vector(x, np.zeros_like(x))  # Caches softmax(scores) at x.
   step, info = scipy.sparse.linalg.cg(operator, -fun(x)[1], rtol=1e-3, maxiter=500)
-  step_norm = float(np.max(np.abs(step)))
-  if info != 0 or step_norm > solver.xtol:
-    return Fit(flat.unravel(x), False, grad_norm, count[0],
-               f"parameters undetermined: a Newton step of {step_norm:.3g} remains (rows nearly "
-               "separate)")
-  return Fit(flat.unravel(x), True, grad_norm, count[0], message)
+  rows = weights > 0
+  step_norm = (_prob_change(key, cache["probs"][rows], flat.unravel(step), inputs[rows])
+               if info == 0 else np.inf)
+  message += f"; Newton step left {step_norm:.2g}"
+  if step_norm > solver.xtol:
+    message = (f"undetermined: the Newton step left moves a probability by {step_norm:.3g} "
+               "(rows nearly separate)")
+  converged = (grad_norm <= solver.gtol or stalled) and step_norm <= solver.xtol
+  return Fit(flat.unravel(x), converged, grad_norm, count[0], message)
 
 
 def fit(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray,

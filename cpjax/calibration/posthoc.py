@@ -76,7 +76,7 @@ SCALING_SOLVER = parametric.Solver(lbfgs_steps=200)
 # Vector, matrix and Dirichlet scaling: to max |gradient| <= 1e-8. On large logits or many
 # classes their objective is ill-conditioned: L-BFGS-B took up to ~20,000 steps where Newton's
 # method takes tens (docs/posthoc.md).
-ODIR_SOLVER = parametric.Solver(lbfgs_steps=100, newton_steps=100, gtol=1e-8, xtol=1e-5)
+ODIR_SOLVER = parametric.Solver(lbfgs_steps=100, newton_steps=100, gtol=1e-8)
 
 
 class Calibrator(NamedTuple):
