@@ -289,7 +289,7 @@ def minimise(key: str, init: dict, inputs: np.ndarray, labels: np.ndarray,
   # strength 0, b + c and W + 1 v^T are the same map).
   operator = scipy.sparse.linalg.LinearOperator((len(x), len(x)), lambda d: hess_vector(x, d))
   hess_vector(x, np.zeros_like(x))  # Caches softmax(scores) at x.
-  step, info = scipy.sparse.linalg.cg(operator, -fun(x)[1], rtol=1e-3, maxiter=500)
+  step, info = scipy.sparse.linalg.cg(operator, -fun(x)[1], rtol=1e-3, maxiter=2000)
   rows = weights > 0
   step_norm = (_prob_change(key, cache["probs"][rows], flat.unravel(step), inputs[rows])
                if info == 0 else np.inf)
