@@ -2,6 +2,7 @@
 
   python -m benchmarks.lowering                       # ResNet-18 (CIFAR shape), small_cnn
   python -m benchmarks.lowering --models resnet20:cifar10 --batch-size=256 --json=out.json
+  python -m benchmarks.lowering --models resnet50_imagenet:cifar10:224 --batch-size=16
 
 Exports (`jax.export`, which lowers without compiling and needs no accelerator) the steps the
 loop jits, exactly as it jits them: the train step, the InfoBatch-weighted train step, the
@@ -68,18 +69,24 @@ class Step:
 
 
 def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size: int,
-               mesh: jax.sharding.Mesh) -> Step:
+               mesh: jax.sharding.Mesh, image_size: int | None = None) -> Step:
   """The loop's own jitted `kind` step (cpjax.train, cpjax.selection.sources) and abstract
-  (shape, dtype, sharding) arguments: replicated state, batch sharded on `data`."""
+  (shape, dtype, sharding) arguments: replicated state, batch sharded on `data`.
+
+  `image_size` replaces the dataset's image side (e.g. 224 for an ImageNet-stem ResNet on
+  3-channel images); the dataset still gives the channels, classes and normalisation.
+  """
   if kind not in KINDS:
     raise ValueError(f"step kind {kind!r}; valid: {', '.join(KINDS)}")
   config = step_config(kind, model_name, dtype, dataset, batch_size)
   data = specs.DATASETS[dataset]
+  image_shape = data.image_shape if image_size is None else (image_size, image_size,
+                                                             data.image_shape[-1])
   model = models.create_model(model_name, data.num_classes, dtype)
   tx = optim.create_optimizer(config.optimizer)
-  state = steps.abstract_train_state(model, tx, data.image_shape, mesh,
+  state = steps.abstract_train_state(model, tx, image_shape, mesh,
                                      run_state.meta_parts(config))
-  batch = _abstract_batch(kind, data.image_shape, batch_size, mesh)
+  batch = _abstract_batch(kind, image_shape, batch_size, mesh)
   if kind == "eval":
     return Step(train._jit_eval_step(config, model), (state, batch))  # pylint: disable=protected-access
   if kind == "score":
@@ -137,15 +144,17 @@ def flops_per_example(step: Step, batch_size: int) -> float:
   return step.fn.trace(*step.args).lower().cost_analysis()["flops"] / batch_size
 
 
-def check(models_and_data: list[tuple[str, str]], batch_size: int) -> list[dict]:
-  """Every (model, dataset) x dtype x step kind: lowered for each platform and checked."""
+def check(models_and_data: list[tuple[str, str, int | None]], batch_size: int) -> list[dict]:
+  """Every (model, dataset, image side or None) x dtype x step kind: lowered for each
+  platform and checked."""
   mesh = sharding.create_mesh()
   rows = []
-  for model_name, dataset in models_and_data:
+  for model_name, dataset, image_size in models_and_data:
     for dtype in DTYPES:
       for kind in KINDS:
-        step = build_step(kind, model_name, dtype, dataset, batch_size, mesh)
-        row = {"model": model_name, "dataset": dataset, "dtype": dtype, "step": kind}
+        step = build_step(kind, model_name, dtype, dataset, batch_size, mesh, image_size)
+        row = {"model": model_name, "dataset": dataset, "image_size": image_size,
+               "dtype": dtype, "step": kind}
         for platforms in PLATFORMS:
           start = time.perf_counter()
           exported = export(step, platforms)
@@ -160,27 +169,35 @@ def check(models_and_data: list[tuple[str, str]], batch_size: int) -> list[dict]
 def _line(row: dict) -> str:
   verdict = {p[0]: "ok" if not row[f"{p[0]}_problems"] else "; ".join(row[f"{p[0]}_problems"])
              for p in PLATFORMS}
-  return (f"{row['model']:<10}{row['dtype']:<10}{row['step']:<17}"
+  return (f"{row['model']:<18}{row['dtype']:<10}{row['step']:<17}"
           f"{row['flops_per_example'] / 1e6:>12.1f}  {verdict['cuda']:<6}{verdict['tpu']}")
+
+
+def _model_dataset_size(parser: argparse.ArgumentParser,
+                        value: str) -> tuple[str, str, int | None]:
+  """"model:dataset[:side]" -> (model, dataset, side or None); a bad part is a usage error."""
+  model_name, dataset, *size = value.split(":") + [""] * (":" not in value)
+  if (model_name not in models.MODELS or dataset not in specs.DATASETS or len(size) > 1
+      or (size and not size[0].isdigit())):
+    parser.error(f"--models {value}: model:dataset[:image side], model one of "
+                 f"{sorted(models.MODELS)}, dataset one of {sorted(specs.DATASETS)}")
+  return model_name, dataset, int(size[0]) if size else None
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+",
                       default=["resnet18:cifar10", "small_cnn:fashion_mnist"],
-                      help="model:dataset pairs (the dataset gives the image shape only).")
+                      help="model:dataset[:image side] (the dataset gives the image shape, "
+                           "classes and normalisation; the side replaces its height and width).")
   parser.add_argument("--batch-size", type=int, default=128, help="Global batch.")
   parser.add_argument("--json", default="", help="Also write the results to this file.")
   args = parser.parse_args()
-  pairs = [tuple(m.split(":", 1)) for m in args.models]
-  for model_name, dataset in pairs:
-    if model_name not in models.MODELS or dataset not in specs.DATASETS:
-      parser.error(f"--models {model_name}:{dataset}: model one of {sorted(models.MODELS)}, "
-                   f"dataset one of {sorted(specs.DATASETS)}")
+  pairs = [_model_dataset_size(parser, m) for m in args.models]
   if args.batch_size % jax.device_count():
     parser.error(f"--batch-size={args.batch_size} must divide over {jax.device_count()} devices")
   print(f"{jax.device_count()} devices; batch {args.batch_size}")
-  print(f"{'model':<10}{'dtype':<10}{'step':<17}{'MFLOP/ex':>12}  cuda  tpu")
+  print(f"{'model':<18}{'dtype':<10}{'step':<17}{'MFLOP/ex':>12}  cuda  tpu")
   rows = check(pairs, args.batch_size)
   throughput.write_json(args.json, {"machine": throughput.machine(), "args": vars(args),
                                     "steps": rows})

@@ -50,7 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.flip = False  # Random horizontal flips (off: digits are not mirror-symmetric).
 
   config.model = ml_collections.ConfigDict()
-  config.model.name = "resnet18"  # One of cpjax.models.MODELS.
+  config.model.name = "resnet18"  # Registered (README) or a Flax module "pkg.module:Class".
   config.model.dtype = "float32"  # Compute dtype: float32 or bfloat16 (params stay float32).
 
   config.loss = ml_collections.ConfigDict()
@@ -119,6 +119,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (unused by infobatch).
   config.selection.count = 0  # k as a count; > 0 overrides fraction (unused by infobatch).
   config.selection.warmup_epochs = 2  # All-data epochs before selection (Tata et al.: 10).
+  # Fixed-size methods: the last N epochs train on all data (InfoBatch's annealing; infobatch
+  # itself uses anneal_fraction).
+  config.selection.final_full_epochs = 0
+  # Fixed-size methods: < 0 keeps `fraction` every selected epoch; >= 0 moves the kept fraction
+  # linearly from `fraction` (first selected epoch) to this (last selected epoch).
+  config.selection.fraction_end = -1.0
   # Where scores come from: train_pass (reference), fresh, target or target_recorded.
   config.selection.scoring = "train_pass"
   config.selection.rescore_every = 1  # fresh/target: epochs between scoring passes; 0 = once.

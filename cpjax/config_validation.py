@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from cpjax import config_schema
+from cpjax import config_schema, models
 from cpjax.calibration import losses
 from cpjax.data import readers, specs, splits
 from cpjax.selection import policies, scores
@@ -107,7 +107,40 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   if target and restores_target and not os.path.isdir(os.path.join(target, "checkpoints")):
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
-  return problems + _reducible_loss_problems(config) + _infobatch_problems(config)
+  return (problems + _reducible_loss_problems(config) + _infobatch_problems(config)
+          + _budget_schedule_problems(config))
+
+
+def _budget_schedule_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """final_full_epochs and fraction_end shape a fixed-size method's budget over epochs."""
+  selection, problems = config.selection, []
+  fixed = selection.method in policies.FIXED_SIZE_METHODS
+  if selection.final_full_epochs and not fixed:
+    problems.append(f"config.selection.final_full_epochs={selection.final_full_epochs} works "
+                    f"with the fixed-size methods only, not selection.method="
+                    f"{selection.method!r}" + (" (use selection.anneal_fraction)"
+                                               if selection.method == "infobatch" else ""))
+  selected = config.num_epochs - selection.final_full_epochs - selection.warmup_epochs
+  if fixed and selection.final_full_epochs and selected <= 0:
+    problems.append(f"config.selection.warmup_epochs={selection.warmup_epochs} and "
+                    f"selection.final_full_epochs={selection.final_full_epochs} leave no epoch "
+                    f"of the {config.num_epochs} (config.num_epochs) to select in")
+  if selection.fraction_end < 0:
+    return problems
+  if selection.fraction_end == 0:
+    problems.append("config.selection.fraction_end=0 keeps no example in the last selected "
+                    "epoch; valid: -1 (a constant fraction) or a share in (0, 1]")
+  varying = [m for m in policies.FIXED_SIZE_METHODS if m not in ("random_without_replacement",
+                                                                  "static_random")]
+  if selection.method not in varying:
+    problems.append(f"config.selection.fraction_end={selection.fraction_end} does not work with "
+                    f"selection.method={selection.method!r} (its subset needs one size); "
+                    f"valid: {', '.join(varying)}")
+  if selection.count:
+    problems.append(f"config.selection.fraction_end={selection.fraction_end} needs "
+                    f"selection.count=0 (the schedule moves the fraction; count "
+                    f"{selection.count} fixes k)")
+  return problems
 
 
 def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -274,7 +307,19 @@ def size_warnings(config: ml_collections.ConfigDict) -> list[str]:
       warnings.append(f"the selected subset (k={k} from selection.fraction/count) is smaller "
                       f"than config.batch_size={config.batch_size}: each selected epoch is one "
                       "step whose batch repeats examples")
-  return warnings
+  return warnings + _model_size_warnings(config)
+
+
+def _model_size_warnings(config: ml_collections.ConfigDict) -> list[str]:
+  """A registered model whose downsampling leaves less than one pixel of the image."""
+  spec = models.MODELS.get(config.model.name)
+  side = min(specs.DATASETS[config.dataset.name].image_shape[:2])
+  if spec is None or side >= spec.downsampling:
+    return []
+  return [f"config.model.name={spec.name!r} downsamples x{spec.downsampling} (made for "
+          f"{spec.image_size} px images); the {side} px images of {config.dataset.name!r} "
+          "reach its last stages as 1x1 maps, mostly padding: a model made for small images "
+          "(see the README's model table) may do better"]
 
 
 def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -311,7 +356,18 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
       != specs.DATASETS[config.dataset.name].image_shape):
     problems.append(f"config.evaluation.ood={ood!r} must be another dataset with the image "
                     f"shape of {config.dataset.name!r}, gaussian_noise, or '' (none)")
-  return problems + _reader_problems(config)
+  return problems + _reader_problems(config) + _model_problems(config)
+
+
+def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """A user's module by import path: built and traced on one dummy batch of the dataset's
+  image shape (jax.eval_shape: nothing computed or compiled), against cpjax's contract."""
+  if not models.is_import_path(config.model.name):
+    return []  # Registered models meet it by construction (tests/test_models.py).
+  data = specs.DATASETS[config.dataset.name]
+  return [f"config.model.name: {problem}" for problem in models.contract_problems(
+      config.model.name, data.image_shape, data.num_classes, config.model.dtype,
+      needs_head=losses.LOSSES[config.loss.name].meta_objective is not None)]
 
 
 def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:

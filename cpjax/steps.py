@@ -100,7 +100,8 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
     blank = jnp.zeros((1,) + tuple(image_shape))
     variables = model.init(init_key, blank, train=False)
     fields = dict(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                  batch_stats=variables["batch_stats"],
+                  # A user's module without BatchNorm has none (cpjax.models.custom).
+                  batch_stats=variables.get("batch_stats", {}),
                   opt_state=tx.init(variables["params"]), rng=train_key)
     if meta is None:
       return TrainState(**fields)
@@ -164,7 +165,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
         mutable=["batch_stats"])
     per_example = loss_fn(logits, targets, **loss_hparams)
     weighted = per_example * batch["weight"] if spec.weighted else per_example
-    return _reduce(weighted, mask, spec), (logits, per_example, updates["batch_stats"])
+    return _reduce(weighted, mask, spec), (logits, per_example, updates.get("batch_stats", {}))
 
   (loss, (logits, per_example, batch_stats)), grads = jax.value_and_grad(
       objective, has_aux=True)(state.params)
@@ -276,7 +277,7 @@ def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
   def forward(params):
     (logits, features), updates = model.apply({**variables, "params": params}, images,
                                               train=True, mutable=["batch_stats"])
-    return (logits, features), updates["batch_stats"]
+    return (logits, features), updates.get("batch_stats", {})
 
   (logits, features), backward, batch_stats = jax.vjp(forward, state.params, has_aux=True)
   meta_images = augment.normalize(batch["meta_image"], spec.mean, spec.std)

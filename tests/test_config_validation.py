@@ -281,3 +281,20 @@ def test_main_logs_the_implied_fields_and_refuses_an_explicit_contradiction(tmp_
   assert "Implied" not in result.stderr
   assert ("config.selection.score='entropy' does not work with selection.method='infobatch'"
           in result.stderr)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"selection.method": "infobatch", "selection.score": "loss",
+      "selection.final_full_epochs": 1}, "use selection.anneal_fraction"),
+    ({"selection.method": "top_k", "selection.warmup_epochs": 1,
+      "selection.final_full_epochs": 1}, "leave no epoch of the 2"),
+    ({"selection.method": "random_without_replacement", "selection.warmup_epochs": 1,
+      "selection.fraction_end": 0.5}, "its subset needs one size"),
+    ({"selection.method": "top_k", "selection.warmup_epochs": 1, "selection.count": 10,
+      "selection.fraction_end": 0.5}, "needs selection.count=0"),
+    ({"selection.method": "top_k", "selection.warmup_epochs": 1,
+      "selection.fraction_end": 0.0}, "keeps no example"),
+])
+def test_budget_schedule_rules_name_the_fields(overrides, expected):
+  with pytest.raises(config_validation.ConfigError, match=expected):
+    config_validation.validate(tiny_config(**overrides))

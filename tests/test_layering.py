@@ -60,6 +60,9 @@ RANKS = {
     "calibration.surrogates": 1,
     "calibration.temperature": 1,
     "models": 1,
+    "models.custom": 1,
+    "models.nets": 1,
+    "models.registry": 1,
     "optim": 1,
     # 2: the jitted steps (the score they compute is a function passed in).
     "steps": 2,

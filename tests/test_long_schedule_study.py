@@ -135,8 +135,10 @@ def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
     assert again["targets"] == out["targets"] and again["summary"] == out["summary"]
 
 
-def _pair(mean, low, high, seeds=(0, 1, 2)):
-  return {"seeds": list(seeds), "accuracy": (mean, low, high), "accuracy_test": (low, high)}
+def _pair(mean, low, high, seeds=(0, 1, 2), equivalent=False, p=0.5):
+  tost = {"n": len(seeds), "mean": mean, "p": p, "equivalent": equivalent}
+  return {"seeds": list(seeds), "accuracy": (mean, low, high), "accuracy_test": (low, high),
+          "tost": tost}
 
 
 def test_verdicts_read_the_seed_interval_and_refuse_one_seed():
@@ -145,10 +147,12 @@ def test_verdicts_read_the_seed_interval_and_refuse_one_seed():
   assert long_schedule.verdict(_pair(0.001, -0.003, 0.005)) == "no difference"
   assert long_schedule.verdict(_pair(0.01, math.nan, math.nan, (0,))) == "undecided"
   assert long_schedule.verdict(None) == "undecided"
-  # Lossless: the interval holds 0 and the mean is at most 0.2 points below.
-  assert long_schedule.lossless(_pair(-0.0015, -0.004, 0.001))
-  assert not long_schedule.lossless(_pair(-0.003, -0.008, 0.002))  # Mean too far below.
-  assert not long_schedule.lossless(_pair(-0.001, -0.0015, -0.0005))  # Interval below 0.
+  # Lossless: equivalent by the TOST and the mean at most 0.1 points below; an interval
+  # that merely holds 0 is not enough.
+  assert long_schedule.lossless(_pair(-0.0005, -0.0015, 0.0005, equivalent=True, p=0.01))
+  assert not long_schedule.lossless(_pair(-0.0015, -0.0019, -0.0011, equivalent=True))
+  assert not long_schedule.lossless(_pair(0.0, -0.004, 0.004))  # Holds 0, not equivalent.
+  assert not long_schedule.lossless(None)
 
 
 def test_answers_name_the_winner_and_the_targets_met_or_missed():
@@ -157,25 +161,43 @@ def test_answers_name_the_winner_and_the_targets_met_or_missed():
           "noisy_full", "noisy_random-30", "noisy_topk_entropy-30", "noisy_infobatch")
   summary = {name: {"paired": {}, "saving_steady_with_target": 0.0} for name in pick}
   summary["topk_entropy-30"].update(
-      paired={"random": _pair(0.011, 0.008, 0.014), "full": _pair(-0.001, -0.004, 0.002)},
+      paired={"random": _pair(0.011, 0.008, 0.014),
+              "full": _pair(-0.001, -0.0018, -0.0002, equivalent=True, p=0.02)},
       saving_steady_with_target=0.6)
   summary["random-30"].update(paired={"full": _pair(-0.015, -0.02, -0.01)},
                               saving_steady_with_target=0.62)
   summary["topk_flsd53-30"]["paired"] = {"ce_topk": _pair(-0.013, -0.02, -0.006)}
-  summary["infobatch"].update(paired={"full": _pair(-0.002, -0.005, 0.001)},
+  summary["infobatch"].update(paired={"full": _pair(-0.0005, -0.0015, 0.0005, equivalent=True,
+                                                   p=0.01)},
                               saving_steady_with_target=0.3)  # Lossless, but saves < 35 %.
   summary["noisy_random-30"]["paired"] = {"full": _pair(-0.01, -0.02, -0.005)}
-  summary["noisy_topk_entropy-30"]["paired"] = {"full": _pair(0.004, -0.001, 0.009)}
+  summary["noisy_topk_entropy-30"]["paired"] = {"full": _pair(0.004, -0.001, 0.009, p=0.62)}
   # InfoBatch has no fixed budget, but it is a policy under noise too: the best one here.
   summary["noisy_infobatch"]["paired"] = {"full": _pair(0.006, 0.001, 0.011)}
   text = "\n".join(long_schedule.answers([arms[n] for n in pick], summary))
   assert "topk_entropy-30 +1.10 points vs random [+0.80, +1.40]" in text
   assert "better" in text.split("topk_entropy-30 +1.10")[1].split(";")[0]
   assert "topk_flsd53-30 -1.30 points vs CE top-k [-2.00, -0.60]" in text
-  assert "met by topk_entropy-30" in text  # -0.1 points, interval holds 0, 60 % saved.
+  assert "met by topk_entropy-30" in text  # -0.1 points, equivalent, 60 % saved.
   assert "InfoBatch lossless at >= 35 % saved: missed" in text
   assert ("best noisy_infobatch +0.60 points vs noisy full [+0.10, +1.10]" in text
-          and "matches or beats full data: met" in text)
+          and "lossless or better than full data: met" in text)
+  # A "no difference" is printed with its equivalence test.
+  assert ("noisy_topk_entropy-30 +0.40 points vs noisy full [-0.10, +0.90]" in text and
+          "no difference detected, not shown equivalent at ±0.2 (TOST p 0.620)" in text)
+
+
+def test_scorer_effect_is_the_difference_of_differences_by_hand():
+  arms = {a.name: a for a in long_schedule.arms(long_schedule.base_config())}
+  def run(*accuracy):
+    return {"seed_index": {0: 0, 1: 1, 2: 2}, "accuracy": list(accuracy)}
+  results = {"topk_flgamma-30": run(0.915, 0.917, 0.918), "flgamma_full": run(0.919, 0.918, 0.921),
+             "topk_entropy-30": run(0.919, 0.921, 0.922), "full": run(0.923, 0.922, 0.924)}
+  # Per seed: (-0.004 - (-0.004)), (-0.001 - (-0.001)), (-0.003 - (-0.002)) = 0, 0, -0.001.
+  effect = long_schedule.scorer_effect(arms["topk_flgamma-30"], results)
+  assert effect["accuracy"][0] == pytest.approx(-0.001 / 3, abs=1e-12)
+  assert effect["seeds"] == 3 and effect["tost"]["n"] == 3
+  assert long_schedule.scorer_effect(arms["topk_entropy-30"], results) is None
 
 
 def test_a_failed_run_is_reported_but_a_stop_request_stops_the_study(tmp_path, monkeypatch):

@@ -1,10 +1,18 @@
-"""Model shapes and parameter counts, against counts derived by hand from layer shapes."""
+"""Model shapes and parameter counts, against counts derived by hand from layer shapes;
+the registry against the README; the ImageNet stem against a NumPy forward."""
 
+import os
+import re
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from cpjax import models
+from cpjax import config_validation, models
+from cpjax.models import nets
+from tests import helpers
 
 
 def conv(k, c_in, c_out):  # No bias (followed by BatchNorm).
@@ -27,8 +35,8 @@ def bottleneck(c_in, width, projection):
   return n + (conv(1, c_in, out) + bn(out) if projection else 0)
 
 
-def kuangliu_resnet(stages, block, expansion, classes=10, c_in=3):
-  n, channels = conv(3, c_in, 64) + bn(64), 64
+def kuangliu_resnet(stages, block, expansion, classes=10, c_in=3, stem_kernel=3):
+  n, channels = conv(stem_kernel, c_in, 64) + bn(64), 64  # The max-pool has no parameters.
   for stage, (blocks, width) in enumerate(zip(stages, (64, 128, 256, 512))):
     for i in range(blocks):
       out = width * expansion
@@ -53,6 +61,10 @@ def wrn(n_blocks, k, classes=10):
       n += basic(channels, width, projection=(i == 0))
       channels = width
   return n + channels * classes + classes
+
+
+def imagenet_resnet(stages, block, expansion, classes=1000):  # He et al.: 7x7 stem.
+  return kuangliu_resnet(stages, block, expansion, classes, stem_kernel=7)
 
 
 def count_params(name, shape, classes=10):
@@ -119,3 +131,143 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   assert {x.dtype for x in jax.tree.leaves(variables["params"])} == {jnp.dtype("float32")}
   logits, _ = jax.jit(model.apply)(variables, jnp.ones((2, 8, 8, 3)))
   assert logits.dtype == jnp.float32
+
+
+# torchvision's resnet18/34/50 (1,000 classes), as its model documentation lists them.
+PUBLISHED_IMAGENET = {"resnet18_imagenet": 11_689_512, "resnet34_imagenet": 21_797_672,
+                      "resnet50_imagenet": 25_557_032}
+
+
+@pytest.mark.parametrize("name, by_hand", [
+    ("resnet18_imagenet", imagenet_resnet((2, 2, 2, 2), basic, 1)),
+    ("resnet34_imagenet", imagenet_resnet((3, 4, 6, 3), basic, 1)),
+    ("resnet50_imagenet", imagenet_resnet((3, 4, 6, 3), bottleneck, 4)),
+])
+def test_imagenet_resnet_counts_match_hand_derivation_and_torchvision(name, by_hand):
+  assert by_hand == PUBLISHED_IMAGENET[name]  # The closed form agrees with the literature,
+  assert count_params(name, (224, 224, 3), classes=1000) == by_hand  # and the model with both.
+
+
+def block_outputs(name, side, dtype="float32", classes=1000):
+  """eval_shape of the model on [2, side, side, 3]: (logits, features, every residual
+  block's output in order), nothing computed."""
+  model = models.create_model(name, classes, dtype)
+  x = jax.ShapeDtypeStruct((2, side, side, 3), jnp.float32)
+  variables = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x), x)
+  def is_block(module, method):
+    return method == "__call__" and isinstance(module, (nets.BasicBlock, nets.Bottleneck))
+  (logits, features), state = jax.eval_shape(
+      lambda v, x: model.apply(v, x, capture_intermediates=is_block, mutable=["intermediates"]),
+      variables, x)
+  blocks = sorted(state["intermediates"].items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1]))
+  return logits, features, [out["__call__"][0] for _, out in blocks], variables
+
+
+@pytest.mark.parametrize("name, width, n_blocks", [("resnet18_imagenet", 512, 8),
+                                                   ("resnet34_imagenet", 512, 16),
+                                                   ("resnet50_imagenet", 2048, 16)])
+@pytest.mark.parametrize("side", [224, 64])
+def test_imagenet_resnets_downsample_32x(name, width, n_blocks, side):
+  logits, features, blocks, _ = block_outputs(name, side)
+  assert logits.shape == (2, 1000) and features.shape == (2, width)
+  assert len(blocks) == n_blocks
+  # The stem (7x7/2 conv, 3x3/2 max-pool) leaves side/4 for stage 1; the last stage side/32.
+  assert blocks[0].shape[1:3] == (side // 4, side // 4)
+  assert blocks[-1].shape == (2, side // 32, side // 32, width)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in models.MODELS.items()
+                                        if getattr(s.constructor, "func", None) is nets.ResNet))
+def test_declared_downsampling_of_every_resnet_is_measured(name):
+  """Each registered ResNet's `downsampling` is its image side / its last block's side, at
+  the image size it was made for."""
+  spec = models.MODELS[name]
+  _, _, blocks, _ = block_outputs(name, spec.image_size, classes=10)
+  assert spec.image_size // blocks[-1].shape[1] == spec.downsampling
+
+
+def test_imagenet_resnet50_bfloat16_computes_in_bfloat16_with_float32_params():
+  logits, features, blocks, variables = block_outputs("resnet50_imagenet", 64, "bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(variables["params"])} == {jnp.dtype("float32")}
+  assert {b.dtype for b in blocks} == {jnp.dtype("bfloat16")}
+  assert logits.dtype == features.dtype == jnp.float32
+
+
+class _Stem(nets.ResNet):
+  """The ImageNet stem alone, in ResNet's own scope (its Conv_0 and BatchNorm_0)."""
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    return nets.STEMS["imagenet"](self, x, train)
+
+
+def numpy_imagenet_stem(x, kernel):
+  """torchvision's stem in NumPy float64: Conv2d(7, stride 2, padding 3), eval-mode BatchNorm
+  at its initial statistics (mean 0, var 1, eps 1e-5, scale 1, bias 0), ReLU, then
+  MaxPool2d(3, stride 2, padding 1)."""
+  x = np.pad(np.asarray(x, np.float64), ((0, 0), (3, 3), (3, 3), (0, 0)))
+  k = np.asarray(kernel, np.float64)
+  out_side = (x.shape[1] - 7) // 2 + 1
+  y = np.zeros((x.shape[0], out_side, out_side, k.shape[-1]))
+  for i in range(out_side):
+    for j in range(out_side):
+      patch = x[:, 2 * i:2 * i + 7, 2 * j:2 * j + 7, :]
+      y[:, i, j, :] = np.einsum("bhwc,hwco->bo", patch, k)
+  y = np.maximum(y / np.sqrt(1 + 1e-5), 0)
+  y = np.pad(y, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-np.inf)
+  pooled_side = (y.shape[1] - 3) // 2 + 1
+  return np.stack([np.stack([y[:, 2 * i:2 * i + 3, 2 * j:2 * j + 3, :].max(axis=(1, 2))
+                             for j in range(pooled_side)], 1) for i in range(pooled_side)], 1)
+
+
+@pytest.mark.parametrize("side", [16, 15])  # Even and odd: the pads' placement shows.
+def test_imagenet_stem_matches_a_numpy_forward(side):
+  stem = _Stem()
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, side, side, 3))
+  variables = jax.jit(stem.init)(jax.random.PRNGKey(0), x)
+  out = jax.jit(stem.apply)(variables, x)
+  expected = numpy_imagenet_stem(x, variables["params"]["Conv_0"]["kernel"])
+  assert out.shape == expected.shape == (2, -(-side // 4), -(-side // 4), 64)
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+# Every name that configs, studies and checkpoints may hold: none may disappear or change.
+EARLIER_NAMES = ("tiny", "small_cnn", "resnet18", "resnet34", "resnet50", "resnet110",
+                 "resnet20", "resnet32", "resnet56", "wrn26_10")
+
+
+def test_registry_keeps_every_earlier_name_and_each_entry_is_its_own_name():
+  assert set(EARLIER_NAMES) <= set(models.MODELS)
+  assert all(spec.name == name for name, spec in models.MODELS.items())
+  with pytest.raises(AttributeError):  # Frozen: settings are declared once, beside the entry.
+    models.MODELS["tiny"].image_size = 1
+
+
+def test_readme_model_table_is_the_registry():
+  with open(os.path.join(helpers.REPO, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  table = models.markdown_table()
+  names = re.findall(r"^\| `([^`]+)` \|", table, re.MULTILINE)
+  assert names == list(models.MODELS)
+  assert table in readme, f"README.md's model table is out of date; it should read:\n{table}"
+
+
+def test_unknown_model_name_gets_did_you_mean_and_the_choices():
+  config = helpers.tiny_config(**{"model.name": "resnet50_imagnet"})
+  with pytest.raises(config_validation.ConfigError) as err:
+    config_validation.validate(config)
+  message = str(err.value)
+  assert "config.model.name: got 'resnet50_imagnet'; did you mean resnet50_imagenet" in message
+  assert all(name in message for name in models.MODELS)
+  with pytest.raises(ValueError, match="resnet50_imagnet"):
+    models.create_model("resnet50_imagnet", 10)
+
+
+def test_a_config_can_name_resnet50_imagenet_in_bfloat16():
+  config = helpers.tiny_config(**{"model.name": "resnet50_imagenet", "model.dtype": "bfloat16",
+                                  "dataset.name": "cifar10"})
+  config_validation.validate(config)  # Raises on any problem.
+  assert config_validation.size_warnings(config) == []  # 32 px: x32 still leaves 1 pixel.
+  digits = helpers.tiny_config(**{"model.name": "resnet50_imagenet"})
+  (warning,) = config_validation.size_warnings(digits)
+  assert "resnet50_imagenet" in warning and "x32" in warning and "8 px" in warning

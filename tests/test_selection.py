@@ -407,3 +407,39 @@ def test_selected_run_diagnostics_match_its_score_files(selected_run, digits):
         scipy.stats.entropy(subset, np.bincount(labels, minlength=10)), rel=1e-6, abs=1e-9)
     assert records[epoch]["never_selected_share"] == pytest.approx(1 - ever.mean())
   assert "never_selected_share" not in records[0]  # Warm-up: nothing selected.
+
+
+# configs/test.py, 4 epochs of top-k with a rising budget and a final full-data epoch: epoch 0
+# on all 1,257 rows (warm-up), epochs 1 and 2 selected with the kept fraction moving from 0.2
+# to 0.6, epoch 3 on all rows again (final_full_epochs = 1).
+SCHEDULED = {"num_epochs": 4, "selection.method": "top_k", "selection.fraction": 0.2,
+             "selection.fraction_end": 0.6, "selection.final_full_epochs": 1,
+             "selection.warmup_epochs": 1, "selection.record_scores": True,
+             "keep_checkpoints": 10}
+
+
+def test_budget_schedule_and_final_full_epochs_train_the_planned_rows(digits, tmp_path):
+  """Epoch sizes by hand: round(0.2 * 1257) = 251 and round(0.6 * 1257) = 754 between two
+  full epochs; each selected epoch trains the 251 / 754 highest entropies of the buffer it
+  started from (NumPy's sort as the reference), in ceil(k / 64) steps."""
+  workdir = str(tmp_path / "scheduled")
+  train.train_and_evaluate(helpers.tiny_config(**SCHEDULED), workdir)
+  ids, records = digits["train"].ids, read_metrics(workdir)
+  sizes = [r["selected_k"] for r in records]
+  assert sizes == [1257, 251, 754, 1257]
+  checkpoints = helpers.checkpoint_steps(workdir)
+  assert np.diff([0, *checkpoints]).tolist() == [20, 4, 12, 20]
+  for epoch in (1, 2):
+    buffer = helpers.restore_checkpoint(workdir, checkpoints[epoch - 1])["selection"]
+    want = np.sort(_numpy_top_k(np.asarray(buffer["scores"]), ids, sizes[epoch]))
+    trained = ~np.isnan(np.load(score_files.score_path(workdir, epoch))[ids])
+    np.testing.assert_array_equal(ids[trained], want)
+  assert "subset_class_kl" not in records[3]  # The final epoch is not a selected one.
+
+
+def test_fraction_at_by_hand():
+  # Selected epochs 2 .. 10 of a schedule from 0.1 to 0.5: +0.05 per epoch.
+  assert [policies.fraction_at(0.1, 0.5, e, 2, 10) for e in (2, 6, 10)] == pytest.approx(
+      [0.1, 0.3, 0.5])
+  assert policies.fraction_at(0.3, -1.0, 7, 2, 10) == 0.3  # Off: the constant fraction.
+  assert policies.fraction_at(0.3, 0.9, 4, 4, 4) == 0.3  # One selected epoch: its start.

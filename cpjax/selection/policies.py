@@ -73,6 +73,22 @@ def subset_size(fraction: float, count: int, num_train: int) -> int:
   return max(1, min(k, num_train))
 
 
+def fraction_at(fraction: float, fraction_end: float, epoch: int, first_selected: int,
+                last_selected: int) -> float:
+  """The kept fraction of selected `epoch` under a linear budget schedule.
+
+  f(e) = f0 + (f1 - f0) * (e - e0) / (e1 - e0) for the selected epochs e0 .. e1
+  (`first_selected` .. `last_selected`), f0 = `fraction`, f1 = `fraction_end`;
+  a negative `fraction_end` keeps f0 throughout (the constant budget of the
+  papers). A rising schedule trains lean while the model learns the easy bulk
+  and spends its budget late, where a subset's bias costs most.
+  """
+  if fraction_end < 0 or last_selected <= first_selected:
+    return fraction
+  progress = (epoch - first_selected) / (last_selected - first_selected)
+  return fraction + (fraction_end - fraction) * progress
+
+
 def _ranked_positions(scores: np.ndarray, k: int, mesh: jax.sharding.Mesh | None) -> np.ndarray:
   """Positions of the k highest scores, best first (lower position on ties)."""
   scores = np.where(np.isnan(scores), -np.inf, np.asarray(scores, np.float32))

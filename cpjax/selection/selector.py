@@ -30,8 +30,7 @@ class Selector:
     self._config, self._selection, self._split, self._mesh = (
         config, config.selection, train_split, mesh)
     self._num_classes = specs.DATASETS[config.dataset.name].num_classes
-    self.k = policies.subset_size(self._selection.fraction, self._selection.count,
-                                  len(train_split))  # Fixed-size methods only.
+    self._num_epochs = config.num_epochs
     # Weighted methods (infobatch) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
     self.weighted = policies.weights_loss(self._selection.method)
@@ -45,14 +44,29 @@ class Selector:
         prune_ratio=self._selection.prune_ratio)
 
   def selecting(self, epoch: int) -> bool:
-    return self._selection.method != "full" and epoch >= self._selection.warmup_epochs
+    """Whether `epoch` trains on a selected subset: after the warm-up epochs and before the
+    final full-data epochs (`selection.final_full_epochs`, an annealing phase as InfoBatch's
+    for the fixed-size methods)."""
+    last = self._num_epochs - self._selection.final_full_epochs
+    return (self._selection.method != "full"
+            and self._selection.warmup_epochs <= epoch < last)
+
+  def k_at(self, epoch: int) -> int:
+    """k of a fixed-size method in selected `epoch`: `selection.count`, or the kept fraction
+    of the epoch (`selection.fraction`, moving linearly to `selection.fraction_end` over the
+    selected epochs when that is set) times the training rows."""
+    fraction = policies.fraction_at(
+        self._selection.fraction, self._selection.fraction_end, epoch,
+        self._selection.warmup_epochs,
+        self._num_epochs - self._selection.final_full_epochs - 1)
+    return policies.subset_size(fraction, self._selection.count, len(self._split))
 
   def steps_in_epoch(self, epoch: int) -> int:
     """Steps of `epoch` for the progress report's total. An infobatch epoch's size is known
     only once its rows are drawn: its full size counts (an upper bound; the loop trains
     ceil(rows / batch_size) steps of the rows it gets)."""
     fixed_subset = self.selecting(epoch) and not self.weighted
-    rows = self.k if fixed_subset else len(self._split)
+    rows = self.k_at(epoch) if fixed_subset else len(self._split)
     return -(-rows // self._config.batch_size)
 
   def rows_for_epoch(self, epoch: int, train_state: steps.TrainState,
@@ -90,7 +104,7 @@ class Selector:
       return policies.select_infobatch(scores, self._split.ids, self._config.seed, epoch,
                                        self._params.prune_ratio, self._anneal_start)
     return np.sort(policies.choose_subset(
-        self._selection.method, scores, self._split.labels, self._split.ids, self.k,
+        self._selection.method, scores, self._split.labels, self._split.ids, self.k_at(epoch),
         self._config.seed, epoch, self._params, self._mesh)), None
 
   def _unit_weights(self, rows: np.ndarray) -> np.ndarray | None:

@@ -1,9 +1,15 @@
-"""Image classifiers chosen by config name; each returns (logits, features).
+"""The architectures of cpjax's registered models (cpjax.models.registry); each returns
+(logits, features).
 
-- CIFAR-style ResNet-18/34/50/110 (kuangliu/pytorch-cifar layout;
+- CIFAR-stem ResNet-18/34/50/110 (kuangliu/pytorch-cifar layout;
   docs/methods.md#data-splits-and-architectures): 3x3 stem with 64 channels, no
   max-pool, four stages 64/128/256/512 with first-block strides 1/2/2/2, projection
-  shortcuts (1x1 conv + BN).
+  shortcuts (1x1 conv + BN). The image is downsampled x8 (32 -> 4).
+- ImageNet-stem ResNet-18/34/50 (He et al. 2016, "Deep Residual Learning for Image
+  Recognition", Table 1; torchvision's layout): a 7x7 stride-2 conv, BN, ReLU and a 3x3
+  stride-2 max-pool, then the same four stages: downsampled x32 (224 -> 7). The
+  bottleneck's stride sits on its 3x3 conv ("ResNet v1.5", as torchvision and flax's
+  ImageNet example).
 - He et al. (2016) CIFAR ResNet-20/32/56: 16/32/64 channels, 3 stages of n
   basic blocks (depth 6n+2), parameter-free shortcuts ("option A": stride-2
   subsampling and zero channel padding).
@@ -20,7 +26,6 @@ feature-based score may read. BatchNorm uses PyTorch's defaults (momentum 0.1
 """
 
 from collections.abc import Callable, Sequence
-import functools
 
 import flax.linen as nn
 import jax
@@ -85,18 +90,37 @@ def _shortcut(block: _Layers, x: jax.Array, features: int, stride: int,
       block.conv(features, 1, stride, name="shortcut_conv")(x))
 
 
+def _cifar_stem(net: "ResNet", x: jax.Array, train: bool) -> jax.Array:
+  """3x3 conv, stride 1 -> BN -> ReLU: the image keeps its size."""
+  return nn.relu(net.norm(train)(net.conv(net.stem_width)(x)))
+
+
+def _imagenet_stem(net: "ResNet", x: jax.Array, train: bool) -> jax.Array:
+  """7x7 conv, stride 2 -> BN -> ReLU -> 3x3 max-pool, stride 2 (He et al. 2016): x4.
+
+  Padding 3 and 1 on each side, as torchvision (flax's example pads the pool "SAME", on
+  the bottom/right only); max-pool pads with -inf, so a pad never wins.
+  """
+  x = nn.relu(net.norm(train)(net.conv(net.stem_width, 7, 2)(x)))
+  return nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+
+
+STEMS = {"cifar": _cifar_stem, "imagenet": _imagenet_stem}
+
+
 class ResNet(_Layers):
-  """Stem conv -> stages of blocks -> global average pool -> linear head."""
+  """Stem -> stages of blocks -> global average pool -> linear head."""
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
   stage_widths: Sequence[int] = (64, 128, 256, 512)
   block: Callable[..., nn.Module] = BasicBlock
   stem_width: int = 64
+  stem: str = "cifar"  # A key of STEMS.
   shortcut: str = "projection"
   num_classes: int = 10
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False) -> tuple[jax.Array, jax.Array]:
-    x = nn.relu(self.norm(train)(self.conv(self.stem_width)(x.astype(self.dtype))))
+    x = STEMS[self.stem](self, x.astype(self.dtype), train)
     for stage, (blocks, width) in enumerate(zip(self.stage_sizes, self.stage_widths)):
       for i in range(blocks):
         stride = 2 if stage > 0 and i == 0 else 1
@@ -136,26 +160,3 @@ class SmallCNN(_Layers):
     x = nn.Dense(128, dtype=self.dtype)(x.reshape((x.shape[0], -1)))
     features = nn.relu(x).astype(jnp.float32)
     return nn.Dense(self.num_classes, dtype=jnp.float32, name="head")(features), features
-
-
-_cifar_resnet = functools.partial(ResNet, stage_widths=(16, 32, 64), stem_width=16,
-                                  shortcut="zero_pad")
-_wide = functools.partial(ResNet, stage_widths=(160, 320, 640), stem_width=16)
-
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    "tiny": TinyNet,
-    "small_cnn": SmallCNN,
-    "resnet18": functools.partial(ResNet, stage_sizes=(2, 2, 2, 2)),
-    "resnet34": functools.partial(ResNet, stage_sizes=(3, 4, 6, 3)),
-    "resnet50": functools.partial(ResNet, stage_sizes=(3, 4, 6, 3), block=Bottleneck),
-    "resnet110": functools.partial(ResNet, stage_sizes=(3, 4, 26, 3), block=Bottleneck),
-    "resnet20": functools.partial(_cifar_resnet, stage_sizes=(3, 3, 3)),
-    "resnet32": functools.partial(_cifar_resnet, stage_sizes=(5, 5, 5)),
-    "resnet56": functools.partial(_cifar_resnet, stage_sizes=(9, 9, 9)),
-    "wrn26_10": functools.partial(_wide, stage_sizes=(4, 4, 4)),
-}
-
-
-def create_model(name: str, num_classes: int, dtype: str = "float32") -> nn.Module:
-  """Returns the registered model `name` with `num_classes` outputs."""
-  return MODELS[name](num_classes=num_classes, dtype=jnp.dtype(dtype))

@@ -1,0 +1,435 @@
+"""How much training compute can selection skip without losing accuracy?
+
+The accuracy-compute frontier of every policy on the long schedule
+(configs/fashion_mnist_long.py: small_cnn, crop+flip, 54,000 training images of
+Fashion-MNIST, 20 epochs of cosine SGD, epoch 0 on all data), measured in
+example passes (forward 1, forward + backward 3, scoring passes included), and
+whether any policy is *lossless* at half the passes or fewer.
+
+Policies, each at four budgets B (per cent of examples kept per selected epoch
+for the constant-budget ones; about 0.05 + 0.95 B of full data's passes):
+
+  same_budget-B       all data, cut to a B run's optimizer steps, the cosine
+                      stretched over them (fewer epochs of full data)
+  random-B            a fresh uniform draw each epoch
+  topk_entropy-B      top-k on the train pass's entropy (Tata et al. 2022)
+  sampled-B           Gumbel-top-k on the entropy, T = 0.1
+  infobatch-rR        InfoBatch (Qin et al. 2024) at prune ratio R (no fixed budget:
+                      R = 50, 70, 85, 95 spans its passes)
+and the designs that aim beyond them, with the same passes as the B arms:
+  topk_anneal-B       top-k, then the last 2 epochs on all data (InfoBatch's annealing
+                      for a fixed-size policy); the kept fraction lowered to
+                      (19 B - 2) / 17 so that the passes match
+  topk_rising-B       top-k with the kept fraction rising linearly over the selected
+                      epochs (from B - 25 to B + 25 points, at least 5 %): lean while
+                      the model learns the bulk, most data at the end
+  sampled_anneal-B    Gumbel-top-k (T = 0.1), then the last 2 epochs on all data
+
+Protocol (settings chosen on validation accuracy only):
+  tier A  every policy at the half-compute budget (B = 45, InfoBatch R = 85),
+          seeds 0-2, beside full data (seeds 0-2)
+  choice  the policy with the highest mean validation accuracy among tier A's
+          arms with at most half of full data's passes (the rule is fixed here,
+          before any confirmation run)
+  tier C  the chosen arm and full data on 5 untouched seeds (3-7)
+  tier B  the other budgets (30, 55, 70; InfoBatch R = 50, 70, 95), seeds 0-2
+  tier D  the chosen arm and full data under 20 % uniform label noise with a
+          different noise draw per seed (seeds 3-7)
+  tier E  the chosen arm and full data on a 30-epoch schedule (seeds 0-2): does
+          the gap hold where full data is closer to its validation plateau?
+
+Lossless means: a two one-sided t-test (TOST) of equivalence at a margin of
+0.2 accuracy points passes at alpha = 0.05 on the paired per-seed differences
+(arm - full data, same seeds), i.e. the 90 % t interval of the mean difference
+lies inside (-0.2, +0.2), and the mean difference is at least -0.1 points.
+
+Runs already made by the long-schedule study with identical settings (full,
+random-30, topk_entropy-30, sampled-30, same_budget-30, InfoBatch at R = 50)
+are read from its committed records. Every finished run leaves a small record
+in studies/results/frontier_runs/; rerunning the command continues the study:
+
+  python -m studies.frontier --out=studies/out/frontier
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+import traceback
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from cpjax.runtime import preemption  # noqa: E402
+from studies import equivalence, grid, long_schedule  # noqa: E402
+
+RECORDS = "studies/results/frontier_runs"
+LONG_RECORDS = long_schedule.RECORDS
+SEARCH_SEEDS = (0, 1, 2)
+CONFIRM_SEEDS = (3, 4, 5, 6, 7)
+HALF = 45  # The half-compute budget: 0.05 + 0.95 * 0.45 = 47.75 % of full data's passes.
+BUDGETS = (30, 45, 55, 70)
+INFOBATCH_RATIOS = {45: 85, 30: 95, 55: 70, 70: 50}  # Budget column -> prune ratio (%).
+MARGIN, MIN_MEAN, ALPHA = equivalence.MARGIN, equivalence.MIN_MEAN, equivalence.ALPHA
+tost, lossless = equivalence.tost, equivalence.lossless
+ANNEAL_EPOCHS = 2
+NOISE = 0.2
+SAMPLED = {"selection.method": "sampled", "selection.temperature": 0.1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  policy: str
+  overrides: dict
+  tier: str
+  budget: int = 100  # The budget column (per cent kept); 100 = full data.
+  seeds: tuple = SEARCH_SEEDS
+  long_name: str = ""  # The long-schedule study's arm with the same settings, if any.
+
+
+def anneal_fraction_for(budget: int, num_epochs: int, warmup: int = 1) -> float:
+  """The kept fraction of an arm that ends with ANNEAL_EPOCHS full epochs and costs what a
+  constant budget-% arm costs: warmup + A + (E - warmup - A) f = warmup + (E - warmup) B."""
+  selected = num_epochs - warmup
+  return round((selected * budget / 100 - ANNEAL_EPOCHS) / (selected - ANNEAL_EPOCHS), 4)
+
+
+def rising_range(budget: int) -> tuple[float, float]:
+  """(start, end) kept fractions of a linear schedule whose mean is budget %: 25 points
+  below to 25 above, the start at least 5 %."""
+  start = max(0.05, budget / 100 - 0.25)
+  return round(start, 4), round(2 * budget / 100 - start, 4)
+
+
+def policy_overrides(policy: str, budget: int, base) -> dict:
+  """The config overrides of `policy` at `budget` (see the module docstring)."""
+  f = budget / 100
+  if policy == "same_budget":
+    return {"budget_steps": long_schedule.budget_steps(base, f),
+            "optimizer.schedule_unit": "step"}
+  if policy == "random":
+    return {"selection.method": "random", "selection.fraction": f}
+  if policy == "topk_entropy":
+    return {"selection.method": "top_k", "selection.fraction": f}
+  if policy == "sampled":
+    return {**SAMPLED, "selection.fraction": f}
+  if policy == "infobatch":
+    return {**long_schedule.INFOBATCH, "selection.prune_ratio": INFOBATCH_RATIOS[budget] / 100}
+  if policy == "topk_anneal":
+    return {"selection.method": "top_k",
+            "selection.fraction": anneal_fraction_for(budget, base.num_epochs),
+            "selection.final_full_epochs": ANNEAL_EPOCHS}
+  if policy == "topk_rising":
+    start, end = rising_range(budget)
+    return {"selection.method": "top_k", "selection.fraction": start,
+            "selection.fraction_end": end}
+  if policy == "sampled_anneal":
+    return {**SAMPLED, "selection.fraction": anneal_fraction_for(budget, base.num_epochs),
+            "selection.final_full_epochs": ANNEAL_EPOCHS}
+  raise ValueError(f"unknown policy {policy!r}")
+
+
+POLICIES = ("same_budget", "random", "topk_entropy", "sampled", "infobatch", "topk_anneal",
+            "topk_rising", "sampled_anneal")
+# The long-schedule study's arms with the same settings (their records are reused).
+LONG_NAMES = {"random-30": "random-30", "topk_entropy-30": "topk_entropy-30",
+              "sampled-30": "sampled-30", "same_budget-30": "same_budget-30",
+              "infobatch-r50": "infobatch"}
+
+
+def arm_name(policy: str, budget: int) -> str:
+  if policy == "infobatch":
+    return f"infobatch-r{INFOBATCH_RATIOS[budget]}"
+  return f"{policy}-{budget}"
+
+
+def search_arms(base) -> list[Arm]:
+  """Full data and every policy at every budget, seeds 0-2 (tiers A and B)."""
+  out = [Arm("full", "full", {}, "A", long_name="full")]
+  for budget in (HALF, *[b for b in BUDGETS if b != HALF]):
+    for policy in POLICIES:
+      name = arm_name(policy, budget)
+      out.append(Arm(name, policy, policy_overrides(policy, budget, base),
+                     "A" if budget == HALF else "B", budget, long_name=LONG_NAMES.get(name, "")))
+  return out
+
+
+def later_arms(chosen: Arm, base) -> list[Arm]:
+  """Tiers C-E for the chosen arm: untouched seeds, per-seed label noise, 30 epochs (its
+  settings recomputed for 30 epochs, so that its share of full data's passes stays)."""
+  longer = grid.apply(base, {"num_epochs": 30})
+  def add_noise(overrides):
+    return {**overrides, "dataset.label_noise": NOISE}
+  return [
+      Arm("full@confirm", "full", {}, "C", seeds=CONFIRM_SEEDS),
+      Arm(f"{chosen.name}@confirm", chosen.policy, chosen.overrides, "C", chosen.budget,
+          seeds=CONFIRM_SEEDS),
+      Arm("noisy_full@confirm", "full", add_noise({}), "D", seeds=CONFIRM_SEEDS),
+      Arm(f"noisy_{chosen.name}@confirm", chosen.policy, add_noise(chosen.overrides), "D",
+          chosen.budget, seeds=CONFIRM_SEEDS),
+      Arm("full_e30", "full", {"num_epochs": 30}, "E", long_name="full_e30"),
+      Arm(f"{chosen.name}_e30", chosen.policy,
+          {**policy_overrides(chosen.policy, chosen.budget, longer), "num_epochs": 30}, "E",
+          chosen.budget)]
+
+
+def run_overrides(arm: Arm, seed: int) -> dict:
+  """An arm's overrides for one seed; a noisy arm draws its label noise from the seed."""
+  overrides = {**arm.overrides, "seed": seed}
+  if "dataset.label_noise" in overrides:
+    overrides["dataset.label_noise_seed"] = seed
+  return overrides
+
+
+def base_config():
+  """The long-schedule study's base run; the report's post-hoc table without intervals
+  (the frontier reads accuracy only; evaluation settings never change training)."""
+  base = long_schedule.base_config()
+  base.evaluation.calibrator_resamples = 0
+  return base
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics.
+
+
+def paired_differences(arm: dict, reference: dict, key: str = "accuracy") -> tuple[list, list]:
+  """(seeds, arm - reference per seed) over the seeds both runs finished."""
+  seeds = sorted(set(arm["seed_index"]) & set(reference["seed_index"]))
+  return seeds, [arm[key][arm["seed_index"][s]] - reference[key][reference["seed_index"][s]]
+                 for s in seeds]
+
+
+def choose(arms: list[Arm], results: dict) -> Arm | None:
+  """The pre-registered choice: among tier A's selecting arms with at most half of full
+  data's passes and all search seeds finished, the highest mean validation accuracy
+  (the first listed on a tie). None until every tier-A arm has finished."""
+  full = results.get("full")
+  candidates = [a for a in arms if a.tier == "A" and a.policy != "full"]
+  if full is None or any(len(results.get(a.name, {}).get("seed_index", {}))
+                         < len(SEARCH_SEEDS) for a in candidates):
+    return None
+  full_passes = float(np.mean(full["passes"]))
+  cheap = [a for a in candidates if np.mean(results[a.name]["passes"]) <= full_passes / 2]
+  return max(cheap, key=lambda a: np.mean(results[a.name]["val_accuracy"]), default=None)
+
+
+def summarise(arms: list[Arm], results: dict) -> dict:
+  """Per arm: passes as a share of full data's, accuracies, the paired test against the full
+  data run of the same regime and schedule on the same seeds."""
+  references = {"C": "full@confirm", "D": "noisy_full@confirm", "E": "full_e30"}
+  summary = {}
+  for arm in arms:
+    r = results.get(arm.name)
+    if r is None:
+      continue
+    reference = results.get(references.get(arm.tier, "full"))
+    row = {"policy": arm.policy, "tier": arm.tier, "budget": arm.budget,
+           "seeds": sorted(r["seed_index"]),
+           "accuracy": float(np.mean(r["accuracy"])),
+           "accuracy_sd": float(np.std(r["accuracy"], ddof=1)) if len(r["accuracy"]) > 1 else 0.0,
+           "val_accuracy": float(np.mean(r["val_accuracy"])),
+           "ece": float(np.mean(r["ece"])),
+           "passes": float(np.mean(r["passes"]))}
+    if reference is not None:
+      row["passes_share"] = row["passes"] / float(np.mean(reference["passes"]))
+      if reference is not r:
+        seeds, d = paired_differences(r, reference)
+        test = tost(d)
+        row["vs_full"] = {**test, "seeds": seeds, "lossless": lossless(test)}
+    summary[arm.name] = row
+  return summary
+
+
+def frontier_answers(summary: dict) -> dict:
+  """For each policy: the largest saving (1 - passes share) at which it is lossless on the
+  search seeds, or None."""
+  out = {}
+  for name, row in summary.items():
+    if row["tier"] not in ("A", "B") or "vs_full" not in row:
+      continue
+    best = out.get(row["policy"])
+    saving = 1 - row["passes_share"]
+    if row["vs_full"]["lossless"] and (best is None or saving > best["saving"]):
+      out[row["policy"]] = {"arm": name, "saving": saving}
+    out.setdefault(row["policy"], None)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs.
+
+
+def _pts(value: float) -> str:
+  return "—" if value is None or not np.isfinite(value) else f"{100 * value:+.2f}"
+
+
+def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict) -> str:
+  lines = ["# Accuracy-compute frontier (Fashion-MNIST, long schedule)", "",
+           f"Command: `{command}`. Test accuracy in per cent; differences in points, paired "
+           "per seed against full data of the same regime and schedule; [90 % t interval]; "
+           f"TOST: two one-sided t-tests at a ±{100 * MARGIN:.1f}-point margin (p < {ALPHA}: "
+           f"equivalent); lossless = equivalent and mean >= {100 * MIN_MEAN:+.1f} points. "
+           "Passes: example passes (forward 1, forward + backward 3) as a share of full "
+           "data's.", "",
+           "| arm | tier | seeds | passes | test acc | val acc | vs full | TOST p | lossless |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for name, row in summary.items():
+    vs = row.get("vs_full")
+    cells = [name, row["tier"], ",".join(map(str, row["seeds"])),
+             f"{100 * row.get('passes_share', math.nan):.1f} %",
+             f"{100 * row['accuracy']:.2f} ± {100 * row['accuracy_sd']:.2f}",
+             f"{100 * row['val_accuracy']:.2f}",
+             f"{_pts(vs['mean'])} [{_pts(vs['low'])}, {_pts(vs['high'])}]" if vs else "—",
+             f"{vs['p']:.3f}" if vs and np.isfinite(vs["p"]) else "—",
+             ("yes" if vs["lossless"] else "no") if vs else "—"]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", "## Largest lossless saving per policy (search seeds 0-2)", ""]
+  for policy, best in frontier_answers(summary).items():
+    lines.append(f"- {policy}: " + (f"{100 * best['saving']:.0f} % fewer passes ({best['arm']})"
+                                    if best else "not lossless at any budget run"))
+  lines += ["", "## The chosen policy", "",
+            (f"`{chosen.name}` (highest mean validation accuracy among tier A's arms at no more "
+             "than half of full data's passes)." if chosen else
+             "Not chosen yet: tier A has not finished.")]
+  if failures:
+    lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
+  return "\n".join(lines) + "\n"
+
+
+def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str) -> None:
+  """Test accuracy vs passes share, one line per policy (mean over seeds 0-2, band: the
+  seeds' range); full data as a band (its seeds' range) and the lossless region (within
+  the margin of full data's mean) shaded."""
+  fig, ax = plt.subplots(figsize=(9, 6))
+  full = results.get("full")
+  if full is not None:
+    acc = 100 * np.asarray(full["accuracy"])
+    ax.axhspan(acc.min(), acc.max(), color="grey", alpha=0.3,
+               label=f"full data ({len(acc)} seeds' range)")
+    ax.axhspan(acc.mean() - 100 * MARGIN, 100, color="green", alpha=0.06,
+               label=f"lossless region: >= full mean - {100 * MARGIN:.1f} points")
+    ax.axvline(50, color="black", linestyle=":", linewidth=1, label="half of full's passes")
+  for i, policy in enumerate(POLICIES):
+    names = [a.name for a in arms if a.policy == policy and a.tier in ("A", "B")
+             and a.name in summary]
+    if not names:
+      continue
+    names.sort(key=lambda n: summary[n]["passes_share"])
+    x = [100 * summary[n]["passes_share"] for n in names]
+    accuracies = [100 * np.asarray(results[n]["accuracy"]) for n in names]
+    colour, style = long_schedule.STYLES[i]
+    ax.plot(x, [a.mean() for a in accuracies], style, color=colour, marker="o", label=policy)
+    ax.fill_between(x, [a.min() for a in accuracies], [a.max() for a in accuracies],
+                    color=colour, alpha=0.12)
+  if full is not None:
+    low = 100 * min(np.min(results[n]["accuracy"]) for n in summary
+                    if summary[n]["tier"] in ("A", "B"))
+    ax.set_ylim(max(low - 0.3, 100 * np.mean(full["accuracy"]) - 3.0),
+                100 * np.max(full["accuracy"]) + 0.6)
+  ax.set_xlim(20, 102)
+  ax.set_xlabel("example passes, % of full data's (scoring included)")
+  ax.set_ylabel("test accuracy % (line: mean of seeds 0-2; band: their range)")
+  ax.set_title("Fashion-MNIST, small_cnn, 20 epochs: accuracy vs training compute")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str,
+                  failures: dict) -> None:
+  summary = summarise(arms, results)
+  slim = {name: {k: v for k, v in r.items() if k not in ("correct", "confidence")}
+          for name, r in results.items()}
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump({"summary": summary, "frontier": frontier_answers(summary),
+               "chosen": chosen.name if chosen else None, "margin": MARGIN,
+               "runs": slim, "failures": failures}, f, indent=1,
+              default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+  with open(os.path.join(out, "summary.md"), "w") as f:
+    f.write(markdown(summary, chosen, command, failures))
+  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def _record(records: str, arm: Arm, seed: int) -> str:
+  """The run's record: the long-schedule study's where that study made the same run."""
+  if arm.long_name:
+    path = long_schedule.record_path(LONG_RECORDS, arm.long_name, seed)
+    if os.path.exists(path):
+      return path
+  return long_schedule.record_path(records, arm.name, seed)
+
+
+def _run(base, arm: Arm, seed: int, out: str, records: str, results: dict, failures: dict,
+         label: str, summarise_only: bool) -> None:
+  workdir = os.path.join(out, arm.name, f"seed{seed}")
+  record = _record(records, arm, seed)
+  finished = os.path.exists(record) or os.path.exists(
+      os.path.join(workdir, "report", "results.json"))
+  if summarise_only and not finished:
+    return
+  print(f"[{time.strftime('%H:%M:%S')}] {label}: tier {arm.tier} {arm.name} seed {seed}"
+        + (" (finished)" if finished else ""), flush=True)
+  try:
+    row = long_schedule.run_row(base, run_overrides(arm, seed), workdir, record)
+    long_schedule._add(results, arm.name, seed, row)  # pylint: disable=protected-access
+  except preemption.Preempted:
+    raise  # A stop request stops the study; its checkpoint resumes the run on the rerun.
+  except Exception as err:  # One failed run must not stop the study: it is reported.
+    failures[f"{arm.name} seed {seed}"] = f"{type(err).__name__}: {str(err)[:300]}"
+    print(f"[{time.strftime('%H:%M:%S')}] FAILED {arm.name} seed {seed}: "
+          f"{traceback.format_exc()}", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default="studies/out/frontier",
+                      help="workdirs (checkpoints, reports), summary and figure")
+  parser.add_argument("--records", default=RECORDS,
+                      help=f"one small file per finished run (default {RECORDS})")
+  parser.add_argument("--tiers", default="ACBDE", help="tiers to run, in order (default ACBDE)")
+  parser.add_argument("--summarise-only", action="store_true",
+                      help="rewrite the summary from finished runs, train nothing")
+  args = parser.parse_args()
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+  base = base_config()
+  command = f"python -m studies.frontier --out={args.out}"
+  os.makedirs(args.out, exist_ok=True)
+  arms = search_arms(base)
+  results, failures = {}, {}
+  for tier in args.tiers:
+    chosen = choose(arms, results)
+    tier_arms = [a for a in arms if a.tier == tier]
+    if tier in "CDE":
+      if chosen is None:
+        print(f"[{time.strftime('%H:%M:%S')}] tier {tier} waits for tier A's choice", flush=True)
+        continue
+      tier_arms = [a for a in later_arms(chosen, base) if a.tier == tier]
+      arms += [a for a in tier_arms if a not in arms]
+    todo = [(a, s) for s in sorted({s for a in tier_arms for s in a.seeds})
+            for a in tier_arms if s in a.seeds]  # Seed by seed: a cut-short tier is paired.
+    for i, (arm, seed) in enumerate(todo):
+      _run(base, arm, seed, args.out, args.records, results, failures,
+           f"tier {tier} run {i + 1}/{len(todo)}", args.summarise_only)
+      if not args.summarise_only:
+        write_outputs(args.out, arms, results, choose(arms, results), command, failures)
+  write_outputs(args.out, arms, results, choose(arms, results), command, failures)
+  print(f"[{time.strftime('%H:%M:%S')}] done: {args.out}/summary.md", flush=True)
+
+
+if __name__ == "__main__":
+  main()

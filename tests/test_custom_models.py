@@ -1,0 +1,109 @@
+"""A user's own Flax module by import path (`--config.model.name=package.module:Class`):
+it trains through configs/test.py, keeps its own parameters, and every way of breaking the
+contract (cpjax/models/custom.py) is refused at config validation, naming the bad value."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpjax import config_validation, models, train
+from tests import helpers, toy_models
+
+TOY = "tests.toy_models:ToyNet"
+MLP = "tests.toy_models:LogitsOnlyMLP"
+
+
+def _problems(name, **overrides):
+  """config_validation's message for configs/test.py with model.name=`name` ('' if valid)."""
+  try:
+    config_validation.validate(helpers.tiny_config(**{"model.name": name, **overrides}))
+  except config_validation.ConfigError as err:
+    return str(err)
+  return ""
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("tests.no_such_module:Net",
+     "cannot import module 'tests.no_such_module' (ModuleNotFoundError"),
+    ("tests.toy_models:Missing", "has no attribute 'Missing'; its flax modules: HalfParams, "
+                                 "LogitsOnlyMLP"),
+    ("tests.toy_models:NotAModule", "NotAModule is <class 'tests.toy_models.NotAModule'>, "
+                                    "not a flax.linen.Module subclass"),
+    ("tests.toy_models:not_a_class", "not a flax.linen.Module subclass"),
+    ("tests.toy_models:", "an import path is 'package.module:ClassName'"),
+    ("tests.toy_models:ToyNet:x", "an import path is 'package.module:ClassName'"),
+    ("tests.toy_models:NoDtype", "NoDtype(num_classes=10, dtype=float32), which failed"),
+    ("tests.toy_models:WrongClasses", "apply(x, train=False) returned logits float32[2, 11]; "
+                                      "expected a float array [2, 10]"),
+    ("tests.toy_models:ThreeOutputs", "it must return logits [B, 10] or (logits [B, 10], "
+                                      "features [B, d])"),
+    ("tests.toy_models:WithDropout", "apply(x, train=True) on a float32 batch [2, 8, 8, 1] "
+                                     "failed: InvalidRngError"),
+    ("tests.toy_models:HalfParams", "parameters of dtype ['bfloat16']: keep them float32"),
+])
+def test_each_broken_contract_is_refused_naming_the_value(name, expected):
+  message = _problems(name)
+  assert f"config.model.name: got {name!r}" in message or f"{name!r}: " in message, message
+  assert expected in message, message
+
+
+def test_fl_gamma_needs_features_and_a_head():
+  message = _problems(MLP, **{"loss.name": "flgamma_sece", "dataset.meta_val_size": 128})
+  assert f"{MLP!r}: returns logits alone; the flgamma_* losses need (logits, features)" in message
+  assert _problems(TOY, **{"loss.name": "flgamma_sece", "dataset.meta_val_size": 128}) == ""
+
+
+@pytest.mark.parametrize("name", [TOY, MLP])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_modules_that_meet_the_contract_validate(name, dtype):
+  assert _problems(name, **{"model.dtype": dtype}) == ""
+
+
+@pytest.mark.parametrize("cls, returns_features", [(toy_models.ToyNet, True),
+                                                    (toy_models.LogitsOnlyMLP, False)])
+def test_wrapper_keeps_the_modules_own_parameters_and_outputs(cls, returns_features):
+  """cpjax's wrapper initialises exactly the parameters the module initialises alone (same
+  tree, same values) and passes its logits through, as float32 (logits, features)."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 1))
+  wrapped = models.create_model(f"tests.toy_models:{cls.__name__}", 10, "bfloat16")
+  alone = cls(num_classes=10, dtype=jnp.bfloat16)
+  ours = jax.jit(wrapped.init)(jax.random.PRNGKey(0), x)
+  theirs = jax.jit(lambda k, x: alone.init(k, x, train=False))(jax.random.PRNGKey(0), x)
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), ours, theirs)))
+  logits, features = jax.jit(wrapped.apply)(ours, x)
+  expected = jax.jit(lambda v, x: alone.apply(v, x, train=False))(theirs, x)
+  expected_logits = expected[0] if returns_features else expected
+  assert logits.dtype == jnp.float32
+  np.testing.assert_array_equal(logits, expected_logits.astype(jnp.float32))
+  assert (features is not None) == returns_features
+
+
+def test_training_runs_with_a_users_module(tmp_path):
+  """configs/test.py with a logits-only, BatchNorm-free MLP: trains, evaluates and checkpoints
+  the module's own parameter tree (an empty batch_stats)."""
+  workdir = str(tmp_path)
+  config = helpers.tiny_config(**{"model.name": MLP, "evaluation.ood": ""})
+  config_validation.validate(config)
+  train.train_and_evaluate(config, workdir)
+  epochs = helpers.read_metrics(workdir)
+  assert [r["epoch"] for r in epochs] == [0, 1]
+  assert epochs[1]["train_loss"] < epochs[0]["train_loss"]
+  assert epochs[1]["test_accuracy"] > 0.3  # Chance is 0.1 on the ten digit classes.
+  restored = helpers.restore_checkpoint(workdir)
+  alone = jax.eval_shape(lambda: toy_models.LogitsOnlyMLP(num_classes=10).init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)), train=False))
+  shapes = jax.tree.map(np.shape, restored["train"]["params"])
+  assert shapes == jax.tree.map(lambda a: a.shape, alone["params"])
+
+
+def test_main_refuses_a_bad_module_before_touching_the_workdir(tmp_path):
+  workdir = str(tmp_path / "run")
+  result = helpers.run_main(workdir, "--config.model.name=tests.toy_models:WrongClasses")
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert ("config.model.name: 'tests.toy_models:WrongClasses': apply(x, train=False) returned "
+          "logits float32[2, 11]") in result.stderr
+  assert not os.path.exists(workdir)  # Nothing read, compiled or written.

@@ -1,0 +1,114 @@
+"""The frontier study's budgets, equivalence test and pre-registered choice against
+hand-worked cases and a second implementation (SciPy's one-sample t-tests)."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from cpjax import config_validation
+from studies import equivalence, frontier, grid
+
+
+def test_tost_by_hand():
+  # d = (+0.1, 0, -0.1) points: mean 0, sd 0.1, se 0.1 / sqrt(3); t = 0.2 / se = sqrt(12).
+  # With 2 degrees of freedom the t tail is closed-form: sf(t) = (1 - t / sqrt(t^2 + 2)) / 2.
+  result = equivalence.tost([0.001, 0.0, -0.001])
+  t = math.sqrt(12)
+  assert result["p"] == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, rel=1e-9)
+  assert result["equivalent"] and result["mean"] == 0.0
+  # The 90 % interval: mean +- t_0.95(2) * se, with t_0.95(2) = 2.919986.
+  assert result["high"] == pytest.approx(2.919986 * 0.001 / math.sqrt(3), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tost_equals_two_one_sided_scipy_tests(seed):
+  rng = np.random.default_rng(seed)
+  d = rng.normal(rng.uniform(-0.003, 0.003), 0.0015, size=int(rng.integers(3, 9)))
+  lower = stats.ttest_1samp(d + equivalence.MARGIN, 0.0, alternative="greater").pvalue
+  upper = stats.ttest_1samp(d - equivalence.MARGIN, 0.0, alternative="less").pvalue
+  result = equivalence.tost(d)
+  assert result["p"] == pytest.approx(max(lower, upper), rel=1e-9)
+  # Equivalence at alpha 0.05 is the 90 % t interval inside the margin.
+  low, high = stats.t.interval(0.9, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
+  inside = -equivalence.MARGIN < low and high < equivalence.MARGIN
+  assert result["equivalent"] == inside
+  assert (result["low"], result["high"]) == pytest.approx((low, high), rel=1e-9)
+
+
+def test_lossless_needs_equivalence_and_a_small_mean_loss():
+  assert equivalence.lossless({"equivalent": True, "mean": -0.0005})
+  assert not equivalence.lossless({"equivalent": True, "mean": -0.0015})  # Below -0.1 points.
+  assert not equivalence.lossless({"equivalent": False, "mean": 0.0})
+  assert not equivalence.tost([0.0005])["equivalent"]  # One seed proves nothing.
+
+
+@pytest.mark.parametrize("budget", frontier.BUDGETS)
+def test_anneal_arms_cost_what_the_constant_budget_arms_cost(budget):
+  # 20 epochs, 1 warm-up: 1 + 19 B full-epoch equivalents; an annealing arm trains
+  # 1 + 2 + 17 f of them.
+  f = frontier.anneal_fraction_for(budget, 20)
+  assert 1 + 2 + 17 * f == pytest.approx(1 + 19 * budget / 100, abs=17 * 5e-5)
+
+
+def test_anneal_fraction_of_the_half_budget_by_hand():
+  assert frontier.anneal_fraction_for(45, 20) == pytest.approx((19 * 0.45 - 2) / 17, abs=5e-5)
+  assert frontier.anneal_fraction_for(45, 20) == 0.3853
+
+
+@pytest.mark.parametrize("budget", frontier.BUDGETS)
+def test_rising_schedule_keeps_the_budget_on_average(budget):
+  start, end = frontier.rising_range(budget)
+  fractions = [start + (end - start) * e / 18 for e in range(19)]  # 19 selected epochs.
+  assert np.mean(fractions) == pytest.approx(budget / 100, abs=1e-4)
+  assert 0.05 <= start < end <= 1.0
+
+
+def _result(values, passes, val=None):
+  seeds = range(len(values))
+  return {"seed_index": {s: s for s in seeds}, "accuracy": list(values),
+          "val_accuracy": list(val if val is not None else values),
+          "passes": [passes] * len(values), "ece": [0.0] * len(values)}
+
+
+def test_the_choice_is_the_best_validation_accuracy_at_half_the_passes_or_less():
+  arms = [frontier.Arm("full", "full", {}, "A"),
+          frontier.Arm("a-45", "a", {}, "A", 45), frontier.Arm("b-45", "b", {}, "A", 45),
+          frontier.Arm("c-45", "c", {}, "A", 45), frontier.Arm("d-30", "d", {}, "B", 30)]
+  results = {"full": _result([0.92] * 3, 100.0),
+             "a-45": _result([0.91] * 3, 48.0, val=[0.915] * 3),
+             "b-45": _result([0.90] * 3, 47.0, val=[0.93] * 3),  # Best validation: chosen,
+             "c-45": _result([0.95] * 3, 60.0),  # not this one: more than half the passes.
+             "d-30": _result([0.99] * 3, 30.0)}  # Tier B never takes part.
+  assert frontier.choose(arms, results).name == "b-45"
+  del results["a-45"]["seed_index"][2]  # A tier-A arm without all its seeds: no choice yet.
+  assert frontier.choose(arms, results) is None
+
+
+def test_summary_pairs_by_seed_and_finds_the_largest_lossless_saving():
+  arms = [frontier.Arm("full", "full", {}, "A"), frontier.Arm("p-45", "p", {}, "A", 45),
+          frontier.Arm("p-30", "p", {}, "B", 30), frontier.Arm("q-45", "q", {}, "A", 45)]
+  full = [0.920, 0.922, 0.925]
+  results = {"full": _result(full, 100.0),
+             "p-45": _result(np.add(full, [0.0005, -0.0003, 0.0001]), 48.0),
+             "p-30": _result(np.add(full, [-0.0100, -0.0080, -0.0120]), 34.0),
+             "q-45": _result(np.add(full, [0.0005, -0.0030, 0.0040]), 48.0)}
+  summary = frontier.summarise(arms, results)
+  assert summary["p-45"]["passes_share"] == pytest.approx(0.48)
+  assert summary["p-45"]["vs_full"]["mean"] == pytest.approx(0.0001, abs=1e-12)
+  assert summary["p-45"]["vs_full"]["lossless"]
+  assert not summary["p-30"]["vs_full"]["lossless"]
+  assert not summary["q-45"]["vs_full"]["lossless"]  # Mean +0.05 points but too spread.
+  answers = frontier.frontier_answers(summary)
+  assert answers["p"]["arm"] == "p-45" and answers["p"]["saving"] == pytest.approx(0.52)
+  assert answers["q"] is None
+
+
+def test_every_arm_is_a_valid_config():
+  base = frontier.base_config()
+  search = frontier.search_arms(base)
+  assert len({a.name for a in search}) == len(search) == 1 + 4 * len(frontier.POLICIES)
+  chosen = next(a for a in search if a.name == "topk_anneal-45")
+  for arm in search + frontier.later_arms(chosen, base):
+    config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 3)))
