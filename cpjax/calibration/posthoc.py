@@ -48,10 +48,13 @@ method records its cross-validated NLL, which `choose` compares (`auto`).
 Every map is an entry of MAPS, which declares its fit, its apply, its cross-validated
 setting and grid and, for the parametric maps, its solver (cpjax.calibration.parametric):
 vector, matrix and Dirichlet scaling are fitted to convergence (max |gradient| <= 1e-8, by
-L-BFGS-B and then Newton's method where L-BFGS-B has not got there), temperature and ETS by
-L-BFGS-B's own tests. A fit that ends short of its tolerance is logged (a warning naming the
-map, the strength and the gradient reached) and flagged (`Calibrator.converged`), and so is a
-strength chosen at its grid's edge (`Calibrator.at_edge`).
+L-BFGS-B and then Newton's method where L-BFGS-B has not got there, and a remaining Newton
+step that moves no fit row's probability by more than 1e-6), temperature and ETS by
+L-BFGS-B's own tests. A fit that ends short of its tolerance (rows that nearly separate have
+no optimum) is logged (a warning naming the map, the strength and the gradient reached),
+scores no cross-validated NLL, and flags the map (`Calibrator.converged`; with no converged
+strength the map is the identity); a strength chosen at its grid's edge is logged and flagged
+too (`Calibrator.at_edge`).
 """
 
 from collections.abc import Callable
