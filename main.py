@@ -8,7 +8,10 @@
 Rerunning the same command resumes from the latest checkpoint in --workdir. A choice sets
 what it needs unless the command line or the config file sets it (logged): e.g.
 --config.selection.method=infobatch implies --config.selection.score=loss. A bad config
-prints its problems and exits with status 2 (a usage error).
+(or a missing --config file) prints its problems and exits with status 2 (a usage error).
+An operational failure (a full or read-only folder, a failed checkpoint write, a lost
+process) ends in one FATAL line naming the cause, the way out and the last good
+checkpoint, and status 1 (cpjax/runtime/failures.py).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
@@ -28,7 +31,7 @@ from ml_collections import config_flags
 
 from configs import default
 from cpjax import config_schema, config_validation, preflight, train
-from cpjax.runtime import checkpointing, distributed, preemption
+from cpjax.runtime import checkpointing, distributed, failures, preemption
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -64,7 +67,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_quiet_library_info)
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                         FLAGS.heartbeat_timeout_s)
+                         FLAGS.heartbeat_timeout_s, FLAGS.workdir)
   config = _config_with_implied_settings()
   logging.info("JAX process %d / %d; local devices: %s", jax.process_index(),
                jax.process_count(), jax.local_devices())
@@ -74,16 +77,34 @@ def main(argv):
     else:
       train.evaluate_only(config, FLAGS.workdir)
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
+    distributed.finished()
     sys.exit(preemption.EXIT_CODE)
   except preflight.StartupCheckError as err:  # One line per problem, no traceback.
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)
-  except checkpointing.CheckpointSaveError as err:
-    print(f"FATAL {err}", file=sys.stderr, flush=True)
-    # After a failed write orbax's background threads may never end, and a normal exit
-    # waits for them (the process would hang, holding its allocation): end it now. The
-    # workdir lock is released with the process.
-    os._exit(1)
+  except Exception as err:  # pylint: disable=broad-except  (a bug re-raises below)
+    _exit_on_failure(err)
+    raise
+  distributed.finished()
+
+
+def _exit_on_failure(err: Exception) -> None:
+  """Ends the process with one FATAL line if `err` is an operational failure (a failed
+  checkpoint write, a full or read-only folder, a lost process); returns for a bug."""
+  if isinstance(err, checkpointing.CheckpointSaveError):
+    line = str(err)
+  elif failures.cause(err, jax.process_count()) != failures.OTHER:
+    line = failures.line(err, os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints"),
+                         jax.process_count())
+  else:
+    return
+  if failures.is_lost_peer(err, jax.process_count()):
+    distributed.await_lost_process()  # The liveness watch names the lost process and exits.
+  print(f"FATAL {line}", file=sys.stderr, flush=True)
+  # After a failed write orbax's background threads may never end, and a normal exit waits
+  # for them (the process would hang, holding its allocation): end it now. The workdir
+  # lock is released with the process.
+  os._exit(1)
 
 
 def _config_with_implied_settings():
@@ -128,8 +149,24 @@ def _flag_value(argv: list[str], name: str) -> str | None:
   return value
 
 
+def _check_config_file(value: str) -> None:
+  """Exits with one line (status 2) if the file of `--config=PATH[:ARGS]` is not there;
+  ml_collections would otherwise fail later with a traceback and status 1."""
+  path = value.split(":", 1)[0]
+  if os.path.isfile(path):
+    return
+  configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+  names = sorted(n for n in os.listdir(configs) if n.endswith(".py") and n != "__init__.py")
+  _usage_exit(f"--config file {path!r} does not exist (or is not a file); the configs in "
+              f"{configs}: {', '.join(names)}")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with an unknown `--config.FIELD` reported as a one-line error."""
+  """absl's flag parsing, with a missing --config file or an unknown `--config.FIELD`
+  reported as a one-line error."""
+  config_path = _flag_value(argv, "config")
+  if config_path is not None:
+    _check_config_file(config_path)
   try:
     return FLAGS(argv)
   except (AttributeError, KeyError) as err:  # ml_collections: the override's field is unknown.

@@ -1,12 +1,17 @@
 """Start-up checks: everything a run will need, checked before the workdir is touched.
 
 `check(config, workdir, mode)` runs after config validation and before the workdir lock,
-the checkpoint folder, any data load or compile. It checks
+the checkpoint folder or any compile; the datasets it prepares are the ones the run would
+prepare at its start (or, for the OOD set, at its report). It checks
 
-  * the dataset: prepared for tfds (or to be prepared: download, manual_dir, a local
-    builder), or, for a streamed run, every array_record split's index, shard sizes and a
-    sample of records against their CRC-32 (`array_records.check_files`);
-  * the OOD set of the final report (`evaluation.ood` naming another dataset): prepared;
+  * the dataset: opened through its tfds builder, or prepared now if it is to be prepared
+    (download, manual_dir, a local builder: `input_pipeline.open_or_prepare`), or, for a
+    streamed run, every array_record split's index, shard sizes and a sample of records
+    against their CRC-32 (`array_records.check_files`);
+  * the OOD set of the final report (`evaluation.ood` naming another dataset): on its own,
+    through its own builder, opened or prepared now the same way; a run's manual_dir or
+    download setting never lets it pass unchecked (it would otherwise fail at the report,
+    after the whole training);
   * for training, a target run (`selection.target_workdir`): its config, split fields and
     recorded scores (`sources.check_target`);
   * for training, that the checkpoint folder (or its nearest existing parent) is writable
@@ -54,7 +59,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
 def _check_dataset(config: ml_collections.ConfigDict) -> None:
   dataset = config.dataset
   if not readers.streams(dataset):
-    input_pipeline.check_prepared(dataset.name, dataset)
+    input_pipeline.open_or_prepare(dataset.name, dataset)
     return
   names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
   for name in names:
@@ -66,7 +71,7 @@ def _check_ood(config: ml_collections.ConfigDict) -> None:
   if ood not in specs.DATASETS:  # "", or a corruption of the test set.
     return
   try:
-    input_pipeline.check_prepared(ood, config.dataset)
+    input_pipeline.open_or_prepare(ood, config.dataset)
   except input_pipeline.DataNotFoundError as err:
     raise input_pipeline.DataNotFoundError(
         f"the OOD set evaluation.ood={ood!r} of the final report is missing: {err} To skip "

@@ -86,6 +86,7 @@ def test_write_array_records_reads_back_the_config_splits(tmp_path):
     ("studies.losses", "--out"), ("studies.prioritization", "--out"),
     ("studies.selection", "--out"), ("studies.meta_calibration", "--out"),
     ("studies.long_schedule", "--summarise-only"), ("studies.posthoc", "--out"),
+    ("studies.frontier", "--summarise-only"),
     # Timed in-process at a tiny size in tests/test_benchmarks.py; here its command line.
     ("benchmarks.xla_cpu_variants", "--batch-size")])
 def test_long_entry_points_start(module, flag):

@@ -1,6 +1,7 @@
 """The frontier study's budgets, equivalence test and pre-registered choice against
 hand-worked cases and a second implementation (SciPy's one-sample t-tests)."""
 
+import json
 import math
 
 import numpy as np
@@ -112,3 +113,24 @@ def test_every_arm_is_a_valid_config():
   chosen = next(a for a in search if a.name == "topk_anneal-45")
   for arm in search + frontier.later_arms(chosen, base):
     config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 3)))
+
+
+def test_summarise_only_reads_the_long_schedule_records(tmp_path, monkeypatch):
+  """With no frontier record yet, the summary holds the runs the long-schedule study already
+  made with the same settings, and trains nothing. Passes by hand: full data trains 20
+  epochs of ceil(54,000 / 128) = 422 steps; top-k at 30 % the first of them, then 19 of
+  ceil(16,200 / 128) = 127 steps."""
+  def no_training(*args):
+    raise AssertionError(f"trained {args[1:]}")
+  monkeypatch.setattr(frontier.grid.train, "train_and_evaluate", no_training)
+  monkeypatch.setattr("sys.argv", ["frontier", f"--out={tmp_path}", "--summarise-only",
+                                   f"--records={tmp_path / 'records'}"])
+  frontier.main()
+  with open(tmp_path / "summary.json") as f:
+    out = json.load(f)
+  summary = out["summary"]
+  assert summary["topk_entropy-30"]["passes_share"] == pytest.approx((422 + 19 * 127) / (20 * 422))
+  assert summary["topk_entropy-30"]["seeds"] == [0, 1, 2]
+  assert not summary["topk_entropy-30"]["vs_full"]["lossless"]  # -0.26 [-0.46, -0.06].
+  assert out["chosen"] is None and not out["failures"]
+  assert (tmp_path / "frontier.png").exists() and (tmp_path / "summary.md").exists()

@@ -29,6 +29,7 @@ RANKS = {
     "runtime.compilation_cache": 0,
     "runtime.compiler_options": 0,
     "runtime.distributed": 0,
+    "runtime.failures": 0,
     "runtime.files": 0,
     "runtime.orbax_layout": 0,
     "runtime.preemption": 0,

@@ -26,15 +26,15 @@ class DataNotFoundError(FileNotFoundError):
 
 
 def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
-  """Returns a prepared tfds builder, or raises DataNotFoundError at once."""
+  """Returns a prepared tfds builder (preparing it now if it is to be prepared: a cpjax
+  local builder, download or manual_dir), or raises DataNotFoundError at once."""
   data_dir = config.data_dir or None
   if spec.local:  # Our builders read local files; array_record reads without TF.
     builder = tfds.builder(spec.tfds_name, data_dir=data_dir, file_format="array_record")
     manual_dir = config.manual_dir or (datasets.fashion_mnist_local.DEFAULT_DIR
                                        if spec.tfds_name == "fashion_mnist_local" else None)
     if not builder.is_prepared():
-      builder.download_and_prepare(
-          download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+      _prepare_local(builder, manual_dir)
     return builder
   builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
   if builder.is_prepared():
@@ -43,6 +43,18 @@ def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
     _download_and_prepare(builder, config.manual_dir or None)
     return builder
   raise _not_prepared(spec, builder)
+
+
+def _prepare_local(builder, manual_dir: str | None) -> None:
+  """Prepares a cpjax local builder from its files; a failure names the dataset, the folder
+  and the error in one DataNotFoundError."""
+  try:
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+  except Exception as err:  # Missing or damaged files, in whatever form tfds reports them.
+    raise DataNotFoundError(
+        f"could not prepare dataset {builder.name!r} in {builder.data_dir!r} from the files "
+        f"in {manual_dir!r}: {type(err).__name__}: {str(err)[:500]}") from err
 
 
 def _not_prepared(spec: specs.DatasetSpec, builder) -> DataNotFoundError:
@@ -56,16 +68,26 @@ def _not_prepared(spec: specs.DatasetSpec, builder) -> DataNotFoundError:
       "--config.dataset.download=True.")
 
 
-def check_prepared(name: str, config: ml_collections.ConfigDict) -> None:
-  """Raises DataNotFoundError at once unless dataset `name` can be read as `config` (a
-  dataset config) would read it: prepared, or to be prepared (download, manual_dir, or a
-  local builder). Reads only tfds's metadata."""
+def open_or_prepare(name: str, config: ml_collections.ConfigDict) -> None:
+  """Makes sure dataset `name` can be read as `config` (a dataset config) would read it,
+  before a run's first step: a prepared dataset is opened; one to be prepared (a cpjax local
+  builder, download=True or a manual_dir) is prepared now, so that its failure (an archive
+  that fails tfds's checksum, no network) comes before training, not after it. Each
+  dataset goes through its own tfds builder. The splits the run reads (train and the test
+  split) must be listed in the prepared dataset.
+
+  Raises:
+    DataNotFoundError: not prepared and not to be prepared, or its preparation failed, or
+      a split is missing; the message names the dataset and the ways to prepare it.
+  """
   spec = specs.DATASETS[name]
-  if spec.local or config.download or config.manual_dir:
-    return
-  builder = tfds.builder(spec.tfds_name, data_dir=config.data_dir or None)
-  if not builder.is_prepared():
-    raise _not_prepared(spec, builder)
+  builder = _builder(spec, config)
+  missing = [s for s in ("train", spec.test_split) if s not in builder.info.splits]
+  if missing:
+    raise DataNotFoundError(
+        f"tfds dataset {spec.tfds_name!r} in {builder.data_dir!r} has no split "
+        f"{', '.join(map(repr, missing))} (it has {sorted(builder.info.splits)}); prepare it "
+        "again")
 
 
 # tfds retries a failed download MAX_RETRIES=10 times with exponential backoff (0.2 s * 2^i):

@@ -67,7 +67,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cpjax.runtime import checkpoint_integrity as integrity
-from cpjax.runtime import orbax_layout
+from cpjax.runtime import failures, orbax_layout
 
 CORRUPT_DIR = "corrupt"  # Under checkpoints/: damaged steps, moved aside.
 _DAMAGE_NOTE = "CPJAX_DAMAGE.txt"
@@ -81,12 +81,6 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointSaveError(RuntimeError):
   """orbax declined to write a checkpoint that was asked for."""
-
-
-def _describe(err: BaseException) -> str:
-  """A short one-line account of an orbax/tensorstore error (without its long spec)."""
-  text = str(err).split(" [tensorstore_spec=")[0].split("\n")[0]
-  return f"{type(err).__name__}: {text}"[:400]
 
 
 def _agree(code: int) -> int:
@@ -197,7 +191,10 @@ class Checkpointer:
       return False
     # A folder turned read-only or full mid-run stops the run here, in one line: inside
     # orbax's asynchronous commit the same error would be logged and the process would hang.
-    check_room(self.directory, ROOM_FACTOR * tree_bytes(state))
+    try:
+      check_room(self.directory, ROOM_FACTOR * tree_bytes(state))
+    except CheckpointSaveError as err:  # Mid-run: say where the rerun resumes.
+      raise CheckpointSaveError(f"{err}; then {failures.resume_advice(self.directory)}") from err
     meta = {**meta, integrity.INTEGRITY_KEY: integrity.integrity_record(state, meta)}
     with self._write_errors():  # orbax raises here the error of the previous async save.
       saved = self._manager.save(step, args=ocp.args.Composite(
@@ -293,10 +290,11 @@ class Checkpointer:
     except CheckpointSaveError:
       raise
     except Exception as err:  # pylint: disable=broad-except  (any write error: one line)
-      raise CheckpointSaveError(
-          f"writing a checkpoint in {self.directory} failed ({_describe(err)}); make the "
-          "folder writable (or free space there) and rerun the same command: it resumes from "
-          "the newest committed checkpoint") from err
+      # Worded by cause: a full or read-only folder, a lost peer process (a collective of
+      # orbax's failed), or anything else by its type and message.
+      raise CheckpointSaveError(failures.line(
+          err, self.directory, jax.process_count(),
+          what=f"writing a checkpoint in {self.directory}", folder=self.directory)) from err
 
   def close(self) -> None:
     self._manager.close()
@@ -337,7 +335,7 @@ class Checkpointer:
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target)))["state"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(f"orbax could not restore it: {_describe(err)}") from err
+      raise integrity.Damaged(f"orbax could not restore it: {failures.describe(err)}") from err
     if leaves is not None:
       actual = {name: integrity.leaf_entry(leaf)
                 for name, leaf in integrity.leaves_by_name(state).items()}
@@ -361,7 +359,7 @@ class Checkpointer:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))["meta"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(f"meta/metadata is unreadable ({_describe(err)})") from err
+      raise integrity.Damaged(f"meta/metadata is unreadable ({failures.describe(err)})") from err
     if not isinstance(meta, dict):
       raise integrity.Damaged("meta/metadata is not a JSON object")
     if integrity.INTEGRITY_KEY not in meta:
@@ -382,8 +380,9 @@ class Checkpointer:
       saved = {name: (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
                for name, leaf in named.items()}
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged("the state metadata (state/_METADATA, or the arrays' own in "
-                              f"OCDBT) is missing or unreadable ({_describe(err)})") from err
+      raise integrity.Damaged(
+          "the state metadata (state/_METADATA, or the arrays' own in OCDBT) is missing or "
+          f"unreadable ({failures.describe(err)})") from err
     if not saved:
       raise integrity.Damaged("state/_METADATA lists no arrays")
     return saved

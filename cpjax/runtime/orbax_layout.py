@@ -57,3 +57,16 @@ def step_problem(step_dir: str, items: Sequence[str]) -> str | None:
   except (OSError, ValueError) as err:
     return f"{STEP_METADATA} is unreadable ({type(err).__name__}: {str(err)[:200]})"
   return None
+
+
+def committed_steps(directory: str, items: Sequence[str] = ("state", "meta")) -> list[int]:
+  """The steps under a CheckpointManager's `directory` that are complete committed steps
+  (`step_problem` finds nothing), oldest first; [] if the folder is missing or unreadable.
+  Reads only the folder listing and the markers: safe while a save is under way or failed.
+  """
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  return sorted(int(name) for name in names if name.isdigit()
+                and step_problem(step_directory(directory, int(name)), items) is None)

@@ -33,10 +33,11 @@ class EpochLog(metric_writers.MetricWriter):
   kind of summary is not for this file and is ignored.
 
   Every write replaces the file atomically (files.atomic_write), so a crash
-  leaves the old file or the new one. A file damaged anyway (a torn last line
-  from a full disk or a copy cut short; a duplicate epoch from an older
-  version) still reads: `read_records` drops what does not parse, with a
-  warning, and keeps the last record of each epoch. A non-finite metric is
+  leaves the old file or the new one; a failed write leaves no temporary, and one left by
+  a kill is removed at the next start (`keep_epochs_before`). A file damaged anyway (a torn
+  last line from a full disk or a copy cut short; a duplicate epoch from an older version)
+  still reads: `read_records` drops what does not parse, with a warning, and keeps the last
+  record of each epoch. A non-finite metric is
   written as null, never as a number (JSON has no NaN).
   """
 
@@ -45,8 +46,13 @@ class EpochLog(metric_writers.MetricWriter):
     self._active = jax.process_index() == 0
 
   def keep_epochs_before(self, epoch: int) -> None:
-    """Drops records of epochs >= `epoch` (redone after a resume) and damaged lines."""
-    if self._active and os.path.exists(self.path):
+    """At start-up: drops records of epochs >= `epoch` (redone after a resume) and damaged
+    lines, and removes the temporaries of a write cut short (a kill mid-write)."""
+    if not self._active:
+      return
+    for path in files.remove_stale_temporaries(self.path):
+      logging.info("Removed %s, left by an earlier run's write cut short.", path)
+    if os.path.exists(self.path):
       self._rewrite([r for r in read_records(self.path) if r["epoch"] < epoch])
 
   def write(self, record: dict[str, Any]) -> None:

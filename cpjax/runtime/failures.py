@@ -1,0 +1,131 @@
+"""The cause of a failure that stops a run, and the one line that names it and the way out.
+
+A run ends on an operational failure with one `FATAL` line (main.py prints it): what failed,
+why, what to do, and where the rerun resumes. The causes are told apart because their ways
+out differ:
+
+  * storage: an OSError whose errno says the folder refuses the write (full disk, exceeded
+    quota, read-only or permission denied: `STORAGE_ERRNOS`), or an error of another type
+    with such an errno's text (tensorstore's): make the folder writable or free space
+    there, then rerun;
+  * a lost process: in a multi-process run, the text of a collective's or JAX's coordination
+    service's error says a peer is gone (Gloo's "Connection reset by peer", "stopped sending
+    heartbeats", ...: `LOST_PEER_TEXT`): nothing to fix here; rerun the same command on every
+    process;
+  * anything else: named by its exception type and message.
+
+Every line ends with the rerun advice naming the newest committed checkpoint (read from the
+checkpoint folder's commit markers, so it is right whatever the process was doing).
+"""
+
+from collections.abc import Iterator
+import errno
+import os
+
+from cpjax.runtime import orbax_layout
+
+# errno values of a folder that refuses a write: no space, quota, permission, read-only.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                            errno.EROFS})
+# Lower-case fragments of the errors a collective (Gloo, NCCL, the TPU runtime) or JAX's
+# coordination service raises when a peer process has died or become unreachable.
+LOST_PEER_TEXT = ("connection reset by peer", "connection closed by peer",
+                  "stopped sending heartbeats", "heartbeat timeout", "tasks have crashed",
+                  "tasks are unhealthy", "leader task was preempted/died")
+STORAGE, LOST_PROCESS, OTHER = "storage", "lost process", "other"
+
+
+def chain(err: BaseException) -> Iterator[BaseException]:
+  """`err`, then the exceptions it was raised from or during (`__cause__`, `__context__`)."""
+  seen = set()
+  while err is not None and id(err) not in seen:
+    seen.add(id(err))
+    yield err
+    err = err.__cause__ or err.__context__
+
+
+# The same errors as text (tensorstore, under orbax, reports them in its own exceptions).
+_STORAGE_TEXT = tuple(sorted(os.strerror(code).lower() for code in STORAGE_ERRNOS))
+
+
+def storage_error(err: BaseException) -> BaseException | None:
+  """The error in `err`'s chain that says a folder refuses writes, if there is one: an
+  OSError with one of STORAGE_ERRNOS, else one whose message is such an errno's text."""
+  errors = list(chain(err))
+  found = next((e for e in errors if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS),
+               None)
+  return found or next((e for e in errors if not isinstance(e, OSError) and any(
+      text in str(e).lower() for text in _STORAGE_TEXT)), None)
+
+
+def is_lost_peer(err: BaseException, process_count: int) -> bool:
+  """Whether `err` (or an error in its chain) says that a peer process of a multi-process
+  run is gone. With one process there is no peer: always False."""
+  return process_count > 1 and any(
+      fragment in str(e).lower() for e in chain(err) for fragment in LOST_PEER_TEXT)
+
+
+def cause(err: BaseException, process_count: int) -> str:
+  """STORAGE, LOST_PROCESS or OTHER (storage first: a full disk is a full disk anywhere)."""
+  if storage_error(err) is not None:
+    return STORAGE
+  return LOST_PROCESS if is_lost_peer(err, process_count) else OTHER
+
+
+def describe(err: BaseException) -> str:
+  """`Type: first line of the message`, cut at 400 characters (orbax and tensorstore append
+  long specs and stack traces to their messages)."""
+  text = str(err).split(" [tensorstore_spec=")[0].strip().split("\n")[0]
+  return f"{type(err).__name__}: {text}"[:400]
+
+
+def resume_advice(checkpoint_dir: str) -> str:
+  """How to go on: rerun the same command, which resumes from the newest committed
+  checkpoint in `checkpoint_dir` (named by its step), or starts afresh if there is none."""
+  steps = orbax_layout.committed_steps(checkpoint_dir)
+  if not steps:
+    return (f"rerun the same command: no checkpoint is committed in {checkpoint_dir} yet, so "
+            "it starts from the beginning")
+  return (f"rerun the same command: it resumes from the last good checkpoint, step "
+          f"{steps[-1]} in {checkpoint_dir}")
+
+
+def lost_process_line(which: str, detail: str, checkpoint_dir: str) -> str:
+  """The line of a run stopped because a process of the job was lost.
+
+  Args:
+    which: the lost process ("process 1 of 2"), or "" if it is not known.
+    detail: what showed the loss (an error's description, or the silence's length).
+    checkpoint_dir: the run's checkpoint folder.
+  """
+  who = which or "a process of this job (see the other processes' logs for which)"
+  return (f"{who} was lost ({detail}): killed, out of memory or its host down; this process "
+          f"stops too. Once every process has ended, {resume_advice(checkpoint_dir)} (on "
+          "every process)")
+
+
+def line(err: BaseException, checkpoint_dir: str, process_count: int, what: str = "",
+         folder: str = "") -> str:
+  """The one FATAL line for `err`, worded by its cause (see the module docstring).
+
+  Args:
+    err: the exception that stopped the run.
+    checkpoint_dir: the run's checkpoint folder (for the resume advice).
+    process_count: the run's number of processes.
+    what: what failed, e.g. "writing a checkpoint in DIR" (default: writing the file the
+      OSError names).
+    folder: the folder to make writable (default: the failing file's).
+  """
+  kind = cause(err, process_count)
+  if kind == STORAGE:
+    oserror = storage_error(err)
+    path = getattr(oserror, "filename", None)
+    path = path if isinstance(path, str) else ""
+    what = what or (f"writing {path}" if path else "writing the run's files")
+    folder = folder or os.path.dirname(path) or checkpoint_dir
+    return (f"{what} failed ({describe(oserror)}); make the folder {folder} writable (or "
+            f"free space there), then {resume_advice(checkpoint_dir)}")
+  if kind == LOST_PROCESS:
+    return lost_process_line("", describe(err) + (f" while {what}" if what else ""),
+                             checkpoint_dir)
+  return f"{what or 'the run'} failed ({describe(err)}); {resume_advice(checkpoint_dir)}"
