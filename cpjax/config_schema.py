@@ -167,7 +167,7 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.bootstrap_level": number(0.0, 1.0, low_open=True),
       "evaluation.bootstrap_kind": choice(list(bootstrap.KINDS)),
       "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
-      "evaluation.calibrator": choice(["auto", *posthoc.METHODS]),
+      "evaluation.calibrator": choice(["auto", *posthoc.MAPS]),  # The registry of maps.
       "evaluation.calibrator_folds": integer(2),
       "evaluation.calibrator_resamples": integer(0),
       "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),

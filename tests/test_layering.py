@@ -60,6 +60,7 @@ RANKS = {
     "calibration.gamma_net": 1,
     "calibration.losses": 1,
     "calibration.metrics": 1,
+    "calibration.parametric": 1,
     "calibration.posthoc": 1,
     "calibration.report": 1,
     "calibration.surrogates": 1,
