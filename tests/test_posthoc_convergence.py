@@ -172,6 +172,8 @@ def test_separable_rows_are_reported_not_converged(caplog):
   warning = next(r.getMessage() for r in caplog.records if "short of convergence" in
                  r.getMessage())
   assert warning.startswith("matrix_scaling at odir=") and "max |gradient|" in warning
+  # One line for the whole cross-validation, however many of its fits stopped short.
+  assert sum("cross-validation fits" in r.getMessage() for r in caplog.records) == 1
   row = {"hyper": {}, "converged": calibrator.converged, "at_edge": calibrator.at_edge}
   assert report._fit_flag(row) == "NOT CONVERGED"  # pylint: disable=protected-access
 

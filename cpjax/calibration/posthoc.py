@@ -266,18 +266,20 @@ def _cross_validate(entry: Map, z, y, fold, candidates, hyper) -> Calibrator:
   """Every candidate on every fold, then the best candidate on all rows. Within a fold the
   candidates go from the largest (the strongest regularisation) to the smallest, each
   parametric fit starting where the previous one ended."""
-  scores, evaluations = np.zeros(len(candidates)), 0
+  scores, evaluations, unconverged = np.zeros(len(candidates)), 0, []
   order = np.argsort([0.0 if c is None else float(c) for c in candidates])[::-1]
   for f in range(int(fold.max()) + 1):
     held, start = fold == f, None
     for c in order:
       result = entry.fit(z, y, (~held).astype(np.float64), candidates[c], start)
       evaluations += result.evaluations
-      _log_unconverged(entry, candidates[c], result, f"fold {f + 1} of {fold.max() + 1}")
+      if not result.converged:
+        unconverged.append((candidates[c], result))
       usable = _usable(entry, result)
       log_p = _held_out_log_probs(entry, result.params, z[held], hyper) if usable else None
       scores[c] += _held_out_nll(log_p, y[held]) * held.sum() if usable else np.inf
       start = result.params if usable else None  # A diverged fit is no warm start.
+  _log_unconverged_folds(entry, unconverged, len(candidates) * (int(fold.max()) + 1))
   # The best candidate refitted on all rows; should that fit diverge (or, where the map is
   # fitted to convergence, not converge), the next best, and if every one does, the starting
   # map (cv_nll inf): never non-finite parameters, nor the solver's choice of a divergent map.
@@ -305,6 +307,21 @@ def _log_unconverged(entry: Map, value, result: parametric.Fit, rows: str) -> No
     logging.warning("%s at %s (%s) stopped short of convergence: max |gradient| %.3g after %d "
                     "evaluations (%s).", entry.name, setting, rows, result.grad_norm,
                     result.evaluations, result.message)
+
+
+def _log_unconverged_folds(entry: Map, unconverged: list, total: int) -> None:
+  """One warning for all the cross-validation's unconverged fold fits (a line each would
+  flood the log: on separable rows nearly every fold of every strength stops short)."""
+  if not unconverged:
+    return
+  values = sorted({v for v, _ in unconverged if v is not None})
+  setting = (f"{entry.setting}={', '.join(f'{v:g}' for v in values)}" if entry.setting
+             else "its fit")
+  worst = max(unconverged, key=lambda item: item[1].grad_norm)
+  logging.warning("%s at %s stopped short of convergence in %d of %d cross-validation fits "
+                  "(largest max |gradient| %.3g, at %s=%s: %s); those strengths get no "
+                  "cross-validated score.", entry.name, setting, len(unconverged), total,
+                  worst[1].grad_norm, entry.setting, worst[0], worst[1].message)
 
 
 def _at_edge(entry: Map, candidates: tuple, value) -> bool:
