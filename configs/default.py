@@ -16,7 +16,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0  # Root seed: model init, data order, augmentation, mixup.
 
   config.dataset = ml_collections.ConfigDict()
-  config.dataset.name = "digits"  # One of cpjax.data.specs.DATASETS.
+  # One of cpjax.data.specs.DATASETS, "folder" (dataset.folder) or "tfds:NAME" (any tfds
+  # image-classification dataset): docs/data.md.
+  config.dataset.name = "digits"
   config.dataset.data_dir = ""  # tfds data dir; "" = ~/tensorflow_datasets.
   config.dataset.manual_dir = ""  # Raw files for local builders; "" = builder default.
   config.dataset.download = False  # Let tfds download missing built-in data (needs network).
@@ -51,6 +53,25 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.prefetch_depth = 2
   config.dataset.crop_padding = 1  # Random-crop zero padding in pixels (0 = no crop).
   config.dataset.flip = False  # Random horizontal flips (off: digits are not mirror-symmetric).
+  # Source datasets (folder, tfds:NAME): read as encoded images, decoded and cropped on the
+  # host (cpjax.data.preprocess, docs/data.md#your-own-data).
+  config.dataset.folder = ""  # folder: DIR holding train/<class>/<images> (and val/, test/).
+  config.dataset.test_size = 0  # Test examples carved from train when there is no test split.
+  config.dataset.image_size = 0  # Output S x S of the host stage; 0 = the dataset's fixed size.
+  config.dataset.channels = 0  # 1 (greyscale) or 3 (RGB); 0 = the dataset's own (3 if unknown).
+  # Training crop: random_resized (Inception crop) or center (the evaluation crop).
+  config.dataset.train_crop = "random_resized"
+  config.dataset.crop_scale = (0.08, 1.0)  # random_resized: range of the crop's area share.
+  config.dataset.crop_ratio = (3 / 4, 4 / 3)  # random_resized: range of its aspect ratio.
+  # Evaluation and scoring: resize the shorter side to image_size / this, keep the centre.
+  config.dataset.eval_crop_fraction = 0.875
+  # Per-channel mean and std of pixels in [0, 1]; () = computed once on 512 training images
+  # and cached beside the data.
+  config.dataset.mean = ()
+  config.dataset.std = ()
+  config.dataset.check_files = 50000  # folder: headers read at start-up per split (a sample above).
+  config.dataset.skip_bad_files = False  # folder: leave out (and list) unreadable files.
+  config.dataset.num_workers = 0  # Host-stage decode threads per process; 0 = one per core.
 
   config.model = ml_collections.ConfigDict()
   config.model.name = "resnet18"  # Registered (README) or a Flax module "pkg.module:Class".
@@ -85,6 +106,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.weight_decay = 5e-4  # Coupled (PyTorch-style) L2 added to the gradient.
   config.optimizer.grad_clip_norm = 0.0  # Clip the global gradient norm to this; 0 = off.
   config.optimizer.schedule = "cosine"  # LR schedule: cosine, multistep or constant.
+  # Linear warm-up to learning_rate over this many epochs (cosine starts after it); 0 = none.
+  config.optimizer.warmup_epochs = 0.0
   # "epoch": the LR changes once per epoch (the sources); "step": every step, the schedule
   # stretched over the run's optimizer steps (budget_steps when that cuts the run short).
   config.optimizer.schedule_unit = "epoch"

@@ -14,7 +14,8 @@ import ml_collections
 
 from cpjax import models, registry
 from cpjax.calibration import bootstrap, losses, posthoc, temperature
-from cpjax.data import readers, specs, splits
+from cpjax.data import preprocess, readers, specs, splits
+from cpjax.data import sources as data_sources
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
 
@@ -36,7 +37,7 @@ def spine_schema() -> dict[str, Check]:
   """Checks of every field; the registries of the modules that own them give the choices."""
   return {
       "seed": integer(0, 2**31 - 1),
-      "dataset.name": choice(list(specs.DATASETS)),
+      "dataset.name": data_sources.name_problem,
       "dataset.data_dir": string(),
       "dataset.manual_dir": string(),
       "dataset.download": boolean(),
@@ -55,6 +56,20 @@ def spine_schema() -> dict[str, Check]:
       "dataset.prefetch_depth": integer(0, 64),
       "dataset.crop_padding": integer(0, 16),
       "dataset.flip": boolean(),
+      "dataset.folder": string(),
+      "dataset.test_size": integer(0),
+      "dataset.image_size": integer(0, 4096),
+      "dataset.channels": lambda v: None if is_int(v) and v in (0, 1, 3) else (
+          f"must be 0 (the dataset's own), 1 or 3, got {v!r}"),
+      "dataset.train_crop": choice(list(preprocess.TRAIN_CROPS)),
+      "dataset.crop_scale": lambda v: data_sources.floats_problem(v, 2, 1e-6, 1.0, True),
+      "dataset.crop_ratio": lambda v: data_sources.floats_problem(v, 2, 1e-3, 1e3, True),
+      "dataset.eval_crop_fraction": number(0.0, 1.0, low_open=True),
+      "dataset.mean": lambda v: data_sources.floats_problem(v, None, 0.0, 1.0),
+      "dataset.std": lambda v: data_sources.floats_problem(v, None, 1e-6, 1.0),
+      "dataset.check_files": integer(0),
+      "dataset.skip_bad_files": boolean(),
+      "dataset.num_workers": integer(0, 256),
       "model.name": models.name_problem,
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": losses.LOSSES.check(),
@@ -66,6 +81,7 @@ def spine_schema() -> dict[str, Check]:
       "optimizer.grad_clip_norm": number(0.0),
       "optimizer.schedule": choice(["cosine", "multistep", "constant"]),
       "optimizer.schedule_unit": choice(["epoch", "step"]),
+      "optimizer.warmup_epochs": number(0.0),
       "optimizer.milestones": int_sequence(1),
       "optimizer.decay_factor": number(0.0, 1.0, low_open=True),
       "selection.method": policies.POLICIES.check(),
@@ -88,7 +104,7 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.bootstrap_level": number(0.0, 1.0, low_open=True),
       "evaluation.bootstrap_kind": choice(list(bootstrap.KINDS)),
       "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
-      "evaluation.calibrator": choice(["auto", *posthoc.METHODS]),
+      "evaluation.calibrator": choice(["auto", *posthoc.MAPS]),  # The registry of maps.
       "evaluation.calibrator_folds": integer(2),
       "evaluation.calibrator_resamples": integer(0),
       "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),

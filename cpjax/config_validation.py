@@ -22,6 +22,7 @@ import ml_collections
 from cpjax import config_schema, models
 from cpjax.calibration import losses
 from cpjax.data import readers, specs, splits
+from cpjax.data import sources as data_sources
 from cpjax.selection import policies, scores
 
 
@@ -47,9 +48,43 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if name in leaves and (problem := check(leaves[name])):
       problems.append(f"config.{name}: {problem}")
   if not problems:
+    problems = _source_problems(config.dataset)
+  if not problems:
     problems = _cross_field_problems(config)
   if problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
+  """A source dataset (folder, tfds:NAME): its facts read and registered (data_sources
+  .resolve: a missing folder, an unprepared tfds dataset or unreadable files are named
+  here), and the fields that only in-memory datasets use left alone."""
+  if not specs.is_source_name(dataset.name):
+    return [f"config.dataset.folder={dataset.folder!r} is read only with "
+            "dataset.name='folder'"] if dataset.folder else []
+  problems = []
+  if dataset.reader not in ("auto", "host"):
+    problems.append(f"config.dataset.reader={dataset.reader!r}: a {dataset.name} dataset is "
+                    "read by the host stage (decode and crop on the host); valid: auto, host")
+  if dataset.stream_dir:
+    problems.append(f"config.dataset.stream_dir={dataset.stream_dir!r} is not read for "
+                    f"dataset.name={dataset.name!r}; set it to ''")
+  if dataset.label_noise:
+    problems.append(f"config.dataset.label_noise={dataset.label_noise} is supported for the "
+                    f"built-in datasets only, not {dataset.name!r}; set it to 0")
+  if (dataset.mean == ()) != (dataset.std == ()) or len(dataset.mean) != len(dataset.std):
+    problems.append(f"config.dataset.mean={dataset.mean} and std={dataset.std}: set both (one "
+                    "number per channel) or neither (computed on a sample)")
+  if problems:
+    return problems
+  try:
+    data_sources.resolve(dataset)
+  except (OSError, ValueError, RuntimeError) as err:
+    return [f"config.dataset.name={dataset.name!r}: {' '.join(str(err).split())}"]
+  channels = specs.DATASETS[dataset.name].image_shape[-1]
+  if dataset.mean and len(dataset.mean) != channels:
+    return [f"config.dataset.mean={dataset.mean} must hold {channels} numbers (channels)"]
+  return []
 
 
 def _loss_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -236,10 +271,17 @@ def with_settings(config: ml_collections.ConfigDict,
 def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Split sizes; each checked only when the sizes it depends on are valid."""
   num_train = specs.DATASETS[config.dataset.name].num_train
-  if config.dataset.val_size >= num_train:  # Every size below would be negative: stop here.
+  val_size = splits.carved_val_size(config.dataset)
+  if val_size >= num_train:  # Every size below would be negative: stop here.
     return [f"config.dataset.val_size={config.dataset.val_size} must be below the train split "
             f"size {num_train} of {config.dataset.name}"]
-  num_rows = num_train - config.dataset.val_size
+  num_rows = num_train - val_size
+  if not specs.DATASETS[config.dataset.name].test_split:
+    test_size = config.dataset.test_size
+    if not 0 < test_size < num_rows:
+      return [f"config.dataset.test_size={test_size}: {config.dataset.name} has no test split, "
+              f"so test examples are carved from train; set 0 < test_size < {num_rows}"]
+    num_rows -= test_size
   if config.dataset.meta_val_size >= num_rows:
     return [f"config.dataset.meta_val_size={config.dataset.meta_val_size} must be below the "
             f"{num_rows} training examples left after validation"]
@@ -314,6 +356,9 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
     if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "
                       f"device count {devices} (every device gets an equal share)")
+  if config.optimizer.warmup_epochs >= config.num_epochs:
+    problems.append(f"config.optimizer.warmup_epochs={config.optimizer.warmup_epochs} must be "
+                    f"below config.num_epochs={config.num_epochs}")
   if config.evaluation.bootstrap_level >= 1.0:
     problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
                     "must be below 1 (e.g. 0.9 for a 90 % interval)")
@@ -356,6 +401,11 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
 def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:
   """A streamed run needs its array_record directory and keeps no test images in memory."""
   dataset = config.dataset
+  if specs.DATASETS[dataset.name].host_stage:
+    return [] if config.evaluation.ood != "gaussian_noise" else [
+        f"config.evaluation.ood='gaussian_noise' corrupts the test images in memory, which a "
+        f"{dataset.name!r} run (images decoded on the host per batch) does not hold: use a "
+        "built-in dataset or '' (none)"]
   if dataset.label_noise and dataset.stream_dir:
     return [f"config.dataset.label_noise={dataset.label_noise} flips labels in memory; a "
             "streamed run reads its labels from dataset.stream_dir: set stream_dir='' "

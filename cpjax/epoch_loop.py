@@ -173,7 +173,7 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   # (`_host_point`): a step that waits on a device value stalls an accelerator
   # (tests/test_transfer_guard.py counts such reads on CPU, where the guard cannot fire).
   with contextlib.closing(run.readers["train"].batches(
-      order[done["steps"]:], row_weights=row_weights)) as train_batches, \
+      order[done["steps"]:], row_weights=row_weights, epoch=epoch)) as train_batches, \
       contextlib.closing(_meta_batches(run, epoch_start_step + done["steps"],
                                        len(order) - done["steps"])) as meta_batches, \
       _step_guard(config.step_transfer_guard):

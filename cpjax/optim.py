@@ -53,6 +53,9 @@ def learning_rate_at(config: ml_collections.ConfigDict, epoch: float, num_epochs
   # 637-step run: 374 steps differ, up to 2e-4 relative near the end; multistep over 350
   # epochs: the 100 epochs after the second drop), which would change every trained number.
   if config.schedule == "cosine":
+    warmup = config.get("warmup_epochs", 0.0)  # The cosine starts after any warm-up.
+    if warmup:
+      epoch, num_epochs = max(epoch - warmup, 0.0), num_epochs - warmup
     return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * epoch / num_epochs))
   if config.schedule == "multistep":
     passed = sum(epoch >= m for m in config.milestones)
@@ -68,7 +71,16 @@ def learning_rate_of_step(config: ml_collections.ConfigDict, epoch: int, step: i
   schedule_unit "step": the `num_epochs`-epoch schedule stretched over the run's
   `total_steps` steps, evaluated at e = step * num_epochs / total_steps; cosine
   becomes lr0 * (1 + cos(pi * step / total_steps)) / 2.
+
+  With `warmup_epochs` W > 0 (Goyal et al. 2017's gradual warm-up, as flax's ImageNet
+  example): lr0 * min(1, (e + u) / W) while e < W, u one epoch or one step (the unit), so
+  the ramp ends at lr0; then the schedule, a cosine running over the E - W epochs after W.
   """
   if config.schedule_unit == "epoch":
-    return learning_rate_at(config, epoch, num_epochs)
-  return learning_rate_at(config, step * num_epochs / total_steps, num_epochs)
+    at, unit = float(epoch), 1.0
+  else:
+    at, unit = step * num_epochs / total_steps, num_epochs / total_steps
+  warmup = config.get("warmup_epochs", 0.0)  # .get: configs saved before warm-up existed.
+  if warmup and at < warmup:
+    return config.learning_rate * min(1.0, (at + unit) / warmup)
+  return learning_rate_at(config, at if config.schedule_unit == "step" else epoch, num_epochs)

@@ -80,8 +80,10 @@ def step_spec(dataset: ml_collections.ConfigDict, loss: ml_collections.ConfigDic
   data = specs.DATASETS[dataset.name]
   train_parts = {} if loss is None else {"mixup_alpha": loss.mixup_alpha,
                                          "reduction": loss.reduction}
+  # A source dataset's images are flipped on the host, with their crops (cpjax.data.preprocess).
   return StepSpec(mean=data.mean, std=data.std, num_classes=data.num_classes,
-                  crop_padding=dataset.crop_padding, flip=dataset.flip, weighted=weighted,
+                  crop_padding=dataset.crop_padding, flip=dataset.flip and not data.host_stage,
+                  weighted=weighted,
                   **train_parts)
 
 

@@ -12,6 +12,7 @@ before the workdir is touched; an epoch that learns nothing stops the run.
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import tempfile
@@ -34,7 +35,7 @@ from cpjax import (
   steps,
 )
 from cpjax.calibration import gamma_net, losses
-from cpjax.data import input_pipeline, specs
+from cpjax.data import input_pipeline, sources, specs
 
 # Run and the two errors are part of this module's interface (users catch the errors).
 from cpjax.epoch_loop import StalledTrainingError  # noqa: F401
@@ -197,12 +198,28 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
-  data_splits, data_readers = input_pipeline.load(config.dataset, mesh)
+  data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
+  _record_dataset(config.dataset, workdir)
   return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
              eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
              meta.get("epoch", 0),
              epoch_loop.partial_from_checkpoint(saved["partial"], meta, config),
              compilation_cache=cache_dir)
+
+
+def _record_dataset(dataset: ml_collections.ConfigDict, workdir: str) -> None:
+  """Writes the class names in label order (workdir/classes.json) of a dataset that has them,
+  and the files a folder dataset left out (workdir/bad_files.txt); process 0 only."""
+  names = specs.DATASETS[dataset.name].classes
+  if jax.process_index() or not names:
+    return
+  with open(os.path.join(workdir, "classes.json"), "w") as f:
+    json.dump({"dataset": dataset.name, "classes": list(names)}, f, indent=1)
+  if bad := sources.bad_files(dataset):
+    with open(os.path.join(workdir, "bad_files.txt"), "w") as f:
+      f.write("\n".join(bad) + "\n")
+    logging.warning("%d unreadable files were left out of the dataset (listed in %s).",
+                    len(bad), os.path.join(workdir, "bad_files.txt"))
 
 
 def _check_before_work(config: ml_collections.ConfigDict, workdir: str,

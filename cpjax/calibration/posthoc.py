@@ -45,32 +45,41 @@ never the test split): each candidate is fitted on k - 1 folds and scored by NLL
 on the held-out fold; the lowest mean wins and is refitted on all rows. Every
 method records its cross-validated NLL, which `choose` compares (`auto`).
 
-The parametric fits run SciPy's L-BFGS-B on the objective's float64 NumPy value and
-analytic gradient (`value_and_grad`; the same objective in jax.numpy, `objective`, is
-jit-able and the tests check one against the other's jax.grad); folds are 0/1 row weights.
+Every map is an entry of MAPS, which declares its fit, its apply, its cross-validated
+setting and grid and, for the parametric maps, its solver (cpjax.calibration.parametric):
+vector, matrix and Dirichlet scaling are fitted to convergence (max |gradient| <= 1e-8, by
+L-BFGS-B and then Newton's method where L-BFGS-B has not got there, and a remaining Newton
+step that moves no fit row's probability by more than 1e-6), temperature and ETS by
+L-BFGS-B's own tests. A fit that ends short of its tolerance (rows that nearly separate have
+no optimum) is logged (a warning naming the map, the strength and the gradient reached),
+scores no cross-validated NLL, and flags the map (`Calibrator.converged`; with no converged
+strength the map is the identity); a strength chosen at its grid's edge is logged and flagged
+too (`Calibrator.at_edge`).
 """
 
+from collections.abc import Callable
+import dataclasses
 import logging
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import scipy.optimize
 import threadpoolctl
 
-from cpjax.calibration import binning, temperature
+from cpjax.calibration import binning, parametric, temperature
 
-METHODS = ("none", "temperature", "vector_scaling", "matrix_scaling", "dirichlet",
-           "ensemble_temperature", "histogram_binning", "isotonic")
-PARAMETRIC = ("temperature", "vector_scaling", "matrix_scaling", "dirichlet",
-              "ensemble_temperature")
-# Candidates of the cross-validated hyper-parameter of each method that has one.
-ODIR_GRID = (0.0, 1e-2, 1e-1, 1.0, 10.0)
+# Candidates of the cross-validated strengths. ODIR's penalty is a mean over the K (K - 1)
+# off-diagonal weights, so the strength that pins a map to its diagonal grows with K: the grid
+# reaches 1e6, where for K <= 100 each off-diagonal weight's penalty is >= 100 W_ij^2.
+ODIR_GRID = (0.0, 1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3, 1e4, 1e5, 1e6)
 BINS_GRID = (5, 10, 15, 20, 30)
 DEFAULT_FLOOR = 1e-6
 DEFAULT_FOLDS = 5
-DEFAULT_STEPS = 200  # The most L-BFGS-B iterations of a parametric fit.
+# Temperature and ETS (one and three parameters): L-BFGS-B's own tests, at most 200 steps.
+SCALING_SOLVER = parametric.Solver(lbfgs_steps=200)
+# Vector, matrix and Dirichlet scaling: to max |gradient| <= 1e-8. On large logits or many
+# classes their objective is ill-conditioned: L-BFGS-B took up to ~20,000 steps where Newton's
+# method takes tens (docs/posthoc.md).
+ODIR_SOLVER = parametric.Solver(lbfgs_steps=100, newton_steps=100, gtol=1e-8)
 
 
 class Calibrator(NamedTuple):
@@ -79,199 +88,100 @@ class Calibrator(NamedTuple):
   params: dict[str, np.ndarray]  # The method's parameters.
   hyper: dict[str, Any]  # The hyper-parameters used (the cross-validated one included).
   cv_nll: float  # Mean held-out-fold NLL of the chosen hyper-parameters on the fit data.
+  converged: bool = True  # The final fit reached its solver's tolerance (closed forms: True).
+  grad_norm: float = float("nan")  # Its max |gradient| (parametric maps).
+  at_edge: bool = False  # The cross-validation chose its grid's last (or non-zero first) value.
+  evaluations: int = 0  # Objective and Hessian-vector evaluations of every fit, CV included.
 
 
 # ----------------------------------------------------------------------------------------------
-# The maps, written once for NumPy (apply, float64) and jax.numpy (the jitted fits).
+# The maps. Each fit takes the logits [N, K], labels, 0/1 row weights (the fold's training
+# rows), the setting's value and a warm start; each apply (params, logits, xp, hyper) gives
+# log-probabilities [N, K], in NumPy or jax.numpy.
 
 
-def _constant(xp, x):
-  """x without a gradient. The shift by the maximum changes no value, and its gradient
-  (a max's) came out NaN in float64 under XLA:CPU's --xla_backend_optimization_level=0."""
-  return x if xp is np else jax.lax.stop_gradient(x)
-
-
-def _log_softmax(xp, s):
-  s = s - _constant(xp, s.max(axis=-1, keepdims=True))
-  return s - xp.log(xp.sum(xp.exp(s), axis=-1, keepdims=True))
-
-
-def _logsumexp(xp, s, axis):
-  m = _constant(xp, s.max(axis=axis, keepdims=True))
-  return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(s - m), axis=axis))
-
-
-def _parametric_log_probs(xp, method: str, params: dict, z):
-  """log-probabilities of a parametric map (see the module docstring)."""
-  if method == "temperature":
-    return _log_softmax(xp, z / xp.exp(params["log_t"]))
-  if method == "vector_scaling":
-    return _log_softmax(xp, z * params["w"] + params["b"])
-  if method in ("matrix_scaling", "dirichlet"):
-    x = z if method == "matrix_scaling" else _log_softmax(xp, z)
-    return _log_softmax(xp, x @ params["w"].T + params["b"])
-  if method == "ensemble_temperature":
-    return _parametric_log_probs(xp, "ets_mixture", params, _ets_parts(xp, z, params["log_t"]))
-  if method == "ets_mixture":  # z: the three parts' log-probabilities [3, N, K].
-    log_w = _log_softmax(xp, params["a"])  # [3] on the simplex, in log space.
-    return _logsumexp(xp, log_w[:, None, None] + z, 0)
-  raise ValueError(f"not a parametric method: {method!r}")
-
-
-def _ets_parts(xp, z, log_t):
-  """ETS's three log-probabilities [3, N, K]: scaled, unscaled, uniform."""
-  uniform = xp.zeros_like(z) - xp.log(1.0 * z.shape[-1])
-  return xp.stack([_log_softmax(xp, z / xp.exp(log_t)), _log_softmax(xp, z), uniform], axis=0)
-
-
-def _penalty(method: str, params: dict, num_classes: int):
-  """ODIR: mean squared off-diagonal weight plus mean squared intercept (Kull et al. 2019);
-  for vector scaling, its analogue for a diagonal map: the mean squared deviation of w from
-  its mean (a shared scale, i.e. a temperature, stays free) plus the mean squared intercept."""
-  if method == "vector_scaling":
-    w = params["w"]
-    return jnp.mean((w - jnp.mean(w)) ** 2) + jnp.mean(params["b"] ** 2)
-  if method not in ("matrix_scaling", "dirichlet"):
-    return 0.0
-  w = params["w"]
-  off = jnp.sum(w ** 2) - jnp.sum(jnp.diagonal(w) ** 2)
-  return off / max(num_classes * (num_classes - 1), 1) + jnp.mean(params["b"] ** 2)
-
-
-def _identity_params(method: str, num_classes: int, log_t: float = 0.0) -> dict:
-  """Parameters at which the map is the identity (or T = exp(log_t)): where L-BFGS starts."""
-  k = num_classes
-  if method == "temperature":
-    return {"log_t": np.float32(np.log(1.5))}  # Guo et al.'s start.
-  if method == "vector_scaling":
-    return {"w": np.ones(k, np.float32), "b": np.zeros(k, np.float32)}
-  if method in ("matrix_scaling", "dirichlet"):
-    return {"w": np.eye(k, dtype=np.float32), "b": np.zeros(k, np.float32)}
-  return {"log_t": np.float64(log_t), "a": np.zeros(3, np.float32)}  # ETS: equal weights.
-
-
-# ----------------------------------------------------------------------------------------------
-# Parametric fits: weighted mean NLL + strength * penalty, minimised by SciPy's L-BFGS-B. The
-# objective is written in jax.numpy (`objective`, jit-able); the fits use its NumPy float64
-# value and analytic gradient (`value_and_grad`, checked against jax.grad in the tests),
-# because on the few thousand rows of a validation split a call costs microseconds in NumPy
-# and far more through a jitted function's dispatch, and a fit takes hundreds of calls.
-
-
-def objective(method: str, params: dict, inputs, labels, weights, strength):
-  """The fitted objective in jax.numpy: sum_i weights_i (-log q_i[y_i]) / sum_i weights_i +
-  strength * penalty. `method` is "temperature", "vector_scaling", "matrix_scaling" (Dirichlet:
-  matrix scaling with inputs log p) or "ets_mixture" (inputs: ETS's three parts [3, N, K])."""
-  log_p = _parametric_log_probs(jnp, method, params, inputs)
-  nll = -jnp.sum(weights * jnp.take_along_axis(log_p, labels[:, None], axis=-1)[:, 0])
-  return nll / jnp.sum(weights) + strength * _penalty(method, params, inputs.shape[-1])
-
-
-def value_and_grad(method: str, params: dict, inputs: np.ndarray, labels: np.ndarray,
-                   weights: np.ndarray, strength: float) -> tuple[float, dict]:
-  """`objective` and its gradient in NumPy float64, by hand."""
-  omega = weights / np.sum(weights)
-  rows = np.arange(len(labels))
-  k = inputs.shape[-1]
-  if method == "ets_mixture":
-    log_w = _log_softmax(np, params["a"])
-    at_label = inputs[:, rows, labels] + log_w[:, None]  # [3, N]
-    log_q = _logsumexp(np, at_label, 0)
-    responsibility = np.exp(at_label - log_q)  # [3, N], sums to 1 over the parts.
-    grad_a = -(responsibility @ omega - np.exp(log_w))
-    return float(-omega @ log_q), {"a": grad_a}
-  if method == "temperature":
-    scores = inputs * np.exp(-params["log_t"])
-  elif method == "vector_scaling":
-    scores = inputs * params["w"] + params["b"]
-  else:
-    scores = inputs @ params["w"].T + params["b"]
-  log_p = _log_softmax(np, scores)
-  value = float(-omega @ log_p[rows, labels])
-  g = np.exp(log_p)
-  g[rows, labels] -= 1.0
-  g *= omega[:, None]  # d value / d scores.
-  if method == "temperature":
-    return value, {"log_t": np.float64(-np.sum(g * scores))}
-  b = params["b"]
-  grad_b = g.sum(0) + strength * 2.0 * b / k
-  value += strength * float(np.mean(b ** 2))
-  w = params["w"]
-  if method == "vector_scaling":
-    deviation = w - np.mean(w)
-    value += strength * float(np.mean(deviation ** 2))
-    return value, {"w": np.sum(g * inputs, 0) + strength * 2.0 * deviation / k, "b": grad_b}
-  off = w * (1.0 - np.eye(k))
-  pairs = max(k * (k - 1), 1)
-  value += strength * float(np.sum(off ** 2)) / pairs
-  return value, {"w": g.T @ inputs + strength * 2.0 * off / pairs, "b": grad_b}
-
-
-def _fit_one(method: str, z, y, weights, strength: float, steps: int,
-             log_t: float = 0.0, start: dict | None = None) -> dict[str, np.ndarray]:
-  init = _identity_params(method, z.shape[-1], log_t)
-  init.update({k: v for k, v in (start or {}).items() if k != "log_t"})
-  # What does not depend on the moving parameters is computed once: Dirichlet calibration
-  # is matrix scaling of log p; ETS with T fixed is a mixture of three fixed predictions.
-  key, inputs = method, z
-  if method == "dirichlet":
-    key, inputs = "matrix_scaling", _log_softmax(np, z)
-  elif method == "ensemble_temperature":
-    key, inputs = "ets_mixture", _ets_parts(np, z, init.pop("log_t"))
-  names = sorted(init)
-  shapes = [np.shape(init[n]) for n in names]
-  sizes = [int(np.prod(shape)) for shape in shapes]
-
-  def unflatten(x):
-    parts = np.split(np.asarray(x, np.float64), np.cumsum(sizes)[:-1])
-    return {n: p.reshape(shape) for n, p, shape in zip(names, parts, shapes)}
-
-  def fun(x):
-    value, grad = value_and_grad(key, unflatten(x), inputs, y, weights, strength)
-    return value, np.concatenate([np.ravel(grad[n]) for n in names])
-
-  x0 = np.concatenate([np.ravel(init[n]) for n in names]).astype(np.float64)
-  result = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B",
-                                   options={"maxiter": steps})
-  fixed = {"log_t": np.float64(log_t)} if method == "ensemble_temperature" else {}
-  return {**unflatten(result.x), **fixed}
-
-
-def fit_parametric(method: str, logits: np.ndarray, labels: np.ndarray,
-                   weights: np.ndarray | None = None, strength: float = 0.0,
-                   steps: int = DEFAULT_STEPS, start: dict | None = None,
-                   log_t: float | None = None) -> dict[str, np.ndarray]:
-  """One fit of a parametric map: minimises the weighted mean NLL + strength * penalty.
-
-  Args:
-    method: one of PARAMETRIC.
-    logits: [N, K] logits.
-    labels: [N] integer labels.
-    weights: [N] row weights (0/1 selects the fold's training rows); None = all ones.
-    strength: the regularisation strength (vector_scaling, matrix_scaling, dirichlet; ignored
-      by the others).
-    steps: the most L-BFGS-B iterations.
-    start: parameters to start from (a warm start); None = the identity map.
-    log_t: ensemble_temperature only: a fixed log-temperature; None = fitted by NLL first.
-
-  Returns:
-    The fitted parameters (ETS: with its temperature fitted first on the same rows).
-  """
-  z = np.asarray(logits, np.float64)
-  y = np.asarray(labels, np.int64)
-  w = np.ones(len(z)) if weights is None else np.asarray(weights, np.float64)
-  if method == "ensemble_temperature" and log_t is None:
-    log_t = float(_fit_one("temperature", z, y, w, 0.0, steps)["log_t"])
-  return _fit_one(method, z, y, w, float(strength), steps, log_t or 0.0, start)
-
-
-# ----------------------------------------------------------------------------------------------
-# The interface.
+@dataclasses.dataclass(frozen=True)
+class Map:
+  """A post-hoc map with its settings: what `fit`, the config schema and the docs read."""
+  name: str
+  doc: str  # One line: the map and its paper.
+  fit: Callable[..., parametric.Fit]
+  apply: Callable[..., Any]
+  setting: str | None = None  # The cross-validated hyper-parameter, if any.
+  grid: tuple = ()  # Its candidates, in increasing order.
+  solver: parametric.Solver | None = None  # Parametric maps only.
 
 
 def _softmax(xp, z):
   """softmax(z) through the log-space softmax: the input of the one-vs-rest maps."""
-  return xp.exp(_log_softmax(xp, z))
+  return xp.exp(parametric.log_softmax(xp, z))
+
+
+def _closed_form(params: dict) -> parametric.Fit:
+  return parametric.Fit(params, True, float("nan"), 0, "closed form")
+
+
+def _parametric_map(name: str, doc: str, solver: parametric.Solver, grid: tuple = ()) -> Map:
+  def fit_rows(z, y, weights, strength, start):
+    return parametric.fit(name, z, y, weights, strength or 0.0, solver, start,
+                          temperature_solver=SCALING_SOLVER)
+
+  def apply_map(params, z, xp, hyper):
+    del hyper
+    params = {k: xp.asarray(v) for k, v in params.items()}
+    return parametric.log_softmax(xp, parametric.log_probs(xp, name, params, z))  # Exact rows.
+  return Map(name, doc, fit_rows, apply_map, "odir" if grid else None, grid, solver)
+
+
+def _one_vs_rest_map(name: str, doc: str, fit_table, apply_table, grid: tuple = ()) -> Map:
+  def fit_rows(z, y, weights, num_bins, start):
+    del start
+    rows = weights > 0
+    args = () if num_bins is None else (num_bins,)
+    return _closed_form(fit_table(_softmax(np, z[rows]), y[rows], *args))
+
+  def apply_map(params, z, xp, hyper):
+    return binning.renormalised_log(apply_table(params, _softmax(xp, z), xp), hyper["floor"], xp)
+  return Map(name, doc, fit_rows, apply_map, "num_bins" if grid else None, grid)
+
+
+MAPS = {m.name: m for m in (
+    Map("none", "s = z: the uncalibrated model", lambda *args: _closed_form({}),
+        lambda params, z, xp, hyper: parametric.log_softmax(xp, z)),
+    _parametric_map("temperature", "s = z / T, T by L-BFGS on NLL (Guo et al. 2017, ICML)",
+                    SCALING_SOLVER),
+    _parametric_map("vector_scaling", "s = w * z + b, ODIR's diagonal analogue (Guo et al. "
+                    "2017)", ODIR_SOLVER, ODIR_GRID),
+    _parametric_map("matrix_scaling", "s = W z + b, ODIR (Guo et al. 2017; Kull et al. 2019)",
+                    ODIR_SOLVER, ODIR_GRID),
+    _parametric_map("dirichlet", "s = W log p + b, ODIR (Kull et al. 2019, NeurIPS)",
+                    ODIR_SOLVER, ODIR_GRID),
+    _parametric_map("ensemble_temperature", "q = w1 softmax(z / T) + w2 softmax(z) + w3 / K "
+                    "(Zhang, Kailkhura & Han 2020, ICML)", SCALING_SOLVER),
+    _one_vs_rest_map("histogram_binning", "per-class equal-width bins (Zadrozny & Elkan 2001, "
+                     "ICML)", binning.fit_histogram, binning.apply_histogram, BINS_GRID),
+    _one_vs_rest_map("isotonic", "per-class isotonic regression (Zadrozny & Elkan 2002, KDD)",
+                     binning.fit_isotonic, binning.apply_isotonic),
+)}
+METHODS = tuple(MAPS)
+PARAMETRIC = tuple(name for name, m in MAPS.items() if m.solver is not None)
+
+
+def markdown_table() -> str:
+  """MAPS as the docs' table (docs/posthoc.md holds it verbatim; a test checks)."""
+  lines = ["| method | map | cross-validated setting: grid | solver |", "|---|---|---|---|"]
+  for m in MAPS.values():
+    grid = f"`{m.setting}`: {', '.join(f'{v:g}' for v in m.grid)}" if m.setting else "—"
+    solver = ("closed form" if m.solver is None else
+              f"L-BFGS-B ({m.solver.lbfgs_steps} steps), its own tests" if m.solver.gtol is None
+              else f"L-BFGS-B ({m.solver.lbfgs_steps} steps), then Newton "
+                   f"({m.solver.newton_steps}), to max \\|grad\\| <= {m.solver.gtol:g}")
+    lines.append(f"| `{m.name}` | {m.doc} | {grid} | {solver} |")
+  return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# The interface.
 
 
 def apply(calibrator: Calibrator, logits, xp=np):
@@ -281,15 +191,7 @@ def apply(calibrator: Calibrator, logits, xp=np):
   and jit-able, the calibrator closed over: `jax.jit(lambda z: apply(c, z, jnp))`.
   """
   z = np.asarray(logits, np.float64) if xp is np else xp.asarray(logits)
-  method, params = calibrator.method, calibrator.params
-  if method == "none":
-    return _log_softmax(xp, z)
-  if method in PARAMETRIC:
-    params = {k: xp.asarray(v) for k, v in params.items()}
-    return _log_softmax(xp, _parametric_log_probs(xp, method, params, z))  # Exact rows.
-  q = (binning.apply_histogram if method == "histogram_binning" else binning.apply_isotonic)(
-      params, _softmax(xp, z), xp)
-  return binning.renormalised_log(q, calibrator.hyper["floor"], xp)
+  return MAPS[calibrator.method].apply(calibrator.params, z, xp, calibrator.hyper)
 
 
 def _folds(n: int, num_folds: int, seed: int) -> np.ndarray:
@@ -305,21 +207,9 @@ def _held_out_nll(log_p: np.ndarray, labels: np.ndarray) -> float:
   return float(-np.mean(log_p[np.arange(len(labels)), labels]))
 
 
-def _grid(method: str, hyper: dict) -> tuple[str | None, tuple]:
-  """(name, candidates) of the cross-validated hyper-parameter; a value given pins it."""
-  name = {"vector_scaling": "odir", "matrix_scaling": "odir", "dirichlet": "odir",
-          "histogram_binning": "num_bins"}.get(method)
-  if name is None:
-    return None, (None,)
-  if hyper.get(name) is not None:
-    return name, (hyper[name],)
-  return name, ODIR_GRID if name == "odir" else BINS_GRID
-
-
 def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEFAULT_FOLDS,
-        seed: int = 0, steps: int = DEFAULT_STEPS, floor: float = DEFAULT_FLOOR,
-        odir: float | None = None, num_bins: int | None = None,
-        search: str = "lbfgs_nll") -> Calibrator:
+        seed: int = 0, floor: float = DEFAULT_FLOOR, odir: float | None = None,
+        num_bins: int | None = None, search: str = "lbfgs_nll") -> Calibrator:
   """Fits a post-hoc map on (validation) logits [N, K] and integer labels [N].
 
   Args:
@@ -328,7 +218,6 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
     labels: their labels.
     folds: k of the k-fold cross-validation.
     seed: seed of the fold assignment.
-    steps: L-BFGS iterations of the parametric fits.
     floor: smallest probability of the one-vs-rest maps before renormalising.
     odir: vector_scaling / matrix_scaling / dirichlet regularisation strength; None =
       cross-validated over ODIR_GRID.
@@ -339,17 +228,16 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
   Returns:
     The fitted Calibrator with its cross-validated NLL.
   """
-  if method not in METHODS:
+  if method not in MAPS:
     raise ValueError(f"post-hoc method={method!r}; valid choices: {', '.join(METHODS)}")
   # One BLAS thread: the fits' matrices are tiny, and OpenBLAS's threads waiting on each
   # other made L-BFGS-B's steps ~10x slower on a busy 2-core machine.
   with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
-    return _fit(method, logits, labels, folds=folds, seed=seed, steps=steps, floor=floor,
-                odir=odir, num_bins=num_bins, search=search)
+    return _fit(MAPS[method], logits, labels, folds=folds, seed=seed, floor=floor,
+                pinned={"odir": odir, "num_bins": num_bins}, search=search)
 
 
-def _fit(method, logits, labels, *, folds, seed, steps, floor, odir, num_bins,
-         search) -> Calibrator:
+def _fit(entry: Map, logits, labels, *, folds, seed, floor, pinned, search) -> Calibrator:
   if search not in temperature.METHODS:
     raise ValueError(f"search={search!r}; valid choices: {', '.join(temperature.METHODS)}")
   z = np.asarray(logits, np.float64)
@@ -358,63 +246,105 @@ def _fit(method, logits, labels, *, folds, seed, steps, floor, odir, num_bins,
     raise ValueError(f"logits {z.shape} and labels {y.shape} must be [N, K] and [N]")
   if not np.all(np.isfinite(z)):
     raise ValueError("logits must be finite to fit a post-hoc map")
-  name, candidates = _grid(method, {"odir": odir, "num_bins": num_bins})
   hyper = {"folds": folds, "seed": seed, "floor": floor}
-  if method == "temperature" and search != "lbfgs_nll":
+  if entry.name == "temperature" and search != "lbfgs_nll":
     return _fit_temperature_grid(z, y, search, hyper)
-  fold = _folds(len(z), folds, seed)
-  if method in PARAMETRIC:
-    hyper["steps"] = steps
-    return _fit_parametric_cv(method, z, y, fold, name, candidates, hyper)
-  scores = np.zeros(len(candidates))
-  for f in range(folds):
-    train, held = fold != f, fold == f
-    for c, value in enumerate(candidates):
-      fitted = _fit_nonparametric(method, z[train], y[train], {**hyper, name: value})
-      scores[c] += _held_out_nll(apply(fitted, z[held]), y[held]) * held.sum()
-  best = int(np.argmin(scores))
-  if name is not None:
-    hyper[name] = candidates[best]
-  return _fit_nonparametric(method, z, y, hyper)._replace(cv_nll=float(scores[best] / len(z)))
+  value = pinned.get(entry.setting)
+  candidates = (value,) if value is not None else entry.grid or (None,)
+  return _cross_validate(entry, z, y, _folds(len(z), folds, seed), candidates, hyper)
 
 
-def _fit_nonparametric(method, z, y, hyper) -> Calibrator:
-  if method == "none":
-    params = {}
-  elif method == "histogram_binning":
-    params = binning.fit_histogram(_softmax(np, z), y, hyper["num_bins"])
-  else:
-    params = binning.fit_isotonic(_softmax(np, z), y)
-  return Calibrator(method, params, hyper, float("nan"))
+def _held_out_log_probs(entry: Map, params: dict, z: np.ndarray, hyper: dict) -> np.ndarray:
+  # The parametric maps are scored by their own log-probabilities, not renormalised again
+  # (as their cross-validated NLLs always were: the same numbers to the last bit).
+  if entry.solver is not None:
+    return parametric.log_probs(np, entry.name, params, z)
+  return entry.apply(params, z, np, hyper)
 
 
-def _fit_parametric_cv(method, z, y, fold, name, candidates, hyper) -> Calibrator:
+def _cross_validate(entry: Map, z, y, fold, candidates, hyper) -> Calibrator:
   """Every candidate on every fold, then the best candidate on all rows. Within a fold the
-  strengths go from strongest to weakest, each fit starting where the previous one ended."""
-  strengths = [0.0 if value is None else float(value) for value in candidates]
-  scores = np.zeros(len(strengths))
+  candidates go from the largest (the strongest regularisation) to the smallest, each
+  parametric fit starting where the previous one ended."""
+  scores, evaluations, unconverged = np.zeros(len(candidates)), 0, []
+  order = np.argsort([0.0 if c is None else float(c) for c in candidates])[::-1]
   for f in range(int(fold.max()) + 1):
-    held, params = fold == f, None
-    for c in np.argsort(strengths)[::-1]:
-      params = fit_parametric(method, z, y, ~held, strengths[c], hyper["steps"], params)
-      finite = _finite(params)
-      log_p = _parametric_log_probs(np, method, params, z[held]) if finite else None
-      scores[c] += _held_out_nll(log_p, y[held]) * held.sum() if finite else np.inf
-      params = params if finite else None  # A diverged fit is no warm start.
-  # The best candidate refitted on all rows; should that fit diverge, the next best, and if
-  # every one does, the starting map (cv_nll inf): never non-finite parameters.
+    held, start = fold == f, None
+    for c in order:
+      result = entry.fit(z, y, (~held).astype(np.float64), candidates[c], start)
+      evaluations += result.evaluations
+      if not result.converged:
+        unconverged.append((candidates[c], result))
+      usable = _usable(entry, result)
+      log_p = _held_out_log_probs(entry, result.params, z[held], hyper) if usable else None
+      scores[c] += _held_out_nll(log_p, y[held]) * held.sum() if usable else np.inf
+      start = result.params if usable else None  # A diverged fit is no warm start.
+  _log_unconverged_folds(entry, unconverged, len(candidates) * (int(fold.max()) + 1))
+  # The best candidate refitted on all rows; should that fit diverge (or, where the map is
+  # fitted to convergence, not converge), the next best, and if every one does, the starting
+  # map (cv_nll inf): never non-finite parameters, nor the solver's choice of a divergent map.
   for best in np.argsort(scores, kind="stable"):
-    params = fit_parametric(method, z, y, None, strengths[best], hyper["steps"])
-    if _finite(params):
-      if name is not None:
-        hyper[name] = candidates[best]
-      return Calibrator(method, params, hyper, float(scores[best] / len(z)))
-  logging.warning("Every %s fit diverged; keeping its starting map.", method)
-  return Calibrator(method, _identity_params(method, z.shape[-1]), hyper, float("inf"))
+    if _to_tolerance(entry) and not np.isfinite(scores[best]):
+      break  # No fold's fit of this strength, or of any after it, converged.
+    result = entry.fit(z, y, np.ones(len(z)), candidates[best], None)
+    evaluations += result.evaluations
+    _log_unconverged(entry, candidates[best], result, "all rows")
+    if _usable(entry, result):
+      if entry.setting is not None:
+        hyper[entry.setting] = candidates[best]
+      at_edge = _at_edge(entry, candidates, candidates[best])
+      return Calibrator(entry.name, result.params, hyper, float(scores[best] / len(z)),
+                        result.converged, result.grad_norm, at_edge, evaluations)
+  logging.warning("Every %s fit diverged or stopped short of convergence; keeping its "
+                  "starting map.", entry.name)
+  return Calibrator(entry.name, parametric.identity_params(entry.name, z.shape[-1]), hyper,
+                    float("inf"), False, float("nan"), False, evaluations)
 
 
-def _finite(params: dict[str, np.ndarray]) -> bool:
-  return all(np.all(np.isfinite(v)) for v in params.values())
+def _log_unconverged(entry: Map, value, result: parametric.Fit, rows: str) -> None:
+  if not result.converged:
+    setting = f"{entry.setting}={value:g}" if entry.setting else "its fit"
+    logging.warning("%s at %s (%s) stopped short of convergence: max |gradient| %.3g after %d "
+                    "evaluations (%s).", entry.name, setting, rows, result.grad_norm,
+                    result.evaluations, result.message)
+
+
+def _log_unconverged_folds(entry: Map, unconverged: list, total: int) -> None:
+  """One warning for all the cross-validation's unconverged fold fits (a line each would
+  flood the log: on separable rows nearly every fold of every strength stops short)."""
+  if not unconverged:
+    return
+  values = sorted({v for v, _ in unconverged if v is not None})
+  setting = (f"{entry.setting}={', '.join(f'{v:g}' for v in values)}" if entry.setting
+             else "its fit")
+  worst = max(unconverged, key=lambda item: item[1].grad_norm)
+  logging.warning("%s at %s stopped short of convergence in %d of %d cross-validation fits "
+                  "(largest max |gradient| %.3g, at %s=%s: %s); those strengths get no "
+                  "cross-validated score.", entry.name, setting, len(unconverged), total,
+                  worst[1].grad_norm, entry.setting, worst[0], worst[1].message)
+
+
+def _at_edge(entry: Map, candidates: tuple, value) -> bool:
+  """Whether the cross-validation chose the grid's last value, or its first unless that is 0
+  (no regularisation, the natural bound); logged, since a wider grid might do better."""
+  if len(candidates) < 2 or value not in (candidates[0], candidates[-1]):
+    return False
+  if value == candidates[0] and value == 0:
+    return False
+  logging.warning("%s: the cross-validation chose %s=%g, the edge of its grid (%s).",
+                  entry.name, entry.setting, value, ", ".join(f"{c:g}" for c in candidates))
+  return True
+
+
+def _usable(entry: Map, result: parametric.Fit) -> bool:
+  """Finite parameters and, for a map fitted to a tolerance, converged: an unconverged fit's
+  held-out NLL is where its solver stopped, no score of the strength."""
+  finite = all(np.all(np.isfinite(v)) for v in result.params.values())
+  return finite and (result.converged or not _to_tolerance(entry))
+
+
+def _to_tolerance(entry: Map) -> bool:
+  return entry.solver is not None and entry.solver.gtol is not None
 
 
 def _fit_temperature_grid(z, y, search, hyper) -> Calibrator:
@@ -424,7 +354,7 @@ def _fit_temperature_grid(z, y, search, hyper) -> Calibrator:
   for f in range(hyper["folds"]):
     held = fold == f
     t = temperature.fit_temperature(z[~held], y[~held], method=search).temperature
-    total += _held_out_nll(_log_softmax(np, z[held] / t), y[held]) * held.sum()
+    total += _held_out_nll(parametric.log_softmax(np, z[held] / t), y[held]) * held.sum()
   t = temperature.fit_temperature(z, y, method=search).temperature
   return Calibrator("temperature", {"log_t": np.float64(np.log(t))}, {**hyper, "search": search},
                     total / len(z))

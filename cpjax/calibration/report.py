@@ -119,6 +119,8 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
     rows[method] = {
         "hyper": {k: v for k, v in calibrators[method].hyper.items() if k in ("odir", "num_bins")},
         "cv_nll": calibrators[method].cv_nll, "fit_seconds": fit_seconds,
+        "converged": calibrators[method].converged,
+        "grad_norm": calibrators[method].grad_norm, "at_edge": calibrators[method].at_edge,
         "parameters": _parameters_for_json(calibrators[method]),
         "test": calibration_metrics(test_log_probs[method], test[1], num_classes,
                                     config.num_bins, TABLE_METRICS),
@@ -261,15 +263,24 @@ def _posthoc_markdown(section: dict[str, Any]) -> list[str]:
   lines = ["", "## Post-hoc maps (fitted on validation, measured on test)", "",
            f"Chosen: **{section['chosen']}** (evaluation.calibrator={section['requested']!r}; "
            f"auto = lowest {section['folds']}-fold cross-validated validation NLL). Each cell: "
-           "the test value [bootstrap interval, where evaluation.calibrator_resamples > 0].", "",
-           "| map | strength | CV val NLL | " + " | ".join(TABLE_METRICS) + " |",
-           "|---" * (len(TABLE_METRICS) + 3) + "|"]
+           "the test value [bootstrap interval, where evaluation.calibrator_resamples > 0]. "
+           "Fit: whether the map's fit converged (else it is its starting map, the identity), "
+           "and whether its strength is its grid's edge.", "",
+           "| map | strength | fit | CV val NLL | " + " | ".join(TABLE_METRICS) + " |",
+           "|---" * (len(TABLE_METRICS) + 4) + "|"]
   for method, row in section["calibrators"].items():
     name = f"**{method}**" if method == section["chosen"] else method
     strength = ", ".join(f"{k}={v}" for k, v in row["hyper"].items()) or "—"
-    lines.append(f"| {name} | {strength} | {row['cv_nll']:.4f} | "
+    lines.append(f"| {name} | {strength} | {_fit_flag(row)} | {row['cv_nll']:.4f} | "
                  + " | ".join(_with_interval(row, m) for m in TABLE_METRICS) + " |")
   return lines
+
+
+def _fit_flag(row: dict[str, Any]) -> str:
+  """'ok', or what is wrong: no converged fit, a strength at the edge of its grid."""
+  flags = [] if row.get("converged", True) else ["NOT CONVERGED"]
+  flags += ["grid edge"] if row.get("at_edge") else []
+  return ", ".join(flags) or "ok"
 
 
 def _with_interval(row: dict[str, Any], name: str) -> str:

@@ -17,7 +17,16 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.download import downloader as tfds_downloader
 
-from cpjax.data import array_records, datasets, readers, specs, splits
+from cpjax.data import (
+  array_records,
+  datasets,
+  host_stage,
+  preprocess,
+  readers,
+  sources,
+  specs,
+  splits,
+)
 from cpjax.data.splits import Split
 
 
@@ -80,6 +89,9 @@ def open_or_prepare(name: str, config: ml_collections.ConfigDict) -> None:
     DataNotFoundError: not prepared and not to be prepared, or its preparation failed, or
       a split is missing; the message names the dataset and the ways to prepare it.
   """
+  if specs.is_source_name(name):  # Read (and named when missing) by sources.resolve.
+    sources.resolve(config)
+    return
   spec = specs.DATASETS[name]
   builder = _builder(spec, config)
   missing = [s for s in ("train", spec.test_split) if s not in builder.info.splits]
@@ -160,6 +172,9 @@ def get_test_split(config: ml_collections.ConfigDict, name: str) -> Split:
 def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   """Returns {"train", "val", "test"} host splits for `config.dataset`, and "meta_val"
   with a `meta_val_size` (FL_gamma's meta-validation batches)."""
+  if specs.is_source_name(config.name):
+    raise ValueError(f"dataset {config.name!r} is not read into memory: its images are decoded "
+                     "per batch by the host stage (input_pipeline.load)")
   spec = specs.DATASETS[config.name]
   builder = _builder(spec, config)
   full_train = _read_split(builder, "train")
@@ -180,10 +195,23 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   return result
 
 
-def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int = 0
          ) -> tuple[dict[str, Split], dict[str, readers.HostReader]]:
   """A run's splits (train, val, test, and meta_val with a meta_val_size) and the readers
-  (cpjax.data.readers) that put their batches on `mesh`. Streamed splits hold no images."""
+  (cpjax.data.readers) that put their batches on `mesh`. Streamed splits and those of a
+  source dataset (folder, tfds:NAME; read through the host stage, whose crops `seed` draws)
+  hold no images."""
+  spec = specs.DATASETS[dataset.name]
+  if spec.host_stage:
+    transform = preprocess.from_config(dataset, spec.image_shape, seed)
+    by_name = {name: host_stage.PreprocessReader(source, transform, mesh, dataset.num_workers,
+                                                 dataset.prefetch_depth)
+               for name, source in sources.open_splits(dataset).items()}
+    _log_reader("preprocess", dataset, sum(len(r) for r in by_name.values()) * 8)
+    logging.info("Dataset %s: %s; images decoded to %s on the host by %d threads.",
+                 dataset.name, {k: len(v) for k, v in by_name.items()}, spec.image_shape,
+                 by_name["train"].num_workers)
+    return {name: r.split for name, r in by_name.items()}, by_name
   if readers.streams(dataset):
     names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
     by_name = {name: array_records.stream_reader(dataset.stream_dir, name, mesh, dataset)

@@ -11,6 +11,9 @@
           scripts/write_array_records.py); each process reads only its own rows of each
           batch, by index, and grain's threads read the next batches ahead. Memory holds
           labels and ids (8 bytes per example) and the read-ahead buffer, not the set.
+  preprocess  (source datasets: folder, tfds:NAME) rows read as encoded bytes, decoded and
+          cropped on the host in worker threads, each process its own rows
+          (cpjax.data.host_stage).
   auto    stream when `dataset.stream_dir` is set and the training split is larger than
           `dataset.host_memory_mb`; else device when the splits fit
           `dataset.device_memory_mb` on each device (Fashion-MNIST: 52 MiB, CIFAR-10:
@@ -78,9 +81,13 @@ class HostReader:
     return sharding.to_global(self.mesh, host, len(rows))
 
   def batches(self, row_blocks: np.ndarray, masks: np.ndarray | None = None,
-              row_weights: np.ndarray | None = None) -> Iterator[dict[str, jax.Array]]:
+              row_weights: np.ndarray | None = None, epoch: int | None = None
+              ) -> Iterator[dict[str, jax.Array]]:
     """`batch` of each block of `row_blocks` [S, B] in order (masks [S, B]; row_weights: one
-    per split row, looked up for each block), `prefetch_depth` of them built ahead."""
+    per split row, looked up for each block), `prefetch_depth` of them built ahead. `epoch`:
+    the training epoch the batches are for (None: evaluation or scoring), which only the
+    host stage's reader uses (in-memory images are augmented on the device)."""
+    del epoch
     return prefetched(self._batches(row_blocks, masks, row_weights), self.prefetch_depth)
 
   def _batches(self, row_blocks, masks, row_weights) -> Iterator[dict[str, jax.Array]]:
@@ -149,8 +156,8 @@ def _part(values: np.ndarray | None, local: slice) -> np.ndarray | None:
   return None if values is None else values[local]
 
 
-def _mask_and_weight(local: slice, mask: np.ndarray | None,
-                     weights: np.ndarray | None) -> dict[str, np.ndarray]:
+def mask_and_weight(local: slice, mask: np.ndarray | None,
+                    weights: np.ndarray | None) -> dict[str, np.ndarray]:
   """This process's `mask` (all ones when None) and `weight` (when given) of a batch, as
   `splits.batch_at` gives them."""
   out = {"mask": np.ones(local.stop - local.start, np.float32) if mask is None
@@ -191,7 +198,7 @@ class DeviceReader(HostReader):
   def batch(self, rows, mask=None, weights=None):
     local = sharding.process_rows(self.mesh, len(rows))
     small = {"row": np.asarray(rows[local], np.int32),
-             **_mask_and_weight(local, mask, weights)}
+             **mask_and_weight(local, mask, weights)}
     small = sharding.to_global(self.mesh, small, len(rows))
     gathered = _gather(sharding.batch_sharded(self.mesh), self._arrays, small.pop("row"))
     return {**gathered, **small}
@@ -249,7 +256,7 @@ class StreamReader(HostReader):
     """The global batch of `rows` from this process's images of its part of them."""
     local = sharding.process_rows(self.mesh, len(rows))
     host = {"image": local_images, "label": self.split.labels[rows[local]],
-            "id": self.split.ids[rows[local]], **_mask_and_weight(local, mask, weights)}
+            "id": self.split.ids[rows[local]], **mask_and_weight(local, mask, weights)}
     return sharding.to_global(self.mesh, host, len(rows))
 
 
@@ -265,7 +272,10 @@ def train_bytes(dataset: ml_collections.ConfigDict) -> int:
 
 
 def streams(dataset: ml_collections.ConfigDict) -> bool:
-  """Whether a run of `dataset` reads its splits from array_record files."""
+  """Whether a run of `dataset` reads its splits from array_record files (never a source
+  dataset's: the host stage reads those, cpjax.data.host_stage)."""
+  if specs.DATASETS[dataset.name].host_stage:
+    return False
   return dataset.reader == "stream" or (
       dataset.reader == "auto" and bool(dataset.stream_dir)
       and train_bytes(dataset) > dataset.host_memory_mb * 2**20)

@@ -2,6 +2,12 @@
 
 The registry `DATASETS` is what config validation, the steps (normalisation
 statistics) and the readers consult; nothing here reads files or imports tfds.
+
+Built-in datasets are listed here. A dataset opened by a source kind (a folder of images,
+`folder`; any tfds image-classification dataset, `tfds:NAME`) has facts that only its files
+know (classes, sizes, statistics): `cpjax.data.sources.resolve` reads them once at start-up
+and `register`s them under the dataset's name, after which every layer reads them from
+`DATASETS` as it reads a built-in's.
 """
 
 import dataclasses
@@ -17,10 +23,41 @@ class DatasetSpec:
   mean: tuple[float, ...]  # Per-channel mean of pixel values scaled to [0, 1].
   std: tuple[float, ...]  # Per-channel standard deviation, same scale.
   local: bool  # Built by a cpjax builder from local files: never downloads.
-  test_split: str = "test"
+  test_split: str = "test"  # "": the dataset has none; test examples are carved from train.
+  val_split: str = ""  # A split that holds validation; "": carved from train (val_size).
+  # Images are decoded and cropped on the host (cpjax.data.preprocess) to `image_shape`:
+  # variable-size or encoded sources (folder, tfds:NAME).
+  host_stage: bool = False
+  classes: tuple[str, ...] = ()  # Class names in label order, where the dataset has them.
 
 
-DATASETS = {
+class _Registry(dict):
+  """DATASETS: a dict whose missing entry names the datasets it knows."""
+
+  def __missing__(self, name: str):
+    hint = (" (a source dataset: cpjax.data.sources.resolve(config.dataset) registers it; "
+            "config validation does that)" if is_source_name(name) else "")
+    raise KeyError(f"dataset {name!r} is not known{hint}; known: {', '.join(self)}")
+
+
+SOURCE_PREFIXES = ("folder", "tfds:")  # Names of the datasets that a source kind opens.
+
+
+def is_source_name(name: str) -> bool:
+  """Whether `name` is opened by a source kind (cpjax.data.sources): `folder` or `tfds:NAME`."""
+  return isinstance(name, str) and (name == "folder" or (name.startswith("tfds:")
+                                                         and len(name) > len("tfds:")))
+
+
+def register(name: str, spec: DatasetSpec) -> None:
+  """Records the facts of source dataset `name` (replacing any earlier ones: a process that
+  opens another folder under the same name reads the new folder's facts)."""
+  if not is_source_name(name):
+    raise ValueError(f"only source datasets (folder, tfds:NAME) are registered, not {name!r}")
+  DATASETS[name] = spec
+
+
+DATASETS = _Registry({
     # Mean/std of the 1,437 training images (`python -m cpjax.data.input_pipeline digits`).
     "digits": DatasetSpec("digits", (8, 8, 1), 10, 1437, (0.3054,), (0.3762,), local=True),
     "fashion_mnist": DatasetSpec("fashion_mnist_local", (28, 28, 1), 10, 60000,
@@ -36,4 +73,5 @@ DATASETS = {
                             (0.2673, 0.2564, 0.2762), local=False),
     "svhn": DatasetSpec("svhn_cropped", (32, 32, 3), 10, 73257, (0.4377, 0.4438, 0.4728),
                         (0.1980, 0.2010, 0.1970), local=False),
-}
+})
+BUILTIN = tuple(DATASETS)  # The built-in names (config choices besides source names).

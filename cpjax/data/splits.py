@@ -17,16 +17,23 @@ from cpjax.data import specs
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-  """One split in host memory, rows sorted by id."""
+  """One split in host memory, rows sorted by id: the in-memory data source
+  (cpjax.data.sources.DataSource) of the built-in datasets."""
   images: np.ndarray | None  # uint8 [N, H, W, C]; None when streamed (cpjax.data.readers)
   labels: np.ndarray  # int32 [N]
   ids: np.ndarray  # int32 [N], stable example ids
+  encoded = False  # read() gives decoded pixels.
 
   def __len__(self) -> int:
     return len(self.labels)
 
   def take(self, rows: np.ndarray) -> "Split":
-    return Split(self.images[rows], self.labels[rows], self.ids[rows])
+    return Split(None if self.images is None else self.images[rows], self.labels[rows],
+                 self.ids[rows])
+
+  def read(self, rows: np.ndarray) -> np.ndarray:
+    """uint8 images [len(rows), H, W, C] of `rows`."""
+    return self.images[rows]
 
 
 def carve_validation(num_train: int, val_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,6 +53,18 @@ def carve_validation(num_train: int, val_size: int, seed: int) -> tuple[np.ndarr
 TRAIN_PARTS = ("all", "rest", "holdout")
 
 
+def carved_val_size(config: ml_collections.ConfigDict) -> int:
+  """Validation examples carved out of the train split: `val_size`, or none when the dataset
+  has a validation split of its own (a folder's val/, a tfds dataset's validation split)."""
+  return 0 if specs.DATASETS[config.name].val_split else config.val_size
+
+
+def carved_test_size(config: ml_collections.ConfigDict) -> int:
+  """Test examples carved out of the train split: none when the dataset has a test split,
+  else `test_size`."""
+  return 0 if specs.DATASETS[config.name].test_split else config.get("test_size", 0)
+
+
 def _holdout_size(pool_size: int, holdout_fraction: float) -> int:
   return int(round(holdout_fraction * pool_size))
 
@@ -56,17 +75,20 @@ def num_train_examples(config: ml_collections.ConfigDict) -> int:
   if config.train_examples:
     return config.train_examples
   # .get: the configs saved by older runs have no meta_val_size or holdout fields.
-  pool = (specs.DATASETS[config.name].num_train - config.val_size
-          - config.get("meta_val_size", 0))
+  pool = (specs.DATASETS[config.name].num_train - carved_val_size(config)
+          - carved_test_size(config) - config.get("meta_val_size", 0))
   holdout = _holdout_size(pool, config.get("holdout_fraction", 0.0))
   return {"all": pool, "rest": pool - holdout, "holdout": holdout}[
       config.get("train_part", "all")]
 
 
 def split_ids(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-  """{"train", "val", "meta_val", "pool"} ids of `config.dataset`, each sorted.
+  """{"train", "val", "meta_val", "pool"} ids of `config.dataset`, each sorted, and "test"
+  where the dataset has no test split.
 
-  Validation is carved first (`carve_validation`); the meta-validation ids (FL_gamma's
+  Validation is carved first (`carve_validation`; none where the dataset has a validation
+  split of its own), then the test ids of a dataset without a test split (`test_size`, a
+  seeded draw); the meta-validation ids (FL_gamma's
   held-out batches, `meta_val_size`, none by default) are a seeded draw from the rest, so
   they never overlap validation or test. What is left is the training pool ("pool", where
   `label_noise` applies). A `holdout_fraction` of the pool is a further seeded draw: a run
@@ -75,7 +97,14 @@ def split_ids(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
   pool. `train_examples` then caps the training ids.
   """
   spec = specs.DATASETS[config.name]
-  train_ids, val_ids = carve_validation(spec.num_train, config.val_size, config.split_seed)
+  if spec.val_split:  # Validation is a split of its own: every train id trains.
+    train_ids, val_ids = np.arange(spec.num_train), np.zeros(0, np.int64)
+  else:
+    train_ids, val_ids = carve_validation(spec.num_train, config.val_size, config.split_seed)
+  carved = {}
+  if test_size := carved_test_size(config):  # No test split: a seeded draw after validation.
+    drawn = np.random.default_rng([config.split_seed, 6]).permutation(train_ids)
+    carved["test"], train_ids = np.sort(drawn[:test_size]), np.sort(drawn[test_size:])
   meta_size = config.get("meta_val_size", 0)
   drawn = np.random.default_rng([config.split_seed, 2]).permutation(train_ids)
   meta_ids = np.sort(drawn[:meta_size])
@@ -90,7 +119,7 @@ def split_ids(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
   if config.train_examples:  # A seeded subset of the training ids, for quick studies.
     train_ids = np.sort(np.random.default_rng([config.split_seed, 1]).choice(
         train_ids, config.train_examples, replace=False))
-  return {"train": train_ids, "val": val_ids, "meta_val": meta_ids, "pool": pool_ids}
+  return {"train": train_ids, "val": val_ids, "meta_val": meta_ids, "pool": pool_ids, **carved}
 
 
 def noisy_labels(labels: np.ndarray, pool_rows: np.ndarray, fraction: float, seed: int,

@@ -1,0 +1,200 @@
+"""A folder of images as a data source: `DIR/<split>/<class>/...` (dataset.name="folder").
+
+`DIR/train/<class>/*` holds the training images (any depth below the class folder);
+`DIR/val/` and `DIR/test/`, when present, hold validation and test images in the same class
+folders (otherwise both are seeded carve-outs of train: cpjax.data.splits). Class names
+sorted are the label ids 0..K-1. A split's files, by relative path sorted, are its rows; a
+row's position is its stable example id, the same in every run over the same files.
+
+Files are chosen by extension (`IMAGE_EXTENSIONS`, any case) and decoded by content, so a
+PNG saved under a .jpg name still decodes. At start-up the headers of up to `check_files`
+files per split (all of them when the split has no more; otherwise a seeded sample) are read
+with PIL's lazy open (magic bytes and header, no pixel decoding); a file that fails is named
+in one error, or with `skip_bad_files` left out of the split and listed. Damage past the
+header (a truncated JPEG) is found when the file is first read and named there.
+
+Paths are held as one bytes blob and offsets (tens of bytes per file), never the images.
+"""
+
+from collections.abc import Sequence
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+
+import numpy as np
+
+from cpjax.data import preprocess
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
+                    ".pgm", ".pbm", ".pnm")
+SPLIT_FOLDERS = ("train", "val", "test")
+MAX_NAMED = 20  # Bad files named in one error message.
+
+
+class FolderError(ValueError):
+  """The folder is not laid out as DIR/train/<class>/images, or holds undecodable files."""
+
+
+class PathTable:
+  """Relative paths as one UTF-8 blob and offsets: ~(len(path) + 8) bytes per file."""
+
+  def __init__(self, paths: Sequence[str]):
+    encoded = [p.encode("utf-8") for p in paths]
+    self._offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum([len(e) for e in encoded], out=self._offsets[1:])
+    self._blob = b"".join(encoded)
+
+  def __len__(self) -> int:
+    return len(self._offsets) - 1
+
+  def __getitem__(self, row: int) -> str:
+    return self._blob[self._offsets[row]:self._offsets[row + 1]].decode("utf-8")
+
+
+def class_names(root: str) -> tuple[str, ...]:
+  """Sorted class folder names of `root`/train; FolderError when there are none."""
+  train = os.path.join(root, "train")
+  if not os.path.isdir(train):
+    raise FolderError(f"dataset.folder={root!r} has no train/ folder; lay it out as "
+                      "DIR/train/<class>/<image files> (and optionally DIR/val/, DIR/test/)")
+  names = tuple(sorted(e.name for e in os.scandir(train)
+                       if e.is_dir() and not e.name.startswith(".")))
+  if not names:
+    raise FolderError(f"{train} has no class folders; lay it out as train/<class>/<images>")
+  return names
+
+
+def _list_images(split_dir: str, classes: tuple[str, ...]) -> tuple[list[str], list[str]]:
+  """(sorted relative image paths, other files ignored) under split_dir's class folders."""
+  images, ignored = [], []
+  present = sorted(e.name for e in os.scandir(split_dir) if e.is_dir()
+                   and not e.name.startswith("."))
+  unknown = sorted(set(present) - set(classes))
+  if unknown:
+    raise FolderError(f"{split_dir} has class folders that train/ lacks: {unknown[:MAX_NAMED]}; "
+                      f"classes (from train/): {list(classes[:MAX_NAMED])}")
+  for name in present:
+    for parent, dirs, files in os.walk(os.path.join(split_dir, name)):
+      dirs[:] = [d for d in dirs if not d.startswith(".")]
+      for file in files:
+        relative = os.path.relpath(os.path.join(parent, file), split_dir)
+        if file.startswith("."):
+          continue
+        (images if file.lower().endswith(IMAGE_EXTENSIONS) else ignored).append(relative)
+  return sorted(images), sorted(ignored)
+
+
+def header_problem(path: str) -> str | None:
+  """Why PIL's lazy open (magic bytes, header) refuses `path`, or None if it opens."""
+  try:
+    with open(path, "rb") as f:
+      with preprocess.Image.open(f) as image:
+        image.size  # pylint: disable=pointless-statement  The header is parsed by open.
+    return None
+  except Exception as err:  # pylint: disable=broad-except  Any failure names the file.
+    return f"{type(err).__name__}: {str(err)[:120]}"
+
+
+def _check_headers(root: str, split: str, paths: list[str], limit: int) -> dict[str, str]:
+  """{relative path: problem} of the files whose header does not open, among all `paths`
+  (at most `limit` of them: else a seeded sample of `limit`; 0 = none checked)."""
+  if not limit:
+    return {}
+  chosen = paths if len(paths) <= limit else [
+      paths[i] for i in np.sort(np.random.default_rng(0).choice(len(paths), limit, False))]
+  split_dir = os.path.join(root, split)
+  found = {}
+  # Threads: opening files waits on the disk, and PIL releases the GIL while reading. In
+  # chunks: Executor.map submits all its items at once (a future each, ~1 KB).
+  with concurrent.futures.ThreadPoolExecutor(min(16, 4 * (os.cpu_count() or 1))) as pool:
+    for start in range(0, len(chosen), 4096):
+      chunk = chosen[start:start + 4096]
+      problems = pool.map(lambda p: header_problem(os.path.join(split_dir, p)), chunk)
+      found.update({p: problem for p, problem in zip(chunk, problems) if problem is not None})
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+  """One split's files after the start-up check: rows, labels, the files left out."""
+  root: str
+  split: str
+  paths: PathTable
+  labels: np.ndarray  # int32 [N]
+  bad: tuple[tuple[str, str], ...]  # (relative path, problem) of the files left out.
+  ignored: tuple[str, ...]  # Files without an image extension, never read.
+
+
+@functools.lru_cache(maxsize=16)
+def listing(root: str, split: str, check_files: int, skip_bad_files: bool) -> Listing:
+  """The files of `root`/`split` (cached per process: start-up checks and loading share it).
+
+  Raises:
+    FolderError: no such folder, class folders train/ lacks, no images, or (without
+      `skip_bad_files`) files whose header does not open, each named.
+  """
+  classes = class_names(root)
+  split_dir = os.path.join(root, split)
+  paths, ignored = _list_images(split_dir, classes)
+  if ignored:
+    logging.warning("%s: %d files without an image extension (%s) are not read, e.g. %s",
+                    split_dir, len(ignored), ", ".join(IMAGE_EXTENSIONS), ignored[:3])
+  if not paths:
+    raise FolderError(f"{split_dir} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+  bad = _check_headers(root, split, paths, check_files)
+  if bad and not skip_bad_files:
+    named = "; ".join(f"{os.path.join(split_dir, p)} ({why})" for p, why in
+                      list(bad.items())[:MAX_NAMED])
+    raise FolderError(f"{len(bad)} files of {split_dir} are not readable images: {named}. "
+                      "Remove or replace them, or pass --config.dataset.skip_bad_files=True "
+                      "to leave them out (they are then listed in the log and in "
+                      "workdir/bad_files.txt)")
+  if bad:
+    logging.warning("%s: leaving out %d unreadable files (dataset.skip_bad_files): %s",
+                    split_dir, len(bad), list(bad)[:MAX_NAMED])
+    paths = [p for p in paths if p not in bad]
+  index = {name: i for i, name in enumerate(classes)}
+  labels = np.asarray([index[p.split(os.sep, 1)[0]] for p in paths], np.int32)
+  return Listing(root, split, PathTable(paths), labels, tuple(sorted(bad.items())),
+                 tuple(ignored))
+
+
+def splits_present(root: str) -> tuple[str, ...]:
+  """The split folders of `root` that exist (train first)."""
+  return tuple(s for s in SPLIT_FOLDERS if os.path.isdir(os.path.join(root, s)))
+
+
+class FolderSource:
+  """Rows `rows` of a folder split's listing: encoded bytes read from the files."""
+  encoded = True
+
+  def __init__(self, files: Listing, rows: np.ndarray | None = None):
+    self._files = files
+    self._rows = np.arange(len(files.paths)) if rows is None else np.asarray(rows)
+    self.labels = files.labels[self._rows]
+    self.ids = self._rows.astype(np.int32)  # A row of the listing is the example's id.
+
+  def __len__(self) -> int:
+    return len(self._rows)
+
+  def take(self, rows: np.ndarray) -> "FolderSource":
+    return FolderSource(self._files, self._rows[rows])
+
+  def where(self, row: int) -> str:
+    """The file of `row`, for messages."""
+    return os.path.join(self._files.root, self._files.split,
+                        self._files.paths[int(self._rows[row])])
+
+  def read(self, rows: np.ndarray) -> list[bytes]:
+    """The encoded bytes of `rows`' files."""
+    out = []
+    for row in rows:
+      path = self.where(int(row))
+      try:
+        with open(path, "rb") as f:
+          out.append(f.read())
+      except OSError as err:
+        raise preprocess.BadImageError(f"{path}: cannot be read ({err})") from err
+    return out

@@ -1,0 +1,183 @@
+"""The host preprocessing stage's ops: decode, random-resized crop, flip, resize + centre crop.
+
+Each op is a function of an example's encoded bytes and, for training, of a NumPy generator
+seeded by (seed, epoch, example id) alone (`example_rng`): a resumed, re-sharded or
+re-ordered run draws the same crop and flip for the same example in the same epoch.
+
+  training    decode -> a crop box from `TRAIN_CROPS[train_crop]` (random_resized:
+              Szegedy et al. 2015's Inception crop as torchvision's RandomResizedCrop draws
+              it, area share in `scale`, aspect ratio log-uniform in `ratio`, ten tries,
+              then a centre crop) -> resize to size x size (bilinear) -> flip with p = 1/2
+  evaluation  decode -> resize the shorter side to size / eval_fraction and keep the centre
+              size x size (one resample of the central box, as flax's ImageNet example's
+              `_decode_and_center_crop`); used by evaluation and by scoring passes
+
+The output is a uint8 [size, size, channels] array; normalisation and mixup stay in the
+jitted step. Decoding goes by the bytes' content (PIL), not a file's name: greyscale, CMYK,
+palette and alpha images become `channels` channels (alpha dropped, as torchvision's
+`pil_loader` does). A JPEG whose crop is at least twice the output size is decoded at a
+reduced scale (PIL's `draft`, libjpeg's DCT scaling, as `tf.image.decode_and_crop_jpeg`
+saves decoding what it discards): a pure function of the bytes and the crop, like the rest.
+"""
+
+from collections.abc import Callable
+import dataclasses
+import io
+import math
+
+import numpy as np
+from PIL import Image
+
+RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
+
+
+class BadImageError(ValueError):
+  """An example's bytes are not an image PIL can decode; the message names the example."""
+
+
+def example_rng(seed: int, epoch: int, example_id: int) -> np.random.Generator:
+  """The generator of one example's random draws in one epoch: a function of its arguments
+  only (not of the batch, the step, the process or the worker that reads it)."""
+  return np.random.default_rng([seed, RNG_STREAM, epoch, int(example_id)])
+
+
+def open_image(data: bytes, where: str) -> Image.Image:
+  """PIL's lazy open (format from the content, header only); BadImageError naming `where`."""
+  try:
+    return Image.open(io.BytesIO(data))
+  except Exception as err:  # pylint: disable=broad-except  PIL raises several kinds.
+    raise BadImageError(f"{where}: not a readable image ({type(err).__name__}: "
+                        f"{str(err)[:200]})") from err
+
+
+def _converted(image: Image.Image, channels: int, where: str) -> Image.Image:
+  """`image` decoded into mode L (1 channel) or RGB (3); BadImageError naming `where`."""
+  mode = "L" if channels == 1 else "RGB"
+  try:
+    if image.mode in ("P", "PA", "LA", "RGBA") and mode == "RGB":
+      image = image.convert("RGBA")  # Palette transparency resolved before the alpha drop.
+    return image.convert(mode)
+  except Exception as err:  # pylint: disable=broad-except  Truncated data, bad codecs, ...
+    raise BadImageError(f"{where}: cannot be decoded ({type(err).__name__}: "
+                        f"{str(err)[:200]})") from err
+
+
+def decode(data: bytes, channels: int, where: str = "image") -> np.ndarray:
+  """The whole image as uint8 [H, W, channels], decoded by content."""
+  array = np.asarray(_converted(open_image(data, where), channels, where), np.uint8)
+  return array.reshape(array.shape[:2] + (channels,))
+
+
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in pixels.
+
+
+def random_resized_box(rng: np.random.Generator, width: int, height: int,
+                       scale: tuple[float, float], ratio: tuple[float, float]) -> Box:
+  """Szegedy et al. 2015's Inception crop, as torchvision's RandomResizedCrop.get_params:
+  up to ten draws of an area share s ~ U(scale) and an aspect ratio r (log-uniform in
+  `ratio`), w = round(sqrt(s A r)), h = round(sqrt(s A / r)), kept when it fits, at a
+  uniform offset; otherwise the largest centre crop whose ratio is clamped to `ratio`."""
+  area = width * height
+  log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+  for _ in range(10):
+    target = area * rng.uniform(scale[0], scale[1])
+    aspect = math.exp(rng.uniform(*log_ratio))
+    w = int(round(math.sqrt(target * aspect)))
+    h = int(round(math.sqrt(target / aspect)))
+    if 0 < w <= width and 0 < h <= height:
+      top = int(rng.integers(0, height - h + 1))
+      left = int(rng.integers(0, width - w + 1))
+      return (left, top, left + w, top + h)
+  in_ratio = width / height
+  if in_ratio < ratio[0]:
+    w, h = width, int(round(width / ratio[0]))
+  elif in_ratio > ratio[1]:
+    w, h = int(round(height * ratio[1])), height
+  else:
+    w, h = width, height
+  left, top = (width - w) // 2, (height - h) // 2
+  return (left, top, left + w, top + h)
+
+
+def center_box(width: int, height: int, size: int, eval_fraction: float) -> Box:
+  """The central box that, resized to size x size, equals resizing the shorter side to
+  size / eval_fraction and keeping the centre size x size."""
+  side = min(width, height) * eval_fraction
+  return ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+  """The host stage's settings (from config.dataset: `from_config`); call it on an example."""
+  size: int  # Output size S (S x S).
+  channels: int  # 1 (L) or 3 (RGB).
+  train_crop: str = "random_resized"  # A key of TRAIN_CROPS.
+  scale: tuple[float, float] = (0.08, 1.0)  # random_resized: area share range.
+  ratio: tuple[float, float] = (3 / 4, 4 / 3)  # random_resized: aspect-ratio range.
+  flip: bool = False  # Training: flip left-right with probability 1/2.
+  eval_fraction: float = 0.875  # Evaluation: centre crop S of a shorter side of S / this.
+  seed: int = 0  # The run's seed (crop and flip draws: example_rng).
+  jpeg_draft: bool = True  # Decode JPEGs at a reduced scale where the crop allows it.
+
+  def __call__(self, data: bytes, example_id: int, epoch: int | None,
+               where: str = "image") -> np.ndarray:
+    """uint8 [S, S, channels] of one example: the training transform of `epoch`, or the
+    evaluation transform when `epoch` is None."""
+    image = open_image(data, where)
+    width, height = image.size
+    if epoch is None:
+      box, flip = center_box(width, height, self.size, self.eval_fraction), False
+    else:
+      rng = example_rng(self.seed, epoch, example_id)
+      box = TRAIN_CROPS[self.train_crop](rng, width, height, self)
+      flip = self.flip and bool(rng.random() < 0.5)  # Drawn after the crop, always.
+    image, box = self._drafted(image, box)
+    image = _converted(image, self.channels, where)
+    try:
+      out = image.resize((self.size, self.size), Image.BILINEAR, box=box)
+    except Exception as err:  # pylint: disable=broad-except  Truncated data surfaces here.
+      raise BadImageError(f"{where}: cannot be decoded ({type(err).__name__}: "
+                          f"{str(err)[:200]})") from err
+    if flip:
+      out = out.transpose(Image.FLIP_LEFT_RIGHT)
+    array = np.asarray(out, np.uint8)
+    return array.reshape((self.size, self.size, self.channels))
+
+  def _drafted(self, image: Image.Image, box: Box) -> tuple[Image.Image, Box]:
+    """A JPEG set to decode at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the box at
+    least `size` pixels on each side, and the box in that scale's pixels."""
+    if not self.jpeg_draft or image.format != "JPEG":
+      return image, box
+    width, height = image.size
+    box_w, box_h = box[2] - box[0], box[3] - box[1]
+    want = (math.ceil(width * self.size / box_w), math.ceil(height * self.size / box_h))
+    if want[0] * 2 > width or want[1] * 2 > height:
+      return image, box  # No reduction is possible: decode in full.
+    image.draft("L" if self.channels == 1 else "RGB", want)
+    sx, sy = image.size[0] / width, image.size[1] / height
+    return image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+
+def _random_resized(rng: np.random.Generator, width: int, height: int, t: Transform) -> Box:
+  return random_resized_box(rng, width, height, t.scale, t.ratio)
+
+
+def _center(rng: np.random.Generator, width: int, height: int, t: Transform) -> Box:
+  del rng  # No random crop: the evaluation crop (flips still random).
+  return center_box(width, height, t.size, t.eval_fraction)
+
+
+# Training crops by name: (rng, width, height, transform) -> box. A new crop is one entry.
+TRAIN_CROPS: dict[str, Callable[[np.random.Generator, int, int, Transform], Box]] = {
+    "random_resized": _random_resized,
+    "center": _center,
+}
+
+
+def from_config(dataset, image_shape: tuple[int, int, int], seed: int) -> Transform:
+  """The Transform of `dataset` (config.dataset) producing `image_shape` (the registered
+  spec's), under the run's `seed`."""
+  return Transform(size=image_shape[0], channels=image_shape[2],
+                   train_crop=dataset.train_crop, scale=tuple(dataset.crop_scale),
+                   ratio=tuple(dataset.crop_ratio), flip=dataset.flip,
+                   eval_fraction=dataset.eval_crop_fraction, seed=seed)

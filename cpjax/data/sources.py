@@ -1,0 +1,259 @@
+"""Data sources: what the readers read rows from, and the registry of source kinds.
+
+A data source is a split's examples: `len`, `ids` (stable int32 example ids), `labels`
+(int32), `take(rows)` (a source of some of its rows) and `read(rows)`, which gives decoded
+pixels (uint8 [n, H, W, C]; `encoded` False) or the encoded bytes of each row (`encoded`
+True, decoded by the host stage, cpjax.data.preprocess). Three kinds stand behind it:
+
+  built-in     the in-memory splits of the datasets in cpjax.data.specs (splits.Split),
+               read whole through tfds by cpjax.data.input_pipeline, as always
+  folder       DIR/train/<class>/* (cpjax.data.folder_source)
+  tfds:NAME    any tfds image-classification dataset (cpjax.data.tfds_source)
+
+A source kind is one `SourceKind` entry in `KINDS`: `describe` reads a dataset config's facts
+(classes, split sizes, output image shape, channel statistics) into a specs.DatasetSpec,
+and `open` gives its splits as sources. `resolve` runs `describe` once at start-up (config
+validation) and registers the facts under the dataset's name; `open_splits` applies the
+run's carve-outs (validation, test, meta-validation, holdout, train_examples:
+cpjax.data.splits) to the opened splits.
+
+Channel statistics: `dataset.mean`/`dataset.std` when set, else computed once on a seeded
+sample of training images under the evaluation transform and cached beside the data (in
+the dataset folder, or ~/.cache/cpjax/stats where that folder is read-only).
+"""
+
+from collections.abc import Callable
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Protocol
+
+import ml_collections
+import numpy as np
+
+from cpjax.data import folder_source, preprocess, specs, splits, tfds_source
+
+STATS_SAMPLE = 512  # Training images whose pixels give the channel statistics.
+
+
+class DataSource(Protocol):
+  """The rows of one split (see the module docstring)."""
+  ids: np.ndarray
+  labels: np.ndarray
+  encoded: bool
+
+  def __len__(self) -> int: ...
+
+  def take(self, rows: np.ndarray) -> "DataSource": ...
+
+  def read(self, rows: np.ndarray) -> np.ndarray | list[bytes]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceKind:
+  """A kind of dataset source: its facts from a dataset config, and its splits."""
+  describe: Callable[[ml_collections.ConfigDict], specs.DatasetSpec]
+  # (dataset config, its spec) -> {"train", and "val" / "test" where the dataset has them}.
+  open: Callable[[ml_collections.ConfigDict, specs.DatasetSpec], dict[str, DataSource]]
+
+
+def _size_and_channels(dataset: ml_collections.ConfigDict, shape: tuple) -> tuple[int, int]:
+  """The host stage's output size and channels: the config's, else the dataset's own fixed
+  image shape; a ValueError naming dataset.image_size when neither gives one."""
+  size = dataset.image_size or (shape[0] if shape and shape[0] and shape[0] == shape[1] else 0)
+  if not size:
+    raise ValueError(f"dataset.name={dataset.name!r} has images of varying size: set "
+                     "--config.dataset.image_size=S (the S x S crops the model sees, e.g. 224)")
+  channels = dataset.channels or (shape[-1] if shape and shape[-1] else 3)
+  return size, channels
+
+
+def _statistics(dataset: ml_collections.ConfigDict, cache_dir: str, train: DataSource,
+                image_shape: tuple[int, int, int], key: str
+                ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """(mean, std) per channel: the config's, else cached or computed (`channel_stats`)."""
+  if dataset.mean and dataset.std:
+    return tuple(dataset.mean), tuple(dataset.std)
+  transform = preprocess.Transform(size=image_shape[0], channels=image_shape[2],
+                                   eval_fraction=dataset.eval_crop_fraction)
+  key = f"{key}|{len(train)}|{transform.size}|{transform.channels}|{transform.eval_fraction}"
+  name = "cpjax_stats-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".json"
+  for folder in (cache_dir, os.path.expanduser("~/.cache/cpjax/stats")):
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+      with open(path) as f:
+        saved = json.load(f)
+      return tuple(saved["mean"]), tuple(saved["std"])
+  mean, std = channel_stats(train, transform)
+  logging.info("Channel statistics of %s on %d training images: mean %s, std %s.",
+               dataset.name, min(STATS_SAMPLE, len(train)), mean, std)
+  for folder in (cache_dir, os.path.expanduser("~/.cache/cpjax/stats")):
+    try:
+      os.makedirs(folder, exist_ok=True)
+      with open(os.path.join(folder, name + ".tmp"), "w") as f:
+        json.dump({"key": key, "mean": mean, "std": std}, f)
+      os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+      break
+    except OSError:
+      continue
+  return mean, std
+
+
+def channel_stats(train: DataSource, transform: preprocess.Transform,
+                  sample: int = STATS_SAMPLE) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """Per-channel mean and standard deviation of pixels / 255 over a seeded sample of
+  `train`'s images under the evaluation transform (rounded to 4 decimals)."""
+  rows = np.sort(np.random.default_rng(0).permutation(len(train))[:sample])
+  where = getattr(train, "where", str)
+  images = np.stack([transform(data, 0, None, where=where(row))
+                     for row, data in zip(rows, train.read(rows))]).astype(np.float64) / 255
+  axes = tuple(range(images.ndim - 1))
+  return (tuple(round(float(v), 4) for v in images.mean(axes)),
+          tuple(round(max(float(v), 1e-3), 4) for v in images.std(axes)))
+
+
+def _folder_listing(dataset: ml_collections.ConfigDict, split: str) -> folder_source.Listing:
+  return folder_source.listing(os.path.abspath(dataset.folder), split, dataset.check_files,
+                               dataset.skip_bad_files)
+
+
+def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
+  if not dataset.folder:
+    raise ValueError("dataset.name='folder' needs --config.dataset.folder=DIR "
+                     "(DIR/train/<class>/<images>)")
+  root = os.path.abspath(dataset.folder)
+  classes = folder_source.class_names(root)
+  present = folder_source.splits_present(root)
+  train = _folder_listing(dataset, "train")
+  for split in present[1:]:  # Named at start-up like train's bad files.
+    _folder_listing(dataset, split)
+  size, channels = _size_and_channels(dataset, ())
+  image_shape = (size, size, channels)
+  mean, std = _statistics(dataset, root, folder_source.FolderSource(train), image_shape,
+                          key=root)
+  return specs.DatasetSpec("", image_shape, len(classes), len(train.paths), mean, std,
+                           local=True, test_split="test" if "test" in present else "",
+                           val_split="val" if "val" in present else "", host_stage=True,
+                           classes=classes)
+
+
+def _open_folder(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec
+                 ) -> dict[str, DataSource]:
+  names = ["train"] + [s for s in (spec.val_split, spec.test_split) if s]
+  opened = {name: folder_source.FolderSource(_folder_listing(dataset, name)) for name in names}
+  return {{"val": "val", "test": "test"}.get(name, name): source
+          for name, source in opened.items()}
+
+
+def _tfds_builder(dataset: ml_collections.ConfigDict):
+  return tfds_source.builder(dataset.name[len("tfds:"):], dataset.data_dir, dataset.download,
+                             dataset.manual_dir)
+
+
+def _describe_tfds(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
+  found = _tfds_builder(dataset)
+  info = found.info
+  image_key, label_key = tfds_source.image_and_label_keys(info)
+  roles = tfds_source.split_roles(info)
+  size, channels = _size_and_channels(dataset, tuple(info.features[image_key].shape))
+  train = tfds_source.TfdsSource(found, "train")
+  mean, std = _statistics(dataset, str(found.data_dir), train, (size, size, channels),
+                          key=f"{info.name}|{info.version}")
+  return specs.DatasetSpec(info.name, (size, size, channels),
+                           info.features[label_key].num_classes,
+                           info.splits["train"].num_examples, mean, std, local=False,
+                           test_split=roles["test"], val_split=roles["val"], host_stage=True,
+                           classes=tuple(info.features[label_key].names))
+
+
+def _open_tfds(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec
+               ) -> dict[str, DataSource]:
+  found = _tfds_builder(dataset)
+  out = {"train": tfds_source.TfdsSource(found, "train")}
+  if spec.val_split:
+    out["val"] = tfds_source.TfdsSource(found, spec.val_split)
+  if spec.test_split:
+    out["test"] = tfds_source.TfdsSource(found, spec.test_split)
+  return out
+
+
+# Source kinds by name ("folder") or name prefix ("tfds:"). A new kind is one entry here and
+# a module with its source class (docs/extending.md).
+KINDS: dict[str, SourceKind] = {
+    "folder": SourceKind(_describe_folder, _open_folder),
+    "tfds:": SourceKind(_describe_tfds, _open_tfds),
+}
+
+
+def kind_of(name: str) -> SourceKind | None:
+  """The source kind of dataset `name`; None for a built-in dataset."""
+  if name in KINDS:
+    return KINDS[name]
+  prefix = name.split(":", 1)[0] + ":" if ":" in name else None
+  return KINDS.get(prefix) if prefix else None
+
+
+def resolve(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
+  """The facts of `dataset` (config.dataset): a built-in's from specs, a source dataset's
+  read from its files and registered under its name (specs.register).
+
+  Raises:
+    ValueError, FileNotFoundError: the source cannot be read as configured (named).
+  """
+  kind = kind_of(dataset.name)
+  if kind is None:
+    return specs.DATASETS[dataset.name]
+  spec = kind.describe(dataset)
+  specs.register(dataset.name, spec)
+  return spec
+
+
+def open_splits(dataset: ml_collections.ConfigDict) -> dict[str, DataSource]:
+  """{"train", "val", "test"} sources of a resolved source dataset, and "meta_val" with a
+  meta_val_size: the run's carve-outs (cpjax.data.splits.split_ids) of its splits."""
+  spec = specs.DATASETS[dataset.name]
+  opened = kind_of(dataset.name).open(dataset, spec)
+  ids = splits.split_ids(dataset)
+  train = opened["train"]  # Its rows are its ids 0..N-1.
+  out = {"train": train.take(ids["train"]),
+         "val": opened["val"] if spec.val_split else train.take(ids["val"]),
+         "test": opened["test"] if spec.test_split else train.take(ids["test"])}
+  if len(ids["meta_val"]):
+    out["meta_val"] = train.take(ids["meta_val"])
+  return out
+
+
+def bad_files(dataset: ml_collections.ConfigDict) -> list[str]:
+  """The files a folder dataset left out (skip_bad_files), each with its problem."""
+  if dataset.name != "folder":
+    return []
+  root = os.path.abspath(dataset.folder)
+  return [f"{os.path.join(root, split, path)}\t{problem}"
+          for split in folder_source.splits_present(root)
+          for path, problem in _folder_listing(dataset, split).bad]
+
+
+def name_problem(name) -> str | None:
+  """config.dataset.name's check: a built-in dataset, "folder" or "tfds:NAME"."""
+  if name in specs.BUILTIN or specs.is_source_name(name):
+    return None
+  return (f"got {name!r}; valid choices: {', '.join(sorted(specs.BUILTIN))}, folder (with "
+          "dataset.folder=DIR) or tfds:NAME (any tfds image-classification dataset)")
+
+
+def floats_problem(value, length: int | None, low: float, high: float,
+                   increasing: bool = False) -> str | None:
+  """A check of a tuple of floats in [low, high] (`length` of them, any when None; empty
+  allowed only when `length` is None), optionally non-decreasing."""
+  if not isinstance(value, (tuple, list)) or not all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    return f"must be a tuple of numbers, got {value!r}"
+  if length is not None and len(value) != length:
+    return f"must hold {length} numbers, got {value!r}"
+  if any(not low <= v <= high for v in value):
+    return f"must hold numbers in [{low}, {high}], got {value!r}"
+  if increasing and list(value) != sorted(value):
+    return f"must be (low, high) with low <= high, got {value!r}"
+  return None
