@@ -87,6 +87,8 @@ def test_write_array_records_reads_back_the_config_splits(tmp_path):
     ("studies.selection", "--out"), ("studies.meta_calibration", "--out"),
     ("studies.long_schedule", "--summarise-only"), ("studies.posthoc", "--out"),
     ("studies.frontier", "--summarise-only"),
+    # Writes a folder dataset from the real Fashion-MNIST files (Debian's package).
+    ("scripts.fashion_mnist_to_folder", "--idx_dir"),
     # Timed in-process at a tiny size in tests/test_benchmarks.py; here its command line.
     ("benchmarks.xla_cpu_variants", "--batch-size")])
 def test_long_entry_points_start(module, flag):
