@@ -89,6 +89,8 @@ def test_write_array_records_reads_back_the_config_splits(tmp_path):
     ("studies.frontier", "--summarise-only"),
     # Writes a folder dataset from the real Fashion-MNIST files (Debian's package).
     ("scripts.fashion_mnist_to_folder", "--idx_dir"),
+    # Folder-dataset benchmarks (thousands of generated files): here their command lines.
+    ("benchmarks.folder_memory", "--sizes"), ("benchmarks.host_stage", "--images"),
     # Timed in-process at a tiny size in tests/test_benchmarks.py; here its command line.
     ("benchmarks.xla_cpu_variants", "--batch-size")])
 def test_long_entry_points_start(module, flag):
