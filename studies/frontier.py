@@ -313,7 +313,7 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str) -> N
   if full is not None:
     acc = 100 * np.asarray(full["accuracy"])
     ax.axhspan(acc.min(), acc.max(), color="grey", alpha=0.3,
-               label=f"full data ({len(acc)} seeds' range)")
+               label=f"full data (range over {len(acc)} seed{'s' if len(acc) > 1 else ''})")
     ax.axhspan(acc.mean() - 100 * MARGIN, 100, color="green", alpha=0.06,
                label=f"lossless region: >= full mean - {100 * MARGIN:.1f} points")
     ax.axvline(50, color="black", linestyle=":", linewidth=1, label="half of full's passes")
@@ -329,6 +329,10 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str) -> N
     ax.plot(x, [a.mean() for a in accuracies], style, color=colour, marker="o", label=policy)
     ax.fill_between(x, [a.min() for a in accuracies], [a.max() for a in accuracies],
                     color=colour, alpha=0.12)
+    for xi, a in zip(x, accuracies):  # A point short of its seeds is preliminary: say so.
+      if len(a) < len(SEARCH_SEEDS):
+        ax.annotate(f"{len(a)} seed", (xi, a.mean()), xytext=(4, -10),
+                    textcoords="offset points", fontsize=7, color=colour)
   if full is not None:
     low = 100 * min(np.min(results[n]["accuracy"]) for n in summary
                     if summary[n]["tier"] in ("A", "B"))
