@@ -19,15 +19,17 @@ palette and alpha images become `channels` channels (alpha dropped, as torchvisi
 reduced scale (PIL's `draft`, libjpeg's DCT scaling): a pure function of the bytes and the
 crop, like the rest.
 
-A training crop of an RGB or greyscale JPEG (integer box, three output channels, too small
-a crop for `draft`) is decoded by TensorFlow's `tf.io.decode_and_crop_jpeg`, which decodes
-only the crop window (as flax's ImageNet example does), then resized by PIL as above (PIL's
-antialiased bilinear is cheaper than TF's); both release the GIL, so the host stage's threads
-run in parallel. The crop box and flip are the same draws either way; the pixels differ from
-PIL's full decode only by the two libjpeg builds' rounding. CMYK/Adobe JPEGs (whose colours
-TF's decoder does not convert), PNGs and other formats, one-channel outputs, the evaluation
-transform (a fractional box, and PIL's `draft` covers its large crops) and any file TF
-rejects stay on PIL.
+With `tf_crop_decode` (off by default: slower than PIL's whole decode in a same-run
+measurement on a 2-core machine, benchmarks/RESULTS.md), a training crop of an RGB or
+greyscale JPEG (integer box, three output channels, too small a crop for `draft`) is decoded
+by TensorFlow's `DecodeAndCropJpeg` (`tf.io.decode_and_crop_jpeg`), which decodes only the
+crop window (as flax's ImageNet example does), then resized by PIL as above (PIL's
+antialiased bilinear is cheaper than TF's). The crop box and flip are the same draws either
+way; the pixels differ from PIL's path by about one level (the decoders' rounding, and PIL's
+box resize reading pixels just outside the box). CMYK/Adobe JPEGs (whose colours TF's
+decoder does not convert), PNGs and other formats, one-channel outputs, the evaluation
+transform (a fractional box; `draft` covers its large crops) and any file TF rejects stay on
+PIL.
 """
 
 from collections.abc import Callable
@@ -129,7 +131,9 @@ class Transform:
   eval_fraction: float = 0.875  # Evaluation: centre crop S of a shorter side of S / this.
   seed: int = 0  # The run's seed (crop and flip draws: example_rng).
   jpeg_draft: bool = True  # Decode JPEGs at a reduced scale where the crop allows it.
-  tf_crop_decode: bool = True  # Training crops of RGB/grey JPEGs: TF decodes the window only.
+  # Training crops of RGB/grey JPEGs: TF decodes the window only. Off by default: on a
+  # 2-core machine it was slower than PIL's whole decode (benchmarks/RESULTS.md).
+  tf_crop_decode: bool = False
 
   def __call__(self, data: bytes, example_id: int, epoch: int | None,
                where: str = "image") -> np.ndarray:
@@ -194,7 +198,10 @@ def _tf_crop(data: bytes, box: Box) -> np.ndarray | None:
   the bytes (PIL then decodes them, and names the file if it cannot either)."""
   left, top, right, bottom = (int(v) for v in box)
   try:
-    crop = tf.io.decode_and_crop_jpeg(data, [top, left, bottom - top, right - left], channels=3)
+    # The raw op (tf.io.decode_and_crop_jpeg's kernel) skips the wrapper's Python dispatch,
+    # which holds the GIL.
+    crop = tf.raw_ops.DecodeAndCropJpeg(contents=data, channels=3,
+                                        crop_window=[top, left, bottom - top, right - left])
   except (tf.errors.OpError, ValueError):  # Truncated or unusual files: PIL's turn.
     return None
   return crop.numpy()
