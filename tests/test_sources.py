@@ -130,6 +130,7 @@ def test_a_tf_decoded_training_crop_is_close_to_pil_on_the_whole_decode(tmp_path
     flips.add(bool(flip))
     box = (left, top, right, bottom)
     assert transform._tf_decodable(image, box)  # pylint: disable=protected-access
+    assert preprocess._tf_crop(data, box).shape == (bottom - top, right - left, 3)  # pylint: disable=protected-access
     crop = Image.fromarray(decoded[top:bottom, left:right])
     expected = np.asarray(crop.resize((128, 128), Image.BILINEAR)).astype(int)
     expected = expected[:, ::-1] if flip else expected
@@ -324,6 +325,17 @@ def test_damage_past_the_header_is_named_when_the_file_is_read(folder):
     reader.images(np.asarray([row]), epoch=0)
   with pytest.raises(preprocess.BadImageError, match="img1.jpg"):
     list(reader.batches(np.asarray([[row] * 8])))
+
+
+def test_a_truncated_jpeg_is_named_with_tf_crop_decoding_too(tmp_path):
+  """TF rejects the damaged scan, PIL then names the file: every crop, none silently kept."""
+  _save(np.random.default_rng(4).integers(0, 256, (200, 200, 3), np.uint8),
+        str(tmp_path / "half.jpg"), "JPEG")
+  data = _read(tmp_path / "half.jpg")
+  transform = preprocess.Transform(size=128, channels=3, tf_crop_decode=True)
+  for example_id in range(10):
+    with pytest.raises(preprocess.BadImageError, match="half.jpg"):
+      transform(data[:len(data) // 2], example_id, 0, where="half.jpg")
 
 
 def test_header_checks_and_path_table():

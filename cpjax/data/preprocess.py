@@ -39,7 +39,6 @@ import math
 
 import numpy as np
 from PIL import Image
-import tensorflow as tf
 
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
 
@@ -196,6 +195,9 @@ class Transform:
 def _tf_crop(data: bytes, box: Box) -> np.ndarray | None:
   """uint8 [h, w, 3]: the JPEG's integer `box` alone, decoded by TF; None where TF rejects
   the bytes (PIL then decodes them, and names the file if it cannot either)."""
+  # TensorFlow is imported on first use: `tf_crop_decode` is off by default, and importing
+  # TF costs every run about 2 s and its memory (tfds imports it lazily too).
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   left, top, right, bottom = (int(v) for v in box)
   try:
     # The raw op (tf.io.decode_and_crop_jpeg's kernel) skips the wrapper's Python dispatch,
