@@ -91,6 +91,54 @@ def test_grey_and_cmyk_jpegs_decode_close_to_their_generated_colours(tmp_path):
   np.testing.assert_allclose(out.reshape(-1, 3).mean(0), expected, atol=3)
 
 
+def test_training_crops_of_grey_and_cmyk_jpegs_keep_their_generated_colours(tmp_path):
+  """The training transform with `tf_crop_decode` (TF for RGB/grey JPEGs, PIL for CMYK) gives flat
+  colours back within JPEG's few levels, with three channels."""
+  _save(np.full((40, 30, 1), 90, np.uint8), str(tmp_path / "grey.jpg"), "JPEG", quality=95)
+  transform = preprocess.Transform(size=16, channels=3, flip=True, seed=1, tf_crop_decode=True)
+  for example_id in range(4):
+    out = transform(_read(tmp_path / "grey.jpg"), example_id, 0)
+    assert out.shape == (16, 16, 3) and np.abs(out.astype(int) - 90).max() <= 2
+  c, m, y, k = 40, 120, 200, 30
+  Image.new("CMYK", (40, 30), (c, m, y, k)).save(tmp_path / "cmyk.jpg", quality=95)
+  expected = [(255 - ink) * (255 - k) / 255 for ink in (c, m, y)]  # As the test above.
+  for example_id in range(4):
+    out = transform(_read(tmp_path / "cmyk.jpg"), example_id, 0).astype(float)
+    np.testing.assert_allclose(out.reshape(-1, 3).mean(0), expected, atol=3)
+
+
+def test_a_tf_decoded_training_crop_is_close_to_pil_on_the_whole_decode(tmp_path):
+  """A second implementation: PIL decodes the whole JPEG and crops the box re-drawn from
+  example_rng, then resizes it alone; the host stage decodes only the window (TF). Same box,
+  same flip, so the pixels agree within 1.5 levels on average (the two libjpeg builds'
+  rounding, about 1 level here), at most 6 anywhere."""
+  yy, xx = np.mgrid[0:150, 0:200]
+  smooth = np.stack([xx, yy + 50, (xx + yy) // 2], -1).astype(np.uint8)
+  _save(smooth, str(tmp_path / "smooth.jpg"), "JPEG", quality=95)
+  data = _read(tmp_path / "smooth.jpg")
+  # Output 128 > half of 200 x 150: no crop can take PIL's reduced-scale path, all take TF's.
+  transform = preprocess.Transform(size=128, channels=3, flip=True, seed=3,
+                                   tf_crop_decode=True)
+  image = Image.open(tmp_path / "smooth.jpg")
+  decoded = np.asarray(image.convert("RGB"))
+  flips = set()
+  for example_id in range(8):
+    rng = np.random.default_rng([3, preprocess.RNG_STREAM, 1, example_id])
+    left, top, right, bottom = preprocess.random_resized_box(rng, 200, 150, (0.08, 1.0),
+                                                             (3 / 4, 4 / 3))
+    flip = rng.random() < 0.5
+    flips.add(bool(flip))
+    box = (left, top, right, bottom)
+    assert transform._tf_decodable(image, box)  # pylint: disable=protected-access
+    assert preprocess._tf_crop(data, box).shape == (bottom - top, right - left, 3)  # pylint: disable=protected-access
+    crop = Image.fromarray(decoded[top:bottom, left:right])
+    expected = np.asarray(crop.resize((128, 128), Image.BILINEAR)).astype(int)
+    expected = expected[:, ::-1] if flip else expected
+    diff = np.abs(transform(data, example_id, 1).astype(int) - expected)
+    assert diff.mean() < 1.5 and diff.max() <= 6, (example_id, diff.mean(), diff.max())
+  assert flips == {True, False}  # Both orientations were checked.
+
+
 def test_a_drafted_jpeg_crop_is_close_to_the_full_decode(tmp_path):
   """Reduced-scale JPEG decoding (a 400-px crop to 32 px) changes pixels only slightly."""
   yy, xx = np.mgrid[0:512, 0:512]
@@ -277,6 +325,17 @@ def test_damage_past_the_header_is_named_when_the_file_is_read(folder):
     reader.images(np.asarray([row]), epoch=0)
   with pytest.raises(preprocess.BadImageError, match="img1.jpg"):
     list(reader.batches(np.asarray([[row] * 8])))
+
+
+def test_a_truncated_jpeg_is_named_with_tf_crop_decoding_too(tmp_path):
+  """TF rejects the damaged scan, PIL then names the file: every crop, none silently kept."""
+  _save(np.random.default_rng(4).integers(0, 256, (200, 200, 3), np.uint8),
+        str(tmp_path / "half.jpg"), "JPEG")
+  data = _read(tmp_path / "half.jpg")
+  transform = preprocess.Transform(size=128, channels=3, tf_crop_decode=True)
+  for example_id in range(10):
+    with pytest.raises(preprocess.BadImageError, match="half.jpg"):
+      transform(data[:len(data) // 2], example_id, 0, where="half.jpg")
 
 
 def test_header_checks_and_path_table():

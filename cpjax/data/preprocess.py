@@ -16,8 +16,20 @@ The output is a uint8 [size, size, channels] array; normalisation and mixup stay
 jitted step. Decoding goes by the bytes' content (PIL), not a file's name: greyscale, CMYK,
 palette and alpha images become `channels` channels (alpha dropped, as torchvision's
 `pil_loader` does). A JPEG whose crop is at least twice the output size is decoded at a
-reduced scale (PIL's `draft`, libjpeg's DCT scaling, as `tf.image.decode_and_crop_jpeg`
-saves decoding what it discards): a pure function of the bytes and the crop, like the rest.
+reduced scale (PIL's `draft`, libjpeg's DCT scaling): a pure function of the bytes and the
+crop, like the rest.
+
+With `tf_crop_decode` (off by default: slower than PIL's whole decode in a same-run
+measurement on a 2-core machine, benchmarks/RESULTS.md), a training crop of an RGB or
+greyscale JPEG (integer box, three output channels, too small a crop for `draft`) is decoded
+by TensorFlow's `DecodeAndCropJpeg` (`tf.io.decode_and_crop_jpeg`), which decodes only the
+crop window (as flax's ImageNet example does), then resized by PIL as above (PIL's
+antialiased bilinear is cheaper than TF's). The crop box and flip are the same draws either
+way; the pixels differ from PIL's path by about one level (the decoders' rounding, and PIL's
+box resize reading pixels just outside the box). CMYK/Adobe JPEGs (whose colours TF's
+decoder does not convert), PNGs and other formats, one-channel outputs, the evaluation
+transform (a fractional box; `draft` covers its large crops) and any file TF rejects stay on
+PIL.
 """
 
 from collections.abc import Callable
@@ -118,6 +130,9 @@ class Transform:
   eval_fraction: float = 0.875  # Evaluation: centre crop S of a shorter side of S / this.
   seed: int = 0  # The run's seed (crop and flip draws: example_rng).
   jpeg_draft: bool = True  # Decode JPEGs at a reduced scale where the crop allows it.
+  # Training crops of RGB/grey JPEGs: TF decodes the window only. Off by default: on a
+  # 2-core machine it was slower than PIL's whole decode (benchmarks/RESULTS.md).
+  tf_crop_decode: bool = False
 
   def __call__(self, data: bytes, example_id: int, epoch: int | None,
                where: str = "image") -> np.ndarray:
@@ -131,8 +146,12 @@ class Transform:
       rng = example_rng(self.seed, epoch, example_id)
       box = TRAIN_CROPS[self.train_crop](rng, width, height, self)
       flip = self.flip and bool(rng.random() < 0.5)  # Drawn after the crop, always.
-    image, box = self._drafted(image, box)
-    image = _converted(image, self.channels, where)
+      crop = _tf_crop(data, box) if self._tf_decodable(image, box) else None
+      if crop is not None:
+        image, box = Image.fromarray(crop), None  # The crop is the whole decoded image.
+    if box is not None:
+      image, box = self._drafted(image, box)
+      image = _converted(image, self.channels, where)
     try:
       out = image.resize((self.size, self.size), Image.BILINEAR, box=box)
     except Exception as err:  # pylint: disable=broad-except  Truncated data surfaces here.
@@ -143,19 +162,51 @@ class Transform:
     array = np.asarray(out, np.uint8)
     return array.reshape((self.size, self.size, self.channels))
 
-  def _drafted(self, image: Image.Image, box: Box) -> tuple[Image.Image, Box]:
-    """A JPEG set to decode at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the box at
-    least `size` pixels on each side, and the box in that scale's pixels."""
+  def _tf_decodable(self, image: Image.Image, box: Box) -> bool:
+    """Whether TF's crop decoder gives this crop: a JPEG PIL reads as RGB or L (not CMYK,
+    not an Adobe-transformed file), an integer box, three output channels, and a crop too
+    small for PIL's reduced-scale decoding (which is cheaper still where it applies)."""
+    return (self.tf_crop_decode and self.channels == 3 and image.format == "JPEG"
+            and image.mode in ("RGB", "L") and "adobe" not in image.info
+            and all(float(v).is_integer() for v in box) and self._draft_size(image, box) is None)
+
+  def _draft_size(self, image: Image.Image, box: Box) -> tuple[int, int] | None:
+    """The smallest decoded size that keeps `box` at least `size` pixels on each side, where
+    it is at most half the image (a JPEG DCT scale applies); None otherwise."""
     if not self.jpeg_draft or image.format != "JPEG":
-      return image, box
+      return None
     width, height = image.size
     box_w, box_h = box[2] - box[0], box[3] - box[1]
     want = (math.ceil(width * self.size / box_w), math.ceil(height * self.size / box_h))
-    if want[0] * 2 > width or want[1] * 2 > height:
+    return None if want[0] * 2 > width or want[1] * 2 > height else want
+
+  def _drafted(self, image: Image.Image, box: Box) -> tuple[Image.Image, Box]:
+    """A JPEG set to decode at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the box at
+    least `size` pixels on each side, and the box in that scale's pixels."""
+    want = self._draft_size(image, box)
+    if want is None:
       return image, box  # No reduction is possible: decode in full.
+    width, height = image.size
     image.draft("L" if self.channels == 1 else "RGB", want)
     sx, sy = image.size[0] / width, image.size[1] / height
     return image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+
+def _tf_crop(data: bytes, box: Box) -> np.ndarray | None:
+  """uint8 [h, w, 3]: the JPEG's integer `box` alone, decoded by TF; None where TF rejects
+  the bytes (PIL then decodes them, and names the file if it cannot either)."""
+  # TensorFlow is imported on first use: `tf_crop_decode` is off by default, and importing
+  # TF costs every run about 2 s and its memory (tfds imports it lazily too).
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  left, top, right, bottom = (int(v) for v in box)
+  try:
+    # The raw op (tf.io.decode_and_crop_jpeg's kernel) skips the wrapper's Python dispatch,
+    # which holds the GIL.
+    crop = tf.raw_ops.DecodeAndCropJpeg(contents=data, channels=3,
+                                        crop_window=[top, left, bottom - top, right - left])
+  except (tf.errors.OpError, ValueError):  # Truncated or unusual files: PIL's turn.
+    return None
+  return crop.numpy()
 
 
 def _random_resized(rng: np.random.Generator, width: int, height: int, t: Transform) -> Box:
