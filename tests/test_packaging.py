@@ -20,13 +20,13 @@ DISTRIBUTION_OF = {
     "flax": "flax", "grain": "grain", "jax": "jax", "matplotlib": "matplotlib",
     "ml_collections": "ml-collections", "numpy": "numpy", "optax": "optax",
     "orbax": "orbax-checkpoint", "PIL": "pillow", "scipy": "scipy", "sklearn": "scikit-learn",
-    "tensorflow_datasets": "tensorflow-datasets", "threadpoolctl": "threadpoolctl",
+    "tensorflow": "tensorflow-cpu", "tensorflow_datasets": "tensorflow-datasets",
+    "threadpoolctl": "threadpoolctl",
     "yaml": "pyyaml",
 }
 # Declared but not imported by cpjax, each with the reason it must be installed.
 NOT_IMPORTED = {
     "importlib-resources": "tensorflow-datasets imports it for its built-in builders",
-    "tensorflow-cpu": "clu's TensorBoard writer and tfds's CIFAR/SVHN builders import tensorflow",
     "tensorboard": "the `tensorboard` command that reads a run's event files",
 }
 
