@@ -55,6 +55,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+# Readers of a source dataset: auto and stream read its converted records when
+# dataset.stream_dir is set, else (auto, host) the source itself.
+SOURCE_READERS = ("auto", "host", "stream")
+
+
 def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   """A source dataset (folder, tfds:NAME): its facts read and registered (data_sources
   .resolve: a missing folder, an unprepared tfds dataset or unreadable files are named
@@ -63,15 +68,19 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
     return [f"config.dataset.folder={dataset.folder!r} is read only with "
             "dataset.name='folder'"] if dataset.folder else []
   problems = []
-  if dataset.reader not in ("auto", "host"):
+  if dataset.reader not in SOURCE_READERS:
     problems.append(f"config.dataset.reader={dataset.reader!r}: a {dataset.name} dataset is "
-                    "read by the host stage (decode and crop on the host); valid: auto, host")
-  if dataset.stream_dir:
-    problems.append(f"config.dataset.stream_dir={dataset.stream_dir!r} is not read for "
-                    f"dataset.name={dataset.name!r}; set it to ''")
-  if dataset.label_noise:
-    problems.append(f"config.dataset.label_noise={dataset.label_noise} is supported for the "
-                    f"built-in datasets only, not {dataset.name!r}; set it to 0")
+                    "read by the host stage (decode and crop on the host); valid: "
+                    f"{', '.join(SOURCE_READERS)} (stream: its converted records in "
+                    "dataset.stream_dir)")
+  elif dataset.reader == "stream" and not dataset.stream_dir:
+    problems.append(f"config.dataset.reader='stream' reads a {dataset.name} dataset's "
+                    "converted records: set config.dataset.stream_dir=DIR (written by python "
+                    "-m scripts.write_array_records), or reader='auto' to read the source")
+  elif dataset.reader == "host" and dataset.stream_dir:
+    problems.append(f"config.dataset.stream_dir={dataset.stream_dir!r} is not read with "
+                    "dataset.reader='host' (the source itself); set reader='stream' or "
+                    "'auto' to read the records, or stream_dir=''")
   if (dataset.mean == ()) != (dataset.std == ()) or len(dataset.mean) != len(dataset.std):
     problems.append(f"config.dataset.mean={dataset.mean} and std={dataset.std}: set both (one "
                     "number per channel) or neither (computed on a sample)")

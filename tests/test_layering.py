@@ -51,6 +51,7 @@ RANKS = {
     "data.input_pipeline": 1,
     "data.preprocess": 1,
     "data.readers": 1,
+    "data.record_source": 1,
     "data.sources": 1,
     "data.specs": 1,
     "data.splits": 1,

@@ -3,8 +3,11 @@
 A split `name` in `directory` is
 
   name.array_record-00000-of-0000S ...  one record per row, in row order: the row's
-                                         uint8 image, raw (H * W * C bytes, no codec)
-  name.index.npz                         labels [N] int32, ids [N] int32, image_shape,
+                                         uint8 image, raw (H * W * C bytes, no codec),
+                                         or (`encoded`) its encoded file bytes as they
+                                         were (JPEG, PNG, ...: cpjax.data.record_source)
+  name.index.npz                         labels [N] int32, ids [N] int32, image_shape
+                                         (() when encoded), encoded,
                                          the dataset config fields that decide the
                                          split's ids (so a mismatched directory is refused),
                                          each shard's size in bytes and each record's
@@ -44,15 +47,17 @@ def _shard_paths(directory: str, name: str, num_shards: int) -> list[str]:
           for i in range(num_shards)]
 
 
-def write_split(examples: Iterable[tuple[int, int, np.ndarray]], num_examples: int,
+def write_split(examples: Iterable[tuple[int, int, np.ndarray | bytes]], num_examples: int,
                 directory: str, name: str, split_key: Mapping[str, object],
-                num_shards: int = 1) -> list[str]:
+                num_shards: int = 1, encoded: bool = False) -> list[str]:
   """Writes `num_examples` (id, label, uint8 image) in order as split `name`; returns the
   shard paths. Shard i holds rows [i N // S, (i + 1) N // S): none is empty when N >= S.
+  With `encoded`, each example's third item is its encoded image bytes, stored as they are.
 
   Raises:
     ValueError: no examples, more shards than examples, an image that is not uint8 or not
-      of the first image's shape, or fewer or more examples than `num_examples`.
+      of the first image's shape (encoded: not bytes), or fewer or more examples than
+      `num_examples`.
   """
   if not 0 < num_shards <= num_examples:
     raise ValueError(f"split {name}: {num_examples} examples in {num_shards} shards; need "
@@ -73,13 +78,7 @@ def write_split(examples: Iterable[tuple[int, int, np.ndarray]], num_examples: i
         # One record per group, no codec: a row is read alone and costs no decompression.
         writer = array_record_module.ArrayRecordWriter(paths[shard_of_start[row]],
                                                        "group_size:1,uncompressed")
-      image = np.asarray(image)
-      if image.dtype != np.uint8:
-        raise ValueError(f"row {row} of {name}: image dtype {image.dtype}, must be uint8")
-      image_shape = image.shape if image_shape is None else image_shape
-      if image.shape != image_shape:
-        raise ValueError(f"row {row} of {name} has image shape {image.shape}, not {image_shape}")
-      record = np.ascontiguousarray(image).tobytes()
+      record, image_shape = _record(image, encoded, image_shape, row, name)
       writer.write(record)
       labels[row], ids[row], crc32[row] = label, example_id, zlib.crc32(record)
       written = row + 1
@@ -91,9 +90,27 @@ def write_split(examples: Iterable[tuple[int, int, np.ndarray]], num_examples: i
   # The index last: a directory whose index exists was written whole.
   np.savez(os.path.join(directory, f"{name}.index.npz"), labels=labels, ids=ids,
            image_shape=np.asarray(image_shape, np.int64), num_shards=num_shards, crc32=crc32,
+           encoded=encoded,
            shard_bytes=np.asarray([os.path.getsize(p) for p in paths], np.int64),
            **{f"split_{k}": np.asarray(v) for k, v in split_key.items()})
   return paths
+
+
+def _record(image: np.ndarray | bytes, encoded: bool, image_shape: tuple | None, row: int,
+            name: str) -> tuple[bytes, tuple]:
+  """(the record of one example, the split's image shape: () when encoded)."""
+  if encoded:
+    if not isinstance(image, (bytes, bytearray)):
+      raise ValueError(f"row {row} of {name}: an encoded split takes bytes, got "
+                       f"{type(image).__name__}")
+    return bytes(image), ()
+  image = np.asarray(image)
+  if image.dtype != np.uint8:
+    raise ValueError(f"row {row} of {name}: image dtype {image.dtype}, must be uint8")
+  image_shape = image.shape if image_shape is None else image_shape
+  if image.shape != image_shape:
+    raise ValueError(f"row {row} of {name} has image shape {image.shape}, not {image_shape}")
+  return np.ascontiguousarray(image).tobytes(), image_shape
 
 
 def split_key(dataset: ml_collections.ConfigDict) -> dict[str, object]:
@@ -109,14 +126,15 @@ def write_splits(split_by_name: Mapping[str, splits.Split], directory: str,
                 max(1, min(num_shards, len(split))))
 
 
-def read_index(directory: str, name: str, dataset: ml_collections.ConfigDict | None = None
-               ) -> tuple[splits.Split, tuple[int, ...], list[str]]:
+def read_index(directory: str, name: str, dataset: ml_collections.ConfigDict | None = None,
+               encoded: bool = False) -> tuple[splits.Split, tuple[int, ...], list[str]]:
   """(the split without images, image shape, shard paths) of split `name`; with `dataset`,
   raises unless the files hold exactly that config's ids of the split.
 
   Raises:
     FileNotFoundError: no such split in `directory`, or a shard file is missing.
-    ValueError: the files were written for other split ids than `dataset`'s.
+    ValueError: the files were written for other split ids than `dataset`'s, or hold
+      encoded images where `encoded` is False (or raw ones where it is True).
   """
   path = os.path.join(directory, f"{name}.index.npz")
   if not os.path.exists(path):
@@ -124,6 +142,13 @@ def read_index(directory: str, name: str, dataset: ml_collections.ConfigDict | N
         f"no array_record split {name!r} in {directory!r} ({path} is missing); write it with "
         "python -m scripts.write_array_records --config=... --out=DIR")
   index = np.load(path)
+  written_encoded = bool(index["encoded"]) if "encoded" in index.files else False
+  if written_encoded != encoded:
+    raise ValueError(
+        f"{directory} holds {'encoded' if written_encoded else 'raw'} images (written for "
+        f"dataset.name={index['split_name'].item() if 'split_name' in index.files else '?'!r}"
+        f"), this run reads {'encoded' if encoded else 'raw'} ones: encoded records are "
+        "written for folder and tfds:NAME datasets, raw ones for the built-in datasets")
   split = splits.Split(None, index["labels"], index["ids"])
   if dataset is not None:
     _check_written_for(index, split, name, directory, dataset)
@@ -174,16 +199,18 @@ class RecordImages:
   """Random access to a split's images by row: grain's ArrayRecordDataSource over its shards.
 
   With `crc32` (each row's CRC-32, from the index), every record read is checked against it.
+  With `encoded`, records are encoded images of any length (`read_records`); otherwise each
+  is one raw image of `image_shape` (`read`).
   """
 
   def __init__(self, paths: list[str], image_shape: tuple[int, ...], num_rows: int,
-               crc32: np.ndarray | None = None):
+               crc32: np.ndarray | None = None, encoded: bool = False):
     self._source = _open_source(paths)
     if len(self._source) != num_rows:  # E.g. an old index beside rewritten shards.
       raise ValueError(f"{len(self._source)} records in {paths[0]} ..., the index names "
                        f"{num_rows} rows: rewrite the split")
     self._paths, self._crc32 = paths, crc32
-    self._record_bytes = int(np.prod(image_shape))
+    self._record_bytes = None if encoded else int(np.prod(image_shape))
     self.image_shape = image_shape
     self.rows_read = 0  # Rows this process has read (grain's threads add to it).
     self._lock = threading.Lock()
@@ -193,6 +220,11 @@ class RecordImages:
 
   def read(self, rows: np.ndarray) -> np.ndarray:
     """uint8 images [len(rows), *image_shape] of `rows`, read from the files."""
+    records = self.read_records(rows)
+    return np.frombuffer(b"".join(records), np.uint8).reshape((len(rows),) + self.image_shape)
+
+  def read_records(self, rows: np.ndarray) -> list[bytes]:
+    """The records of `rows` as written, each checked (DamagedRecordError naming it)."""
     with self._lock:
       self.rows_read += len(rows)
     try:
@@ -202,7 +234,7 @@ class RecordImages:
                           f"{str(err)[:200]})") from err
     for row, record in zip(rows, records):
       self._check(int(row), record)
-    return np.frombuffer(b"".join(records), np.uint8).reshape((len(rows),) + self.image_shape)
+    return records
 
   def location(self, row: int) -> tuple[str, int]:
     """(shard path, record index in it) of `row` (shard i holds rows [i N // S, (i+1) N // S))."""
@@ -226,7 +258,7 @@ class RecordImages:
     return int(rows[0])
 
   def _check(self, row: int, record: bytes) -> None:
-    if len(record) != self._record_bytes:
+    if self._record_bytes is not None and len(record) != self._record_bytes:
       raise self._damaged(row, f"{len(record)} bytes, not {self._record_bytes}")
     if self._crc32 is not None and zlib.crc32(record) != int(self._crc32[row]):
       raise self._damaged(row, "damaged (its CRC-32 differs from the one written)")
@@ -255,8 +287,16 @@ def _index_field(directory: str, name: str, field: str) -> np.ndarray | None:
   return index[field] if field in index.files else None
 
 
+def open_records(directory: str, name: str, dataset: ml_collections.ConfigDict | None = None,
+                 encoded: bool = False) -> tuple[splits.Split, RecordImages]:
+  """(the split without images, its records) of split `name`, as `read_index` checks it."""
+  split, image_shape, paths = read_index(directory, name, dataset, encoded)
+  return split, RecordImages(paths, image_shape, len(split),
+                             _index_field(directory, name, "crc32"), encoded)
+
+
 def check_files(directory: str, name: str, dataset: ml_collections.ConfigDict | None = None,
-                sample: int = 16) -> None:
+                sample: int = 16, encoded: bool = False) -> None:
   """Start-up check of split `name`: its index (as `read_index`), each shard's size against
   the size written, and the first, the last and `sample` random records (a fixed seed)
   against their CRC-32. Reads a few records, not the split.
@@ -265,12 +305,12 @@ def check_files(directory: str, name: str, dataset: ml_collections.ConfigDict | 
     FileNotFoundError, ValueError: as `read_index`.
     DamagedRecordError: a shard of another size than written, or a sampled record damaged.
   """
-  split, image_shape, paths = read_index(directory, name, dataset)
+  split, _, paths = read_index(directory, name, dataset, encoded)
   sizes = _index_field(directory, name, "shard_bytes")
   for path, size in zip(paths, sizes if sizes is not None else []):
     if os.path.getsize(path) != int(size):
       raise DamagedRecordError(f"{path} is {os.path.getsize(path)} bytes, {int(size)} were "
                                f"written: the file is truncated or damaged; {_REWRITE}")
-  images = RecordImages(paths, image_shape, len(split), _index_field(directory, name, "crc32"))
+  _, images = open_records(directory, name, dataset, encoded)
   rows = np.random.default_rng(0).integers(0, len(split), min(sample, len(split)))
-  images.read(np.unique(np.concatenate([[0, len(split) - 1], rows])))
+  images.read_records(np.unique(np.concatenate([[0, len(split) - 1], rows])))

@@ -208,9 +208,11 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
                                                  dataset.prefetch_depth)
                for name, source in sources.open_splits(dataset).items()}
     _log_reader("preprocess", dataset, sum(len(r) for r in by_name.values()) * 8)
-    logging.info("Dataset %s: %s; images decoded to %s on the host by %d threads.",
-                 dataset.name, {k: len(v) for k, v in by_name.items()}, spec.image_shape,
-                 by_name["train"].num_workers)
+    logging.info("Dataset %s: %s, read from %s; images decoded to %s on the host by %d "
+                 "threads.", dataset.name, {k: len(v) for k, v in by_name.items()},
+                 (f"its encoded records in {dataset.stream_dir}"
+                  if sources.reads_records(dataset) else "the source"),
+                 spec.image_shape, by_name["train"].num_workers)
     return {name: r.split for name, r in by_name.items()}, by_name
   if readers.streams(dataset):
     names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])

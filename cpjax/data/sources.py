@@ -9,6 +9,9 @@ True, decoded by the host stage, cpjax.data.preprocess). Three kinds stand behin
                read whole through tfds by cpjax.data.input_pipeline, as always
   folder       DIR/train/<class>/* (cpjax.data.folder_source)
   tfds:NAME    any tfds image-classification dataset (cpjax.data.tfds_source)
+  records      a folder or tfds:NAME dataset converted to array_record files of its
+               encoded images (`write_records`; cpjax.data.record_source), read in its
+               place when `dataset.stream_dir` is set (`reads_records`)
 
 A source kind is one `SourceKind` entry in `KINDS`: `describe` reads a dataset config's facts
 (classes, split sizes, output image shape, channel statistics) into a specs.DatasetSpec,
@@ -33,7 +36,7 @@ from typing import Protocol
 import ml_collections
 import numpy as np
 
-from cpjax.data import folder_source, preprocess, specs, splits, tfds_source
+from cpjax.data import folder_source, preprocess, record_source, specs, splits, tfds_source
 
 STATS_SAMPLE = 512  # Training images whose pixels give the channel statistics.
 
@@ -49,6 +52,27 @@ class DataSource(Protocol):
   def take(self, rows: np.ndarray) -> "DataSource": ...
 
   def read(self, rows: np.ndarray) -> np.ndarray | list[bytes]: ...
+
+
+class Relabelled:
+  """`source` with other labels (by example id, `labels_by_id` [N]): label noise."""
+
+  def __init__(self, source: DataSource, labels_by_id: np.ndarray):
+    self.source, self._by_id = source, labels_by_id
+    self.ids, self.encoded = source.ids, source.encoded
+    self.labels = labels_by_id[source.ids]
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def take(self, rows: np.ndarray) -> "Relabelled":
+    return Relabelled(self.source.take(rows), self._by_id)
+
+  def where(self, row: int) -> str:
+    return getattr(self.source, "where", str)(row)
+
+  def read(self, rows: np.ndarray) -> np.ndarray | list[bytes]:
+    return self.source.read(rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +203,94 @@ def _open_tfds(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec
   return out
 
 
+def _stats_key(dataset: ml_collections.ConfigDict) -> str:
+  """What the channel statistics' cache is keyed by: the folder, or the tfds name and
+  version (the records keep their source's, so the two share a cache entry)."""
+  if dataset.name == "folder":
+    return os.path.abspath(dataset.folder)
+  info = _tfds_builder(dataset).info
+  return f"{info.name}|{info.version}"
+
+
+def _source_shape(dataset: ml_collections.ConfigDict) -> tuple:
+  """The source's own image shape, where it has one (a tfds feature's); () otherwise."""
+  if dataset.name == "folder":
+    return ()
+  info = _tfds_builder(dataset).info
+  return tuple(info.features[tfds_source.image_and_label_keys(info)[0]].shape)
+
+
+def _describe_records(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
+  directory = os.path.abspath(dataset.stream_dir)
+  facts = record_source.read_manifest(directory, dataset.name)
+  record_source.check(directory, facts)
+  if dataset.name == "folder" and dataset.folder and (
+      os.path.abspath(dataset.folder) != facts["source"]):
+    logging.warning("dataset.folder=%s is not read: the run reads %s, converted from %s.",
+                    dataset.folder, directory, facts["source"])
+  size, channels = _size_and_channels(dataset, tuple(facts["shape"]))
+  train = record_source.RecordSource(directory, "train")
+  mean, std = _statistics(dataset, directory, train, (size, size, channels),
+                          key=facts["stats_key"])
+  roles = facts["splits"]
+  return specs.DatasetSpec(facts["tfds_name"], (size, size, channels), len(facts["classes"]),
+                           len(train), mean, std, local=dataset.name == "folder",
+                           test_split="test" if "test" in roles else "",
+                           val_split="val" if "val" in roles else "", host_stage=True,
+                           classes=tuple(facts["classes"]))
+
+
+def _open_records(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec
+                  ) -> dict[str, DataSource]:
+  directory = os.path.abspath(dataset.stream_dir)
+  names = ["train"] + [s for s in (spec.val_split, spec.test_split) if s]
+  return {name: record_source.RecordSource(directory, name) for name in names}
+
+
 # Source kinds by name ("folder") or name prefix ("tfds:"). A new kind is one entry here and
 # a module with its source class (docs/extending.md).
 KINDS: dict[str, SourceKind] = {
     "folder": SourceKind(_describe_folder, _open_folder),
     "tfds:": SourceKind(_describe_tfds, _open_tfds),
 }
+# A folder or tfds:NAME dataset's converted records, read in the source's place.
+RECORDS = SourceKind(_describe_records, _open_records)
+
+
+def reads_records(dataset: ml_collections.ConfigDict) -> bool:
+  """Whether a source dataset's run reads its converted records (dataset.stream_dir set,
+  dataset.reader auto or stream) rather than the source itself."""
+  return (specs.is_source_name(dataset.name) and bool(dataset.stream_dir)
+          and dataset.reader in ("auto", "stream"))
+
+
+def _kind(dataset: ml_collections.ConfigDict) -> SourceKind | None:
+  return RECORDS if reads_records(dataset) else kind_of(dataset.name)
+
+
+def write_records(dataset: ml_collections.ConfigDict, directory: str, num_shards: int = 4
+                  ) -> dict[str, int]:
+  """Converts source dataset `dataset` (folder, tfds:NAME; read as configured) into encoded
+  records in `directory` (cpjax.data.record_source); returns {split: rows written}."""
+  kind = kind_of(dataset.name)
+  if kind is None:
+    raise ValueError(f"dataset.name={dataset.name!r} is a built-in dataset: its records hold "
+                     "raw pixels (array_records.write_splits); encoded records are written "
+                     "for folder and tfds:NAME datasets")
+  spec = kind.describe(dataset)
+  opened = kind.open(dataset, spec)
+  written = {}
+  for split, source in opened.items():
+    record_source.write_split(source, directory, split, dataset.name, num_shards)
+    written[split] = len(source)
+  source = (os.path.abspath(dataset.folder) if dataset.name == "folder"
+            else f"tfds {spec.tfds_name} in {_tfds_builder(dataset).data_dir}")
+  record_source.write_manifest(directory, {
+      "name": dataset.name, "source": source, "tfds_name": spec.tfds_name,
+      "classes": list(spec.classes), "splits": list(opened), "shape": list(
+          _source_shape(dataset)), "stats_key": _stats_key(dataset),
+      "bad_files": bad_files(dataset)})
+  return written
 
 
 def kind_of(name: str) -> SourceKind | None:
@@ -202,7 +308,7 @@ def resolve(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   Raises:
     ValueError, FileNotFoundError: the source cannot be read as configured (named).
   """
-  kind = kind_of(dataset.name)
+  kind = _kind(dataset)
   if kind is None:
     return specs.DATASETS[dataset.name]
   spec = kind.describe(dataset)
@@ -214,9 +320,13 @@ def open_splits(dataset: ml_collections.ConfigDict) -> dict[str, DataSource]:
   """{"train", "val", "test"} sources of a resolved source dataset, and "meta_val" with a
   meta_val_size: the run's carve-outs (cpjax.data.splits.split_ids) of its splits."""
   spec = specs.DATASETS[dataset.name]
-  opened = kind_of(dataset.name).open(dataset, spec)
+  opened = _kind(dataset).open(dataset, spec)
   ids = splits.split_ids(dataset)
   train = opened["train"]  # Its rows are its ids 0..N-1.
+  if dataset.label_noise:  # Generated noise on real images, drawn as for in-memory splits.
+    train = Relabelled(train, splits.noisy_labels(
+        train.labels, ids["pool"], dataset.label_noise, dataset.label_noise_seed,
+        spec.num_classes))
   out = {"train": train.take(ids["train"]),
          "val": opened["val"] if spec.val_split else train.take(ids["val"]),
          "test": opened["test"] if spec.test_split else train.take(ids["test"])}
@@ -226,7 +336,11 @@ def open_splits(dataset: ml_collections.ConfigDict) -> dict[str, DataSource]:
 
 
 def bad_files(dataset: ml_collections.ConfigDict) -> list[str]:
-  """The files a folder dataset left out (skip_bad_files), each with its problem."""
+  """The files a folder dataset left out (skip_bad_files), each with its problem (those its
+  converted records' source left out, when it reads records)."""
+  if reads_records(dataset):
+    return record_source.read_manifest(os.path.abspath(dataset.stream_dir),
+                                       dataset.name)["bad_files"]
   if dataset.name != "folder":
     return []
   root = os.path.abspath(dataset.folder)
