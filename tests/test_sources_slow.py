@@ -1,8 +1,9 @@
 """The host stage in whole runs and across processes (slow: each starts JAX processes).
 
 A folder run killed with SIGKILL inside an epoch and rerun ends bit-identical to the run
-left alone; two processes on 127.0.0.1 decode disjoint halves of each global batch, whose
-pixels are those one process decodes. Generated images throughout.
+left alone, and so does a run over the folder's converted records (to the folder's run);
+two processes on 127.0.0.1 decode disjoint halves of each global batch, whose pixels are
+those one process decodes, from the folder or from its records. Generated images throughout.
 """
 
 import os
@@ -39,19 +40,7 @@ def make_folder(root: str, per_class: int = 40, seed: int = 0) -> str:
   return root
 
 
-@pytest.mark.slow
-def test_a_folder_run_killed_mid_epoch_resumes_bit_for_bit(tmp_path):
-  folder = make_folder(str(tmp_path / "images"))
-  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}")
-  straight = str(tmp_path / "straight")
-  result = helpers.run_main(straight, *flags)
-  assert result.returncode == 0, result.stderr[-3000:]
-  steps_per_epoch = -(-(120 - 12) // 64)
-  killed = str(tmp_path / "killed")
-  helpers.sigkill_once_saved(killed, flags, steps_per_epoch, helpers.subprocess_env())
-  resumed = helpers.run_main(killed, *flags)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert "Resumed from" in resumed.stderr
+def _assert_same_run(straight: str, killed: str) -> None:
   assert (helpers.without_timing(helpers.read_metrics(killed))
           == helpers.without_timing(helpers.read_metrics(straight)))
   final = helpers.checkpoint_steps(straight)[-1]
@@ -61,12 +50,38 @@ def test_a_folder_run_killed_mid_epoch_resumes_bit_for_bit(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("read", ["folder", "records"])
+def test_a_folder_run_killed_mid_epoch_resumes_bit_for_bit(read, tmp_path):
+  """The folder run left alone against a run killed inside its second epoch and resumed,
+  reading the folder itself or its converted records (the folder then moved away)."""
+  folder = make_folder(str(tmp_path / "images"))
+  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}")
+  straight = str(tmp_path / "straight")
+  result = helpers.run_main(straight, *flags)
+  assert result.returncode == 0, result.stderr[-3000:]
+  if read == "records":
+    dataset = default.get_config().dataset
+    dataset.update({"name": "folder", "folder": folder, "image_size": 8})
+    sources.write_records(dataset, str(tmp_path / "records"), num_shards=3)
+    os.rename(folder, folder + "_moved")
+    flags = (*FOLDER_FLAGS, f"--config.dataset.stream_dir={tmp_path / 'records'}")
+  steps_per_epoch = -(-(120 - 12) // 64)
+  killed = str(tmp_path / "killed")
+  helpers.sigkill_once_saved(killed, flags, steps_per_epoch, helpers.subprocess_env())
+  resumed = helpers.run_main(killed, *flags)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resumed from" in resumed.stderr
+  assert read != "records" or "its encoded records in" in resumed.stderr
+  _assert_same_run(straight, killed)
+
+
 _WORKER = r"""
 import json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
-pid, folder = int(sys.argv[1]), sys.argv[2]
+pid, folder, stream_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.distributed.initialize(os.environ["COORDINATOR"], 2, pid)
 import numpy as np
 from configs import default
@@ -75,11 +90,13 @@ from cpjax.runtime import sharding
 
 dataset = default.get_config().dataset
 dataset.update({"name": "folder", "folder": folder, "image_size": 8, "val_size": 12,
-                "flip": True, "mean": (0.5,) * 3, "std": (0.25,) * 3})
+                "flip": True, "mean": (0.5,) * 3, "std": (0.25,) * 3,
+                "stream_dir": stream_dir})
 spec = sources.resolve(dataset)
 reader = host_stage.PreprocessReader(sources.open_splits(dataset)["train"],
                                      preprocess.from_config(dataset, spec.image_shape, 0),
                                      sharding.create_mesh(), num_workers=2)
+assert type(reader.source).__name__ == ("RecordSource" if stream_dir else "FolderSource")
 blocks = np.load(os.environ["BLOCKS"])
 ids, images = [], []
 for batch in reader.batches(blocks, epoch=1):
@@ -87,16 +104,25 @@ for batch in reader.batches(blocks, epoch=1):
   ids += np.concatenate([np.asarray(s.data) for s in shards]).tolist()
   shards = sorted(batch["image"].addressable_shards, key=lambda s: s.index[0].start or 0)
   images += np.concatenate([np.asarray(s.data) for s in shards]).tolist()
-print("RESULT " + json.dumps({"ids": ids, "images": images, "rows_read": reader.rows_read}))
+read = reader.source.records_read if stream_dir else reader.rows_read  # From the files.
+print("RESULT " + json.dumps({"ids": ids, "images": images, "rows_read": read}))
 """
 
 
 @pytest.mark.slow
-def test_two_processes_decode_disjoint_halves_of_each_batch(tmp_path):
+@pytest.mark.parametrize("read", ["folder", "records"])
+def test_two_processes_decode_disjoint_halves_of_each_batch(read, tmp_path):
   folder = make_folder(str(tmp_path / "images"))
   blocks = np.random.default_rng(0).permutation(108)[:4 * 8].reshape(4, 8)
   np.save(str(tmp_path / "blocks.npy"), blocks)
-  results = helpers.run_processes(_WORKER, [["0", folder], ["1", folder]],
+  stream_dir = ""
+  if read == "records":
+    stream_dir = str(tmp_path / "records")
+    dataset = default.get_config().dataset
+    dataset.update({"name": "folder", "folder": folder, "image_size": 8})
+    sources.write_records(dataset, stream_dir, num_shards=2)
+  results = helpers.run_processes(_WORKER, [["0", folder, stream_dir],
+                                            ["1", folder, stream_dir]],
                                   {"BLOCKS": str(tmp_path / "blocks.npy")})
   (first, _), (second, _) = results
   assert first["rows_read"] == second["rows_read"] == blocks.size // 2
