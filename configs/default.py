@@ -43,11 +43,14 @@ def get_config() -> ml_collections.ConfigDict:
   # images sent per batch), stream (read by index from array_record files in stream_dir, each
   # process its own rows, read ahead by grain), or auto: stream when stream_dir is set and the
   # training split exceeds host_memory_mb, else device when the splits fit device_memory_mb
-  # per device, else host.
+  # per device, else host. A folder or tfds:NAME dataset takes auto, host or stream: its
+  # encoded records in stream_dir when set (auto, stream), else the source itself (auto, host).
   config.dataset.reader = "auto"
   config.dataset.device_memory_mb = 1024.0
   config.dataset.host_memory_mb = 16384.0
-  config.dataset.stream_dir = ""  # scripts/write_array_records.py's output for this dataset.
+  # scripts/write_array_records.py's output for this dataset: raw pixels of a built-in
+  # dataset's splits, or a folder's / tfds:NAME dataset's encoded images ("" = none).
+  config.dataset.stream_dir = ""
   # host and stream readers: global batches put on the devices by a background thread ahead
   # of the step (0 = none, each batch made when the step asks for it).
   config.dataset.prefetch_depth = 2
