@@ -4,7 +4,9 @@
 `write_report` is the side-effecting edge that writes `results.json`,
 `results.md` and the PNG figures (for FL_gamma runs also the test set's gammas,
 `gamma_test.npz`, and their histogram) into a report directory, each file
-atomically.
+atomically. A dataset with class names (folder, tfds:NAME) has them in the run's
+`classes.json` beside the report directory; the report names that list and its source
+(labels are indices into it). A built-in dataset has none, and its report is unchanged.
 """
 
 import json
@@ -27,6 +29,8 @@ TABLE_METRICS = ("accuracy", "ece", "ece_left_closed", "adaptive_ece", "classwis
                  "brier", "aurc", "e_aurc")
 INTERVAL_METRICS = ("ece", "adaptive_ece", "classwise_ece")  # As in the focal-loss paper.
 GAMMA_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+CLASSES_FILE = "classes.json"  # In the workdir, beside report/ (written at the run's start).
+CLASSES_SHOWN = 20  # Class names listed in results.md; the rest are in CLASSES_FILE.
 
 
 def _metric_functions(num_classes: int, num_bins: int):
@@ -221,6 +225,8 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [f"| {name} | {by_tag['before_ts'][name]:.4f} | {by_tag['after_ts'][name]:.4f} |"
               for name in by_tag["before_ts"]]
     lines.append("")
+  if "classes" in report:
+    lines += _classes_markdown(report["classes"])
   lines += ["## test: bootstrap intervals", ""]
   for tag, by_name in report["intervals"].items():
     for name, iv in by_name.items():
@@ -256,6 +262,26 @@ def _markdown(report: dict[str, Any]) -> str:
             "Neural Networks using Focal Loss' (NeurIPS); smooth ECE: Blasiok & Nakkiran 2024 "
             "(ICLR). Definitions: docs/methods.md in the cpjax repository."]
   return "\n".join(lines) + "\n"
+
+
+def _classes_markdown(section: dict[str, Any]) -> list[str]:
+  """The class list: its source and the first CLASSES_SHOWN names with their label ids."""
+  names = section["names"]
+  shown = ", ".join(f"{i} {name}" for i, name in enumerate(names[:CLASSES_SHOWN]))
+  more = f", ... ({len(names)} in all)" if len(names) > CLASSES_SHOWN else ""
+  return ["## classes", "", f"{len(names)} classes of {section['dataset']} in label order "
+          f"(from {section['source']}; a label is an index into it): {shown}{more}.", ""]
+
+
+def read_classes(workdir: str) -> dict[str, Any] | None:
+  """The class list a run recorded (workdir/classes.json: dataset, names, source), or None
+  when its dataset has no class names."""
+  path = os.path.join(workdir, CLASSES_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    recorded = json.load(f)
+  return {"dataset": recorded["dataset"], "names": list(recorded["classes"]), "source": path}
 
 
 def _posthoc_markdown(section: dict[str, Any]) -> list[str]:
@@ -345,8 +371,13 @@ def _null_to_nan(value: Any) -> Any:
 def write_report(report_dir: str, report: dict[str, Any],
                  gamma: tuple[np.ndarray, np.ndarray] | None = None) -> list[str]:
   """Writes results.json, results.md and three PNGs; with `gamma` = (an FL_gamma run's test
-  gammas [N], correct [N]) also gamma_test.npz and gamma_histogram.png. Returns the paths."""
+  gammas [N], correct [N]) also gamma_test.npz and gamma_histogram.png. Returns the paths.
+  The run's class list (`read_classes` of the report directory's parent), where it has one,
+  goes into both (report["classes"])."""
   os.makedirs(report_dir, exist_ok=True)
+  classes = read_classes(os.path.dirname(os.path.abspath(report_dir)))
+  if classes is not None:
+    report = {**report, "classes": classes}
   paths = [os.path.join(report_dir, name) for name in (
       "results.json", "results.md", "reliability_before_ts.png", "reliability_after_ts.png",
       "confidence_histogram.png")]

@@ -1,0 +1,52 @@
+"""The calibration report names a run's classes (folder, tfds:NAME) and their source.
+
+The class list is written by hand here (as a run's classes.json); the numbers of a report
+with it are compared with the same report written without one.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from cpjax.calibration import report
+from tests.helpers import tiny_config
+
+
+def _built() -> dict:
+  rng = np.random.default_rng(1)
+  logits, labels = rng.normal(size=(120, 25)), rng.integers(0, 25, 120)
+  return report.build_report((logits, labels), (logits, labels), 25,
+                             tiny_config().evaluation)
+
+
+def test_the_report_lists_the_classes_of_classes_json_and_keeps_its_numbers(tmp_path):
+  built = _built()
+  plain = report.write_report(str(tmp_path / "plain" / "report"), built)
+  names = [f"wnid{i:02d}" for i in range(25)]
+  workdir = tmp_path / "named"
+  os.makedirs(workdir)
+  with open(workdir / "classes.json", "w") as f:
+    json.dump({"dataset": "folder", "classes": names}, f)
+  named = report.write_report(str(workdir / "report"), built)
+  with open(plain[1]) as f:
+    plain_md = f.read()
+  with open(named[1]) as f:
+    named_md = f.read()
+  # The section: source, count, the first 20 names with their label ids.
+  line = next(line for line in named_md.splitlines() if line.startswith("25 classes"))
+  assert line.startswith(f"25 classes of folder in label order (from {workdir}/classes.json;")
+  assert "0 wnid00, 1 wnid01," in line and "19 wnid19, ... (25 in all)." in line
+  assert "20 wnid20" not in line
+  # Everything else, the numbers included, is the report without a class list.
+  section = named_md.index("## classes")
+  end = named_md.index("## test: bootstrap intervals")
+  assert named_md[:section] + named_md[end:] == plain_md
+  with open(plain[0]) as f:
+    plain_json = json.load(f)
+  with open(named[0]) as f:
+    named_json = json.load(f)
+  assert named_json.pop("classes") == {"dataset": "folder", "names": names,
+                                       "source": str(workdir / "classes.json")}
+  assert named_json == plain_json and "classes" not in plain_json
+  assert "classes" not in built  # The built report is left as it was.
