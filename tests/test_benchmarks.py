@@ -96,3 +96,21 @@ def test_loop_overhead_smoke(tmp_path):
                          "--log-every=2", "--repeats=1", "--profile", tmp_path=tmp_path)
   assert results["trainer_steps_per_s"] > 0 and results["best_ratio"] > 0
   assert "train_epoch" in results["profile_top_tottime"] and "trainer / bare" in stdout
+
+
+def test_record_size_smoke(tmp_path):
+  results, stdout = _run("benchmarks.record_size", "--images=8", "--classes=2", "--num-shards=2",
+                         tmp_path=tmp_path)
+  # Every byte of the 8 files is in the records: at least the files' size.
+  assert results["images"] == 8 and results["records_bytes"] >= results["source_bytes"] > 0
+  assert results["ratio"] == results["records_bytes"] / results["source_bytes"]
+  assert "records / files" in stdout
+
+
+def test_input_wait_smoke(tmp_path):
+  results, stdout = _run("benchmarks.input_wait", "--model=tiny", "--image-size=16",
+                         "--batch-size=8", "--steps=2", "--threads=1", "--source-size=40x30",
+                         "--repeats=1", tmp_path=tmp_path)
+  assert sorted(results["feeds"]) == ["folder", "records", "resident"]
+  assert results["feeds"]["resident"]["input_wait_share"] == 0 and results["images"] == 16
+  assert "input-wait share" in stdout
