@@ -18,9 +18,7 @@ from configs import default
 from cpjax import config_validation
 from cpjax.data import array_records, host_stage, preprocess, record_source, sources, specs, splits
 from cpjax.runtime import sharding
-from tests import test_sources
 from tests.helpers import tiny_config
-from tests.test_sources import _tfds_dir  # noqa: F401  The generated tfds dataset fixture.
 
 
 @pytest.fixture(name="folder")
@@ -192,30 +190,6 @@ def test_config_fields_of_the_records_are_checked_at_start_up(folder, tmp_path):
   # Raw records (a built-in dataset's) are refused as encoded ones, and the reverse.
   with pytest.raises(ValueError, match="holds encoded images.*reads raw ones"):
     array_records.read_index(out, "train")
-
-
-def test_a_converted_tfds_dataset_holds_its_encoded_bytes(tmp_path, tfds_dir):
-  dataset = _dataset("", name="tfds:cpjax_generated_images", data_dir=tfds_dir)
-  direct = sources.resolve(dataset)
-  opened = {name: source for name, source in sources.KINDS["tfds:"].open(dataset,
-                                                                          direct).items()}
-  out = str(tmp_path / "rec")
-  written = sources.write_records(dataset, out, num_shards=2)
-  assert written == {"train": 30, "test": 9}
-  records = _dataset("", name="tfds:cpjax_generated_images", stream_dir=out)
-  assert sources.resolve(records) == direct
-  expected = {"train": test_sources.generated_examples("train"),
-              "test": test_sources.generated_examples("test")}
-  for split, source in opened.items():
-    converted = record_source.RecordSource(out, split)
-    rows = np.arange(len(source))
-    assert converted.read(rows) == source.read(rows)
-    # tfds wrote the generated arrays as PNG (in its own order): each record decodes to
-    # exactly one of them, of the record's label.
-    by_pixels = {image.tobytes(): label for image, label in expected[split]}
-    decoded = [np.asarray(Image.open(io.BytesIO(data))) for data in converted.read(rows)]
-    assert [by_pixels[image.tobytes()] for image in decoded] == list(converted.labels)
-    assert len({image.tobytes() for image in decoded}) == len(expected[split])
 
 
 def test_label_noise_on_a_folder_flips_a_seeded_share_of_the_pool(folder, tmp_path):

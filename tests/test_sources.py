@@ -6,6 +6,7 @@ expected pixels come from the arrays themselves or from closed forms, not from t
 under test.
 """
 
+import io
 import os
 
 import etils.epath
@@ -19,7 +20,7 @@ import tensorflow_datasets as tfds
 
 from configs import default
 from cpjax import config_validation, steps
-from cpjax.data import folder_source, host_stage, preprocess, sources, specs, splits
+from cpjax.data import folder_source, host_stage, preprocess, record_source, sources, specs, splits
 from cpjax.runtime import sharding
 from tests.helpers import tiny_config
 
@@ -409,6 +410,30 @@ def test_a_tfds_dataset_by_name_reads_its_metadata_and_images(tfds_dir):
   assert seen == set(range(30))
   batch = _reader(dataset, "test").images(np.arange(9))
   assert batch.shape == (9, 12, 12, 3) and batch.dtype == np.uint8
+
+
+def test_a_converted_tfds_dataset_holds_its_encoded_bytes(tmp_path, tfds_dir):
+  """A tfds dataset converted to encoded records (cpjax.data.record_source): tfds's own
+  bytes of every row, and the same facts."""
+  dataset = _dataset("", name="tfds:cpjax_generated_images", data_dir=tfds_dir)
+  direct = sources.resolve(dataset)
+  opened = sources.KINDS["tfds:"].open(dataset, direct)
+  out = str(tmp_path / "rec")
+  written = sources.write_records(dataset, out, num_shards=2)
+  assert written == {"train": 30, "test": 9}
+  records = _dataset("", name="tfds:cpjax_generated_images", stream_dir=out)
+  assert sources.resolve(records) == direct
+  expected = {"train": generated_examples("train"), "test": generated_examples("test")}
+  for split, source in opened.items():
+    converted = record_source.RecordSource(out, split)
+    rows = np.arange(len(source))
+    assert converted.read(rows) == source.read(rows)
+    # tfds wrote the generated arrays as PNG (in its own order): each record decodes to
+    # exactly one of them, of the record's label.
+    by_pixels = {image.tobytes(): label for image, label in expected[split]}
+    decoded = [np.asarray(Image.open(io.BytesIO(data))) for data in converted.read(rows)]
+    assert [by_pixels[image.tobytes()] for image in decoded] == list(converted.labels)
+    assert len({image.tobytes() for image in decoded}) == len(expected[split])
 
 
 def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
