@@ -217,3 +217,22 @@ def test_label_noise_on_a_folder_flips_a_seeded_share_of_the_pool(folder, tmp_pa
   config_validation.validate(tiny_config(**{
       "dataset.name": "folder", "dataset.folder": folder, "dataset.image_size": 12,
       "dataset.val_size": 6, "dataset.label_noise": 0.4, "evaluation.ood": ""}))
+
+
+def test_a_conversion_stopped_midway_is_refused_not_half_read(folder, tmp_path, monkeypatch):
+  out = str(tmp_path / "rec")
+  records = _converted(folder, out)
+  sources.resolve(records)  # A whole conversion reads.
+  real = record_source.write_split
+
+  def stopped(source, directory, split, *args, **kwargs):
+    if split == "test":  # Killed after train was rewritten.
+      raise KeyboardInterrupt
+    return real(source, directory, split, *args, **kwargs)
+
+  monkeypatch.setattr(record_source, "write_split", stopped)
+  with pytest.raises(KeyboardInterrupt):
+    sources.write_records(_dataset(folder), out)
+  with pytest.raises(FileNotFoundError, match="dataset.json is missing: not written, or its "
+                                              "writing stopped"):
+    sources.resolve(records)

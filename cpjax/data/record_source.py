@@ -57,6 +57,14 @@ def write_split(source, directory: str, split: str, dataset_name: str, num_shard
                                    encoded=True)
 
 
+def clear_manifest(directory: str) -> None:
+  """Removes an earlier conversion's facts before its files are rewritten: a conversion
+  stopped midway then leaves a directory that runs refuse, not one with mixed splits."""
+  path = os.path.join(directory, MANIFEST)
+  if os.path.exists(path):
+    os.remove(path)
+
+
 def write_manifest(directory: str, facts: dict) -> None:
   """Writes the dataset's facts (see the module docstring), atomically, last."""
   path = os.path.join(directory, MANIFEST)

@@ -279,6 +279,7 @@ def write_records(dataset: ml_collections.ConfigDict, directory: str, num_shards
                      "for folder and tfds:NAME datasets")
   spec = kind.describe(dataset)
   opened = kind.open(dataset, spec)
+  record_source.clear_manifest(directory)
   written = {}
   for split, source in opened.items():
     record_source.write_split(source, directory, split, dataset.name, num_shards)
