@@ -94,7 +94,8 @@ def test_fits_match_a_converged_scipy_reference_k10(method, strength):
   np.testing.assert_allclose(ours, reference, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["matrix_scaling"])
+@pytest.mark.slow  # Minutes: SciPy's reference over 10,100 parameters.
+@pytest.mark.parametrize("method", ["matrix_scaling", "dirichlet"])
 def test_fits_match_a_converged_scipy_reference_k100(method):
   z, y = _generated(3, 400, 100)
   strength = 1e3
@@ -102,8 +103,17 @@ def test_fits_match_a_converged_scipy_reference_k100(method):
   with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
     fit = parametric.fit(method, z, y, np.ones(len(z)), strength, posthoc.ODIR_SOLVER)
   assert fit.converged and fit.grad_norm <= 1e-8, fit.message
-  assert fun(_flat(fit.params))[0] == pytest.approx(fun(reference)[0], abs=1e-12)
-  np.testing.assert_allclose(_flat(fit.params), reference, atol=1e-5)
+  ours = _flat(fit.params)
+  # A stationary point of the independently written objective, and no higher than SciPy's.
+  assert np.max(np.abs(fun(ours)[1])) < 1e-8
+  assert fun(ours)[0] <= fun(reference)[0] + 1e-12
+  if method == "matrix_scaling":
+    assert fun(ours)[0] == pytest.approx(fun(reference)[0], abs=1e-12)
+    np.testing.assert_allclose(ours, reference, atol=1e-5)
+  # Dirichlet at K = 100 has a nearly flat direction (the unpenalised diagonal against the
+  # log-probabilities' shared shift): L-BFGS-B stops there on its objective's rounding with
+  # max |gradient| 1.4e-8, 4.9e-9 above cpjax's end point (gradient 7.8e-10) and up to 4.9 away
+  # in a weight, so the parameters are not compared; the objective and gradient are.
 
 
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling"])
