@@ -66,6 +66,9 @@ def _converted(image: Image.Image, channels: int, where: str) -> Image.Image:
   """`image` decoded into mode L (1 channel) or RGB (3); BadImageError naming `where`."""
   mode = "L" if channels == 1 else "RGB"
   try:
+    if image.mode == mode:
+      image.load()  # Decoded in place: `convert` to the same mode would copy the whole image.
+      return image
     if image.mode in ("P", "PA", "LA", "RGBA") and mode == "RGB":
       image = image.convert("RGBA")  # Palette transparency resolved before the alpha drop.
     return image.convert(mode)
