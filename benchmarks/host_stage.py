@@ -11,12 +11,16 @@ every file with (a) cpjax's host stage (`cpjax.data.preprocess.Transform` in a t
 `tf.io.decode_and_crop_jpeg` + bicubic resize + random flip, `num_parallel_calls` =
 `--threads`, TF's intra-op threads `--threads`), both reading the files from disk, and
 (c) cpjax's host stage with `tf_crop_decode` on (TF decodes the crop window only). Prints
-images/s of each (median of `--repeats`, interleaved) and the ratios to tf.data.
+images/s of each (median of `--repeats`, interleaved) and the ratios to tf.data, and the
+process's CPU time per image (user + system, all threads, TF's included): on a machine
+that other jobs load, a pipeline with more runnable threads takes a larger share of the
+cores, which moves images/s but not CPU time per image.
 """
 
 import argparse
 import concurrent.futures
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -38,6 +42,18 @@ def write_images(folder: str, count: int) -> list[str]:
     Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(path, quality=90)
     paths.append(path)
   return paths
+
+
+def _cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
+def timed(rate, *args, **kwargs) -> tuple[float, float]:
+  """(images/s, CPU ms per image) of `rate(paths, ...)`."""
+  cpu = _cpu_seconds()
+  images_per_s = rate(*args, **kwargs)
+  return images_per_s, (_cpu_seconds() - cpu) * 1e3 / len(args[0])
 
 
 def cpjax_rate(paths: list[str], threads: int, tf_crop_decode: bool = False) -> float:
@@ -96,15 +112,18 @@ def main() -> None:
     tf_rate(paths[:16], args.threads)  # Warm: TF's start-up and graph tracing.
     ours, pil, theirs = [], [], []
     for _ in range(args.repeats):  # Interleaved, so load changes hit all alike.
-      ours.append(cpjax_rate(paths, args.threads))
-      pil.append(cpjax_rate(paths, args.threads, tf_crop_decode=True))
-      theirs.append(tf_rate(paths, args.threads))
-  a, b, c = statistics.median(ours), statistics.median(theirs), statistics.median(pil)
+      ours.append(timed(cpjax_rate, paths, args.threads))
+      pil.append(timed(cpjax_rate, paths, args.threads, tf_crop_decode=True))
+      theirs.append(timed(tf_rate, paths, args.threads))
+  (a, b, c), (ca, cb, cc) = ([statistics.median(r[k] for r in runs) for runs in (ours, theirs, pil)]
+                             for k in (0, 1))
   print(f"generated {args.images} JPEGs 500x375 -> 224x224 RRC + flip, {args.threads} threads")
-  print(f"cpjax host stage : {a:8.1f} img/s  (runs: {', '.join(f'{r:.1f}' for r in ours)})")
-  print(f"cpjax, TF crops  : {c:8.1f} img/s  (runs: {', '.join(f'{r:.1f}' for r in pil)})")
-  print(f"tf.data (flax)   : {b:8.1f} img/s  (runs: {', '.join(f'{r:.1f}' for r in theirs)})")
+  for name, runs, rate, cpu in (("cpjax host stage", ours, a, ca), ("cpjax, TF crops ", pil, c, cc),
+                                ("tf.data (flax)  ", theirs, b, cb)):
+    print(f"{name} : {rate:8.1f} img/s  (runs: {', '.join(f'{r:.1f}' for r, _ in runs)});"
+          f"  CPU {cpu:.3f} ms/img (runs: {', '.join(f'{t:.3f}' for _, t in runs)})")
   print(f"ratio cpjax / tf.data: {a / b:.2f}  (with TF crop decoding: {c / b:.2f})")
+  print(f"CPU-time ratio tf.data / cpjax: {cb / ca:.2f}  (with TF crop decoding: {cb / cc:.2f})")
 
 
 if __name__ == "__main__":
