@@ -19,8 +19,8 @@ palette and alpha images become `channels` channels (alpha dropped, as torchvisi
 reduced scale (PIL's `draft`, libjpeg's DCT scaling): a pure function of the bytes and the
 crop, like the rest. A training crop of a whole JPEG (ending in its EOI marker) is decoded
 only down to the last row its resize reads (`jpeg_rows`): the same pixels as the whole
-decode, bit for bit, at about 15 % less decoding on average for Inception crops; a truncated
-file is decoded in full and named, whatever its crop.
+decode, bit for bit (86 % of the rows and about 10 % less decoding on average for Inception
+crops of 500 x 375 JPEGs); a truncated file is decoded in full and named, whatever its crop.
 
 With `tf_crop_decode` (off by default: slower than PIL's whole decode in a same-run
 measurement on a 2-core machine, benchmarks/RESULTS.md), a training crop of an RGB or
