@@ -1,9 +1,9 @@
 """The host stage's JPEG decoding shortcuts against PIL's plain whole-image decode.
 
-A training crop decodes a JPEG only down to the last row its resize reads
-(`Transform._top_rows`); the expected outputs here are computed independently, by PIL
-decoding the whole file, cropping and resizing the box re-drawn from `example_rng`, and
-flipping with NumPy. Every image is generated (NumPy arrays saved as JPEG with PIL), not a
+A crop decodes a JPEG only down to the last row its resize reads (`Transform._top_rows`);
+the expected outputs here are computed independently, by PIL decoding the whole file,
+cropping and resizing the box (re-drawn from `example_rng` for training, the centre box by
+its closed form for evaluation), and flipping with NumPy. Every image is generated (NumPy arrays saved as JPEG with PIL), not a
 photograph.
 """
 
@@ -81,6 +81,27 @@ def test_a_drafted_crop_is_cut_in_the_drafted_rows_and_equals_the_uncut_decode()
   uncut = preprocess.Transform(size=64, channels=3, flip=True, seed=0, jpeg_rows=False)
   for example_id in range(16):
     np.testing.assert_array_equal(cut(data, example_id, 0), uncut(data, example_id, 0))
+
+
+def test_an_evaluation_crop_of_a_tall_jpeg_is_cut_and_equals_the_whole_decode():
+  """150 x 200 (portrait) JPEG, output 64, fraction 0.875: the centre box of side 131.25 runs
+  from row 34.375 to 165.625, so the resize reads 165.625 + 131.25 / 64 (its scale) rows plus
+  one of margin: 169 of 200. The output is PIL's whole decode resized over that box."""
+  data = _jpeg(_generated(200, 150, seed=2), quality=90)
+  transform = preprocess.Transform(size=64, channels=3, eval_fraction=0.875, jpeg_draft=False)
+  box = (9.375, 34.375, 140.625, 165.625)
+  assert preprocess.center_box(150, 200, 64, 0.875) == box
+  image = Image.open(io.BytesIO(data))
+  assert transform._rows_needed(image, data, box) == 169  # pylint: disable=protected-access
+  assert transform._top_rows(image, data, box).size == (150, 169)  # pylint: disable=protected-access
+  whole = Image.open(io.BytesIO(data)).convert("RGB")
+  expected = np.asarray(whole.resize((64, 64), Image.BILINEAR, box=box))
+  np.testing.assert_array_equal(transform(data, 0, None), expected)
+  drafted = preprocess.Transform(size=64, channels=3, eval_fraction=0.875)  # At 1/2 scale.
+  np.testing.assert_array_equal(
+      drafted(data, 0, None),
+      preprocess.Transform(size=64, channels=3, eval_fraction=0.875, jpeg_rows=False)(
+          data, 0, None))
 
 
 def test_the_rows_a_crop_needs_by_hand():

@@ -17,10 +17,11 @@ jitted step. Decoding goes by the bytes' content (PIL), not a file's name: greys
 palette and alpha images become `channels` channels (alpha dropped, as torchvision's
 `pil_loader` does). A JPEG whose crop is at least twice the output size is decoded at a
 reduced scale (PIL's `draft`, libjpeg's DCT scaling): a pure function of the bytes and the
-crop, like the rest. A training crop of a whole JPEG (ending in its EOI marker) is decoded
-only down to the last row its resize reads (`jpeg_rows`): the same pixels as the whole
-decode, bit for bit (86 % of the rows and about 10 % less decoding on average for Inception
-crops of 500 x 375 JPEGs); a truncated file is decoded in full and named, whatever its crop.
+crop, like the rest. A crop of a whole JPEG (ending in its EOI marker) is decoded only down
+to the last row its resize reads (`jpeg_rows`): the same pixels as the whole decode, bit for
+bit (for Inception crops of 500 x 375 JPEGs, 86 % of the rows and about 10 % less decoding on
+average; for the evaluation crop, the rows above the centre box's bottom); a truncated file is
+decoded in full and named, whatever its crop.
 
 With `tf_crop_decode` (off by default: slower than PIL's whole decode in a same-run
 measurement on a 2-core machine, benchmarks/RESULTS.md), a training crop of an RGB or
@@ -136,7 +137,7 @@ class Transform:
   eval_fraction: float = 0.875  # Evaluation: centre crop S of a shorter side of S / this.
   seed: int = 0  # The run's seed (crop and flip draws: example_rng).
   jpeg_draft: bool = True  # Decode JPEGs at a reduced scale where the crop allows it.
-  jpeg_rows: bool = True  # Training: decode a whole JPEG's rows only down to the crop's.
+  jpeg_rows: bool = True  # Decode a whole JPEG's rows only down to the crop's last.
   # Training crops of RGB/grey JPEGs: TF decodes the window only. Off by default: on a
   # 2-core machine it was slower than PIL's whole decode (benchmarks/RESULTS.md).
   tf_crop_decode: bool = False
@@ -158,8 +159,7 @@ class Transform:
         image, box = Image.fromarray(crop), None  # The crop is the whole decoded image.
     if box is not None:
       image, box = self._drafted(image, box)
-      if epoch is not None:
-        image = self._top_rows(image, data, box)
+      image = self._top_rows(image, data, box)
       image = _converted(image, self.channels, where)
     try:
       out = image.resize((self.size, self.size), Image.BILINEAR, box=box)
@@ -214,7 +214,7 @@ class Transform:
     return rows if rows < image.size[1] else None
 
   def _top_rows(self, image: Image.Image, data: bytes, box: Box) -> Image.Image:
-    """The JPEG's top rows that the training crop's resize reads (`_rows_needed`), decoded
+    """The JPEG's top rows that the crop's resize reads (`_rows_needed`), decoded
     by PIL's own JPEG decoder, which stops there; `image` itself, to decode in full, where
     that does not apply or the decoder did not reach the last of those rows.
 
