@@ -3,8 +3,8 @@
 A crop decodes a JPEG only down to the last row its resize reads (`Transform._top_rows`);
 the expected outputs here are computed independently, by PIL decoding the whole file,
 cropping and resizing the box (re-drawn from `example_rng` for training, the centre box by
-its closed form for evaluation), and flipping with NumPy. Every image is generated (NumPy arrays saved as JPEG with PIL), not a
-photograph.
+its closed form for evaluation), and flipping with NumPy. Every image is generated (NumPy
+arrays saved as JPEG with PIL), not a photograph.
 """
 
 import io
