@@ -7,10 +7,18 @@ re-ordered run draws the same crop and flip for the same example in the same epo
   training    decode -> a crop box from `TRAIN_CROPS[train_crop]` (random_resized:
               Szegedy et al. 2015's Inception crop as torchvision's RandomResizedCrop draws
               it, area share in `scale`, aspect ratio log-uniform in `ratio`, ten tries,
-              then a centre crop) -> resize to size x size (bilinear) -> flip with p = 1/2
+              then a centre crop) -> resize to size x size (`resize`) -> flip with p = 1/2
   evaluation  decode -> resize the shorter side to size / eval_fraction and keep the centre
               size x size (one resample of the central box, as flax's ImageNet example's
               `_decode_and_center_crop`); used by evaluation and by scoring passes
+
+The resize (`resize`, config.dataset.resize): "opencv" (the default) crops the box on whole
+pixels (`pixel_box`) and resizes it with cv2.resize: bilinear with half-pixel centres
+(tf.image.resize's bilinear, not antialiased) when enlarging or shrinking by less than 2x
+(`draft` keeps JPEG crops there), area averaging (antialiased) for shrinks of 2x or more;
+"pil" is PIL's antialiased bilinear over the exact (possibly fractional) box, the engine
+before, kept for comparison. Decoding
+is PIL's either way.
 
 The output is a uint8 [size, size, channels] array; normalisation and mixup stay in the
 jitted step. Decoding goes by the bytes' content (PIL), not a file's name: greyscale, CMYK,
@@ -27,10 +35,10 @@ With `tf_crop_decode` (off by default: slower than PIL's whole decode in a same-
 measurement on a 2-core machine, benchmarks/RESULTS.md), a training crop of an RGB or
 greyscale JPEG (integer box, three output channels, too small a crop for `draft`) is decoded
 by TensorFlow's `DecodeAndCropJpeg` (`tf.io.decode_and_crop_jpeg`), which decodes only the
-crop window (as flax's ImageNet example does), then resized by PIL as above (PIL's
-antialiased bilinear is cheaper than TF's). The crop box and flip are the same draws either
-way; the pixels differ from PIL's path by about one level (the decoders' rounding, and PIL's
-box resize reading pixels just outside the box). CMYK/Adobe JPEGs (whose colours TF's
+crop window (as flax's ImageNet example does), then resized by the `resize` engine as
+above. The crop box and flip are the same draws either way; the pixels differ from PIL's
+decode by about one level (the decoders' rounding, and, with "pil", PIL's box resize reading
+pixels just outside the box). CMYK/Adobe JPEGs (whose colours TF's
 decoder does not convert), PNGs and other formats, one-channel outputs, the evaluation
 transform (a fractional box; `draft` covers its large crops) and any file TF rejects stay on
 PIL.
@@ -41,10 +49,28 @@ import dataclasses
 import io
 import math
 
+import cv2
 import numpy as np
 from PIL import Image
 
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
+
+# OpenCV's own thread pool off (0: its calls run on the calling thread): the host stage's
+# worker threads already use every core, and a pool inside each of them only adds threads
+# contending for the same cores.
+cv2.setNumThreads(0)
+
+# Resize engines (config.dataset.resize): "opencv" resizes the crop's whole-pixel box with
+# cv2.resize (`cv2_resized`); "pil" is PIL's antialiased bilinear over the (possibly
+# fractional) box, the engine before "opencv".
+RESIZE_ENGINES = ("opencv", "pil")
+# The shrink factor (box side / output side) from which "opencv" averages areas instead of
+# interpolating bilinearly. Below 2, bilinear with half-pixel centres still gives every
+# source pixel some weight (at 2 exactly it is the 2 x 2 box average), so its aliasing is
+# mild; OpenCV's area averaging at a non-integer factor cost as much CPU as PIL's whole
+# antialiased resize in the same-run benchmark (benchmarks/host_stage.py), missing the
+# engine's purpose. `draft` keeps JPEG crops under 2x where it applies.
+AREA_FROM = 2.0
 
 
 class BadImageError(ValueError):
@@ -125,6 +151,30 @@ def center_box(width: int, height: int, size: int, eval_fraction: float) -> Box:
   return ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
 
 
+def pixel_box(box: Box, width: int, height: int) -> tuple[int, int, int, int]:
+  """`box` on whole pixels, as the "opencv" engine crops it: each edge rounded to the nearest
+  pixel edge (halves up), inside the image, at least one pixel on each side. An integer box
+  (every training crop of a JPEG decoded at full scale) is itself; a fractional one (the
+  evaluation box, a box scaled by `draft`) moves each edge by at most half a pixel."""
+  left = max(0, min(math.floor(box[0] + 0.5), width - 1))
+  top = max(0, min(math.floor(box[1] + 0.5), height - 1))
+  right = max(left + 1, min(math.floor(box[2] + 0.5), width))
+  bottom = max(top + 1, min(math.floor(box[3] + 0.5), height))
+  return left, top, right, bottom
+
+
+def cv2_resized(pixels: np.ndarray, size: int) -> np.ndarray:
+  """uint8 [size, size] or [size, size, C]: `pixels` (a crop) resized by OpenCV: area
+  averaging (`cv2.INTER_AREA`, antialiased) where both sides shrink and one by `AREA_FROM` or
+  more, else bilinear with half-pixel centres (`cv2.INTER_LINEAR`, as `tf.image.resize`'s
+  bilinear, not antialiased; an enlarged side has nothing to alias)."""
+  height, width = pixels.shape[:2]
+  shrinks = width >= size and height >= size
+  area = shrinks and max(width, height) >= AREA_FROM * size
+  interpolation = cv2.INTER_AREA if area else cv2.INTER_LINEAR
+  return cv2.resize(pixels, (size, size), interpolation=interpolation)
+
+
 @dataclasses.dataclass(frozen=True)
 class Transform:
   """The host stage's settings (from config.dataset: `from_config`); call it on an example."""
@@ -141,6 +191,7 @@ class Transform:
   # Training crops of RGB/grey JPEGs: TF decodes the window only. Off by default: on a
   # 2-core machine it was slower than PIL's whole decode (benchmarks/RESULTS.md).
   tf_crop_decode: bool = False
+  resize: str = "opencv"  # A RESIZE_ENGINES name: how the crop box becomes size x size.
 
   def __call__(self, data: bytes, example_id: int, epoch: int | None,
                where: str = "image") -> np.ndarray:
@@ -162,13 +213,20 @@ class Transform:
       image = self._top_rows(image, data, box)
       image = _converted(image, self.channels, where)
     try:
-      out = image.resize((self.size, self.size), Image.BILINEAR, box=box)
+      if self.resize == "pil":
+        out = image.resize((self.size, self.size), Image.BILINEAR, box=box)
+        if flip:
+          out = out.transpose(Image.FLIP_LEFT_RIGHT)
+        array = np.asarray(out, np.uint8)
+      else:
+        if box is not None:  # PIL's crop copies the box alone, not the whole decoded image.
+          image = image.crop(pixel_box(box, *image.size))
+        array = cv2_resized(np.asarray(image, np.uint8), self.size)
+        if flip:
+          array = cv2.flip(array, 1)  # Contiguous, unlike a reversed view.
     except Exception as err:  # pylint: disable=broad-except  Truncated data surfaces here.
       raise BadImageError(f"{where}: cannot be decoded ({type(err).__name__}: "
                           f"{str(err)[:200]})") from err
-    if flip:
-      out = out.transpose(Image.FLIP_LEFT_RIGHT)
-    array = np.asarray(out, np.uint8)
     return array.reshape((self.size, self.size, self.channels))
 
   def _tf_decodable(self, image: Image.Image, box: Box) -> bool:
@@ -201,15 +259,19 @@ class Transform:
     return image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
 
   def _rows_needed(self, image: Image.Image, data: bytes, box: Box) -> int | None:
-    """How many top rows of `image` the resize of `box` reads (the box's bottom plus the
-    bilinear filter's support, which widens with the downscale factor, and one row of
-    margin), where that is fewer than all and the file is a whole baseline or progressive
-    JPEG ending in its EOI marker; None otherwise (the whole image is decoded)."""
+    """How many top rows of `image` the resize of `box` reads, where that is fewer than all
+    and the file is a whole baseline or progressive JPEG ending in its EOI marker; None
+    otherwise (the whole image is decoded). "pil": the box's bottom plus the bilinear
+    filter's support, which widens with the downscale factor, and one row of margin;
+    "opencv": the bottom of its `pixel_box` (cv2.resize reads the cropped rows only)."""
     if (not self.jpeg_rows or image.format != "JPEG" or len(image.tile) != 1
         or image.tile[0][0] != "jpeg" or not data.endswith(b"\xff\xd9")):
       return None
-    support = max(1.0, (box[3] - box[1]) / self.size)  # Bilinear: 1 pixel, times the scale.
-    rows = math.ceil(box[3] + support) + 1
+    if self.resize == "pil":
+      support = max(1.0, (box[3] - box[1]) / self.size)  # Bilinear: 1 pixel, times the scale.
+      rows = math.ceil(box[3] + support) + 1
+    else:
+      rows = pixel_box(box, *image.size)[3]
     return rows if rows < image.size[1] else None
 
   def _top_rows(self, image: Image.Image, data: bytes, box: Box) -> Image.Image:
@@ -289,4 +351,5 @@ def from_config(dataset, image_shape: tuple[int, int, int], seed: int) -> Transf
   return Transform(size=image_shape[0], channels=image_shape[2],
                    train_crop=dataset.train_crop, scale=tuple(dataset.crop_scale),
                    ratio=tuple(dataset.crop_ratio), flip=dataset.flip,
-                   eval_fraction=dataset.eval_crop_fraction, seed=seed)
+                   eval_fraction=dataset.eval_crop_fraction, seed=seed,
+                   resize=dataset.resize)
