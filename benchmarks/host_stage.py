@@ -10,13 +10,19 @@ every file with (a) cpjax's host stage (`cpjax.data.preprocess.Transform` in a t
 `input_pipeline.preprocess_for_train` in tf.data (`tf.image.sample_distorted_bounding_box` +
 `tf.io.decode_and_crop_jpeg` + bicubic resize + random flip, `num_parallel_calls` =
 `--threads`, TF's intra-op threads `--threads`), both reading the files from disk, and
-(c) cpjax's host stage with `tf_crop_decode` on (TF decodes the crop window only). Prints
-images/s of each (median of `--repeats`, interleaved) and the ratios to tf.data.
+(c) cpjax's host stage with `tf_crop_decode` on (TF decodes the crop window only), and (d)
+cpjax's host stage with the previous resize engine, `resize="pil"` (PIL's antialiased
+bilinear; (a) and (c) use the default, "opencv"). Prints
+images/s of each (median of `--repeats`, interleaved) and the ratios to tf.data, and the
+process's CPU time per image (user + system, all threads, TF's included): on a machine
+that other jobs load, a pipeline with more runnable threads takes a larger share of the
+cores, which moves images/s but not CPU time per image.
 """
 
 import argparse
 import concurrent.futures
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -40,9 +46,22 @@ def write_images(folder: str, count: int) -> list[str]:
   return paths
 
 
-def cpjax_rate(paths: list[str], threads: int, tf_crop_decode: bool = False) -> float:
+def _cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
+def timed(rate, *args, **kwargs) -> tuple[float, float]:
+  """(images/s, CPU ms per image) of `rate(paths, ...)`."""
+  cpu = _cpu_seconds()
+  images_per_s = rate(*args, **kwargs)
+  return images_per_s, (_cpu_seconds() - cpu) * 1e3 / len(args[0])
+
+
+def cpjax_rate(paths: list[str], threads: int, tf_crop_decode: bool = False,
+               resize: str = "opencv") -> float:
   transform = preprocess.Transform(size=224, channels=3, flip=True, seed=0,
-                                   tf_crop_decode=tf_crop_decode)
+                                   tf_crop_decode=tf_crop_decode, resize=resize)
 
   def one(i: int) -> np.ndarray:
     with open(paths[i], "rb") as f:
@@ -94,18 +113,29 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as folder:
     paths = write_images(folder, args.images)
     tf_rate(paths[:16], args.threads)  # Warm: TF's start-up and graph tracing.
-    ours, pil, theirs = [], [], []
+    pipelines = {  # Name -> (rate function, its arguments after the paths).
+        "cpjax (opencv resize)": (cpjax_rate, {}),
+        "cpjax (pil resize)": (cpjax_rate, {"resize": "pil"}),
+        "cpjax, TF crops": (cpjax_rate, {"tf_crop_decode": True}),
+        "tf.data (flax)": (tf_rate, {}),
+    }
+    runs = {name: [] for name in pipelines}
     for _ in range(args.repeats):  # Interleaved, so load changes hit all alike.
-      ours.append(cpjax_rate(paths, args.threads))
-      pil.append(cpjax_rate(paths, args.threads, tf_crop_decode=True))
-      theirs.append(tf_rate(paths, args.threads))
-  a, b, c = statistics.median(ours), statistics.median(theirs), statistics.median(pil)
+      for name, (rate, kwargs) in pipelines.items():
+        runs[name].append(timed(rate, paths, args.threads, **kwargs))
+  rate = {name: statistics.median(r for r, _ in runs[name]) for name in runs}
+  cpu = {name: statistics.median(c for _, c in runs[name]) for name in runs}
   print(f"generated {args.images} JPEGs 500x375 -> 224x224 RRC + flip, {args.threads} threads")
-  print(f"cpjax host stage : {a:8.1f} img/s  (runs: {', '.join(f'{r:.1f}' for r in ours)})")
-  print(f"cpjax, TF crops  : {c:8.1f} img/s  (runs: {', '.join(f'{r:.1f}' for r in pil)})")
-  print(f"tf.data (flax)   : {b:8.1f} img/s  (runs: {', '.join(f'{r:.1f}' for r in theirs)})")
-  print(f"ratio cpjax / tf.data: {a / b:.2f}  (with TF crop decoding: {c / b:.2f})")
-
+  for name in runs:
+    print(f"{name:22s}: {rate[name]:8.1f} img/s  (runs: "
+          f"{', '.join(f'{r:.1f}' for r, _ in runs[name])});  CPU {cpu[name]:.3f} ms/img "
+          f"(runs: {', '.join(f'{c:.3f}' for _, c in runs[name])})")
+  ref = "tf.data (flax)"
+  ours = [name for name in runs if name != ref]
+  print("ratio cpjax / tf.data (img/s): "
+        + ";  ".join(f"{name} {rate[name] / rate[ref]:.2f}" for name in ours))
+  print("CPU-time ratio tf.data / cpjax: "
+        + ";  ".join(f"{name} {cpu[ref] / cpu[name]:.2f}" for name in ours))
 
 if __name__ == "__main__":
   main()

@@ -68,6 +68,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.crop_ratio = (3 / 4, 4 / 3)  # random_resized: range of its aspect ratio.
   # Evaluation and scoring: resize the shorter side to image_size / this, keep the centre.
   config.dataset.eval_crop_fraction = 0.875
+  # Host-stage resize of the crop: opencv (area shrink, bilinear enlarge) or pil (antialiased).
+  config.dataset.resize = "opencv"
   # Per-channel mean and std of pixels in [0, 1]; () = computed once on 512 training images
   # and cached beside the data.
   config.dataset.mean = ()

@@ -65,6 +65,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.crop_scale": lambda v: data_sources.floats_problem(v, 2, 1e-6, 1.0, True),
       "dataset.crop_ratio": lambda v: data_sources.floats_problem(v, 2, 1e-3, 1e3, True),
       "dataset.eval_crop_fraction": number(0.0, 1.0, low_open=True),
+      "dataset.resize": choice(list(preprocess.RESIZE_ENGINES)),
       "dataset.mean": lambda v: data_sources.floats_problem(v, None, 0.0, 1.0),
       "dataset.std": lambda v: data_sources.floats_problem(v, None, 1e-6, 1.0),
       "dataset.check_files": integer(0),

@@ -54,6 +54,8 @@ def test_shipped_configs_are_valid(module):
     ("evaluation.ood", "noise", "valid choices: , cifar10"),
     ("evaluation.ood_severity", 6, "config.evaluation.ood_severity: must be in [1, 5], got 6"),
     ("xla_cpu_options", "fast", "valid choices: tuned, xla_default"),
+    ("dataset.resize", "cv2", "config.dataset.resize: got 'cv2'"),
+    ("dataset.resize", "bicubic", "valid choices: opencv, pil"),
 ])
 def test_bad_value_names_field_and_choices(field, value, expected):
   with pytest.raises(config_validation.ConfigError) as info:

@@ -16,8 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Import name -> distribution name, where they differ or the distribution may be absent here.
 DISTRIBUTION_OF = {
-    "absl": "absl-py", "array_record": "array-record", "clu": "clu", "etils": "etils",
-    "flax": "flax", "grain": "grain", "jax": "jax", "matplotlib": "matplotlib",
+    "absl": "absl-py", "array_record": "array-record", "clu": "clu",
+    "cv2": "opencv-python-headless", "etils": "etils", "flax": "flax", "grain": "grain",
+    "jax": "jax", "matplotlib": "matplotlib",
     "ml_collections": "ml-collections", "numpy": "numpy", "optax": "optax",
     "orbax": "orbax-checkpoint", "PIL": "pillow", "scipy": "scipy", "sklearn": "scikit-learn",
     "tensorflow": "tensorflow-cpu", "tensorflow_datasets": "tensorflow-datasets",

@@ -271,24 +271,28 @@ def test_crops_are_a_function_of_seed_epoch_and_id_only(folder):
   np.testing.assert_array_equal(reader.images(rows), reader.images(rows[::-1])[::-1])
 
 
-def test_the_training_draws_follow_example_rng(folder):
+@pytest.mark.parametrize("resize", preprocess.RESIZE_ENGINES)
+def test_the_training_draws_follow_example_rng(folder, resize):
   """An independent re-draw: the crop box and flip of an example come from
-  example_rng(seed, epoch, id) alone, in that order."""
-  dataset = _dataset(folder, image_size=16)
+  example_rng(seed, epoch, id) alone, in that order; the pixels of a PNG (lossless) are its
+  box resized by hand with the run's engine (`dataset.resize`)."""
+  dataset = _dataset(folder, image_size=16, resize=resize)
   reader = _reader(dataset, seed=5)
-  row = 4
-  (data,) = reader.source.read(np.asarray([row]))
+  row = next(r for r in range(len(reader.ids)) if reader.source.where(r).endswith(".png"))
   example_id = int(reader.ids[row])
   rng = np.random.default_rng([5, preprocess.RNG_STREAM, 2, example_id])
   with Image.open(reader.source.where(row)) as image:
+    image = image.convert("RGB")
     box = preprocess.random_resized_box(rng, *image.size, (0.08, 1.0), (3 / 4, 4 / 3))
     flip = rng.random() < 0.5
-    expected = np.asarray(image.convert("RGB").resize((16, 16), Image.BILINEAR, box=box))
+    if resize == "pil":
+      expected = np.asarray(image.resize((16, 16), Image.BILINEAR, box=box))
+    else:
+      left, top, right, bottom = box  # Integer: a PNG is never drafted.
+      expected = preprocess.cv2_resized(np.asarray(image)[top:bottom, left:right], 16)
   if flip:
     expected = expected[:, ::-1]
-  if reader.source.where(row).endswith(".png"):  # Lossless: the pixels exactly.
-    np.testing.assert_array_equal(reader.images(np.asarray([row]), epoch=2)[0], expected)
-  del data
+  np.testing.assert_array_equal(reader.images(np.asarray([row]), epoch=2)[0], expected)
 
 
 # ---------------------------------------------------------------- bad files

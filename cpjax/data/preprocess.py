@@ -7,26 +7,38 @@ re-ordered run draws the same crop and flip for the same example in the same epo
   training    decode -> a crop box from `TRAIN_CROPS[train_crop]` (random_resized:
               Szegedy et al. 2015's Inception crop as torchvision's RandomResizedCrop draws
               it, area share in `scale`, aspect ratio log-uniform in `ratio`, ten tries,
-              then a centre crop) -> resize to size x size (bilinear) -> flip with p = 1/2
+              then a centre crop) -> resize to size x size (`resize`) -> flip with p = 1/2
   evaluation  decode -> resize the shorter side to size / eval_fraction and keep the centre
               size x size (one resample of the central box, as flax's ImageNet example's
               `_decode_and_center_crop`); used by evaluation and by scoring passes
+
+The resize (`resize`, config.dataset.resize): "opencv" (the default) crops the box on whole
+pixels (`pixel_box`) and resizes it with cv2.resize: bilinear with half-pixel centres
+(tf.image.resize's bilinear, not antialiased) when enlarging or shrinking by less than 2x
+(`draft` keeps JPEG crops there), area averaging (antialiased) for shrinks of 2x or more;
+"pil" is PIL's antialiased bilinear over the exact (possibly fractional) box, the engine
+before, kept for comparison. Decoding
+is PIL's either way.
 
 The output is a uint8 [size, size, channels] array; normalisation and mixup stay in the
 jitted step. Decoding goes by the bytes' content (PIL), not a file's name: greyscale, CMYK,
 palette and alpha images become `channels` channels (alpha dropped, as torchvision's
 `pil_loader` does). A JPEG whose crop is at least twice the output size is decoded at a
 reduced scale (PIL's `draft`, libjpeg's DCT scaling): a pure function of the bytes and the
-crop, like the rest.
+crop, like the rest. A crop of a whole JPEG (ending in its EOI marker) is decoded only down
+to the last row its resize reads (`jpeg_rows`): the same pixels as the whole decode, bit for
+bit (for Inception crops of 500 x 375 JPEGs, 86 % of the rows and about 10 % less decoding on
+average; for the evaluation crop, the rows above the centre box's bottom); a truncated file is
+decoded in full and named, whatever its crop.
 
 With `tf_crop_decode` (off by default: slower than PIL's whole decode in a same-run
 measurement on a 2-core machine, benchmarks/RESULTS.md), a training crop of an RGB or
 greyscale JPEG (integer box, three output channels, too small a crop for `draft`) is decoded
 by TensorFlow's `DecodeAndCropJpeg` (`tf.io.decode_and_crop_jpeg`), which decodes only the
-crop window (as flax's ImageNet example does), then resized by PIL as above (PIL's
-antialiased bilinear is cheaper than TF's). The crop box and flip are the same draws either
-way; the pixels differ from PIL's path by about one level (the decoders' rounding, and PIL's
-box resize reading pixels just outside the box). CMYK/Adobe JPEGs (whose colours TF's
+crop window (as flax's ImageNet example does), then resized by the `resize` engine as
+above. The crop box and flip are the same draws either way; the pixels differ from PIL's
+decode by about one level (the decoders' rounding, and, with "pil", PIL's box resize reading
+pixels just outside the box). CMYK/Adobe JPEGs (whose colours TF's
 decoder does not convert), PNGs and other formats, one-channel outputs, the evaluation
 transform (a fractional box; `draft` covers its large crops) and any file TF rejects stay on
 PIL.
@@ -37,10 +49,29 @@ import dataclasses
 import io
 import math
 
+import cv2
 import numpy as np
 from PIL import Image
 
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
+
+# OpenCV's own thread pool off (0: each call runs on its calling thread): the host stage's
+# worker threads already use every core, and the pool would split each small resize across
+# threads contending for those cores (on 2 cores: 1.51 against 1.54 ms CPU an image with the
+# default pool, within the noise; the pool grows with the cores).
+cv2.setNumThreads(0)
+
+# Resize engines (config.dataset.resize): "opencv" resizes the crop's whole-pixel box with
+# cv2.resize (`cv2_resized`); "pil" is PIL's antialiased bilinear over the (possibly
+# fractional) box, the engine before "opencv".
+RESIZE_ENGINES = ("opencv", "pil")
+# The shrink factor (box side / output side) from which "opencv" averages areas instead of
+# interpolating bilinearly. Below 2, bilinear with half-pixel centres still gives every
+# source pixel some weight (at 2 exactly it is the 2 x 2 box average), so its aliasing is
+# mild; OpenCV's area averaging at a non-integer factor cost as much CPU as PIL's whole
+# antialiased resize in the same-run benchmark (benchmarks/host_stage.py), missing the
+# engine's purpose. `draft` keeps JPEG crops under 2x where it applies.
+AREA_FROM = 2.0
 
 
 class BadImageError(ValueError):
@@ -66,6 +97,9 @@ def _converted(image: Image.Image, channels: int, where: str) -> Image.Image:
   """`image` decoded into mode L (1 channel) or RGB (3); BadImageError naming `where`."""
   mode = "L" if channels == 1 else "RGB"
   try:
+    if image.mode == mode:
+      image.load()  # Decoded in place: `convert` to the same mode would copy the whole image.
+      return image
     if image.mode in ("P", "PA", "LA", "RGBA") and mode == "RGB":
       image = image.convert("RGBA")  # Palette transparency resolved before the alpha drop.
     return image.convert(mode)
@@ -118,6 +152,30 @@ def center_box(width: int, height: int, size: int, eval_fraction: float) -> Box:
   return ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
 
 
+def pixel_box(box: Box, width: int, height: int) -> tuple[int, int, int, int]:
+  """`box` on whole pixels, as the "opencv" engine crops it: each edge rounded to the nearest
+  pixel edge (halves up), inside the image, at least one pixel on each side. An integer box
+  (every training crop of a JPEG decoded at full scale) is itself; a fractional one (the
+  evaluation box, a box scaled by `draft`) moves each edge by at most half a pixel."""
+  left = max(0, min(math.floor(box[0] + 0.5), width - 1))
+  top = max(0, min(math.floor(box[1] + 0.5), height - 1))
+  right = max(left + 1, min(math.floor(box[2] + 0.5), width))
+  bottom = max(top + 1, min(math.floor(box[3] + 0.5), height))
+  return left, top, right, bottom
+
+
+def cv2_resized(pixels: np.ndarray, size: int) -> np.ndarray:
+  """uint8 [size, size] or [size, size, C]: `pixels` (a crop) resized by OpenCV: area
+  averaging (`cv2.INTER_AREA`, antialiased) where both sides shrink and one by `AREA_FROM` or
+  more, else bilinear with half-pixel centres (`cv2.INTER_LINEAR`, as `tf.image.resize`'s
+  bilinear, not antialiased; an enlarged side has nothing to alias)."""
+  height, width = pixels.shape[:2]
+  shrinks = width >= size and height >= size
+  area = shrinks and max(width, height) >= AREA_FROM * size
+  interpolation = cv2.INTER_AREA if area else cv2.INTER_LINEAR
+  return cv2.resize(pixels, (size, size), interpolation=interpolation)
+
+
 @dataclasses.dataclass(frozen=True)
 class Transform:
   """The host stage's settings (from config.dataset: `from_config`); call it on an example."""
@@ -130,9 +188,11 @@ class Transform:
   eval_fraction: float = 0.875  # Evaluation: centre crop S of a shorter side of S / this.
   seed: int = 0  # The run's seed (crop and flip draws: example_rng).
   jpeg_draft: bool = True  # Decode JPEGs at a reduced scale where the crop allows it.
+  jpeg_rows: bool = True  # Decode a whole JPEG's rows only down to the crop's last.
   # Training crops of RGB/grey JPEGs: TF decodes the window only. Off by default: on a
   # 2-core machine it was slower than PIL's whole decode (benchmarks/RESULTS.md).
   tf_crop_decode: bool = False
+  resize: str = "opencv"  # A RESIZE_ENGINES name: how the crop box becomes size x size.
 
   def __call__(self, data: bytes, example_id: int, epoch: int | None,
                where: str = "image") -> np.ndarray:
@@ -151,15 +211,23 @@ class Transform:
         image, box = Image.fromarray(crop), None  # The crop is the whole decoded image.
     if box is not None:
       image, box = self._drafted(image, box)
+      image = self._top_rows(image, data, box)
       image = _converted(image, self.channels, where)
     try:
-      out = image.resize((self.size, self.size), Image.BILINEAR, box=box)
+      if self.resize == "pil":
+        out = image.resize((self.size, self.size), Image.BILINEAR, box=box)
+        if flip:
+          out = out.transpose(Image.FLIP_LEFT_RIGHT)
+        array = np.asarray(out, np.uint8)
+      else:
+        if box is not None:  # PIL's crop copies the box alone, not the whole decoded image.
+          image = image.crop(pixel_box(box, *image.size))
+        array = cv2_resized(np.asarray(image, np.uint8), self.size)
+        if flip:
+          array = cv2.flip(array, 1)  # Contiguous, unlike a reversed view.
     except Exception as err:  # pylint: disable=broad-except  Truncated data surfaces here.
       raise BadImageError(f"{where}: cannot be decoded ({type(err).__name__}: "
                           f"{str(err)[:200]})") from err
-    if flip:
-      out = out.transpose(Image.FLIP_LEFT_RIGHT)
-    array = np.asarray(out, np.uint8)
     return array.reshape((self.size, self.size, self.channels))
 
   def _tf_decodable(self, image: Image.Image, box: Box) -> bool:
@@ -190,6 +258,59 @@ class Transform:
     image.draft("L" if self.channels == 1 else "RGB", want)
     sx, sy = image.size[0] / width, image.size[1] / height
     return image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+  def _rows_needed(self, image: Image.Image, data: bytes, box: Box) -> int | None:
+    """How many top rows of `image` the resize of `box` reads, where that is fewer than all
+    and the file is a whole baseline or progressive JPEG ending in its EOI marker; None
+    otherwise (the whole image is decoded). "pil": the box's bottom plus the bilinear
+    filter's support, which widens with the downscale factor, and one row of margin;
+    "opencv": the bottom of its `pixel_box` (cv2.resize reads the cropped rows only)."""
+    if (not self.jpeg_rows or image.format != "JPEG" or len(image.tile) != 1
+        or image.tile[0][0] != "jpeg" or not data.endswith(b"\xff\xd9")):
+      return None
+    if self.resize == "pil":
+      support = max(1.0, (box[3] - box[1]) / self.size)  # Bilinear: 1 pixel, times the scale.
+      rows = math.ceil(box[3] + support) + 1
+    else:
+      rows = pixel_box(box, *image.size)[3]
+    return rows if rows < image.size[1] else None
+
+  def _top_rows(self, image: Image.Image, data: bytes, box: Box) -> Image.Image:
+    """The JPEG's top rows that the crop's resize reads (`_rows_needed`), decoded
+    by PIL's own JPEG decoder, which stops there; `image` itself, to decode in full, where
+    that does not apply or the decoder did not reach the last of those rows.
+
+    The rows are the full decode's, bit for bit (libjpeg emits each row the same whatever
+    the rows after it), so the resize gives the same output. Only a file that ends in its
+    EOI marker is cut short: a truncated file (no EOI) is decoded in full and named, however
+    high its crop. PIL's decoder ends a short read with a "too few scanlines" error, the same
+    as any other decoder error, so the canvas's last row is filled with a colour first, and a
+    last row still all that colour (not decoded) sends the image to the full decode.
+    """
+    rows = self._rows_needed(image, data, box)
+    if rows is None:
+      return image
+    width = image.size[0]
+    bands = len(image.getbands())
+    fill = 1 if bands == 1 else tuple(range(1, bands + 1))
+    canvas = Image.new(image.mode, (width, rows))
+    canvas.paste(fill, (0, rows - 1, width, rows))  # The last row only: filling all costs.
+    name, _, offset, args = image.tile[0]
+    try:
+      # PIL's `_getdecoder` (private; the decoder `ImageFile.load` runs) writes the first
+      # `rows` rows of the drafted image into the canvas.
+      decoder = Image._getdecoder(image.mode, name, args, image.decoderconfig)  # pylint: disable=protected-access
+      try:
+        decoder.setimage(canvas.im, (0, 0, width, rows))
+        consumed, _ = decoder.decode(memoryview(data)[offset:])
+      finally:
+        decoder.cleanup()
+    except (AttributeError, OSError, TypeError, ValueError):  # Another Pillow's internals.
+      return image  # The whole decode (tests/test_preprocess.py fails if this is all it does).
+    last = canvas.crop((0, rows - 1, width, rows)).getcolors(1)
+    if consumed >= 0 or (last is not None and last[0][1] == fill):
+      return image  # Short of data, or stopped early: the full decode names what is wrong.
+    return canvas
 
 
 def _tf_crop(data: bytes, box: Box) -> np.ndarray | None:
@@ -231,4 +352,5 @@ def from_config(dataset, image_shape: tuple[int, int, int], seed: int) -> Transf
   return Transform(size=image_shape[0], channels=image_shape[2],
                    train_crop=dataset.train_crop, scale=tuple(dataset.crop_scale),
                    ratio=tuple(dataset.crop_ratio), flip=dataset.flip,
-                   eval_fraction=dataset.eval_crop_fraction, seed=seed)
+                   eval_fraction=dataset.eval_crop_fraction, seed=seed,
+                   resize=dataset.resize)

@@ -101,8 +101,10 @@ def _statistics(dataset: ml_collections.ConfigDict, cache_dir: str, train: DataS
   if dataset.mean and dataset.std:
     return tuple(dataset.mean), tuple(dataset.std)
   transform = preprocess.Transform(size=image_shape[0], channels=image_shape[2],
-                                   eval_fraction=dataset.eval_crop_fraction)
-  key = f"{key}|{len(train)}|{transform.size}|{transform.channels}|{transform.eval_fraction}"
+                                   eval_fraction=dataset.eval_crop_fraction,
+                                   resize=dataset.resize)
+  key = (f"{key}|{len(train)}|{transform.size}|{transform.channels}|{transform.eval_fraction}"
+         f"|{transform.resize}")
   name = "cpjax_stats-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".json"
   for folder in (cache_dir, os.path.expanduser("~/.cache/cpjax/stats")):
     path = os.path.join(folder, name)
