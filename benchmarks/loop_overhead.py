@@ -60,7 +60,7 @@ def trainer_epoch(run, train_fn, state):
   hooks = epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
   plan = epoch_loop.EpochPlan(0, np.arange(len(run.splits["train"])), None)
   start = time.perf_counter()
-  state, _, _, _ = epoch_loop.train_epoch(run, train_fn, state, plan, hooks)
+  state = epoch_loop.train_epoch(run, train_fn, state, plan, hooks).state
   jax.block_until_ready(state)
   return time.perf_counter() - start, state
 
