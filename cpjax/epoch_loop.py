@@ -161,21 +161,23 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan,
   outputs, window, stop_requested = [], [], False
   row_weights = _row_weights(plan, len(run.splits["train"]))
   epoch_learning_rate = _learning_rate(run, epoch, epoch_start_step)
+  # Each step's learning rate, computed before the loop rather than in it.
+  learning_rates = _learning_rates(run, epoch, epoch_start_step, done["steps"], len(order))
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead, of the training and of the meta-validation batches. The transfer guard
   # (config.step_transfer_guard) covers the loop, its logging points and a stop's host
   # reads excepted (`_host_point`): a step that waits on a device value stalls an
   # accelerator (tests/test_transfer_guard.py counts such reads on CPU, where the guard
   # cannot fire).
-  with contextlib.closing(run.readers["train"].batches(
+  with contextlib.closing(run.readers["train"].train_batches(
       order[done["steps"]:], row_weights=row_weights, epoch=epoch)) as train_batches, \
       contextlib.closing(_meta_batches(run, epoch_start_step + done["steps"],
                                        len(order) - done["steps"])) as meta_batches, \
       _step_guard(config.step_transfer_guard):
     for i, (train_batch, meta_batch) in enumerate(zip(train_batches, meta_batches),
                                                   start=done["steps"]):
-      learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
-      batch = {**train_batch, **meta_batch}
+      learning_rate = learning_rates[i]
+      batch = {**train_batch, **meta_batch} if meta_batch else train_batch
       if not hooks.compiled:
         compile_start = time.perf_counter()
         logging.info("Compiling the train step (the first step waits for it)...")
@@ -228,6 +230,17 @@ def _learning_rate(run: Run, epoch: int, step: int) -> np.float32:
   """The learning rate of global step `step` (0-indexed) in `epoch` (optim)."""
   return np.float32(optim.learning_rate_of_step(run.config.optimizer, epoch, step,
                                                 run.total_steps, run.config.num_epochs))
+
+
+def _learning_rates(run: Run, epoch: int, epoch_start_step: int, first: int, num_steps: int
+                    ) -> list[np.float32 | None]:
+  """`_learning_rate` of steps first..num_steps - 1 of `epoch`, at their index (None before
+  `first`: steps trained before a preemption). Computed once for the epoch where the schedule
+  is by epoch (the same number at every step: about 10 us of Python a step saved)."""
+  if run.config.optimizer.schedule_unit == "epoch":
+    return [None] * first + [_learning_rate(run, epoch, epoch_start_step)] * (num_steps - first)
+  return [None] * first + [_learning_rate(run, epoch, epoch_start_step + i)
+                           for i in range(first, num_steps)]
 
 
 def _meta_batches(run: Run, first_step: int, num_steps: int
