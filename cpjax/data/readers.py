@@ -254,7 +254,13 @@ class DeviceReader(HostReader):
     del epoch
     if len(row_blocks) == 0:
       return
-    blocks = self._blocks(row_blocks, None, row_weights)
+    # The blocks are an argument of the step: padded to the longest epoch's number of steps
+    # (all rows), so that epochs of every size (a subset, infobatch, a resumed remainder)
+    # share one compiled step. The padding's rows are never gathered.
+    padded = np.zeros((max(-(-len(self) // row_blocks.shape[1]), len(row_blocks)),
+                       row_blocks.shape[1]), row_blocks.dtype)
+    padded[:len(row_blocks)] = row_blocks
+    blocks = self._blocks(padded, None, row_weights)
     out_sharding = sharding.batch_sharded(self.mesh)
     for s in range(len(row_blocks)):
       yield {"gather": RowsToGather(self._arrays, blocks, np.int32(s), out_sharding)}
