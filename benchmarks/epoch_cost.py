@@ -89,12 +89,13 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       chooser.rows_for_epoch(1, state, sel)  # Compile the scoring pass, untimed.
     rows, weights, sel, timings = chooser.rows_for_epoch(epoch, state, sel)
     start = time.perf_counter()
-    state, _, order, per_example = epoch_loop.train_epoch(
+    trained = epoch_loop.train_epoch(
         run, train_fn, state, epoch_loop.EpochPlan(epoch, rows, sel, weights=weights),
         epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None))
+    state = trained.state
     jax.block_until_ready(state.step)
     timings["training_seconds"] = time.perf_counter() - start
-    sel, _ = chooser.after_epoch(epoch, sel, order, per_example, timings, "")
+    sel, _ = chooser.after_epoch(epoch, sel, trained.order, trained.per_example, timings, "")
     result = {"k": len(rows), **timings}
   result["total_seconds"] = sum(result[f"{p}_seconds"] for p in bookkeeping.PHASES)
   return result

@@ -5,8 +5,9 @@
 
 With a tiny model a step takes a millisecond or less, and whatever Python does per step
 becomes the bottleneck of a fast accelerator. This runs, in one process, the trainer's own
-epoch loop (`epoch_loop.train_epoch`: the device reader's batches, learning rate, metric sums,
-a logging point every `--log-every` steps, per-example outputs gathered at the epoch's end)
+epoch loop (`epoch_loop.train_epoch`: the device reader's batches, gathered inside the train
+step, the learning rates, metric sums, a logging point every `--log-every` steps, per-example
+outputs gathered at the epoch's end)
 and a bare Python loop calling the same jitted train step on batches already on the
 devices, over the same number of steps, in turn, `--repeats` times (after an untimed epoch
 that compiles everything). The ratio of their steps per second (median, and best of the
@@ -60,7 +61,7 @@ def trainer_epoch(run, train_fn, state):
   hooks = epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
   plan = epoch_loop.EpochPlan(0, np.arange(len(run.splits["train"])), None)
   start = time.perf_counter()
-  state, _, _, _ = epoch_loop.train_epoch(run, train_fn, state, plan, hooks)
+  state = epoch_loop.train_epoch(run, train_fn, state, plan, hooks).state
   jax.block_until_ready(state)
   return time.perf_counter() - start, state
 

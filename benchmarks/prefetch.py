@@ -72,7 +72,7 @@ def _epoch_seconds(config, split, mesh, model, tx, state, train_fn, reader):
   hooks = epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
   plan = epoch_loop.EpochPlan(0, np.arange(len(split)), None)
   start = time.perf_counter()
-  state, _, _, _ = epoch_loop.train_epoch(run, train_fn, state, plan, hooks)
+  state = epoch_loop.train_epoch(run, train_fn, state, plan, hooks).state
   jax.block_until_ready(state.step)
   return time.perf_counter() - start, state
 

@@ -1,12 +1,14 @@
-"""One epoch of training: the step loop, its metric sums, and the loop's checkpoints.
+"""One epoch of training: the step loop and its metric sums; the run's checkpoint saves.
 
 `train_epoch` trains an `EpochPlan` (the epoch's rows, in the order cpjax.data.splits gives
 them) with the jitted train step, sums the epoch's metrics on device, writes the train metrics
-every `log_every_steps` steps, and stops the run on a non-finite or stalled loss. A preemption
-request saves a mid-epoch checkpoint (`save_checkpoint` with the partial epoch) and raises
-`preemption.Preempted`; `partial_from_checkpoint` turns that checkpoint back into the steps
-already trained, so the rerun finishes the epoch bit for bit. cpjax.train owns the run around
-it: set-up, restore, selection, evaluation and the report.
+every `log_every_steps` steps, stops the run on a non-finite or stalled loss, and returns an
+`EpochResult`. The step loop does no checkpoint I/O: on a preemption request mid-epoch it
+returns the steps trained (`EpochResult.partial`, run_state's "partial" subtree), and its
+caller saves them (`save_checkpoint`) and raises `preemption.Preempted` (`stop_preempted`);
+`run_state.partial_from_checkpoint` turns that checkpoint back into the steps already
+trained, so the rerun finishes the epoch bit for bit. cpjax.train owns the run around it:
+set-up, restore, selection, checkpoints, evaluation and the report.
 """
 
 from collections.abc import Iterator
@@ -19,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
@@ -31,11 +32,6 @@ from cpjax.runtime import preemption, sharding
 from cpjax.selection import bookkeeping
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
-
-
-# Also kept over an epoch: the largest gradient norm and the smallest and largest batch mean
-# loss; a whole epoch with a zero gradient or one exact loss value learned nothing.
-_EXTREMES = {"grad_norm_max": np.inf, "loss_min": -np.inf, "loss_max": np.inf}  # Unknown.
 
 
 class StalledTrainingError(RuntimeError):
@@ -57,35 +53,36 @@ class EpochPlan:
   weights: np.ndarray | None = None  # Loss weight of each of `rows` (infobatch); None: none.
 
 
+@dataclasses.dataclass(frozen=True)
+class EpochResult:
+  """What `train_epoch` gives back: the epoch trained, or stopped mid-way by a preemption.
+
+  A complete epoch has its `record`, `order` and `per_example`; `stop_requested` says a stop
+  came at its last step (the caller saves the epoch whole, then stops). An epoch stopped
+  mid-way has `partial` instead (`run_state.partial_tree` of its `epoch_step` steps): the
+  caller saves it with `state` and stops, and the rerun finishes the epoch from it.
+  """
+  state: steps.TrainState
+  record: dict[str, Any] | None = None  # Epoch train metrics (train_loss, ...).
+  order: np.ndarray | None = None  # [steps, B] rows in training order.
+  per_example: dict[str, np.ndarray] | None = None  # Train-pass outputs, [steps * B] each.
+  stop_requested: bool = False  # A preemption request came during the epoch.
+  partial: dict[str, np.ndarray] | None = None  # Set when the epoch stopped mid-way.
+  epoch_step: int = 0  # Steps of the epoch trained before a mid-way stop.
+
+
 @dataclasses.dataclass
 class LoopHooks:
   """The loop's side channels: metric writer, progress report, preemption guard."""
   writer: Any
   progress: Any
   guard: preemption.PreemptionGuard | None = None
-  stop_after_epoch: bool = False  # A stop was requested at an epoch's last step.
   compiled: bool = False  # The train step has run once in this process (compiled).
 
 
-def partial_from_checkpoint(saved: dict[str, Any], meta: dict[str, Any],
-                             config: ml_collections.ConfigDict) -> dict[str, Any] | None:
-  """The trained part of an epoch from a mid-epoch checkpoint's subtree, else None."""
-  done_steps = meta.get("epoch_step", 0)
-  if not done_steps:
-    return None
-  saved = jax.tree.map(np.asarray, saved)
-  rows = done_steps * config.batch_size
-  return {"steps": done_steps,
-          # The extremes of the steps before the checkpoint are not saved: left unknown.
-          "totals": {"loss_sum": saved["loss_sum"], "correct": saved["correct"],
-                     "count": saved["count"], "first_bad_step": np.int32(steps.NO_BAD_STEP),
-                     **{k: np.float32(v) for k, v in _EXTREMES.items()}},
-          "outputs": {k: saved[f"each_{k}"][:rows] for k in run_state.PER_EXAMPLE}}
-
-
-def save_checkpoint(run: Run, state: steps.TrainState, selection_state: bookkeeping.SelectionState,
-          epochs_done: int, partial: dict[str, np.ndarray] | None = None,
-          epoch_step: int = 0) -> int:
+def save_checkpoint(run: Run, state: steps.TrainState,
+                    selection_state: bookkeeping.SelectionState, epochs_done: int,
+                    partial: dict[str, np.ndarray] | None = None, epoch_step: int = 0) -> int:
   """Saves a checkpoint named by the global step; returns that step.
 
   `epochs_done` complete epochs; with `partial`, also `epoch_step` steps of the next.
@@ -95,10 +92,9 @@ def save_checkpoint(run: Run, state: steps.TrainState, selection_state: bookkeep
     raise NonFiniteLossError(f"non-finite parameters at global step {step} (epoch "
                              f"{epochs_done}); the run stopped without saving them. "
                              f"{run_context.last_good(run)}")
-  run.checkpointer.save(step, {
-      "train": state, "selection": sharding.replicate(run.mesh, selection_state),
-      "partial": sharding.replicate(run.mesh, partial or run_state.empty_partial(
-          run.config.dataset, run.config.batch_size))},
+  if partial is None:
+    partial = run_state.empty_partial(run.config.dataset, run.config.batch_size)
+  run.checkpointer.save(step, run_state.checkpoint_tree(state, selection_state, partial, run.mesh),
       {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
        "config": run.config.to_json_best_effort(sort_keys=True)})
   return step
@@ -144,17 +140,15 @@ def _fold_window(totals: dict[str, jax.Array] | None, window: list[dict[str, jax
   return _fold_steps(totals, window), jax.tree.map(lambda *v: jnp.stack(v), *window)
 
 
-def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, hooks: LoopHooks):
+def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan,
+                hooks: LoopHooks) -> EpochResult:
   """Trains one epoch over `plan.rows` in the epoch's deterministic order.
 
   Every `log_every_steps` steps, the window's train metrics go to the writer and
-  a non-finite loss stops the run. A preemption request saves a checkpoint after
-  the current step and raises `preemption.Preempted`. With `plan.done`, the
-  first steps were trained before a preemption and are skipped.
-
-  Returns:
-    (state, epoch record, order [steps, B] of the rows trained, per-example
-    train-pass outputs flattened in that order).
+  a non-finite loss stops the run. A preemption request ends the epoch after the
+  current step: the result holds what a checkpoint must save (the loop does no
+  checkpoint I/O; cpjax.train saves and stops). With `plan.done`, the first steps
+  were trained before a preemption and are skipped.
   """
   config, epoch = run.config, plan.epoch
   order = splits.epoch_order(config.seed, epoch, plan.rows, config.batch_size)
@@ -164,23 +158,26 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
   done = plan.done or {"steps": 0, "totals": None, "outputs": None}
   epoch_start_step = int(jax.device_get(state.step)) - done["steps"]
   totals = None if done["totals"] is None else jax.device_put(done["totals"])
-  outputs, window = [], []
+  outputs, window, stop_requested = [], [], False
   row_weights = _row_weights(plan, len(run.splits["train"]))
   epoch_learning_rate = _learning_rate(run, epoch, epoch_start_step)
+  # Each step's learning rate, computed before the loop rather than in it.
+  learning_rates = _learning_rates(run, epoch, epoch_start_step, done["steps"], len(order))
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead, of the training and of the meta-validation batches. The transfer guard
-  # (config.step_transfer_guard) covers the loop, its logging points and saves excepted
-  # (`_host_point`): a step that waits on a device value stalls an accelerator
-  # (tests/test_transfer_guard.py counts such reads on CPU, where the guard cannot fire).
-  with contextlib.closing(run.readers["train"].batches(
+  # (config.step_transfer_guard) covers the loop, its logging points and a stop's host
+  # reads excepted (`_host_point`): a step that waits on a device value stalls an
+  # accelerator (tests/test_transfer_guard.py counts such reads on CPU, where the guard
+  # cannot fire).
+  with contextlib.closing(run.readers["train"].train_batches(
       order[done["steps"]:], row_weights=row_weights, epoch=epoch)) as train_batches, \
       contextlib.closing(_meta_batches(run, epoch_start_step + done["steps"],
                                        len(order) - done["steps"])) as meta_batches, \
       _step_guard(config.step_transfer_guard):
     for i, (train_batch, meta_batch) in enumerate(zip(train_batches, meta_batches),
                                                   start=done["steps"]):
-      learning_rate = _learning_rate(run, epoch, epoch_start_step + i)
-      batch = {**train_batch, **meta_batch}
+      learning_rate = learning_rates[i]
+      batch = {**train_batch, **meta_batch} if meta_batch else train_batch
       if not hooks.compiled:
         compile_start = time.perf_counter()
         logging.info("Compiling the train step (the first step waits for it)...")
@@ -200,23 +197,22 @@ def train_epoch(run: Run, train_fn, state: steps.TrainState, plan: EpochPlan, ho
                             epoch_start_step, learning_rate)
         window = []
       if hooks.guard is not None and hooks.guard.should_stop(epoch_start_step + i + 1):
-        if i + 1 == len(order):  # The epoch is complete: the loop saves it whole, then stops.
-          hooks.stop_after_epoch = True
-        else:
-          totals, window = _fold_steps(totals, window), []
+        stop_requested = True
+        if i + 1 < len(order):  # Mid-epoch: the caller saves these steps and stops.
+          totals = _fold_steps(totals, window)
           with _host_point():
-            _save_preempted(run, state, plan, totals, _host_outputs(outputs, done["outputs"]),
-                            i + 1, epoch_start_step, hooks.guard.signal_name)
+            return _stopped(run, state, epoch, totals, _host_outputs(outputs, done["outputs"]),
+                            i + 1, epoch_start_step)
   totals = _fold_steps(totals, window)  # The steps after the last logging point.
   _raise_if_bad(run, totals, epoch, epoch_start_step)
   totals = jax.device_get(totals)
   _raise_if_stalled(run, totals, epoch, len(order))
-  per_example = _host_outputs(outputs, done["outputs"])
   record = {"train_loss": float(totals["loss_sum"] / totals["count"]),
             "train_accuracy": float(totals["correct"] / totals["count"]),
             "learning_rate": float(epoch_learning_rate),  # At the epoch's first step.
             **{k: float(v) for k, v in loss_hparams.items()}}
-  return state, record, order, per_example
+  return EpochResult(state, record, order, _host_outputs(outputs, done["outputs"]),
+                     stop_requested)
 
 
 def _step_guard(level: str) -> contextlib.AbstractContextManager:
@@ -234,6 +230,17 @@ def _learning_rate(run: Run, epoch: int, step: int) -> np.float32:
   """The learning rate of global step `step` (0-indexed) in `epoch` (optim)."""
   return np.float32(optim.learning_rate_of_step(run.config.optimizer, epoch, step,
                                                 run.total_steps, run.config.num_epochs))
+
+
+def _learning_rates(run: Run, epoch: int, epoch_start_step: int, first: int, num_steps: int
+                    ) -> list[np.float32 | None]:
+  """`_learning_rate` of steps first..num_steps - 1 of `epoch`, at their index (None before
+  `first`: steps trained before a preemption). Computed once for the epoch where the schedule
+  is by epoch (the same number at every step: about 10 us of Python a step saved)."""
+  if run.config.optimizer.schedule_unit == "epoch":
+    return [None] * first + [_learning_rate(run, epoch, epoch_start_step)] * (num_steps - first)
+  return [None] * first + [_learning_rate(run, epoch, epoch_start_step + i)
+                           for i in range(first, num_steps)]
 
 
 def _meta_batches(run: Run, first_step: int, num_steps: int
@@ -273,17 +280,15 @@ def _host_outputs(outputs: list[dict[str, jax.Array]],
   return {k: np.concatenate(([earlier[k]] if earlier else []) + v) for k, v in gathered.items()}
 
 
-def _save_preempted(run: Run, state: steps.TrainState, plan: EpochPlan, totals, outputs,
-                    epoch_step: int, epoch_start_step: int, signal_name: str) -> None:
-  """Saves the state after `epoch_step` steps of `plan.epoch`, waits for it, raises Preempted."""
-  _raise_if_bad(run, totals, plan.epoch, epoch_start_step)  # Never save a diverged state.
-  totals = jax.device_get(totals)
-  partial = run_state.empty_partial(run.config.dataset, run.config.batch_size)
-  partial.update({k: np.float32(totals[k]) for k in ("loss_sum", "correct", "count")})
-  for k in run_state.PER_EXAMPLE:
-    partial[f"each_{k}"][:len(outputs[k])] = outputs[k]
-  step = save_checkpoint(run, state, plan.selection_state, plan.epoch, partial, epoch_step)
-  stop_preempted(run, step, plan.epoch, epoch_step, signal_name)
+def _stopped(run: Run, state: steps.TrainState, epoch: int, totals: dict[str, jax.Array],
+             outputs: dict[str, np.ndarray], epoch_step: int, epoch_start_step: int
+             ) -> EpochResult:
+  """The result of an epoch stopped after `epoch_step` steps: the "partial" subtree that a
+  checkpoint of `state` must hold to finish the epoch on resume."""
+  _raise_if_bad(run, totals, epoch, epoch_start_step)  # Never hand on a diverged state.
+  partial = run_state.partial_tree(run.config.dataset, run.config.batch_size,
+                                   jax.device_get(totals), outputs)
+  return EpochResult(state, stop_requested=True, partial=partial, epoch_step=epoch_step)
 
 
 def stop_preempted(run: Run, step: int, epoch: int, epoch_step: int, signal_name: str) -> None:

@@ -17,9 +17,10 @@ class NonFiniteLossError(FloatingPointError):
   """The training loss became NaN or infinite."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-  """What one run's loop and evaluation share, built once by `_setup`."""
+  """What one run's loop and evaluation share, built once by `_setup` (frozen: nothing
+  changes it after; cpjax.train adds `epoch_steps` by `dataclasses.replace` once)."""
   config: ml_collections.ConfigDict
   workdir: str
   mesh: jax.sharding.Mesh
@@ -33,7 +34,7 @@ class Run:
   selection: bookkeeping.SelectionState  # Host copy, as restored.
   start_epoch: int
   partial: dict[str, Any] | None = None  # Steps of `start_epoch` already trained (preempted).
-  # Steps of each epoch the run trains (`_epoch_steps`); set by the loop once it knows them.
+  # Steps of each epoch the run trains (cpjax.train._epoch_steps); () before it knows them.
   epoch_steps: tuple[int, ...] = ()
   compilation_cache: str | None = None  # The persistent cache's directory; None: off.
 

@@ -8,10 +8,12 @@
    "partial":   sums and per-example outputs of the steps of an epoch trained
                 before a preemption (zeros at an epoch boundary)}
 
-The loop saves and resumes this tree (cpjax.train); a `target` score source
-restores another run's tree to score with its model (cpjax.selection.sources).
-Both build the restore target here, so they cannot disagree about its shape. The
-"selection" subtree is the selection package's (a layer above): it is passed in.
+`checkpoint_tree` is the one spelling of it: the loop's save (cpjax.epoch_loop
+.save_checkpoint), its restore target (cpjax.train) and `abstract` (a `target` score source
+restores another run's tree to score with its model, cpjax.selection.sources) all build it
+here, so they cannot disagree about its shape. `partial_tree` and `partial_from_checkpoint`
+turn an epoch's trained steps into the "partial" subtree and back. The "selection" subtree
+is the selection package's (a layer above): it is passed in.
 """
 
 from typing import Any
@@ -28,6 +30,28 @@ from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 
 PER_EXAMPLE = ("score", "confidence", "correct")  # The train step's per-example outputs.
+PARTIAL_SUMS = ("loss_sum", "correct", "count")  # The epoch sums a mid-epoch checkpoint keeps.
+
+# Also kept over an epoch (cpjax.epoch_loop): the largest gradient norm and the smallest and
+# largest batch mean loss. A mid-epoch checkpoint does not save them: a resumed epoch starts
+# them at these values, which mean "unknown" (they never show an epoch that learned nothing).
+UNKNOWN_EXTREMES = {"grad_norm_max": np.inf, "loss_min": -np.inf, "loss_max": np.inf}
+
+
+def checkpoint_tree(train: Any, selection: Any, partial: Any,
+                    mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
+  """The tree a run checkpoints (the module docstring), from its three parts.
+
+  Args:
+    train: the train state (or its abstract shapes).
+    selection: the selection state (or its abstract shapes).
+    partial: the "partial" subtree (`empty_partial`, `partial_tree`, or abstract shapes).
+    mesh: if given, `selection` and `partial` are host arrays, put replicated on it (the
+      train state is on the mesh already).
+  """
+  if mesh is not None:
+    selection, partial = sharding.replicate(mesh, (selection, partial))
+  return {"train": train, "selection": selection, "partial": partial}
 
 
 def partial_rows(dataset: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -42,6 +66,34 @@ def empty_partial(dataset: ml_collections.ConfigDict, batch_size: int) -> dict[s
   rows = partial_rows(dataset, batch_size)
   return {"loss_sum": np.float32(0), "correct": np.float32(0), "count": np.float32(0),
           **{f"each_{k}": np.zeros(rows, np.float32) for k in PER_EXAMPLE}}
+
+
+def partial_tree(dataset: ml_collections.ConfigDict, batch_size: int,
+                 sums: dict[str, Any], outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The "partial" subtree of an epoch stopped mid-way: its `sums` (host values of
+  PARTIAL_SUMS and more) and its per-example `outputs` (PER_EXAMPLE, in training order), the
+  rest of the buffers zero."""
+  partial = empty_partial(dataset, batch_size)
+  partial.update({k: np.float32(sums[k]) for k in PARTIAL_SUMS})
+  for k in PER_EXAMPLE:
+    partial[f"each_{k}"][:len(outputs[k])] = outputs[k]
+  return partial
+
+
+def partial_from_checkpoint(saved: dict[str, Any], epoch_step: int, batch_size: int
+                            ) -> dict[str, Any] | None:
+  """The trained part of an epoch (steps, totals, outputs: cpjax.epoch_loop.EpochPlan.done)
+  from a checkpoint's "partial" subtree and its `epoch_step`; None at an epoch boundary."""
+  if not epoch_step:
+    return None
+  saved = jax.tree.map(np.asarray, saved)
+  rows = epoch_step * batch_size
+  return {"steps": epoch_step,
+          # The extremes of the steps before the checkpoint are not saved: left unknown.
+          "totals": {**{k: saved[k] for k in PARTIAL_SUMS},
+                     "first_bad_step": np.int32(steps.NO_BAD_STEP),
+                     **{k: np.float32(v) for k, v in UNKNOWN_EXTREMES.items()}},
+          "outputs": {k: saved[f"each_{k}"][:rows] for k in PER_EXAMPLE}}
 
 
 def meta_parts(config: ml_collections.ConfigDict
@@ -67,9 +119,9 @@ def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
   replicated = sharding.replicated(mesh)
-  host_parts = {"selection": selection,
-                "partial": empty_partial(config.dataset, config.batch_size)}
-  return {"train": steps.abstract_train_state(model, optim.create_optimizer(config.optimizer),
-                                              data.image_shape, mesh, meta_parts(config)),
-          **jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                        sharding=replicated), host_parts)}
+  host_parts = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
+      (selection, empty_partial(config.dataset, config.batch_size)))
+  return checkpoint_tree(steps.abstract_train_state(
+      model, optim.create_optimizer(config.optimizer), data.image_shape, mesh,
+      meta_parts(config)), *host_parts)

@@ -143,7 +143,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
   Args:
     state: the replicated train state (donated by the loop).
     batch: global batch of image (uint8), label, id, mask (1 = real example), and weight
-      (float32 w) if `spec.weighted`.
+      (float32 w) if `spec.weighted`; or what the step gathers it from on the devices
+      (readers.DeviceReader.train_batches: `readers.gathered`).
     learning_rate: this epoch's learning rate.
     loss_hparams: this epoch's scheduled loss hyper-parameters (may be empty).
 
@@ -154,6 +155,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], learning_rate: ja
     per-example [B] priority score, confidence and correctness of this same
     pre-update forward pass (the reference's train-pass scores).
   """
+  batch = readers.gathered(batch)  # In this program: one dispatch a step, not two.
   crop_key, mix_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
   images = _augmented(crop_key, batch["image"], spec)
   targets, mask = batch["label"], batch["mask"]
@@ -271,6 +273,7 @@ def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
     gammas), per-example outputs of `train_step`).
   """
   del loss_hparams
+  batch = readers.gathered(batch)
   crop_key, _ = jax.random.split(jax.random.fold_in(state.rng, state.step))
   images = _augmented(crop_key, batch["image"], spec)
   labels, mask = batch["label"], batch["mask"]

@@ -11,6 +11,7 @@ before the workdir is touched; an epoch that learns nothing stops the run.
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -80,8 +81,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   run = _setup(config, workdir)
   chooser = selector.Selector(config, run.readers["train"], run.mesh)
   train_fn = _jit_train_step(config, run.model, run.tx, chooser.weighted)
-  run.epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
-                                 config.budget_steps)
+  # The one change to the Run after _setup (only the selector knows the epochs' sizes).
+  run = dataclasses.replace(run, epoch_steps=_epoch_steps(
+      [chooser.steps_in_epoch(e) for e in range(config.num_epochs)], config.budget_steps))
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(run.start_epoch)
@@ -103,12 +105,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                     run.partial if epoch == run.start_epoch else None, weights)
         train_start = time.perf_counter()
         with progress.timed("train", wait_jax_async_dispatch=False):
-          state, record, order, per_example = epoch_loop.train_epoch(run, train_fn, state,
-                                                                     plan, hooks)
+          result = epoch_loop.train_epoch(run, train_fn, state, plan, hooks)
+        state = result.state
+        if result.partial is not None:  # Preempted mid-epoch: save its steps, then stop.
+          step = epoch_loop.save_checkpoint(run, state, selection_state, epoch, result.partial,
+                                            result.epoch_step)
+          epoch_loop.stop_preempted(run, step, epoch, result.epoch_step, guard.signal_name)
         timings["training_seconds"] = time.perf_counter() - train_start
         selection_state, selection_record = chooser.after_epoch(
-            epoch, selection_state, order, per_example, timings, workdir)
-        record.update(selection_record)
+            epoch, selection_state, result.order, result.per_example, timings, workdir)
+        record = {**result.record, **selection_record}
         last, logits = epoch + 1 == run.num_epochs, None
         if last:  # Committed before the report: a report that fails loses no training.
           logits = evaluation.final_logits(run, state)  # Non-finite: stops, nothing saved.
@@ -122,9 +128,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if epoch == run.start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
         if not last and (run_context.due(epoch, config.checkpoint_every_epochs,
-                                         run.num_epochs) or hooks.stop_after_epoch):
+                                         run.num_epochs) or result.stop_requested):
           step = epoch_loop.save_checkpoint(run, state, selection_state, epochs_done=epoch + 1)
-        if hooks.stop_after_epoch and epoch + 1 < run.num_epochs:
+        if result.stop_requested and epoch + 1 < run.num_epochs:
           epoch_loop.stop_preempted(run, step, epoch + 1, 0, guard.signal_name)
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
@@ -188,13 +194,11 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
   tx = optim.create_optimizer(config.optimizer)
-  initial = {"train": steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx,
-                                               data.image_shape, mesh,
-                                               run_state.meta_parts(config)),
-             "selection": sharding.replicate(mesh, bookkeeping.initial_state_of(
-                 config.dataset, config.selection)),
-             "partial": sharding.replicate(mesh, run_state.empty_partial(config.dataset,
-                                                                         config.batch_size))}
+  initial = run_state.checkpoint_tree(
+      steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx, data.image_shape,
+                               mesh, run_state.meta_parts(config)),
+      bookkeeping.initial_state_of(config.dataset, config.selection),
+      run_state.empty_partial(config.dataset, config.batch_size), mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
@@ -203,7 +207,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
              eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
              meta.get("epoch", 0),
-             epoch_loop.partial_from_checkpoint(saved["partial"], meta, config),
+             run_state.partial_from_checkpoint(saved["partial"], meta.get("epoch_step", 0),
+                                               config.batch_size),
              compilation_cache=cache_dir)
 
 

@@ -23,6 +23,9 @@
 Every reader gives the same batch dict (image, label, id, mask, and weight when
 given), bit for bit, so the steps cannot tell them apart. `batch` builds one
 batch; `batches` a sequence of them (close the generator when leaving it early).
+`train_batches` is `batches` for the train step: the device reader's leave the gather to
+the step (a `RowsToGather` under "gather", which the step's `gathered` turns into the same
+batch inside its own program: one dispatch a step instead of a gather and a step).
 `input_pipeline.load` builds a run's readers.
 
 Device prefetch (host and stream readers): `batches` builds the next `prefetch_depth`
@@ -34,6 +37,7 @@ none.
 """
 
 from collections.abc import Iterator, Mapping
+import dataclasses
 import functools
 import logging
 import math
@@ -89,6 +93,12 @@ class HostReader:
     host stage's reader uses (in-memory images are augmented on the device)."""
     del epoch
     return prefetched(self._batches(row_blocks, masks, row_weights), self.prefetch_depth)
+
+  def train_batches(self, row_blocks: np.ndarray, row_weights: np.ndarray | None = None,
+                    epoch: int | None = None) -> Iterator[dict[str, Any]]:
+    """The train step's `batches` of `row_blocks` (no masks: every training row is real);
+    each a batch, or (device reader) what the step gathers it from (`gathered`)."""
+    return self.batches(row_blocks, row_weights=row_weights, epoch=epoch)
 
   def _batches(self, row_blocks, masks, row_weights) -> Iterator[dict[str, jax.Array]]:
     for s, rows in enumerate(row_blocks):
@@ -186,6 +196,31 @@ def _gather_block(out_sharding, arrays: dict[str, jax.Array], blocks: dict[str, 
                          for key, value in small.items()}}
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowsToGather:
+  """Batch `index` of an epoch's row `blocks`, still to gather from the device-resident split
+  `arrays` (`DeviceReader.train_batches`): a jitted step gathers it in its own program."""
+  arrays: dict[str, jax.Array]  # The split on every device: image, label, id.
+  blocks: dict[str, jax.Array]  # [S, B] row (and mask, weight) of the epoch's batches.
+  index: np.ndarray  # int32 scalar: which of the S batches.
+  out_sharding: jax.sharding.NamedSharding = dataclasses.field(metadata={"static": True})
+
+
+def gathered(batch: dict[str, Any]) -> dict[str, jax.Array]:
+  """`batch` with its "gather" entry (a `RowsToGather`), if any, replaced by the batch it
+  names: inside a jitted step, the same gather `DeviceReader.batches` dispatches alone."""
+  if "gather" not in batch:
+    return batch
+  rest = dict(batch)
+  rows = rest.pop("gather")
+  # The barrier keeps XLA from fusing the gather into each of its consumers (augmentation,
+  # labels, ids), which repeats it in each: the batch is gathered once, as a separate gather
+  # dispatch gives it (measured on CPU: without it the fused step cost more than the two).
+  return {**jax.lax.optimization_barrier(
+      _gather_block(rows.out_sharding, rows.arrays, rows.blocks, rows.index)), **rest}
+
+
 class DeviceReader(HostReader):
   """Rows of `split` gathered on the devices from a copy of the split on each of them."""
   kind = "device"
@@ -208,16 +243,38 @@ class DeviceReader(HostReader):
     then one gather dispatched on the devices (no host work per batch but the dispatch)."""
     if len(row_blocks) == 0:
       return
+    blocks = self._blocks(row_blocks, masks, row_weights)
+    out_sharding = sharding.batch_sharded(self.mesh)
+    for s in range(len(row_blocks)):
+      yield _gather_block(out_sharding, self._arrays, blocks, np.int32(s))
+
+  def train_batches(self, row_blocks, row_weights=None, epoch=None):
+    """No gather here: each item names its batch ({"gather": RowsToGather}), and the train
+    step gathers it (`gathered`), saving a dispatch a step."""
+    del epoch
+    if len(row_blocks) == 0:
+      return
+    # The blocks are an argument of the step: padded to the longest epoch's number of steps
+    # (all rows), so that epochs of every size (a subset, infobatch, a resumed remainder)
+    # share one compiled step. The padding's rows are never gathered.
+    padded = np.zeros((max(-(-len(self) // row_blocks.shape[1]), len(row_blocks)),
+                       row_blocks.shape[1]), row_blocks.dtype)
+    padded[:len(row_blocks)] = row_blocks
+    blocks = self._blocks(padded, None, row_weights)
+    out_sharding = sharding.batch_sharded(self.mesh)
+    for s in range(len(row_blocks)):
+      yield {"gather": RowsToGather(self._arrays, blocks, np.int32(s), out_sharding)}
+
+  def _blocks(self, row_blocks: np.ndarray, masks: np.ndarray | None,
+              row_weights: np.ndarray | None) -> dict[str, jax.Array]:
+    """The [S, B] rows, masks and weights of `row_blocks` on the devices, in one transfer."""
     local = sharding.process_rows(self.mesh, row_blocks.shape[1])
     small = {"row": np.asarray(row_blocks[:, local], np.int32),
              "mask": (np.ones(row_blocks[:, local].shape, np.float32) if masks is None
                       else np.asarray(masks[:, local], np.float32))}
     if row_weights is not None:
       small["weight"] = np.asarray(row_weights[row_blocks[:, local]], np.float32)
-    blocks = sharding.to_global_blocks(self.mesh, small, row_blocks.shape[1])
-    out_sharding = sharding.batch_sharded(self.mesh)
-    for s in range(len(row_blocks)):
-      yield _gather_block(out_sharding, self._arrays, blocks, np.int32(s))
+    return sharding.to_global_blocks(self.mesh, small, row_blocks.shape[1])
 
 
 class RowImages(Protocol):
