@@ -23,7 +23,8 @@ from tests.helpers import run_processes
 # after orbax closed its private asyncio loop; their callbacks then raise "Event loop is
 # closed" into sys.unraisablehook, and their abandoned read coroutines raise when garbage
 # collected (harmless noise, outside cpjax). Only those two are ignored, and the garbage is
-# collected at the end of each test here, not in whichever test of the suite runs next.
+# collected here, once after this module's tests (a full collection of the suite's heap takes
+# about half a second), not in whichever test of the suite runs next.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:(?s)Exception ignored in.*Event loop is closed"
                                ":pytest.PytestUnraisableExceptionWarning"),
@@ -32,7 +33,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _collect_abandoned_reads():
   yield
   gc.collect()

@@ -44,6 +44,7 @@ def _compiled_steps(preset: str, config, model, tx, state, batch, extra_options)
           eval_fn.lower(state, batch).compile())
 
 
+@pytest.mark.slow  # Six step compiles, one at -O3.
 def test_tuned_steps_match_xla_defaults_on_a_conv_net():
   """One SGD step and one eval pass of the tiny conv net (a strided conv, BN) under both
   presets, and under the tuned preset at the optimisation level users get (the suite's

@@ -258,6 +258,7 @@ def _run_main_fast(tmp_path, *flags):
                         env=subprocess_env(1), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # A main.py process.
 def test_a_bad_config_prints_its_problem_alone_and_exits_with_a_usage_status(tmp_path):
   # "--config.num_epochs 0" (space, not "="): absl's flag form reaches the config too.
   result = _run_main_fast(tmp_path, "--config.num_epochs", "0")

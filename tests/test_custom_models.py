@@ -101,6 +101,7 @@ def test_training_runs_with_a_users_module(tmp_path):
   assert shapes == jax.tree.map(lambda a: a.shape, alone["params"])
 
 
+@pytest.mark.slow  # A main.py process.
 def test_main_refuses_a_bad_module_before_touching_the_workdir(tmp_path):
   workdir = str(tmp_path / "run")
   result = helpers.run_main(workdir, "--config.model.name=tests.toy_models:WrongClasses")

@@ -24,6 +24,7 @@ def _module(module: str, *args: str, timeout: int = 300) -> subprocess.Completed
   return result
 
 
+@pytest.mark.slow  # Each smoke run is a `python -m` process.
 def test_metrics_speed_smoke(tmp_path):
   out = tmp_path / "metrics_speed.json"
   stdout = _module("benchmarks.metrics_speed", "--n=300", "--k=5", "--resamples=10",
@@ -42,6 +43,7 @@ def _write_jsonl(path, records):
   path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+@pytest.mark.slow
 def test_compare_metrics_finds_exactly_the_changed_field(tmp_path):
   """Timing fields are ignored, null and NaN both mean "no number", one changed value counts."""
   base = [{"epoch": 0, "train_loss": 0.5, "val_ece": None, "train_seconds": 1.0},
@@ -58,6 +60,7 @@ def test_compare_metrics_finds_exactly_the_changed_field(tmp_path):
   assert "epoch 1 val_ece: 0.125 vs 0.25" in result.stdout and "1 differences" in result.stdout
 
 
+@pytest.mark.slow
 def test_grad_norm_regrouping_smoke():
   stdout = _module("scripts.grad_norm_regrouping", "--config=configs/test.py", "--steps=2").stdout
   differences = re.findall(r"^step (\d+): max relative parameter difference (\S+)$", stdout,
@@ -66,6 +69,7 @@ def test_grad_norm_regrouping_smoke():
   assert all(0.0 <= float(value) < 1e-3 for _, value in differences), stdout
 
 
+@pytest.mark.slow
 def test_write_array_records_reads_back_the_config_splits(tmp_path):
   out = tmp_path / "stream"
   stdout = _module("scripts.write_array_records", "--config=configs/test.py", f"--out={out}",
@@ -82,6 +86,7 @@ def test_write_array_records_reads_back_the_config_splits(tmp_path):
     np.testing.assert_array_equal(images, split.images[rows])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, flag", [
     ("studies.losses", "--out"), ("studies.prioritization", "--out"),
     ("studies.selection", "--out"), ("studies.meta_calibration", "--out"),
@@ -98,10 +103,12 @@ def test_long_entry_points_start(module, flag):
   assert flag in _module(module, "--help").stdout
 
 
+@pytest.mark.slow
 def test_registry_tables_find_the_docs_up_to_date():
   assert "up to date" in _module("scripts.registry_tables", "--check").stdout
 
 
+@pytest.mark.slow
 def test_the_own_loop_example_starts():
   """Run for a few epochs in tests/test_library.py; here its command line."""
   assert "--epochs" in _module("examples.own_loop", "--help").stdout
@@ -125,6 +132,7 @@ def test_every_entry_point_has_a_smoke_test():
       assert f'"{module}"' in tested, f"{module} has no smoke test"
 
 
+@pytest.mark.slow
 def test_posthoc_fits_times_every_map_and_the_table():
   result = _module("benchmarks.posthoc_fits", "--val=300", "--test=300", "--classes=4")
   assert result.returncode == 0, result.stderr[-2000:]

@@ -416,6 +416,7 @@ def test_a_workdir_turning_read_only_mid_run_ends_in_one_fatal_line(tmp_path):
   assert not [n for n in os.listdir(workdir) if ".tmp" in n]
 
 
+@pytest.mark.slow  # Two main.py processes.
 def test_a_missing_config_file_is_one_line_and_exit_status_2(tmp_path):
   """As an unknown field is: one line naming the file and the configs there are, exit 2
   (a usage error), no traceback, no workdir."""

@@ -212,6 +212,7 @@ def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_
       assert all(np.isfinite(numbers)), record
 
 
+@pytest.mark.slow  # A main.py process each.
 @pytest.mark.parametrize("override", [("--config.foo=1",), ("--config.foo", "1")])
 def test_an_unknown_override_fails_in_one_line_without_creating_the_workdir(tmp_path, override):
   result = subprocess.run(main_command(str(tmp_path / "w"), *override), cwd=REPO,

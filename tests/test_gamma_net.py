@@ -142,6 +142,7 @@ def _meta_loss(phi, state, model, net, spec, batch, lr, objective):
   return objective(gamma_net.head_logits(meta_features, head), batch["meta_label"])
 
 
+@pytest.mark.slow  # Each compiles FL_gamma's meta step (a look-ahead through the backbone).
 @pytest.mark.parametrize("objective", ["dece", "sece"])
 def test_meta_gradient_matches_finite_differences(objective, digits):
   """With meta_tx = SGD(1), the step moves phi by exactly -grad M(phi): compared with central
@@ -169,6 +170,7 @@ def test_meta_gradient_matches_finite_differences(objective, digits):
     assert analytic == pytest.approx(numeric, rel=0.05, abs=2e-5)
 
 
+@pytest.mark.slow  # Two meta steps and a train step compiled.
 def test_backbone_update_is_plain_focal_with_the_new_gammas_unless_leaking(digits):
   """No leak: theta moves exactly as `train_step` moves it on FL with gamma-Net's gammas
   (from the updated phi) as per-example constants. With the reference's leak, it does not."""
@@ -202,6 +204,7 @@ def test_backbone_update_is_plain_focal_with_the_new_gammas_unless_leaking(digit
   assert max(differences) > 1e-6  # The meta-gradient reached theta.
 
 
+@pytest.mark.slow  # The meta step compiled for 1 and for 8 devices.
 def test_meta_step_is_the_same_on_one_and_eight_devices(digits):
   results = []
   for devices in (jax.devices()[:1], jax.devices()[:8]):

@@ -56,6 +56,7 @@ def _imagenet_shaped(root: str) -> str:
   return root
 
 
+@pytest.mark.slow  # A whole training run.
 def test_the_imagenet_pipeline_end_to_end_with_a_tiny_model(tmp_path):
   folder = _imagenet_shaped(str(tmp_path / "imagenet"))
   config = imagenet.get_config()

@@ -132,6 +132,7 @@ def _mock_cifar(self, split, **unused):
       "label": rng.integers(0, 10, n), "id": ids})
 
 
+@pytest.mark.slow  # 60,000 mock rows through tfds.
 def test_cifar_builder_path_on_tfds_mock_data(tmp_path):
   """tfds's own cifar10 builder read through our pipeline, on MOCK data
   (tfds.testing.mock_data): this checks code paths only."""

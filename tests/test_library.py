@@ -76,6 +76,7 @@ def test_a_budget_schedule_selects_the_trainers_ids(method):
                                   want[epoch][0], err_msg=f"{method} epoch {epoch}")
 
 
+@pytest.mark.slow  # Trains the example for 3 epochs.
 def test_the_own_loop_example_selects_what_the_trainer_selects():
   """examples/own_loop.py, 3 epochs: its top-k entropy subsets are the trainer's for the
   scores its train step recorded, and by hand the 30 % highest of those scores."""

@@ -130,7 +130,13 @@ LOSS_FNS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(set(LOSS_FNS) - {"ce_sece"}))
+def _dece_slow(names):
+  """ce_dece (15 steep soft bins) compiles the slowest gradient of all: `slow`. Its values
+  stay in the fast set (test_spec_check_values_brier_mbls_mmce_dece, the NumPy references)."""
+  return [pytest.param(n, marks=pytest.mark.slow) if n == "ce_dece" else n for n in names]
+
+
+@pytest.mark.parametrize("name", _dece_slow(sorted(set(LOSS_FNS) - {"ce_sece"})))
 def test_gradients_match_finite_differences(name):
   z = jnp.array(np.random.default_rng(1).normal(0, 1, (6, 4)), jnp.float32)
   y = jnp.array([0, 1, 2, 3, 0, 1])
@@ -140,7 +146,7 @@ def test_gradients_match_finite_differences(name):
   check_grads(fn, (z,), order=1, modes=["rev"], eps=eps, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("name", sorted(LOSS_FNS))
+@pytest.mark.parametrize("name", _dece_slow(sorted(LOSS_FNS)))
 @pytest.mark.parametrize("margin", [50.0, 100.0])
 def test_extreme_margins_are_finite(name, margin):
   z = jnp.array([[margin, 0.0, 0.0], [0.0, margin, 0.0], [0.0, 0.0, -margin]])
@@ -200,6 +206,7 @@ JITTED_LOSS_FNS = {name: jax.jit(fn) for name, fn in LOSS_FNS.items()}
 
 
 # Shapes from a few values: every new shape compiles every loss again (minutes in all).
+@pytest.mark.slow  # Every loss compiled at 4 shapes.
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([1, 12]), st.sampled_from([2, 7]), st.integers(0, 2**31 - 1),
        st.floats(0.1, 30.0))
@@ -249,6 +256,7 @@ def fixed_batch():
   return mesh, sharding.to_global(mesh, host, 32)
 
 
+@pytest.mark.slow  # A train step compiled per registered loss.
 @pytest.mark.parametrize("name", sorted(n for n, s in losses.LOSSES.items()
                                          if s.meta_objective is None))
 def test_every_registered_loss_lowers_its_loss_in_jitted_train_steps(name, fixed_batch):

@@ -27,6 +27,7 @@ def mesh():
   return sharding.create_mesh()
 
 
+@pytest.mark.slow  # Lowers whole train/score/eval steps of ResNet-18 and small_cnn (20 cases).
 @pytest.mark.parametrize("kind", lowering.KINDS)
 @pytest.mark.parametrize("dtype", lowering.DTYPES)
 @pytest.mark.parametrize("model_name", ["resnet18", "small_cnn"])
@@ -34,6 +35,7 @@ def test_step_lowers_for_gpu_and_tpu(mesh, model_name, dtype, kind):
   _check_lowers(lowering.build_step(kind, model_name, dtype, "digits", BATCH, mesh), kind, dtype)
 
 
+@pytest.mark.slow  # ResNet-50 steps at 224 px.
 @pytest.mark.parametrize("kind", ["train", "score", "eval"])
 def test_imagenet_resnet50_at_224_lowers_for_gpu_and_tpu(mesh, kind):
   """ResNet-50 with the ImageNet stem on 224 px images, bfloat16 compute, as an ImageNet
@@ -74,6 +76,7 @@ def _resnet50_imagenet_multiply_adds(side, classes, padding_counts=False):
   return total + channels * classes
 
 
+@pytest.mark.slow
 def test_imagenet_resnet50_eval_flops_match_a_layer_by_layer_count(mesh):
   """XLA's cost analysis of the eval step at 224 px is 2 FLOPs per multiply-add of the
   convolutions and the head, counted here layer by layer (padding excluded, as XLA counts

@@ -196,6 +196,7 @@ def test_bootstrap_matches_scipy_stats_bootstrap(kind):
   assert ours.high == pytest.approx(theirs.confidence_interval.high, rel=1e-12)
 
 
+@pytest.mark.slow  # Python-loop references on 10,000 rows.
 def test_metrics_on_10000_by_100_match_the_loop_references():
   # The vectorised metrics at a realistic size (their cost is tracked in
   # benchmarks/, never timed here) agree with the slow loops above.
@@ -297,6 +298,7 @@ def _brute_force_smooth_ece(conf, correct):
   return smece(s_star)
 
 
+@pytest.mark.slow  # A brute-force evaluation of the definition.
 @pytest.mark.parametrize("seed", [0, 1])
 def test_smooth_ece_matches_a_brute_force_evaluation_of_the_definition(seed):
   rng = np.random.default_rng(seed)

@@ -73,6 +73,7 @@ def count_params(name, shape, classes=10):
   return sum(x.size for x in jax.tree.leaves(variables["params"]))
 
 
+@pytest.mark.slow  # Traces 8 ResNets (test_published_counts keeps two of them fast).
 @pytest.mark.parametrize("name, expected", [
     ("resnet18", kuangliu_resnet((2, 2, 2, 2), basic, 1)),
     ("resnet34", kuangliu_resnet((3, 4, 6, 3), basic, 1)),
@@ -163,6 +164,7 @@ def block_outputs(name, side, dtype="float32", classes=1000):
   return logits, features, [out["__call__"][0] for _, out in blocks], variables
 
 
+@pytest.mark.slow  # ImageNet ResNets run at 224 and 64 px.
 @pytest.mark.parametrize("name, width, n_blocks", [("resnet18_imagenet", 512, 8),
                                                    ("resnet34_imagenet", 512, 16),
                                                    ("resnet50_imagenet", 2048, 16)])
@@ -176,6 +178,7 @@ def test_imagenet_resnets_downsample_32x(name, width, n_blocks, side):
   assert blocks[-1].shape == (2, side // 32, side // 32, width)
 
 
+@pytest.mark.slow  # Runs every registered ResNet.
 @pytest.mark.parametrize("name", sorted(n for n, s in models.MODELS.items()
                                         if getattr(s.constructor, "func", None) is nets.ResNet))
 def test_declared_downsampling_of_every_resnet_is_measured(name):

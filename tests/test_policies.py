@@ -121,6 +121,7 @@ def test_mixed_takes_the_top_and_a_random_rest():
       subsets.select_top_k(scores, ids, 20).tolist())
 
 
+@pytest.mark.slow  # 6,000 draws.
 def test_sampled_inclusion_follows_the_gumbel_max_closed_form():
   """k = 1: the Gumbel-max theorem gives P(i) = softmax(score / T)_i exactly."""
   scores, ids, temperature = np.array([0.0, 0.5, 1.0, 2.0]), np.arange(4), 0.7

@@ -143,6 +143,7 @@ def test_saturated_logits_give_finite_normalised_log_probabilities(method):
     np.testing.assert_allclose(np.exp(out).sum(1), 1.0, atol=1e-9)
 
 
+@pytest.mark.slow  # Cross-validated fits of every map.
 def test_cross_validation_picks_the_lowest_held_out_nll():
   z, y = _data(5, n=400)
   calibrator = posthoc.fit("matrix_scaling", z, y, folds=4, seed=3)

@@ -116,6 +116,7 @@ def test_fits_match_a_converged_scipy_reference_k100(method):
   # in a weight, so the parameters are not compared; the objective and gradient are.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling"])
 def test_hessian_vector_product_matches_jax(method):
   import jax  # pylint: disable=g-import-not-at-top  (x64 only inside this test)
@@ -136,6 +137,7 @@ def test_hessian_vector_product_matches_jax(method):
     np.testing.assert_allclose(ours[name], np.asarray(ref[name]), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow  # Two fits to convergence per map.
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling", "dirichlet"])
 def test_fitted_map_is_stable_under_rounding_level_changes(method):
   z, y = _generated(5, 600, 10)
@@ -155,6 +157,7 @@ def metrics_nll(log_p, labels):
   return -np.mean(log_p[np.arange(len(labels)), labels])
 
 
+@pytest.mark.slow  # A cross-validated fit per map.
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling", "dirichlet"])
 def test_test_nll_is_no_worse_than_no_map_on_calibrated_data(method):
   # Generated calibrated logits (labels drawn from softmax(z)): no map can help, and with a

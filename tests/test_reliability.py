@@ -81,6 +81,7 @@ def test_a_failing_report_keeps_the_last_epoch_and_evaluate_finishes_it(tmp_path
   assert checkpoint_steps(workdir) == [STEPS_PER_EPOCH, last]
 
 
+@pytest.mark.slow  # Builds a whole report.
 def test_report_json_is_strict_with_null_for_undefined_values(tmp_path):
   values = {"a": float("nan"), "b": [np.float32(1.5), np.inf, -np.inf], "c": np.int64(3),
             "d": {"e": np.array([0.25, np.nan])}, "f": True, "g": "text", "h": None}
@@ -168,6 +169,7 @@ def _fails_at_start_up(config, workdir: str, *expected: str, checks_only: bool =
   return str(info.value)
 
 
+@pytest.mark.slow  # A main.py process.
 def test_cifar10_without_cifar_or_svhn_fails_at_start_up_in_seconds(tmp_path):
   """configs/cifar10.py on a machine without CIFAR-10 and SVHN, run as a user runs it: one
   line for each, the second naming --config.evaluation.ood="" to skip the OOD set; the
@@ -574,6 +576,7 @@ def test_a_checkpoint_of_8_devices_resumes_on_4_and_2_and_is_refused_on_3(select
     _assert_same_run(selected_run.workdir, workdir)
 
 
+@pytest.mark.slow  # Builds a whole report.
 def test_posthoc_table_intervals_follow_calibrator_resamples():
   rng = np.random.default_rng(1)
   logits, labels = rng.normal(size=(150, 4)) * 2, rng.integers(0, 4, 150)

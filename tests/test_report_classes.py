@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from cpjax.calibration import report
 from tests.helpers import tiny_config
@@ -20,6 +21,7 @@ def _built() -> dict:
                              tiny_config().evaluation)
 
 
+@pytest.mark.slow  # Builds a whole report (every metric, bootstrap and calibrator) twice.
 def test_the_report_lists_the_classes_of_classes_json_and_keeps_its_numbers(tmp_path):
   built = _built()
   plain = report.write_report(str(tmp_path / "plain" / "report"), built)

@@ -119,6 +119,7 @@ _PLAIN_SGD = {"dataset.crop_padding": 0, "optimizer.momentum": 0.0,  # No augmen
               "optimizer.weight_decay": 0.0}  # the update is -lr * gradient.
 
 
+@pytest.mark.slow  # Two train steps compiled.
 def test_weighted_step_with_unit_weights_is_the_unweighted_step(digits):
   rows = np.arange(64)
   results = []
@@ -161,6 +162,7 @@ def test_weighted_step_descends_the_hand_written_weighted_loss(digits, reduction
   assert m["grad_norm"] == pytest.approx(_numpy_global_norm(grads), rel=1e-4)
 
 
+@pytest.mark.slow  # Compiled for 1 and for 8 devices.
 def test_one_and_eight_devices_give_the_same_loss_and_gradients(digits):
   config = tiny_config()
   rows = np.arange(64)
@@ -183,6 +185,7 @@ def test_one_and_eight_devices_give_the_same_loss_and_gradients(digits):
                grads1, grads8)
 
 
+@pytest.mark.slow  # Compiled for 1, 2 and 8 devices.
 def test_full_train_step_matches_across_device_counts(digits):
   """The whole step (augmentation, BatchNorm, optimizer) is device-count invariant."""
   config = tiny_config()
@@ -219,6 +222,7 @@ def test_predict_sees_every_id_once_and_scores_are_the_entropy_of_eval_logits(di
   np.testing.assert_allclose(got, _numpy_entropy(logits), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_train_step_never_mutates_its_inputs(digits):
   """The step leaves the state, batch and hyper-parameters it was given as they were: in
   particular the learning rate it injects goes into a new opt_state, not the input's."""

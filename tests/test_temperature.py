@@ -16,7 +16,9 @@ def _calibrated(seed, n=4000, k=10):
 
 
 @pytest.mark.parametrize("true_t", [0.5, 2.0, 3.5])
-@pytest.mark.parametrize("method", temperature.METHODS)
+# L-BFGS on the NLL takes seconds a fit: slow; the grid methods stay in the fast set.
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m == "lbfgs_nll"
+                                    else m for m in temperature.METHODS])
 def test_recovers_known_temperature(true_t, method):
   z, labels = _calibrated(0)
   fit = temperature.fit_temperature(z * true_t, labels, method=method)
