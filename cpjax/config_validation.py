@@ -353,7 +353,7 @@ def _model_size_warnings(config: ml_collections.ConfigDict) -> list[str]:
   return [f"config.model.name={spec.name!r} downsamples x{spec.downsampling} (made for "
           f"{spec.image_size} px images); the {side} px images of {config.dataset.name!r} "
           "reach its last stages as 1x1 maps, mostly padding: a model made for small images "
-          "(see the README's model table) may do better"]
+          "(docs/models.md lists each one's input size) may do better"]
 
 
 def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:

@@ -1,5 +1,5 @@
 """Model shapes and parameter counts, against counts derived by hand from layer shapes;
-the registry against the README; the ImageNet stem against a NumPy forward."""
+the registry against docs/models.md; the ImageNet stem against a NumPy forward."""
 
 import os
 import re
@@ -246,13 +246,13 @@ def test_registry_keeps_every_earlier_name_and_each_entry_is_its_own_name():
     models.MODELS["tiny"].image_size = 1
 
 
-def test_readme_model_table_is_the_registry():
-  with open(os.path.join(helpers.REPO, "README.md"), encoding="utf-8") as f:
-    readme = f.read()
+def test_docs_model_table_is_the_registry():
+  with open(os.path.join(helpers.REPO, "docs", "models.md"), encoding="utf-8") as f:
+    page = f.read()
   table = models.markdown_table()
   names = re.findall(r"^\| `([^`]+)` \|", table, re.MULTILINE)
   assert names == list(models.MODELS)
-  assert table in readme, f"README.md's model table is out of date; it should read:\n{table}"
+  assert table in page, f"docs/models.md's model table is out of date; it should read:\n{table}"
 
 
 def test_unknown_model_name_gets_did_you_mean_and_the_choices():

@@ -1,7 +1,7 @@
 """The registered models: one `ModelSpec` per `config.model.name`, its settings beside it.
 
 `MODELS` is the single list the rest of cpjax reads: config validation takes the valid
-names and the did-you-mean hint from it (`name_problem`), and the README's model table is
+names and the did-you-mean hint from it (`name_problem`), and docs/models.md's table is
 `markdown_table()` (tests/test_models.py checks that they agree). A name of the form
 "package.module:ClassName" is not registered: it is a user's own Flax module
 (cpjax.models.custom; docs/extending.md#add-a-model).
@@ -114,7 +114,7 @@ def create_model(name: str, num_classes: int, dtype: str = "float32") -> nn.Modu
 
 
 def markdown_table() -> str:
-  """The README's model table, one row per registered model, in registration order."""
+  """docs/models.md's model table, one row per registered model, in registration order."""
   rows = ["| name | designed for | downsampling | model |", "|---|---|---|---|"]
   rows += [f"| `{s.name}` | {s.image_size} px | x{s.downsampling} | {s.doc} |"
            for s in _SPECS]
