@@ -263,6 +263,53 @@ def frontier_answers(summary: dict) -> dict:
   return out
 
 
+def verdicts(summary: dict, chosen: Arm | None) -> dict:
+  """The chosen arm's later tiers against full data of the same regime and seeds: C
+  (untouched seeds: the lossless-at-half verdict), D (per-seed label noise), E (30 epochs).
+  Each with its seeds, saving in passes, paired TOST and whether it is complete; C's
+  `met`: complete, lossless and at least 50 % fewer passes."""
+  if chosen is None:
+    return {}
+  out = {}
+  for key, name, seeds in (("untouched", f"{chosen.name}@confirm", CONFIRM_SEEDS),
+                           ("noisy", f"noisy_{chosen.name}@confirm", CONFIRM_SEEDS),
+                           ("epochs_30", f"{chosen.name}_e30", SEARCH_SEEDS)):
+    row = summary.get(name)
+    if row is None or "vs_full" not in row:
+      continue
+    vs = row["vs_full"]
+    out[key] = {"arm": name, "seeds": vs["seeds"], "complete": tuple(vs["seeds"]) == seeds,
+                "saving": 1 - row["passes_share"], **vs}
+  if "untouched" in out:
+    u = out["untouched"]
+    u["met"] = bool(u["complete"] and u["lossless"] and u["saving"] >= 0.5)
+  return out
+
+
+def _verdict_line(label: str, v: dict) -> str:
+  seeds = ",".join(map(str, v["seeds"]))
+  status = "" if v["complete"] else " (incomplete: more seeds to run)"
+  why = ("lossless" if v["lossless"] else
+         "not lossless: mean below -0.1" if v["equivalent"] else "not lossless")
+  return (f"- {label}: `{v['arm']}`, {100 * v['saving']:.0f} % fewer passes, seeds {seeds}: "
+          f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] points vs full data, "
+          f"{equivalence.describe(v)}; {why}{status}")
+
+
+def verdict_lines(found: dict) -> list[str]:
+  """The markdown section answering: lossless at >= 50 % fewer passes on untouched seeds?"""
+  lines = ["", "## Lossless at half the passes or fewer, on untouched seeds?", ""]
+  if "untouched" not in found:
+    return lines + ["Not answered yet: the confirmation runs (tier C) have not finished."]
+  u = found["untouched"]
+  answer = ("met" if u["met"] else "not decided yet" if not u["complete"] else "missed")
+  lines.append(f"**{answer[0].upper() + answer[1:]}.**")
+  labels = {"untouched": "untouched seeds, clean labels (the test)",
+            "noisy": "20 % label noise, one noise draw per seed",
+            "epochs_30": "30-epoch schedule (search seeds), vs full data on 30 epochs"}
+  return lines + [_verdict_line(labels[k], v) for k, v in found.items()]
+
+
 # ---------------------------------------------------------------------------------------------
 # Outputs.
 
@@ -299,6 +346,7 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict) ->
             (f"`{chosen.name}` (highest mean validation accuracy among tier A's arms at no more "
              "than half of full data's passes)." if chosen else
              "Not chosen yet: tier A has not finished.")]
+  lines += verdict_lines(verdicts(summary, chosen))
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
   return "\n".join(lines) + "\n"
@@ -356,7 +404,8 @@ def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str
           for name, r in results.items()}
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"summary": summary, "frontier": frontier_answers(summary),
-               "chosen": chosen.name if chosen else None, "margin": MARGIN,
+               "chosen": chosen.name if chosen else None,
+               "verdicts": verdicts(summary, chosen), "margin": MARGIN,
                "runs": slim, "failures": failures}, f, indent=1,
               default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
   with open(os.path.join(out, "summary.md"), "w") as f:

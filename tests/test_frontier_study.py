@@ -66,9 +66,9 @@ def test_rising_schedule_keeps_the_budget_on_average(budget):
   assert 0.05 <= start < end <= 1.0
 
 
-def _result(values, passes, val=None):
-  seeds = range(len(values))
-  return {"seed_index": {s: s for s in seeds}, "accuracy": list(values),
+def _result(values, passes, val=None, seeds=None):
+  seeds = range(len(values)) if seeds is None else seeds
+  return {"seed_index": {s: i for i, s in enumerate(seeds)}, "accuracy": list(values),
           "val_accuracy": list(val if val is not None else values),
           "passes": [passes] * len(values), "ece": [0.0] * len(values)}
 
@@ -104,6 +104,32 @@ def test_summary_pairs_by_seed_and_finds_the_largest_lossless_saving():
   answers = frontier.frontier_answers(summary)
   assert answers["p"]["arm"] == "p-45" and answers["p"]["saving"] == pytest.approx(0.52)
   assert answers["q"] is None
+
+
+def _confirmation(differences, seeds=frontier.CONFIRM_SEEDS):
+  """Summary and chosen arm with a tier-C arm `differences` from full data on `seeds`."""
+  chosen = frontier.Arm("p-45", "p", {}, "A", 45)
+  arms = [frontier.Arm("full@confirm", "full", {}, "C", seeds=seeds),
+          frontier.Arm("p-45@confirm", "p", {}, "C", 45, seeds=seeds)]
+  full = [0.920, 0.918, 0.925, 0.921, 0.919][:len(seeds)]
+  results = {"full@confirm": _result(full, 100.0, seeds=seeds),
+             "p-45@confirm": _result(np.add(full, differences), 47.75, seeds=seeds)}
+  return frontier.verdicts(frontier.summarise(arms, results), chosen)
+
+
+def test_the_half_compute_verdict_needs_five_untouched_seeds_equivalence_and_the_mean():
+  # Differences in accuracy (0.0001 = 0.01 points). Tight around +0.002 points: met.
+  found = _confirmation([-0.0005, 0.0003, 0.0001, -0.0002, 0.0004])["untouched"]
+  assert found["complete"] and found["lossless"] and found["met"]
+  assert found["saving"] == pytest.approx(0.5225) and found["seeds"] == [3, 4, 5, 6, 7]
+  # Tight around -0.12 points: equivalent at +-0.2, but the mean is below -0.1: missed.
+  found = _confirmation([-0.0011, -0.0013, -0.0012, -0.0012, -0.0012])["untouched"]
+  assert found["equivalent"] and not found["lossless"] and not found["met"]
+  # The same good differences on seeds 3-5 only: undecided, not met.
+  found = _confirmation([-0.0005, 0.0003, 0.0001], seeds=(3, 4, 5))["untouched"]
+  assert found["lossless"] and not found["complete"] and not found["met"]
+  lines = frontier.verdict_lines({"untouched": found})
+  assert lines[3] == "**Not decided yet.**" and "incomplete" in lines[4]
 
 
 def test_every_arm_is_a_valid_config():
