@@ -53,6 +53,7 @@ in studies/results/frontier_runs/; rerunning the command continues the study:
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -178,6 +179,27 @@ def later_arms(chosen: Arm, base) -> list[Arm]:
       Arm(f"{chosen.name}_e30", chosen.policy,
           {**policy_overrides(chosen.policy, chosen.budget, longer), "num_epochs": 30}, "E",
           chosen.budget)]
+
+
+def arm_names(base) -> list[str]:
+  """Every arm the study can run: the search arms and the later tiers of any possible choice."""
+  search = search_arms(base)
+  later = [a.name for c in search if c.tier == "A" and c.policy != "full"
+           for a in later_arms(c, base)]
+  return list(dict.fromkeys([a.name for a in search] + later))
+
+
+def parse_arms(text: str, base) -> list[str]:
+  """--arms' names, each checked against `arm_names` (an unknown one is named with the
+  nearest valid ones)."""
+  names = [n for n in text.split(",") if n]
+  valid = arm_names(base)
+  for name in names:
+    if name not in valid:
+      near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+      raise SystemExit(f"--arms: unknown arm {name!r}" + (f"; did you mean {near}?" if near
+                       else ".") + f" Valid arms: {', '.join(valid)}")
+  return names
 
 
 def run_overrides(arm: Arm, seed: int) -> dict:
@@ -455,6 +477,9 @@ def main():
   parser.add_argument("--records", default=RECORDS,
                       help=f"one small file per finished run (default {RECORDS})")
   parser.add_argument("--tiers", default="ACBDE", help="tiers to run, in order (default ACBDE)")
+  parser.add_argument("--arms", default="",
+                      help="comma-separated arm names: run only these (e.g. a cut-down tier "
+                           "B: --tiers B --arms topk_anneal-55,topk_anneal-70); default all")
   parser.add_argument("--summarise-only", action="store_true",
                       help="rewrite the summary from finished runs, train nothing")
   args = parser.parse_args()
@@ -463,6 +488,7 @@ def main():
   command = f"python -m studies.frontier --out={args.out}"
   os.makedirs(args.out, exist_ok=True)
   arms = search_arms(base)
+  only = parse_arms(args.arms, base)
   results, failures = {}, {}
   for tier in args.tiers:
     chosen = choose(arms, results)
@@ -473,6 +499,8 @@ def main():
         continue
       tier_arms = [a for a in later_arms(chosen, base) if a.tier == tier]
       arms += [a for a in tier_arms if a not in arms]
+    if only:
+      tier_arms = [a for a in tier_arms if a.name in only]
     todo = [(a, s) for s in sorted({s for a in tier_arms for s in a.seeds})
             for a in tier_arms if s in a.seeds]  # Seed by seed: a cut-short tier is paired.
     for i, (arm, seed) in enumerate(todo):

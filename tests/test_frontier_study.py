@@ -132,6 +132,15 @@ def test_the_half_compute_verdict_needs_five_untouched_seeds_equivalence_and_the
   assert lines[3] == "**Not decided yet.**" and "incomplete" in lines[4]
 
 
+def test_arms_option_names_an_unknown_arm_and_the_near_ones():
+  base = frontier.base_config()
+  assert frontier.parse_arms("topk_anneal-70,noisy_topk_anneal-45@confirm", base) == [
+      "topk_anneal-70", "noisy_topk_anneal-45@confirm"]
+  assert frontier.parse_arms("", base) == []
+  with pytest.raises(SystemExit, match=r"unknown arm 'topk_anneal-50'.*topk_anneal-55"):
+    frontier.parse_arms("topk_anneal-50", base)
+
+
 def test_every_arm_is_a_valid_config():
   base = frontier.base_config()
   search = frontier.search_arms(base)
