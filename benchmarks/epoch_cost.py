@@ -31,7 +31,7 @@ from cpjax import epoch_loop, models, optim, steps, train
 from cpjax.calibration import losses
 from cpjax.data import input_pipeline, readers, specs, splits
 from cpjax.runtime import compiler_options, sharding
-from cpjax.selection import bookkeeping, scores, selector
+from cpjax.selection import bookkeeping, scores
 
 
 def _data(name: str, num_examples: int, data_dir: str = "") -> tuple[str, splits.Split]:
@@ -78,11 +78,11 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       donate_argnums=0,
       compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
   train_reader = (readers.DeviceReader if reader == "device" else readers.HostReader)(split, mesh)
-  chooser = selector.Selector(config, train_reader, mesh)
   sel = bookkeeping.initial_state(len(split))
   # The loop's Run, without checkpoints or evaluation (train_epoch needs neither).
   run = train.Run(config, "", mesh, model, tx, None, {"train": split}, {"train": train_reader},
                   None, state, sel, 0)
+  chooser = train._create_selector(config, run)  # pylint: disable=protected-access
   result = {}
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
     if epoch == 1 and scoring_mode == "fresh" and method != "full":

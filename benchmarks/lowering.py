@@ -85,14 +85,15 @@ def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size:
   model = models.create_model(model_name, data.num_classes, dtype)
   tx = optim.create_optimizer(config.optimizer)
   state = steps.abstract_train_state(model, tx, image_shape, mesh,
-                                     run_state.meta_parts(config))
+                                     run_state.meta_parts(config.loss, config.meta,
+                                                          data.num_classes))
   batch = _abstract_batch(kind, image_shape, batch_size, mesh)
   if kind == "eval":
     return Step(train._jit_eval_step(config, model), (state, batch))  # pylint: disable=protected-access
   if kind == "score":
     score_fn = scores.forward_score(config.selection.score, config.selection)
-    fn = sources._jit_score_step(config, dtype, score_fn,  # pylint: disable=protected-access
-                                 config.xla_cpu_options)
+    fn = sources._jit_score_step(  # pylint: disable=protected-access
+        config.model.name, config.dataset, dtype, score_fn, config.xla_cpu_options)
     return Step(fn, (state, batch))
   learning_rate = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(mesh))
   fn = train._jit_train_step(config, model, tx,  # pylint: disable=protected-access

@@ -91,7 +91,7 @@ def save_checkpoint(run: Run, state: steps.TrainState,
   if not np.isfinite(float(jax.device_get(_global_norm(state.params)))):
     raise NonFiniteLossError(f"non-finite parameters at global step {step} (epoch "
                              f"{epochs_done}); the run stopped without saving them. "
-                             f"{run_context.last_good(run)}")
+                             f"{run_context.last_good(run.checkpointer)}")
   if partial is None:
     partial = run_state.empty_partial(run.config.dataset, run.config.batch_size)
   run.checkpointer.save(step, run_state.checkpoint_tree(state, selection_state, partial, run.mesh),
@@ -329,7 +329,8 @@ def _raise_if_bad(run: Run, totals: dict[str, Any], epoch: int, epoch_start_step
     raise NonFiniteLossError(
         f"non-finite training loss at epoch {epoch}, step {bad - epoch_start_step} of the "
         f"epoch (global step {bad}); the run stopped without saving this state. "
-        f"{run_context.last_good(run)} Lower the learning rate or enable gradient clipping.")
+        f"{run_context.last_good(run.checkpointer)} Lower the learning rate or enable "
+        "gradient clipping.")
 
 
 def _raise_if_stalled(run: Run, totals: dict[str, np.ndarray], epoch: int, num_steps: int
@@ -344,7 +345,7 @@ def _raise_if_stalled(run: Run, totals: dict[str, np.ndarray], epoch: int, num_s
           f"the training loss was exactly {float(totals['loss_min'])!r}")
   raise StalledTrainingError(
       f"the run learns nothing: at every one of the {num_steps} steps of epoch {epoch} {what}; "
-      f"the run stopped without saving this state. {run_context.last_good(run)} Check the "
-      f"loss and its hyperparameters (loss.name={run.config.loss.name!r}; an FL_gamma loss "
-      "needs meta.max_gamma > 0 and a meta.temperature that keeps gamma-Net's softmax "
-      "finite) and the learning rate.")
+      f"the run stopped without saving this state. {run_context.last_good(run.checkpointer)} "
+      f"Check the loss and its hyperparameters (loss.name={run.config.loss.name!r}; an "
+      "FL_gamma loss needs meta.max_gamma > 0 and a meta.temperature that keeps gamma-Net's "
+      "softmax finite) and the learning rate.")

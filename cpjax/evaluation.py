@@ -1,9 +1,20 @@
-"""Evaluation of a run's state: val/test metrics each `eval_every_epochs`, and the final
-calibration report (cpjax.calibration.report) after the last epoch. A non-finite logit
-means the model diverged: the run stops with `run_context.NonFiniteLossError`."""
+"""Evaluation of a run's state, by evaluators built once at start-up from the parts they use
+(cpjax.train builds them from the config and the data; none holds the whole config or the
+`run_context.Run`, so each can be built and tested alone):
 
+  SplitEvaluator   accuracy, NLL and the ECE family of the validation and test splits;
+  ReportEvaluator  the final calibration report (cpjax.calibration.report), written to
+                   workdir/report;
+  Evaluations      which of the two is due after an epoch: the report after the last one, the
+                   split metrics every `eval_every_epochs` (`run_context.due`).
+
+Each takes the train state when called and returns its numbers (as big_vision's evaluators,
+`run(state) -> metrics`); TensorBoard images go to a writer passed in. A non-finite logit
+means the model diverged: the run stops with `run_context.NonFiniteLossError`, naming the
+last good checkpoint."""
+
+from collections.abc import Callable, Mapping
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -12,32 +23,183 @@ from typing import Any
 from clu import metric_writers
 import jax
 from jax.experimental import multihost_utils
+import ml_collections
 import numpy as np
 
-from cpjax import run_context, run_state, steps
+from cpjax import run_context, steps
 from cpjax.calibration import figures, metrics, report
-from cpjax.data import corruptions, input_pipeline, readers, specs, splits
-from cpjax.runtime import compiler_options, files
+from cpjax.data import corruptions, input_pipeline, readers, splits
+from cpjax.runtime import files
+
+SPLITS = ("val", "test")  # The splits evaluated, in this order.
 
 
-def evaluate(run: run_context.Run, state: steps.TrainState,
-             writer: metric_writers.MetricWriter | None = None, step: int = 0
-             ) -> dict[str, float]:
-  """Accuracy, NLL and the ECE family of the validation and test splits; with `writer`,
-  also the test split's reliability diagram and confidence histogram as images at `step`."""
-  num_classes = specs.DATASETS[run.config.dataset.name].num_classes
-  num_bins = run.config.evaluation.num_bins
-  results = {}
-  for name in ("val", "test"):
-    logits = finite_logits(run, state, run.readers[name], name)
-    labels = run.splits[name].labels
-    values = report.calibration_metrics(logits, labels, num_classes, num_bins)
-    results.update({f"{name}_{metric}": value for metric, value in values.items()})
-    if writer is not None and name == "test":
-      bins = metrics.reliability_bins(metrics.softmax(logits), labels, num_bins)
-      write_calibration_images(writer, step, {"before_ts": {
-          k: np.asarray(v).tolist() for k, v in bins._asdict().items()}})
-  return results
+@dataclasses.dataclass(frozen=True)
+class SplitEvaluator:
+  """Eval-mode logits and calibration metrics of the validation and test splits."""
+  eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.train._jit_eval_step).
+  mesh: jax.sharding.Mesh
+  split_readers: Mapping[str, readers.HostReader]  # SPLITS as batches on the mesh.
+  labels: Mapping[str, np.ndarray]  # SPLITS' labels, in row order.
+  num_classes: int
+  num_bins: int  # evaluation.num_bins.
+  batch_size: int  # eval_batch_size.
+  # The sentence naming the last good checkpoint (run_context.last_good), for the error of a
+  # diverged model: a callable, as the checkpoint it names changes while the run trains.
+  last_good: Callable[[], str]
+
+  def run(self, state: steps.TrainState, writer: metric_writers.MetricWriter | None = None,
+          step: int = 0) -> dict[str, float]:
+    """{val,test}_{metric} of `state`; with `writer`, also the test split's reliability
+    diagram and confidence histogram as images at global `step`."""
+    results = {}
+    for name in SPLITS:
+      logits, labels = self.finite_logits(state, name), self.labels[name]
+      values = report.calibration_metrics(logits, labels, self.num_classes, self.num_bins)
+      results.update({f"{name}_{metric}": value for metric, value in values.items()})
+      if writer is not None and name == "test":
+        bins = metrics.reliability_bins(metrics.softmax(logits), labels, self.num_bins)
+        write_calibration_images(writer, step, {"before_ts": {
+            k: np.asarray(v).tolist() for k, v in bins._asdict().items()}})
+    return results
+
+  def logits(self, state: steps.TrainState) -> dict[str, np.ndarray]:
+    """The logits of every split in SPLITS: the final report's, which the loop computes
+    before it saves the last epoch, so that a non-finite state is never saved."""
+    return {name: self.finite_logits(state, name) for name in SPLITS}
+
+  def finite_logits(self, state: steps.TrainState, name: str) -> np.ndarray:
+    """Eval-mode logits of split `name`; a non-finite one means the model diverged: stop."""
+    logits = self.predict(state, self.split_readers[name])
+    if not np.all(np.isfinite(logits)):
+      bad = int(np.sum(~np.all(np.isfinite(logits), axis=-1)))
+      raise run_context.NonFiniteLossError(
+          f"the model diverged: {bad} of {len(logits)} {name} examples have non-finite logits "
+          f"at global step {int(jax.device_get(state.step))}; the run stopped without saving "
+          f"this state. {self.last_good()} Lower the learning rate or enable "
+          "gradient clipping.")
+    return logits
+
+  def predict(self, state: steps.TrainState, data: splits.Split | readers.HostReader,
+              fn: Any = None) -> np.ndarray:
+    """`fn(state, batch)` (default: the eval step) over `data`, sharded on the mesh in
+    batches of `batch_size` (steps.predict): the one pass every evaluation makes."""
+    return steps.predict(self.eval_fn if fn is None else fn, state, data, self.mesh,
+                         self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportEvaluator:
+  """The final calibration report of a state: built, and written to workdir/report."""
+  split_evaluator: SplitEvaluator  # The val/test logits and the eval pass of the OOD set.
+  evaluation: ml_collections.ConfigDict  # config.evaluation.
+  workdir: str
+  title: str  # "dataset, model, loss": the report's title, before "after epoch N".
+  test: splits.Split  # Host copy: ids for test_logits.npz; images for ood=gaussian_noise.
+  # config.dataset: an OOD set that is another dataset is read as this run's test split is.
+  dataset: ml_collections.ConfigDict
+  # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
+  # compile options (cpjax.train._jit_gamma_step); None for every other loss.
+  gamma_fn: Any = None
+
+  def run(self, state: steps.TrainState, epoch: int, epoch_step: int = 0,
+          logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
+    `epoch_step` steps of the next; `logits`: its `SplitEvaluator.logits` if already
+    computed) and writes it to workdir/report, naming that checkpoint."""
+    logging.info("Building the calibration report after epoch %d: temperature fit, metrics, "
+                 "%d bootstrap resamples per interval.", epoch,
+                 self.evaluation.bootstrap_resamples)
+    evaluator = self.split_evaluator
+    logits = logits or evaluator.logits(state)
+    ood = self._ood_split()
+    results = report.build_report(
+        (logits["val"], evaluator.labels["val"]), (logits["test"], evaluator.labels["test"]),
+        evaluator.num_classes, self.evaluation,
+        None if ood is None else evaluator.predict(state, ood))
+    results.update(title=f"{self.title}, after epoch {epoch}", epoch=epoch,
+                   epoch_step=epoch_step, checkpoint_step=int(jax.device_get(state.step)))
+    gamma = self._test_gammas(state)
+    if gamma is not None:
+      results["gamma"] = report.gamma_summary(*gamma)
+    seconds = results["seconds"]
+    logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s.",
+                 results["temperature"]["temperature"], seconds["metrics_and_temperature"],
+                 seconds["bootstrap"])
+    if jax.process_index() == 0:
+      self._write(results, gamma, logits["test"])
+    return results
+
+  def describes(self, step: int) -> bool:
+    """Whether workdir/report/results.json exists and describes the checkpoint at `step`, as
+    process 0 (the one that writes it) sees it: every process gets the same answer."""
+    found = False
+    if jax.process_index() == 0:
+      try:
+        with open(os.path.join(self.workdir, "report", "results.json"), encoding="utf-8") as f:
+          found = json.load(f).get("checkpoint_step") == step
+      except (OSError, ValueError):
+        pass  # No report, or a torn one: it describes nothing, and the rerun rewrites it.
+    if jax.process_count() > 1:
+      found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+    return found
+
+  def _write(self, results: dict[str, Any], gamma: tuple[np.ndarray, np.ndarray] | None,
+             test_logits: np.ndarray) -> None:
+    """The report's files, and the per-example test logits (ids in the test split's order):
+    paired comparisons of runs on the same test images (e.g. a paired bootstrap of accuracy
+    differences)."""
+    report_dir = os.path.join(self.workdir, "report")
+    paths = report.write_report(report_dir, results, gamma)
+    paths.append(os.path.join(report_dir, "test_logits.npz"))
+    files.atomic_write(paths[-1], lambda f: np.savez_compressed(
+        f, logits=test_logits.astype(np.float32), labels=self.split_evaluator.labels["test"],
+        ids=self.test.ids))
+    logging.info("Wrote the calibration report: %s", ", ".join(paths))
+
+  def _ood_split(self) -> splits.Split | None:
+    """The OOD set of the report: a corrupted test set, another dataset, or none. Built when
+    the report is (not at start-up): the training run never holds it."""
+    if not self.evaluation.ood:
+      return None
+    if self.evaluation.ood == "gaussian_noise":
+      return dataclasses.replace(self.test, images=corruptions.gaussian_noise(
+          self.test.images, self.evaluation.ood_severity))
+    return input_pipeline.get_test_split(self.dataset, self.evaluation.ood)
+
+  def _test_gammas(self, state: steps.TrainState) -> tuple[np.ndarray, np.ndarray] | None:
+    """An FL_gamma run's (gamma [N], correct [N]) on the test split, eval-mode features;
+    None for other losses."""
+    if self.gamma_fn is None:
+      return None
+    evaluator = self.split_evaluator
+    out = evaluator.predict(state, evaluator.split_readers["test"], self.gamma_fn)
+    return out[:, 0], out[:, 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluations:
+  """What is evaluated after an epoch: the report after the last epoch (its before-TS
+  numbers are the last evaluation), the split metrics every `every` epochs, else nothing."""
+  split_evaluator: SplitEvaluator
+  report_evaluator: ReportEvaluator
+  every: int  # eval_every_epochs.
+  num_epochs: int  # The epochs the run trains (Run.num_epochs).
+
+  def run(self, state: steps.TrainState, epoch: int,
+          writer: metric_writers.MetricWriter | None = None, step: int = 0,
+          logits: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+    """The metrics.jsonl numbers of 0-indexed `epoch` ({} when nothing is due). `logits`:
+    the last epoch's `SplitEvaluator.logits`, if computed. With `writer`, the calibration
+    figures (and the report's after-TS metrics and temperature) go to it at global `step`."""
+    if epoch + 1 == self.num_epochs:
+      results = self.report_evaluator.run(state, epoch + 1, logits=logits)
+      if writer is not None:
+        _write_report_summaries(writer, step, results)
+      return report_record(results)
+    if run_context.due(epoch, self.every, self.num_epochs):
+      return self.split_evaluator.run(state, writer, step)
+    return {}
 
 
 def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
@@ -65,50 +227,12 @@ def _write_report_summaries(writer: metric_writers.MetricWriter, step: int,
   write_calibration_images(writer, step, results["reliability"])
 
 
-def finite_logits(run: run_context.Run, state: steps.TrainState,
-                  split: splits.Split | readers.HostReader, name: str) -> np.ndarray:
-  """Eval-mode logits of `split`; a non-finite one means the model diverged: stop the run."""
-  logits = steps.predict(run.eval_fn, state, split, run.mesh, run.config.eval_batch_size)
-  if not np.all(np.isfinite(logits)):
-    bad = int(np.sum(~np.all(np.isfinite(logits), axis=-1)))
-    raise run_context.NonFiniteLossError(
-        f"the model diverged: {bad} of {len(logits)} {name} examples have non-finite logits "
-        f"at global step {int(jax.device_get(state.step))}; the run stopped without saving "
-        f"this state. {run_context.last_good(run)} Lower the learning rate or enable "
-        "gradient clipping.")
-  return logits
-
-
-def final_logits(run: run_context.Run, state: steps.TrainState) -> dict[str, np.ndarray]:
-  """The validation and test logits of the final report; non-finite ones stop the run (the
-  loop computes them before it saves the last epoch, so such a state is never saved)."""
-  return {name: finite_logits(run, state, run.readers[name], name) for name in ("val", "test")}
-
-
-def evaluate_when_due(run: run_context.Run, state: steps.TrainState, epoch: int,
-                      writer: metric_writers.MetricWriter | None = None, step: int = 0,
-                      logits: dict[str, np.ndarray] | None = None) -> dict[str, float]:
-  """The epoch's val/test metrics: from the final report after the last epoch (from
-  `logits`, `final_logits` of `state`, if given), from an evaluation every
-  `eval_every_epochs`, else none. With `writer`, the evaluation's calibration figures (and
-  the report's after-TS metrics and temperature) go to it at global `step`."""
-  config = run.config
-  if epoch + 1 == run.num_epochs:  # The report's before-TS numbers are the last eval.
-    results = write_final_report(run, state, epoch + 1, logits=logits)
-    if writer is not None:
-      _write_report_summaries(writer, step, results)
-    return report_record(results)
-  if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
-    return evaluate(run, state, writer, step)
-  return {}
-
-
 def report_record(results: dict[str, Any]) -> dict[str, Any]:
   """The final report's numbers for metrics.jsonl: per split the epoch metrics and the
   selective-prediction ones before scaling; the chosen post-hoc map's test metrics
   (test_calibrated_*, its name in `calibrator`); each OOD score's AUROC and FPR at 95 % TPR."""
   record = {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
-            for split in ("val", "test")
+            for split in SPLITS
             for name in report.EPOCH_METRICS + report.SELECTIVE_METRICS}
   section = results["posthoc"]
   record["calibrator"] = section["chosen"]
@@ -119,81 +243,3 @@ def report_record(results: dict[str, Any]) -> dict[str, Any]:
       record[f"ood_auroc_{score}"] = value
       record[f"ood_fpr95_{score}"] = results["ood"]["fpr_at_95_tpr"]["before_ts"][score]
   return record
-
-
-def _ood_split(run: run_context.Run) -> splits.Split | None:
-  """The OOD set of the report: a corrupted test set, another dataset, or none."""
-  evaluation, test = run.config.evaluation, run.splits["test"]
-  if not evaluation.ood:
-    return None
-  if evaluation.ood == "gaussian_noise":
-    return dataclasses.replace(test, images=corruptions.gaussian_noise(
-        test.images, evaluation.ood_severity))
-  return input_pipeline.get_test_split(run.config.dataset, evaluation.ood)
-
-
-def write_final_report(run: run_context.Run, state: steps.TrainState, epoch: int,
-                       epoch_step: int = 0,
-                       logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
-  """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
-  `epoch_step` steps of the next; `logits`: its `final_logits` if already computed) and
-  writes it to workdir/report, naming that checkpoint."""
-  config = run.config
-  logging.info("Building the calibration report after epoch %d: temperature fit, metrics, "
-               "%d bootstrap resamples per interval.", epoch,
-               config.evaluation.bootstrap_resamples)
-  logits = logits or final_logits(run, state)
-  ood = _ood_split(run)
-  results = report.build_report(
-      (logits["val"], run.splits["val"].labels), (logits["test"], run.splits["test"].labels),
-      specs.DATASETS[config.dataset.name].num_classes, config.evaluation,
-      None if ood is None else steps.predict(run.eval_fn, state, ood, run.mesh,
-                                             config.eval_batch_size))
-  results.update(title=f"{config.dataset.name}, {config.model.name}, {config.loss.name}, "
-                       f"after epoch {epoch}", epoch=epoch, epoch_step=epoch_step,
-                 checkpoint_step=int(jax.device_get(state.step)))
-  gamma = test_gammas(run, state) if isinstance(state, steps.MetaTrainState) else None
-  if gamma is not None:
-    results["gamma"] = report.gamma_summary(*gamma)
-  seconds = results["seconds"]
-  logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s.",
-               results["temperature"]["temperature"], seconds["metrics_and_temperature"],
-               seconds["bootstrap"])
-  if jax.process_index() == 0:
-    paths = report.write_report(os.path.join(run.workdir, "report"), results, gamma)
-    # Per-example test logits (ids in the test split's order): paired comparisons of runs
-    # on the same test images (e.g. a paired bootstrap of accuracy differences).
-    paths.append(os.path.join(run.workdir, "report", "test_logits.npz"))
-    files.atomic_write(paths[-1], lambda f: np.savez_compressed(
-        f, logits=logits["test"].astype(np.float32), labels=run.splits["test"].labels,
-        ids=run.splits["test"].ids))
-    logging.info("Wrote the calibration report: %s", ", ".join(paths))
-  return results
-
-
-def report_describes(run: run_context.Run, step: int) -> bool:
-  """Whether workdir/report/results.json exists and describes the checkpoint at `step`, as
-  process 0 (the one that writes it) sees it: every process gets the same answer."""
-  found = False
-  if jax.process_index() == 0:
-    try:
-      with open(os.path.join(run.workdir, "report", "results.json"), encoding="utf-8") as f:
-        found = json.load(f).get("checkpoint_step") == step
-    except (OSError, ValueError):
-      pass  # No report, or a torn one: it describes nothing, and the rerun rewrites it.
-  if jax.process_count() > 1:
-    found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
-  return found
-
-
-def test_gammas(run: run_context.Run, state: steps.MetaTrainState
-                ) -> tuple[np.ndarray, np.ndarray]:
-  """An FL_gamma run's (gamma [N], correct [N]) on the test split, eval-mode features."""
-  gamma_fn = jax.jit(functools.partial(steps.gamma_step, model=run.model,
-                                       gamma_net=run_state.meta_parts(run.config)[0],
-                                       spec=steps.step_spec(run.config.dataset)),
-                     compiler_options=compiler_options.compiler_options(
-                         "inference", run.config.xla_cpu_options))  # As run.eval_fn.
-  out = steps.predict(gamma_fn, state, run.readers["test"], run.mesh,
-                      run.config.eval_batch_size)
-  return out[:, 0], out[:, 1]

@@ -80,7 +80,7 @@ def _check_ood(config: ml_collections.ConfigDict) -> None:
 
 def _check_target(config: ml_collections.ConfigDict) -> None:
   if config.selection.target_workdir:  # Validated: set only where a target is used.
-    sources.check_target(config)
+    sources.check_target(config.selection, config.dataset)
 
 
 def checkpoint_bytes(config: ml_collections.ConfigDict) -> int:

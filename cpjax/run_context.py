@@ -1,5 +1,6 @@
-"""What one run's loop and its evaluation share: the `Run` built at start-up, the error a
-diverged run stops with, and the periodic-action rule (cpjax.train, cpjax.evaluation)."""
+"""What one run's loop shares: the `Run` built at start-up (cpjax.train, cpjax.epoch_loop), the
+error a diverged run stops with, where its last good checkpoint is, and the periodic-action
+rule (also cpjax.evaluation's, whose evaluators get their own parts, not the Run)."""
 
 import dataclasses
 from typing import Any
@@ -19,8 +20,8 @@ class NonFiniteLossError(FloatingPointError):
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """What one run's loop and evaluation share, built once by `_setup` (frozen: nothing
-  changes it after; cpjax.train adds `epoch_steps` by `dataclasses.replace` once)."""
+  """What one run's loop shares, built once by `_setup` (frozen: nothing changes it after;
+  cpjax.train adds `epoch_steps` by `dataclasses.replace` once)."""
   config: ml_collections.ConfigDict
   workdir: str
   mesh: jax.sharding.Mesh
@@ -48,12 +49,13 @@ class Run:
     return sum(self.epoch_steps)
 
 
-def last_good(run: Run) -> str:
-  """Where the last good checkpoint is, for the message of a run that stops."""
-  step = run.checkpointer.latest_step()
+def last_good(checkpointer: checkpointing.Checkpointer) -> str:
+  """Where the last good checkpoint is, for the message of a run that stops (the loop's and
+  the evaluators', which hold the checkpointer, not the Run)."""
+  step = checkpointer.latest_step()
   if step is None:
-    return f"No checkpoint was saved yet in {run.checkpointer.directory}."
-  return f"The last good checkpoint is step {step} in {run.checkpointer.directory}."
+    return f"No checkpoint was saved yet in {checkpointer.directory}."
+  return f"The last good checkpoint is step {step} in {checkpointer.directory}."
 
 
 def due(epoch: int, every: int, num_epochs: int) -> bool:

@@ -96,14 +96,18 @@ def partial_from_checkpoint(saved: dict[str, Any], epoch_step: int, batch_size: 
           "outputs": {k: saved[f"each_{k}"][:rows] for k in PER_EXAMPLE}}
 
 
-def meta_parts(config: ml_collections.ConfigDict
-               ) -> tuple[nn.Module, optax.GradientTransformation] | None:
-  """(gamma-Net, its optimizer) of an FL_gamma run's config; None for every other loss."""
-  if losses.LOSSES[config.loss.name].meta_objective is None:
+def meta_parts(loss: ml_collections.ConfigDict, meta: ml_collections.ConfigDict,
+               num_classes: int) -> tuple[nn.Module, optax.GradientTransformation] | None:
+  """(gamma-Net, its optimizer) of an FL_gamma run; None for every other loss.
+
+  Args:
+    loss: config.loss (its name says whether the run is FL_gamma).
+    meta: config.meta (gamma-Net's layers and its optimizer).
+    num_classes: the dataset's classes (gamma-Net's input).
+  """
+  if losses.LOSSES[loss.name].meta_objective is None:
     return None
-  num_classes = specs.DATASETS[config.dataset.name].num_classes
-  return (gamma_net.create_gamma_net(config.meta, num_classes),
-          optim.create_meta_optimizer(config.meta))
+  return gamma_net.create_gamma_net(meta, num_classes), optim.create_meta_optimizer(meta)
 
 
 def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
@@ -111,7 +115,8 @@ def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   """Shapes, dtypes and (replicated) shardings of a run's checkpoint tree, computing nothing.
 
   Args:
-    config: the run's own config (for a target run: the config saved with it).
+    config: a run's whole config: its model, optimizer, dataset, batch_size, loss and meta
+      sections all shape the tree (for a target run: the config saved with it).
     mesh: the mesh the restored arrays go to.
     selection: the run's initial "selection" subtree (cpjax.selection.bookkeeping
       .initial_state_of), for its shapes.
@@ -124,4 +129,4 @@ def abstract(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
       (selection, empty_partial(config.dataset, config.batch_size)))
   return checkpoint_tree(steps.abstract_train_state(
       model, optim.create_optimizer(config.optimizer), data.image_shape, mesh,
-      meta_parts(config)), *host_parts)
+      meta_parts(config.loss, config.meta, data.num_classes)), *host_parts)

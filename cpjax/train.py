@@ -51,6 +51,7 @@ from cpjax.runtime import (
   workdir_lock,
 )
 from cpjax.selection import bookkeeping, scores, selector
+from cpjax.selection import sources as score_sources
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -79,11 +80,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         cache_stats: compilation_cache.CacheStats) -> dict[str, Any]:
   run = _setup(config, workdir)
-  chooser = selector.Selector(config, run.readers["train"], run.mesh)
+  chooser = _create_selector(config, run)
   train_fn = _jit_train_step(config, run.model, run.tx, chooser.weighted)
   # The one change to the Run after _setup (only the selector knows the epochs' sizes).
   run = dataclasses.replace(run, epoch_steps=_epoch_steps(
       [chooser.steps_in_epoch(e) for e in range(config.num_epochs)], config.budget_steps))
+  report = _report_evaluator(config, run)
+  evaluations = evaluation.Evaluations(report.split_evaluator, report,
+                                       config.eval_every_epochs, run.num_epochs)
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(run.start_epoch)
@@ -93,7 +97,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if run.start_epoch == 0 and run.partial is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
   state, selection_state, record = run.state, run.selection, {}
-  _finish_report(run)
+  _finish_report(run, report)
   with preemption.PreemptionGuard() as guard:
     hooks = epoch_loop.LoopHooks(writer, progress, guard)
     try:
@@ -117,12 +121,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         record = {**result.record, **selection_record}
         last, logits = epoch + 1 == run.num_epochs, None
         if last:  # Committed before the report: a report that fails loses no training.
-          logits = evaluation.final_logits(run, state)  # Non-finite: stops, nothing saved.
+          logits = report.split_evaluator.logits(state)  # Non-finite: stops, nothing saved.
           step = epoch_loop.save_checkpoint(run, state, selection_state, epochs_done=epoch + 1)
           run.checkpointer.wait_until_finished()
         global_step = int(jax.device_get(state.step))
-        record.update(evaluation.evaluate_when_due(run, state, epoch, writer, global_step,
-                                                   logits))
+        record.update(evaluations.run(state, epoch, writer, global_step, logits))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
         epoch_writer.write_scalars(global_step, record)
         if epoch == run.start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
@@ -138,16 +141,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   return record
 
 
-def _finish_report(run: Run) -> None:
+def _finish_report(run: Run, report: evaluation.ReportEvaluator) -> None:
   """Writes the report of a run whose training is complete but whose report is missing or
   describes another checkpoint (the report failed after the last checkpoint was saved)."""
   if run.start_epoch < run.num_epochs or run.partial is not None:
     return
   step = int(jax.device_get(run.state.step))
-  if not evaluation.report_describes(run, step):
+  if not report.describes(step):
     logging.warning("Training is complete (checkpoint %d) but report/ does not describe it; "
                     "writing the report now.", step)
-    evaluation.write_final_report(run, run.state, run.start_epoch)
+    report.run(run.state, run.start_epoch)
 
 
 def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -168,8 +171,8 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     if run.start_epoch == 0 and run.partial is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
-    return evaluation.write_final_report(run, run.state, run.start_epoch,
-                                         run.partial["steps"] if run.partial else 0)
+    return _report_evaluator(config, run).run(run.state, run.start_epoch,
+                                              run.partial["steps"] if run.partial else 0)
 
 
 def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
@@ -196,7 +199,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   tx = optim.create_optimizer(config.optimizer)
   initial = run_state.checkpoint_tree(
       steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx, data.image_shape,
-                               mesh, run_state.meta_parts(config)),
+                               mesh, _meta_parts(config)),
       bookkeeping.initial_state_of(config.dataset, config.selection),
       run_state.empty_partial(config.dataset, config.batch_size), mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
@@ -210,6 +213,34 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              run_state.partial_from_checkpoint(saved["partial"], meta.get("epoch_step", 0),
                                                config.batch_size),
              compilation_cache=cache_dir)
+
+
+def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:
+  """The run's selector and its score source, each given the config sections it reads."""
+  data = specs.DATASETS[config.dataset.name]
+  source = score_sources.create_source(
+      config.selection, run.readers["train"], run.mesh, model_name=config.model.name,
+      dataset=config.dataset, xla_cpu_options=config.xla_cpu_options)
+  return selector.Selector(config.selection, run.readers["train"], run.mesh, source,
+                           num_epochs=config.num_epochs, batch_size=config.batch_size,
+                           seed=config.seed, num_classes=data.num_classes,
+                           num_ids=data.num_train, num_bins=config.evaluation.num_bins)
+
+
+def _report_evaluator(config: ml_collections.ConfigDict,
+                      run: Run) -> evaluation.ReportEvaluator:
+  """The run's evaluators (its split evaluator inside the report's), built from the parts
+  they use: the eval step, the val/test data and the sentence naming the last good
+  checkpoint, not the Run."""
+  split_evaluator = evaluation.SplitEvaluator(
+      run.eval_fn, run.mesh, {name: run.readers[name] for name in evaluation.SPLITS},
+      {name: run.splits[name].labels for name in evaluation.SPLITS},
+      specs.DATASETS[config.dataset.name].num_classes, config.evaluation.num_bins,
+      config.eval_batch_size, functools.partial(run_context.last_good, run.checkpointer))
+  return evaluation.ReportEvaluator(
+      split_evaluator, config.evaluation, run.workdir,
+      f"{config.dataset.name}, {config.model.name}, {config.loss.name}", run.splits["test"],
+      config.dataset, _jit_gamma_step(config, run.model))
 
 
 def _record_dataset(dataset: ml_collections.ConfigDict, workdir: str) -> None:
@@ -274,7 +305,7 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool
   `weighted`: batches carry loss weights (the selector's). FL_gamma losses train with the
   bilevel `steps.meta_train_step` instead."""
   score_fn = scores.forward_score(config.selection.score, config.selection)
-  meta = run_state.meta_parts(config)
+  meta = _meta_parts(config)
   spec = steps.step_spec(config.dataset, config.loss, weighted)
   if meta is None:
     step = functools.partial(steps.train_step, model=model, tx=tx,
@@ -290,6 +321,12 @@ def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool
                                                                     config.xla_cpu_options))
 
 
+def _meta_parts(config: ml_collections.ConfigDict):
+  """run_state.meta_parts of the config's sections: (gamma-Net, its optimizer) or None."""
+  return run_state.meta_parts(config.loss, config.meta,
+                              specs.DATASETS[config.dataset.name].num_classes)
+
+
 def _jit_eval_step(config: ml_collections.ConfigDict, model):
   """The eval step (float32 logits) of the config's model; jitted once."""
   return jax.jit(functools.partial(steps.eval_step, model=model,
@@ -298,3 +335,13 @@ def _jit_eval_step(config: ml_collections.ConfigDict, model):
                                                                     config.xla_cpu_options))
 
 
+def _jit_gamma_step(config: ml_collections.ConfigDict, model):
+  """An FL_gamma run's test gammas step ((state, batch) -> [B, 2] gamma and correct, eval
+  mode, the eval step's XLA options), jitted once; None for every other loss."""
+  meta = _meta_parts(config)
+  if meta is None:
+    return None
+  return jax.jit(functools.partial(steps.gamma_step, model=model, gamma_net=meta[0],
+                                   spec=steps.step_spec(config.dataset)),
+                 compiler_options=compiler_options.compiler_options("inference",
+                                                                    config.xla_cpu_options))

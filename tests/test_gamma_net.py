@@ -271,7 +271,7 @@ def test_flgamma_run_trains_phi_and_checkpoints_it(meta_run):
   initial = steps.create_train_state(
       jax.random.PRNGKey(config.seed), models.create_model(config.model.name, data.num_classes),
       optim.create_optimizer(config.optimizer), data.image_shape, mesh,
-      run_state.meta_parts(config))
+      run_state.meta_parts(config.loss, config.meta, data.num_classes))
   moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
       jax.tree.leaves(saved["meta_params"]), jax.tree.leaves(initial.meta_params))]
   assert min(moved) > 0  # Adam moved every part of phi.

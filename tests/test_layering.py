@@ -93,8 +93,8 @@ RANKS = {
     "config_validation": 6,
     # 7: the start-up checks (data, OOD set, target runs, stream files, checkpoint room).
     "preflight": 7,
-    # 8-10: what the loop and evaluation share (Run); evaluation and the report, one epoch's
-    # step loop; the run around them.
+    # 8-10: what the loop shares (Run, the periodic rule); the evaluators (val/test metrics
+    # and the report), one epoch's step loop; the run around them.
     "run_context": 8,
     "evaluation": 9,
     "epoch_loop": 9,

@@ -8,9 +8,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cpjax.data import splits
+from cpjax.data import specs, splits
 from cpjax.runtime import sharding
-from cpjax.selection import api, bookkeeping, policies, selector
+from cpjax.selection import api, bookkeeping, policies, selector, sources
 from examples import own_loop
 from tests import helpers
 from tests.helpers import tiny_config
@@ -27,7 +27,12 @@ def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup,
   config = tiny_config(**{"seed": seed, "num_epochs": num_epochs, "selection.method": method,
                           "selection.warmup_epochs": warmup, "selection.fraction": fraction,
                           **{f"selection.{k}": v for k, v in {**SETTINGS, **schedule}.items()}})
-  chooser = selector.Selector(config, splits.Split(None, labels, ids), sharding.create_mesh())
+  data = specs.DATASETS[config.dataset.name]
+  chooser = selector.Selector(config.selection, splits.Split(None, labels, ids),
+                              sharding.create_mesh(), sources.TrainPass(),
+                              num_epochs=num_epochs, batch_size=config.batch_size, seed=seed,
+                              num_classes=data.num_classes, num_ids=data.num_train,
+                              num_bins=config.evaluation.num_bins)
   out = {}
   for epoch, buffer in scores_by_epoch.items():
     state = {**bookkeeping.initial_state(len(ids)), "scores": np.asarray(buffer, np.float32)}

@@ -92,6 +92,11 @@ def _target_config(**dataset) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(config.to_dict())
 
 
+def _check_target(config: ml_collections.ConfigDict) -> None:
+  """sources.check_target of this run's sections, as preflight calls it."""
+  sources.check_target(config.selection, config.dataset)
+
+
 RHO_RUN = {"selection.method": "top_k", "selection.score": "reducible_loss",
            "selection.target_workdir": "/target", "selection.warmup_epochs": 1,
            "num_epochs": 3}
@@ -100,13 +105,13 @@ RHO_RUN = {"selection.method": "top_k", "selection.score": "reducible_loss",
 def test_a_holdout_target_may_score_the_rest_but_not_the_reverse(monkeypatch):
   holdout = _target_config(holdout_fraction=0.1, train_part="holdout")
   monkeypatch.setattr(sources, "read_run_config", lambda workdir: holdout)
-  sources.check_target(tiny_config(**RHO_RUN, **{"dataset.holdout_fraction": 0.1,
-                                                 "dataset.train_part": "rest"}))
+  _check_target(tiny_config(**RHO_RUN, **{"dataset.holdout_fraction": 0.1,
+                                          "dataset.train_part": "rest"}))
   rest = _target_config(holdout_fraction=0.1, train_part="rest")
   monkeypatch.setattr(sources, "read_run_config", lambda workdir: rest)
   with pytest.raises(ValueError, match="train the selecting run with train_part='rest'"):
-    sources.check_target(tiny_config(**RHO_RUN, **{"dataset.holdout_fraction": 0.1,
-                                                   "dataset.train_part": "holdout"}))
+    _check_target(tiny_config(**RHO_RUN, **{"dataset.holdout_fraction": 0.1,
+                                            "dataset.train_part": "holdout"}))
 
 
 @pytest.mark.parametrize("field, theirs", [("label_noise", 0.2), ("label_noise_seed", 5),
@@ -117,4 +122,4 @@ def test_a_target_with_other_labels_or_holdout_is_refused(monkeypatch, field, th
   target = _target_config(**{**ours, "train_part": "holdout", field: theirs})
   monkeypatch.setattr(sources, "read_run_config", lambda workdir: target)
   with pytest.raises(ValueError, match=f"dataset.{field}="):
-    sources.check_target(tiny_config(**RHO_RUN, **{f"dataset.{k}": v for k, v in ours.items()}))
+    _check_target(tiny_config(**RHO_RUN, **{f"dataset.{k}": v for k, v in ours.items()}))

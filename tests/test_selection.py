@@ -286,7 +286,9 @@ def test_reducible_loss_of_the_target_itself_is_zero_and_its_pass_runs_once(othe
                                               bookkeeping.initial_state_of(
                                                   other_model_run.config.dataset,
                                                   other_model_run.config.selection))).restore()
-  source = sources.create_source(config, digits["train"], mesh)
+  source = sources.create_source(config.selection, digits["train"], mesh,
+                                 model_name=config.model.name, dataset=config.dataset,
+                                 xla_cpu_options=config.xla_cpu_options)
   state = source.refresh(1, current, bookkeeping.initial_state_of(config.dataset, config.selection))
   np.testing.assert_array_equal(state["scores"], state["irreducible"])
   assert int(state["scored_epoch"]) == 1

@@ -18,37 +18,51 @@ import ml_collections
 import numpy as np
 
 from cpjax import steps
-from cpjax.data import readers, specs, splits
+from cpjax.data import readers, splits
 from cpjax.selection import bookkeeping, policies, score_files, scores, sources
 
 
 class Selector:
   """Chooses each epoch's training rows and keeps the selection state's accounting."""
 
-  def __init__(self, config: ml_collections.ConfigDict,
-               train_split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh):
-    self._config, self._selection, self._split, self._mesh = (
-        config, config.selection, train_split, mesh)
-    self._num_classes = specs.DATASETS[config.dataset.name].num_classes
+  def __init__(self, selection: ml_collections.ConfigDict,
+               train_split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
+               source: sources.ScoreSource, *, num_epochs: int, batch_size: int, seed: int,
+               num_classes: int, num_ids: int, num_bins: int):
+    """Binds the selection to the run's training split.
+
+    Args:
+      selection: config.selection.
+      train_split: the training split (host copy or reader): ids, labels, its size.
+      mesh: the mesh of the policies' global ranking.
+      source: where the scores come from (`sources.create_source` of `selection`).
+      num_epochs, batch_size, seed: the run's (config.*): the schedule of selected epochs,
+        the steps of an epoch and the root of every random draw.
+      num_classes: the dataset's classes (the subset's class accounting).
+      num_ids: the dataset's training examples, the id range of the recorded score files.
+      num_bins: evaluation.num_bins, of the train-pass and scorer ECE.
+    """
+    self._selection, self._split, self._mesh, self._source = selection, train_split, mesh, source
+    self._num_epochs, self._batch_size, self._seed = num_epochs, batch_size, seed
+    self._num_classes, self._num_ids, self._num_bins = num_classes, num_ids, num_bins
     # Weighted methods (infobatch) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
-    self.weighted = policies.weights_loss(self._selection.method)
-    self._reducible = self._selection.score == scores.REDUCIBLE_LOSS
-    self._source = sources.create_source(config, train_split, mesh)
-    self._settings = policies.POLICIES.keywords(self._selection.method, self._selection)
+    self.weighted = policies.weights_loss(selection.method)
+    self._reducible = selection.score == scores.REDUCIBLE_LOSS
+    self._settings = policies.POLICIES.keywords(selection.method, selection)
 
   def selecting(self, epoch: int) -> bool:
     """Whether `epoch` trains on a selected subset (after the warm-up, before the
     `selection.final_full_epochs`)."""
     return policies.selecting(self._selection.method, epoch, self._selection.warmup_epochs,
-                              self._config.num_epochs, self._selection.final_full_epochs)
+                              self._num_epochs, self._selection.final_full_epochs)
 
   def k_at(self, epoch: int) -> int:
     """k of a fixed-size method in selected `epoch` (`policies.k_at`: `selection.count`, or
     the epoch's kept fraction under `selection.fraction_end`'s schedule)."""
     selection = self._selection
     return policies.k_at(selection.fraction, selection.count, len(self._split), epoch,
-                         selection.warmup_epochs, self._config.num_epochs,
+                         selection.warmup_epochs, self._num_epochs,
                          selection.final_full_epochs, selection.fraction_end)
 
   def steps_in_epoch(self, epoch: int) -> int:
@@ -57,7 +71,7 @@ class Selector:
     ceil(rows / batch_size) steps of the rows it gets)."""
     fixed_subset = self.selecting(epoch) and not self.weighted
     rows = self.k_at(epoch) if fixed_subset else len(self._split)
-    return -(-rows // self._config.batch_size)
+    return -(-rows // self._batch_size)
 
   def rows_for_epoch(self, epoch: int, train_state: steps.TrainState,
                      state: bookkeeping.SelectionState):
@@ -91,8 +105,8 @@ class Selector:
   def _choose(self, epoch: int, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """The policy's ids (increasing) and their weights (None for unweighted methods)."""
     request = policies.Request(scores, self._split.labels, self._split.ids, self.k_at(epoch),
-                               self._config.seed, epoch, self._selection.warmup_epochs,
-                               self._config.num_epochs, self._mesh)
+                               self._seed, epoch, self._selection.warmup_epochs,
+                               self._num_epochs, self._mesh)
     return policies.select(self._selection.method, request, self._settings,
                            self._selection.direction)
 
@@ -111,8 +125,7 @@ class Selector:
       workdir: where `record_scores` writes the epoch's scores.
     """
     rows, first = bookkeeping.first_pass(order, per_example)
-    record = bookkeeping.train_pass_record(first["confidence"], first["correct"],
-                                           self._config.evaluation.num_bins)
+    record = bookkeeping.train_pass_record(first["confidence"], first["correct"], self._num_bins)
     if self.selecting(epoch):
       # score_mean_selected/_all: means of what the policy ranked (reducible losses under
       # RHO-LOSS), before this epoch's train pass rewrites the buffer.
@@ -124,14 +137,12 @@ class Selector:
       if self.weighted:
         record.update(bookkeeping.pruning_record(len(rows), len(self._split)))
       if (calibration := self._source.scorer_calibration()) is not None:
-        record.update(bookkeeping.scorer_record(calibration, rows,
-                                                self._config.evaluation.num_bins))
+        record.update(bookkeeping.scorer_record(calibration, rows, self._num_bins))
     if self._source.learns_from_training:
       state = bookkeeping.with_scores(state, rows, first["score"])
     if self._selection.record_scores and jax.process_index() == 0:
-      score_files.write_epoch_scores(
-          workdir, epoch, specs.DATASETS[self._config.dataset.name].num_train,
-          self._split.ids[rows], first["score"])
+      score_files.write_epoch_scores(workdir, epoch, self._num_ids, self._split.ids[rows],
+                                     first["score"])
     state, seconds = bookkeeping.add_seconds(state, timings)
     record.update(seconds)
     return state, record

@@ -168,22 +168,24 @@ class Target:
 
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config saved with the latest checkpoint of another run's `workdir`."""
+  """The whole config saved with the latest checkpoint of another run's `workdir`: a target's
+  model, dataset split and checkpoint tree are described by all of its sections."""
   meta = checkpointing.Checkpointer(workdir, None, read_only=True).latest_meta()
   if meta is None:
     raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
   return ml_collections.ConfigDict(json.loads(meta["config"]))
 
 
-def check_target(config: ml_collections.ConfigDict) -> None:
-  """Raises if the target run cannot serve this run (before any data load or compile).
+def check_target(selection: ml_collections.ConfigDict,
+                 dataset: ml_collections.ConfigDict) -> None:
+  """Raises if the target run (`selection.target_workdir`) cannot serve this run, whose
+  config.selection and config.dataset are given (before any data load or compile).
 
   Raises:
     FileNotFoundError: no recorded scores (target_recorded) or no checkpoint (target).
     ValueError: the target run did not train on the same train/validation split (a model
       target may differ in meta_val_size: a gamma-Net run can score a cross-entropy run).
   """
-  selection = config.selection
   recorded = selection.scoring == "target_recorded"
   if recorded:
     first = score_files.score_path(selection.target_workdir, selection.warmup_epochs)
@@ -196,7 +198,7 @@ def check_target(config: ml_collections.ConfigDict) -> None:
   for field in ("name", "val_size", "split_seed", "train_examples", "meta_val_size",
                 "label_noise", "label_noise_seed", "holdout_fraction", "train_part"):
     # .get: runs from before these fields existed had none (0, clean labels, no holdout).
-    theirs, ours = target.dataset.get(field, defaults.get(field, 0)), config.dataset[field]
+    theirs, ours = target.dataset.get(field, defaults.get(field, 0)), dataset[field]
     if theirs == ours:
       continue
     if field == "train_part" and not recorded:
@@ -231,58 +233,68 @@ def _check_target_part(theirs: str, ours: str, target_workdir: str) -> None:
                   "seen the rows it scores (in-sample scores).", target_workdir, theirs, ours)
 
 
-def _jit_score_step(model_config: ml_collections.ConfigDict, dtype: str, score_fn,
+def _jit_score_step(model_name: str, dataset: ml_collections.ConfigDict, dtype: str, score_fn,
                     preset: str, step_fn=steps.scoring_pass_step):
   """A jitted eval-mode `step_fn` (a scoring pass's [B, 3] columns, or `steps.score_step`'s
-  scores) for a run config's model, in compute `dtype`."""
-  model = models.create_model(model_config.model.name,
-                              specs.DATASETS[model_config.dataset.name].num_classes, dtype)
+  scores) of model `model_name` for `dataset` (a run's config.dataset: its classes and
+  normalisation), in compute `dtype`, with the XLA options of `preset`."""
+  model = models.create_model(model_name, specs.DATASETS[dataset.name].num_classes, dtype)
   return jax.jit(
-      functools.partial(step_fn, model=model, spec=steps.step_spec(model_config.dataset),
-                        score_fn=score_fn),
+      functools.partial(step_fn, model=model, spec=steps.step_spec(dataset), score_fn=score_fn),
       compiler_options=compiler_options.compiler_options("inference", preset))
 
 
-def create_source(config: ml_collections.ConfigDict, split: splits.Split | readers.HostReader,
-                  mesh: jax.sharding.Mesh) -> ScoreSource:
-  """The score source of `config.selection.scoring` for the training `split` (under
-  score=reducible_loss, with the target's irreducible losses added)."""
-  source = _scoring_source(config, split, mesh)
-  if config.selection.score != scores.REDUCIBLE_LOSS:
+def create_source(selection: ml_collections.ConfigDict,
+                  split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh, *,
+                  model_name: str, dataset: ml_collections.ConfigDict,
+                  xla_cpu_options: str) -> ScoreSource:
+  """The score source of `selection.scoring` for the training `split` (under
+  score=reducible_loss, with the target's irreducible losses added).
+
+  Args:
+    selection: config.selection.
+    split: the training split (host copy or reader).
+    mesh: the mesh of the scoring passes.
+    model_name, dataset: this run's config.model.name and config.dataset: the model of a
+      fresh pass (a target's model and dataset come from the target run's saved config).
+    xla_cpu_options: config.xla_cpu_options, the scoring passes' XLA options.
+  """
+  source = _scoring_source(selection, split, mesh, model_name, dataset, xla_cpu_options)
+  if selection.score != scores.REDUCIBLE_LOSS:
     return source
   # Built now, run at the first selected epoch: start-up only reads the target's config.
-  loss_fn, target = _target_scorer(config, "loss", mesh, steps.score_step)
-  return WithIrreducibleLoss(source, loss_fn, split, mesh, config.selection.score_batch_size,
-                             target)
+  loss_fn, target = _target_scorer(selection, "loss", mesh, xla_cpu_options, steps.score_step)
+  return WithIrreducibleLoss(source, loss_fn, split, mesh, selection.score_batch_size, target)
 
 
-def _scoring_source(config: ml_collections.ConfigDict, split: splits.Split | readers.HostReader,
-                    mesh: jax.sharding.Mesh) -> ScoreSource:
-  selection = config.selection
+def _scoring_source(selection: ml_collections.ConfigDict,
+                    split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
+                    model_name: str, dataset: ml_collections.ConfigDict,
+                    xla_cpu_options: str) -> ScoreSource:
+  """The source of `selection.scoring` alone (create_source's arguments)."""
   if selection.scoring == "train_pass":
     return TrainPass()
   if selection.scoring == "target_recorded":
     return TargetRecorded(selection.target_workdir, split.ids)
   pass_args = (split, mesh, selection.score_batch_size, selection.rescore_every)
   if selection.scoring == "fresh":
-    score_fn = _jit_score_step(config, selection.score_dtype,
-                               scores.forward_score(selection.score, selection),
-                               config.xla_cpu_options)
+    score_fn = _jit_score_step(model_name, dataset, selection.score_dtype,
+                               scores.forward_score(selection.score, selection), xla_cpu_options)
     return ScoringPass(score_fn, *pass_args)
-  score_fn, target = _target_scorer(config, selection.score, mesh)
+  score_fn, target = _target_scorer(selection, selection.score, mesh, xla_cpu_options)
   return ScoringPass(score_fn, *pass_args, target=target)
 
 
-def _target_scorer(config: ml_collections.ConfigDict, score_name: str,
-                   mesh: jax.sharding.Mesh, step_fn=steps.scoring_pass_step
-                   ) -> tuple[Any, Target]:
+def _target_scorer(selection: ml_collections.ConfigDict, score_name: str,
+                   mesh: jax.sharding.Mesh, xla_cpu_options: str,
+                   step_fn=steps.scoring_pass_step) -> tuple[Any, Target]:
   """The jitted eval-mode `step_fn` of the target run's own model (`score_name` scores),
-  and the target."""
-  selection = config.selection
+  and the target. The target's model, dataset and checkpoint tree come from its whole saved
+  config (`read_run_config`): they are the target run's, not this run's."""
   target_config = read_run_config(selection.target_workdir)
-  score_fn = _jit_score_step(target_config, selection.score_dtype,
-                             scores.forward_score(score_name, selection),
-                             config.xla_cpu_options, step_fn)
+  score_fn = _jit_score_step(target_config.model.name, target_config.dataset,
+                             selection.score_dtype, scores.forward_score(score_name, selection),
+                             xla_cpu_options, step_fn)
   logging.info("Scoring with target run %s (%s).", selection.target_workdir,
                target_config.model.name)
   return score_fn, Target(selection.target_workdir, run_state.abstract(

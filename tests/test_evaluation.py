@@ -1,0 +1,94 @@
+"""The evaluators (cpjax.evaluation) built alone, without a run: from an eval step, a mesh and
+the val/test data. The whole path (a trained run's metrics and report) is tested through the
+trainer in test_train.py, test_reliability.py and test_gamma_net.py."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpjax import evaluation, run_context
+from cpjax.calibration import report
+from cpjax.data import splits
+from cpjax.runtime import sharding
+
+State = collections.namedtuple("State", "step")  # All that the evaluators read of a state.
+NUM_CLASSES, LAST_GOOD = 10, "The last good checkpoint is step 3 in /nowhere."
+
+
+def _split(n: int, offset: int) -> splits.Split:
+  rng = np.random.default_rng(n)
+  return splits.Split(rng.integers(0, 256, (n, 4, 4, 1), np.uint8),
+                      rng.integers(0, NUM_CLASSES, n).astype(np.int32),
+                      np.arange(offset, offset + n, dtype=np.int32))
+
+
+def _logits(labels, ids):
+  """Logits that a fake eval step computes from the batch: every third id is wrong (values
+  exact in float32, so that jitted and eager computations agree bit for bit)."""
+  shifted = (labels + (ids % 3 == 0)) % NUM_CLASSES
+  return 3.0 * jax.nn.one_hot(shifted, NUM_CLASSES) + 0.25 * (ids % 7)[:, None]
+
+
+def _evaluator(eval_fn) -> evaluation.SplitEvaluator:
+  data = {"val": _split(50, 0), "test": _split(70, 1000)}
+  return evaluation.SplitEvaluator(
+      jax.jit(eval_fn), sharding.create_mesh(), data,
+      {name: split.labels for name, split in data.items()}, NUM_CLASSES, num_bins=15,
+      batch_size=16, last_good=lambda: LAST_GOOD)
+
+
+def _fake_eval_step(state, batch):
+  del state
+  return _logits(batch["label"], batch["id"]).astype(jnp.float32)
+
+
+def test_split_metrics_are_the_calibration_metrics_of_each_splits_logits():
+  evaluator = _evaluator(_fake_eval_step)
+  got = evaluator.run(State(np.int32(7)))
+  for name in ("val", "test"):
+    split = evaluator.split_readers[name]
+    want = report.calibration_metrics(np.asarray(_logits(split.labels, split.ids)),
+                                      split.labels, NUM_CLASSES, 15)
+    assert {k: got[f"{name}_{k}"] for k in want} == want
+  assert set(got) == {f"{s}_{m}" for s in ("val", "test") for m in report.EPOCH_METRICS}
+
+
+def test_a_non_finite_logit_stops_the_run_naming_the_last_good_checkpoint():
+  def diverged(state, batch):
+    logits = _fake_eval_step(state, batch)
+    return jnp.where((batch["id"] == 1004)[:, None], jnp.nan, logits)
+  evaluator = _evaluator(diverged)
+  assert evaluator.finite_logits(State(np.int32(7)), "val").shape == (50, NUM_CLASSES)
+  with pytest.raises(run_context.NonFiniteLossError) as info:
+    evaluator.logits(State(np.int32(7)))
+  assert str(info.value) == (
+      "the model diverged: 1 of 70 test examples have non-finite logits at global step 7; "
+      f"the run stopped without saving this state. {LAST_GOOD} Lower the learning rate or "
+      "enable gradient clipping.")
+
+
+class _Recorder:
+  """An evaluator that records its calls."""
+
+  def __init__(self, result):
+    self.calls, self.result = [], result
+
+  def run(self, *args, **kwargs):
+    self.calls.append((args, kwargs))
+    return self.result
+
+
+def test_the_report_follows_the_last_epoch_and_the_split_metrics_every_n(monkeypatch):
+  monkeypatch.setattr(evaluation, "report_record", lambda results: {"record_of": results})
+  split_evaluator, report_evaluator = _Recorder({"val_ece": 0.1}), _Recorder("built")
+  evaluations = evaluation.Evaluations(split_evaluator, report_evaluator, every=2,
+                                       num_epochs=5)
+  state, logits = State(np.int32(0)), {"val": None, "test": None}
+  records = [evaluations.run(state, epoch, logits=logits if epoch == 4 else None)
+             for epoch in range(5)]
+  assert records == [{}, {"val_ece": 0.1}, {}, {"val_ece": 0.1}, {"record_of": "built"}]
+  assert len(split_evaluator.calls) == 2
+  assert report_evaluator.calls == [((state, 5), {"logits": logits})]
