@@ -374,10 +374,12 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict) ->
   return "\n".join(lines) + "\n"
 
 
-def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str) -> None:
+def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
+                  found: dict | None = None) -> None:
   """Test accuracy vs passes share, one line per policy (mean over seeds 0-2, band: the
   seeds' range); full data as a band (its seeds' range) and the lossless region (within
-  the margin of full data's mean) shaded."""
+  the margin of full data's mean) shaded; the chosen arm's later tiers (`verdicts`) as
+  text, since they are paired against full data on other seeds or schedules."""
   fig, ax = plt.subplots(figsize=(9, 6))
   full = results.get("full")
   if full is not None:
@@ -409,6 +411,13 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str) -> N
     ax.set_ylim(max(low - 0.3, 100 * np.mean(full["accuracy"]) - 3.0),
                 100 * np.max(full["accuracy"]) + 0.6)
   ax.set_xlim(20, 102)
+  if found:
+    text = "\n".join(f"{v['arm']} (seeds {','.join(map(str, v['seeds']))}): "
+                     f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] vs full"
+                     + (", lossless" if v["lossless"] else ", not lossless")
+                     for v in found.values())
+    ax.text(0.01, 0.99, text, transform=ax.transAxes, fontsize=7, va="top",
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
   ax.set_xlabel("example passes, % of full data's (scoring included)")
   ax.set_ylabel("test accuracy % (line: mean of seeds 0-2; band: their range)")
   ax.set_title("Fashion-MNIST, small_cnn, 20 epochs: accuracy vs training compute")
@@ -432,7 +441,8 @@ def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str
               default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write(markdown(summary, chosen, command, failures))
-  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"))
+  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"),
+                verdicts(summary, chosen))
 
 
 # ---------------------------------------------------------------------------------------------
