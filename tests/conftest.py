@@ -1,26 +1,38 @@
 """Test setup: 8 forced CPU devices before any JAX computation, and the shared fixtures.
 
-Training runs are the slow part of the suite, so a run that several tests read
-is trained once per session here (its tests must only read its workdir, or copy it).
+Training runs are the slow part of the suite, so a run that several tests read is trained once
+per pytest run: those fixtures are in tests/trained_runs.py, a plugin that the modules reading
+them require (their tests must only read its workdir, or copy it).
 """
 
-import dataclasses
-import functools
+import gc
 import os
 import shutil
 import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# No garbage collection while JAX, TensorFlow and the test modules are imported: they create
+# millions of long-lived objects and few cycles, and a full collection every time the heap
+# grows by a quarter walked them all again (over a second of start-up in all).
+# pytest_collection below turns it back on.
+gc.disable()
 # XLA:CPU compiles dominate the suite's time (the tiny net's init alone takes seconds), and
-# many runs compile identical programs: a persistent compilation cache, fresh per session
-# (no state between sessions), lets every run after the first load them. The variables
-# reach the main.py runs of the tests and the pytest-xdist workers too (they start after
-# this file is imported, so all share one cache); a user's own cache directory is left alone.
-_XLA_CACHE = None
+# many runs compile identical programs: a persistent compilation cache, fresh per pytest run
+# (no state between runs), lets every run after the first load them. The variables reach the
+# main.py runs of the tests and the pytest-xdist workers too (they start after this file is
+# imported, so all share one cache). CPJAX_TEST_XLA_CACHE=<folder> (opt-in) keeps the cache
+# there between pytest runs instead: a rerun loads what the last one compiled (an entry is
+# keyed by the program, the compile options and the jax version, so an edit only misses; the
+# folder grows with every edit and may be deleted at any time). A user's own
+# JAX_COMPILATION_CACHE_DIR is used as it is, and never deleted.
+_XLA_CACHE = None  # The fresh folder, deleted at the end of the pytest run.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _XLA_CACHE = tempfile.mkdtemp(prefix="cpjax-tests-xla-cache-")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+  if os.environ.get("CPJAX_TEST_XLA_CACHE"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(os.environ["CPJAX_TEST_XLA_CACHE"])
+  else:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="cpjax-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 # The suite's programs are small and compiling them is most of its time: LLVM's backend
 # optimisations (XLA's default level is 3) only change how fast the generated code runs, and
@@ -39,9 +51,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # pylint: disable=g-import-not-at-top  (after the device count is set)
 
-from cpjax import steps, train  # pylint: disable=g-import-not-at-top
 from cpjax.data import input_pipeline  # pylint: disable=g-import-not-at-top
 from tests import helpers  # pylint: disable=g-import-not-at-top
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+  """Garbage collection back on once the tests are collected (see gc.disable above), with every
+  object alive then (JAX's, TensorFlow's, the test modules') frozen: out of the collector's
+  sight. A full collection would walk them all again, about 0.4 s each time on a 2-core
+  machine; Python runs one every so often, and pytest runs 5 at the end to find unraisable
+  exceptions. Objects the tests create are collected as before."""
+  del session
+  try:
+    return (yield)
+  finally:
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -94,79 +120,3 @@ def fashion_mnist_tfds(tmp_path_factory):
   config = helpers.tiny_config(**{"dataset.name": "fashion_mnist", "dataset.data_dir": data_dir,
                                   "dataset.val_size": 6000}).dataset
   return data_dir, input_pipeline.get_datasets(config)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainedRun:
-  workdir: str
-  config: object
-  record: dict  # The last epoch's metrics record.
-  train_step_traces: int = 0  # How often steps.train_step was traced during the run.
-  train_step_executables: int = 0  # Compiled executables of the run's jitted train step.
-  log: str = ""  # The run's stderr (absl log lines), for runs made in a subprocess.
-
-
-@pytest.fixture(scope="session")
-def selected_run(tmp_path_factory) -> TrainedRun:
-  """helpers.selected_config() trained once on 8 devices, counting train-step traces.
-
-  The counting wrapper only observes: the run computes exactly what an
-  unwrapped run computes (test_selection resumes against it bit for bit).
-  """
-  workdir = str(tmp_path_factory.mktemp("selected"))
-  config = helpers.selected_config()
-  traces, jitted = [], []
-  real_step, real_jit = steps.train_step, train._jit_train_step  # pylint: disable=protected-access
-
-  @functools.wraps(real_step)
-  def counted_step(*args, **kwargs):
-    traces.append(1)  # Runs once per trace, never per call of the compiled step.
-    return real_step(*args, **kwargs)
-
-  def captured_jit(*args):
-    jitted.append(real_jit(*args))
-    return jitted[-1]
-
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(steps, "train_step", counted_step)
-    patch.setattr(train, "_jit_train_step", captured_jit)
-    record = train.train_and_evaluate(config, workdir)
-  assert len(jitted) == 1
-  return TrainedRun(workdir, config, record, len(traces),
-                    jitted[0]._cache_size())  # pylint: disable=protected-access
-
-
-@pytest.fixture(scope="session")
-def other_model_run(tmp_path_factory) -> TrainedRun:
-  """configs/test.py with small_cnn, one epoch: a run of another architecture than `tiny`
-  (small_cnn rather than a ResNet: it compiles in a fraction of the time).
-
-  Its tests read its checkpoint and config (the same split as every digits run), not its
-  report: no OOD pass."""
-  workdir = str(tmp_path_factory.mktemp("other_model"))
-  config = helpers.tiny_config(**{"num_epochs": 1, "model.name": "small_cnn",
-                                  "evaluation.ood": ""})
-  return TrainedRun(workdir, config, train.train_and_evaluate(config, workdir))
-
-
-@pytest.fixture(scope="session")
-def meta_run(tmp_path_factory) -> TrainedRun:
-  """configs/test.py with FL_gamma-DECE (helpers.META_RUN: gamma-Net, 128 meta-validation
-  digits), in this process (8 devices): the gamma-Net tests read it, and test_selection uses
-  it as a gamma-Net target."""
-  workdir = str(tmp_path_factory.mktemp("flgamma"))
-  config = helpers.tiny_config(**helpers.META_RUN)
-  return TrainedRun(workdir, config, train.train_and_evaluate(config, workdir))
-
-
-@pytest.fixture(scope="session")
-def main_run(tmp_path_factory) -> TrainedRun:
-  """`main.py` with helpers.MAIN_RUN_FLAGS in a fresh process (1 CPU device), as a user runs it.
-
-  Shared by the end-to-end, evaluate-only and SIGKILL tests (test_train) and as
-  the recorded-scores target of test_selection: read it, or copy it.
-  """
-  workdir = str(tmp_path_factory.mktemp("main"))
-  result = helpers.run_main(workdir, *helpers.MAIN_RUN_FLAGS)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return TrainedRun(workdir, None, helpers.read_metrics(workdir)[-1], log=result.stderr)

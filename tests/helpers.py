@@ -23,7 +23,7 @@ FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
 FASHION_MNIST_MISSING = ("Debian's dataset-fashion-mnist is not installed "
                          "(apt-get install dataset-fashion-mnist to run this test)")
 STEPS_PER_EPOCH = -(-1257 // 64)  # configs/test.py: 1,257 training digits in batches of 64.
-# conftest's shared main.py run: 4 full epochs of configs/test.py, recording train-pass scores.
+# tests/trained_runs.py's main.py run: 4 full epochs of configs/test.py, recording scores.
 MAIN_RUN_FLAGS = ("--config.num_epochs=4", "--config.selection.record_scores=True")
 # The gamma-Net run of the `meta_run` fixture (configs/test.py overrides).
 META_RUN = {"loss.name": "flgamma_dece", "dataset.meta_val_size": 128, "keep_checkpoints": 10}

@@ -36,6 +36,8 @@ from tests.helpers import (
   without_timing,
 )
 
+pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
+
 
 def _read(path: str) -> str:
   if not os.path.exists(path):
@@ -65,7 +67,7 @@ def _saved_step(log: str) -> int:
 def test_sigterm_mid_epoch_saves_exits_75_and_resumes_exactly(selected_run, tmp_path):
   """One process: SIGTERM in a selected epoch -> checkpoint at that step, exit 75; the rerun
   ends bit for bit as the uninterrupted run of the same config on the same 8 devices
-  (conftest's `selected_run`)."""
+  (tests/trained_runs.py's `selected_run`)."""
   workdir, log = str(tmp_path / "preempted"), str(tmp_path / "first.log")
   with open(log, "w") as stderr:
     proc = subprocess.Popen(main_command(workdir, *SELECTED_FLAGS), cwd=REPO,
@@ -123,7 +125,7 @@ def _slurm_env(tmp_path, tag: str, port: int) -> dict[str, str]:
 
 def _sbatch(tmp_path, tag: str, workdir: str, port: int) -> subprocess.Popen:
   """Runs scripts/slurm/train.sbatch as SLURM would run the batch script of a 2-task job,
-  on helpers.SELECTED_FLAGS (the config of conftest's `selected_run`), with the host reader:
+  on helpers.SELECTED_FLAGS (the config of the shared `selected_run`), with the host reader:
   each process gathers its half of every batch in host memory (`selected_run`, one process,
   reads on device)."""
   return subprocess.Popen(["bash", SBATCH, "configs/test.py", workdir, *SELECTED_FLAGS,

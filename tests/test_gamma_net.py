@@ -27,6 +27,8 @@ from cpjax.selection import scores
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
 
+pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
+
 STEPS = -(-(1257 - 128) // 64)  # configs/test.py less 128 meta-validation digits: 18 steps.
 
 
@@ -43,8 +45,9 @@ def test_gamma_net_is_the_formula_of_the_slides(max_gamma):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(6, 5)).astype(np.float32)
   net = gamma_net.GammaNet(num_prototypes=3, temperature=0.7, max_gamma=max_gamma)
-  params = net.init(jax.random.PRNGKey(0), jnp.asarray(x))["params"]
-  got = np.asarray(net.apply({"params": params}, jnp.asarray(x)))
+  # Jitted, as the steps run it: op by op, every operation would compile on its own.
+  params = jax.jit(net.init)(jax.random.PRNGKey(0), jnp.asarray(x))["params"]
+  got = np.asarray(jax.jit(net.apply)({"params": params}, jnp.asarray(x)))
   expected = _numpy_gamma(x.astype(np.float64), np.asarray(params["prototypes"], np.float64),
                           np.asarray(params["projection"], np.float64), 0.7, max_gamma)
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -53,12 +56,17 @@ def test_gamma_net_is_the_formula_of_the_slides(max_gamma):
 
 def test_gamma_is_non_negative_finite_and_blind_to_feature_gradients():
   net = gamma_net.GammaNet(num_prototypes=10)
-  huge = jnp.full((4, 128), 1e30, jnp.float32).at[1].set(-1e30)  # Saturated attention.
-  params = net.init(jax.random.PRNGKey(1), huge)["params"]
-  gamma = net.apply({"params": params}, huge)
+  huge = np.full((4, 128), 1e30, np.float32)
+  huge[1] = -1e30  # Saturated attention.
+
+  @jax.jit  # One program (op by op, every operation would compile on its own).
+  def gamma_and_feature_grad(features):
+    params = net.init(jax.random.PRNGKey(1), features)["params"]
+    feature_grad = jax.grad(lambda x: jnp.sum(net.apply({"params": params}, x)))(
+        jnp.ones((4, 128)))
+    return net.apply({"params": params}, features), feature_grad
+  gamma, feature_grad = (np.asarray(x) for x in gamma_and_feature_grad(huge))
   assert np.all(np.isfinite(gamma)) and np.all(gamma >= 0) and np.all(gamma <= 10.0)
-  feature_grad = jax.grad(lambda x: jnp.sum(net.apply({"params": params}, x)))(
-      jnp.ones((4, 128)))
   assert np.all(feature_grad == 0)  # stop_gradient: gamma-Net never trains the backbone.
 
 
@@ -67,7 +75,8 @@ def test_initial_mean_gamma_is_of_order_one_whatever_the_feature_width(width):
   """The initial mean gamma is of order one (docs/methods.md#gamma-net); relu-like features."""
   x = jnp.abs(jax.random.normal(jax.random.PRNGKey(2), (256, width)))
   net = gamma_net.GammaNet(num_prototypes=10)
-  means = [float(jnp.mean(net.apply(net.init(jax.random.PRNGKey(s), x), x))) for s in range(5)]
+  mean_gamma = jax.jit(lambda key, x: jnp.mean(net.apply(net.init(key, x), x)))  # One compile.
+  means = [float(mean_gamma(jax.random.PRNGKey(s), x)) for s in range(5)]
   assert 0.5 <= np.mean(means) <= 5.0, means
 
 
@@ -92,10 +101,11 @@ def test_lookahead_is_one_hand_written_focal_step_of_the_head():
   gamma = rng.uniform(0.5, 4.0, 8)
   head = {"kernel": rng.normal(size=(6, 4)), "bias": rng.normal(size=4)}
   spec = steps.step_spec(tiny_config().dataset, tiny_config().loss)
-  got = steps.lookahead_head({k: jnp.asarray(v, jnp.float32) for k, v in head.items()},
-                             jnp.asarray(x, jnp.float32), jnp.asarray(labels),
-                             jnp.asarray(mask, jnp.float32), jnp.asarray(gamma, jnp.float32),
-                             jnp.float32(0.3), spec)
+  lookahead = jax.jit(steps.lookahead_head, static_argnums=6)  # Compiled, as the meta step.
+  got = lookahead({k: jnp.asarray(v, jnp.float32) for k, v in head.items()},
+                  jnp.asarray(x, jnp.float32), jnp.asarray(labels),
+                  jnp.asarray(mask, jnp.float32), jnp.asarray(gamma, jnp.float32),
+                  jnp.float32(0.3), spec)
   kernel, bias = _numpy_lookahead(head["kernel"], head["bias"], x, labels, mask, gamma, 0.3)
   np.testing.assert_allclose(got["kernel"], kernel, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(got["bias"], bias, rtol=1e-4, atol=1e-5)
@@ -350,11 +360,11 @@ def test_report_of_an_flgamma_run_holds_its_test_gammas(meta_run, digits):
 def test_gamma_step_is_gamma_net_on_the_eval_mode_features(digits):
   model, net, _, state, _, spec, mesh = _setup()
   batch = splits.batch_at(digits["test"], np.arange(64))
-  got = np.asarray(steps.gamma_step(state, sharding.to_global(mesh, batch, 64), model=model,
-                                    gamma_net=net, spec=spec))
-  logits, features = model.apply(
+  gamma_step = jax.jit(functools.partial(steps.gamma_step, model=model, gamma_net=net, spec=spec))
+  got = np.asarray(gamma_step(state, sharding.to_global(mesh, batch, 64)))
+  logits, features = jax.jit(lambda state, images: model.apply(
       {"params": state.params, "batch_stats": state.batch_stats},
-      augment.normalize(batch["image"], spec.mean, spec.std), train=False)
+      augment.normalize(images, spec.mean, spec.std), train=False))(state, batch["image"])
   phi = jax.tree.map(lambda a: np.asarray(a, np.float64), state.meta_params)
   expected = _numpy_gamma(np.asarray(features, np.float64), phi["prototypes"],
                           phi["projection"], net.temperature, net.max_gamma)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
-from jax.test_util import check_grads
+from jax.test_util import check_vjp
 import numpy as np
 import pytest
 from scipy.special import lambertw
@@ -26,29 +26,48 @@ MMCE_LOGITS = jnp.array([[3.0, 0, 0], [0, 2.0, 0], [1.0, 0, 0.5], [0, 0, 4.0]])
 MMCE_LABELS = jnp.array([0, 0, 0, 2])
 
 
+# The tests here compute their JAX values inside one jitted function each: op by op, every
+# jax.numpy operation compiles an XLA program of its own on first use (tens of ms each on
+# CPU, seconds for a test), where one program of them all compiles in a fraction of that.
+# The losses are the same functions either way (the train steps only ever run them jitted).
+
+
 def test_spec_check_values_cross_entropy_and_label_smoothing():
-  assert losses.cross_entropy(Z, Y)[0] == pytest.approx(0.407606, abs=1e-5)
-  assert losses.label_smoothing(Z, Y, 0.1, "uniform")[0] == pytest.approx(0.507606, abs=1e-5)
-  assert losses.label_smoothing(Z, Y, 0.1, "off_target")[0] == pytest.approx(0.557606, abs=1e-5)
+  @jax.jit
+  def values(z, y):
+    return (losses.cross_entropy(z, y)[0], losses.label_smoothing(z, y, 0.1, "uniform")[0],
+            losses.label_smoothing(z, y, 0.1, "off_target")[0])
+  ce, uniform, off_target = values(Z, Y)
+  assert ce == pytest.approx(0.407606, abs=1e-5)
+  assert uniform == pytest.approx(0.507606, abs=1e-5)
+  assert off_target == pytest.approx(0.557606, abs=1e-5)
 
 
 @pytest.mark.parametrize("gamma, expected", [(0, 0.407606), (1, 0.136450), (2, 0.045678),
                                              (3, 0.015291), (5, 0.001714)])
 def test_spec_check_values_focal(gamma, expected):
-  assert losses.focal_loss(Z, Y, gamma)[0] == pytest.approx(expected, abs=1e-5)
+  value = jax.jit(functools.partial(losses.focal_loss, gamma=gamma))(Z, Y)[0]
+  assert value == pytest.approx(expected, abs=1e-5)
 
 
 def test_spec_check_values_brier_mbls_mmce_dece():
-  assert losses.brier_score(Z, Y)[0] == pytest.approx(0.180061, abs=1e-5)
-  z = jnp.array([[12.0, 0.0, 1.0]])
-  assert losses.mbls_penalty(z, 10.0)[0] == pytest.approx(1.0, abs=1e-6)
-  assert losses.mbls_loss(z, Y, 10.0, 0.1)[0] == pytest.approx(0.1000228, abs=1e-6)
-  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "code") == pytest.approx(
-      0.751428, abs=1e-5)
-  assert surr.mmce_weighted(MMCE_LOGITS, MMCE_LABELS, 0.4, "nominal") == pytest.approx(
-      0.691121, abs=1e-5)
-  assert surr.mmce_unweighted(MMCE_LOGITS, MMCE_LABELS, 0.4) == pytest.approx(0.024737, abs=1e-5)
-  assert surr.dece(MMCE_LOGITS, MMCE_LABELS) == pytest.approx(0.350997, abs=1e-5)
+  @jax.jit
+  def values(z, y, z_mbls, logits, labels):
+    return {"brier": losses.brier_score(z, y)[0],
+            "mbls_penalty": losses.mbls_penalty(z_mbls, 10.0)[0],
+            "mbls": losses.mbls_loss(z_mbls, y, 10.0, 0.1)[0],
+            "mmce_code": surr.mmce_weighted(logits, labels, 0.4, "code"),
+            "mmce_nominal": surr.mmce_weighted(logits, labels, 0.4, "nominal"),
+            "mmce_unweighted": surr.mmce_unweighted(logits, labels, 0.4),
+            "dece": surr.dece(logits, labels)}
+  got = values(Z, Y, jnp.array([[12.0, 0.0, 1.0]]), MMCE_LOGITS, MMCE_LABELS)
+  assert got["brier"] == pytest.approx(0.180061, abs=1e-5)
+  assert got["mbls_penalty"] == pytest.approx(1.0, abs=1e-6)
+  assert got["mbls"] == pytest.approx(0.1000228, abs=1e-6)
+  assert got["mmce_code"] == pytest.approx(0.751428, abs=1e-5)
+  assert got["mmce_nominal"] == pytest.approx(0.691121, abs=1e-5)
+  assert got["mmce_unweighted"] == pytest.approx(0.024737, abs=1e-5)
+  assert got["dece"] == pytest.approx(0.350997, abs=1e-5)
 
 
 def g_bound(p, gamma):
@@ -77,14 +96,20 @@ def test_flsd_gamma_thresholds_are_strict_and_detached():
   pts = np.array([0.1, 0.19, 0.21, 0.49, 0.51, 0.9])  # Two classes: p_t as given.
   logits = jnp.array(np.stack([np.log(pts), np.log(1 - pts)], -1), jnp.float32)
   labels = jnp.zeros(6, jnp.int32)
-  np.testing.assert_array_equal(losses.flsd_gamma(logits, labels, 3.0), [5, 5, 3, 3, 3, 3])
-  np.testing.assert_array_equal(losses.flsd_gamma(logits, labels, 2.0), [5, 5, 3, 3, 2, 2])
-  # FLSD equals fixed-gamma focal with the chosen per-example gamma, in value and
-  # gradient: the gamma choice carries no gradient, the focal weight does.
-  gammas = losses.flsd_gamma(logits, labels, 3.0)
-  flsd = lambda z: jnp.sum(losses.flsd_loss(z, labels, 3.0))
-  fixed = lambda z: jnp.sum(losses.focal_loss(z, labels, gammas))
-  np.testing.assert_allclose(jax.grad(flsd)(logits), jax.grad(fixed)(logits), rtol=1e-6)
+
+  @jax.jit
+  def values(logits, labels):
+    gammas = losses.flsd_gamma(logits, labels, 3.0)
+    # FLSD equals fixed-gamma focal with the chosen per-example gamma, in value and
+    # gradient: the gamma choice carries no gradient, the focal weight does.
+    flsd = lambda z: jnp.sum(losses.flsd_loss(z, labels, 3.0))
+    fixed = lambda z: jnp.sum(losses.focal_loss(z, labels, gammas))
+    return (gammas, losses.flsd_gamma(logits, labels, 2.0), jax.grad(flsd)(logits),
+            jax.grad(fixed)(logits))
+  gammas_53, gammas_532, flsd_grad, fixed_grad = values(logits, labels)
+  np.testing.assert_array_equal(gammas_53, [5, 5, 3, 3, 3, 3])
+  np.testing.assert_array_equal(gammas_532, [5, 5, 3, 3, 2, 2])
+  np.testing.assert_allclose(flsd_grad, fixed_grad, rtol=1e-6)
 
 
 def np_reference_losses(z, y, k):
@@ -105,11 +130,16 @@ def test_losses_match_numpy_references():
   z = rng.normal(0, 3, (32, 5))
   y = rng.integers(0, 5, 32)
   ref = np_reference_losses(z, y, 5)
-  zj, yj = jnp.array(z, jnp.float32), jnp.array(y)
-  np.testing.assert_allclose(losses.cross_entropy(zj, yj), ref["ce"], rtol=1e-5)
-  np.testing.assert_allclose(losses.brier_score(zj, yj), ref["brier"], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(losses.ecp_loss(zj, yj, 0.1), ref["ecp"], rtol=1e-5)
-  assert float(surr.sece(zj, yj, 0.05)) == pytest.approx(ref["sece"], rel=1e-4)
+
+  @jax.jit
+  def values(z, y):
+    return {"ce": losses.cross_entropy(z, y), "brier": losses.brier_score(z, y),
+            "ecp": losses.ecp_loss(z, y, 0.1), "sece": surr.sece(z, y, 0.05)}
+  got = values(jnp.array(z, jnp.float32), jnp.array(y))
+  np.testing.assert_allclose(got["ce"], ref["ce"], rtol=1e-5)
+  np.testing.assert_allclose(got["brier"], ref["brier"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got["ecp"], ref["ecp"], rtol=1e-5)
+  assert float(got["sece"]) == pytest.approx(ref["sece"], rel=1e-4)
 
 
 LOSS_FNS = {
@@ -136,14 +166,26 @@ def _dece_slow(names):
   return [pytest.param(n, marks=pytest.mark.slow) if n == "ce_dece" else n for n in names]
 
 
+# One jitted value and gradient of the summed loss per loss (compiled once per shape), for the
+# finite differences and the extreme margins below.
+_VALUE_AND_GRAD = {
+    name: jax.jit(jax.value_and_grad(lambda x, y, fn=fn: jnp.sum(fn(x, y))))
+    for name, fn in LOSS_FNS.items()}
+
+
 @pytest.mark.parametrize("name", _dece_slow(sorted(set(LOSS_FNS) - {"ce_sece"})))
 def test_gradients_match_finite_differences(name):
   z = jnp.array(np.random.default_rng(1).normal(0, 1, (6, 4)), jnp.float32)
   y = jnp.array([0, 1, 2, 3, 0, 1])
-  fn = lambda logits: jnp.sum(LOSS_FNS[name](logits, y))
   # DECE's sigmoid(100 x) and soft bins are steep: a small step and loose tolerance.
   eps, tol = (1e-3, 5e-2) if name == "ce_dece" else (1e-2, 2e-2)
-  check_grads(fn, (z,), order=1, modes=["rev"], eps=eps, atol=tol, rtol=tol)
+  # check_grads(fn, (z,), order=1, modes=["rev"]) is check_vjp(fn, partial(jax.vjp, fn), ...):
+  # the VJP of a scalar loss is the cotangent times its gradient, here from one compiled
+  # program (jax.vjp of a jitted fn compiles two more).
+  value_and_grad = functools.partial(_VALUE_AND_GRAD[name], y=y)
+  fn = lambda logits: value_and_grad(logits)[0]
+  fn_vjp = lambda logits: (fn(logits), lambda ct: (ct * np.asarray(value_and_grad(logits)[1]),))
+  check_vjp(fn, fn_vjp, (z,), eps=eps, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("name", _dece_slow(sorted(LOSS_FNS)))
@@ -151,15 +193,20 @@ def test_gradients_match_finite_differences(name):
 def test_extreme_margins_are_finite(name, margin):
   z = jnp.array([[margin, 0.0, 0.0], [0.0, margin, 0.0], [0.0, 0.0, -margin]])
   y = jnp.array([0, 0, 2])  # Confidently right, confidently wrong, uniform-ish.
-  value, grad = jax.value_and_grad(lambda x: jnp.sum(LOSS_FNS[name](x, y)))(z)
+  value, grad = _VALUE_AND_GRAD[name](z, y)
   assert np.isfinite(value) and np.all(np.isfinite(grad))
 
 
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0, 3.0, 5.0])
 def test_focal_is_finite_at_probability_exactly_one(gamma):
   z = jnp.array([[200.0, 0.0, 0.0]], jnp.float32)
-  assert float(jax.nn.softmax(z)[0, 0]) == 1.0  # p_t is exactly 1 in float32.
-  value, grad = jax.value_and_grad(lambda x: jnp.sum(losses.focal_loss(x, Y, gamma)))(z)
+
+  @jax.jit
+  def values(x):
+    value, grad = jax.value_and_grad(lambda x: jnp.sum(losses.focal_loss(x, Y, gamma)))(x)
+    return jax.nn.softmax(x)[0, 0], value, grad
+  p_t, value, grad = values(z)
+  assert float(p_t) == 1.0  # p_t is exactly 1 in float32.
   assert np.isfinite(value) and np.all(np.isfinite(grad))
   assert float(value) == pytest.approx(0.0, abs=1e-30)
 
@@ -168,25 +215,36 @@ def test_identities():
   rng = np.random.default_rng(2)
   z = jnp.array(rng.normal(0, 2, (16, 10)), jnp.float32)
   y = jnp.array(rng.integers(0, 10, 16))
-  ce = losses.cross_entropy(z, y)
-  np.testing.assert_allclose(losses.label_smoothing(z, y, 0.0), ce, rtol=1e-6)
-  np.testing.assert_allclose(losses.focal_loss(z, y, 0.0), ce, rtol=1e-6)
-  np.testing.assert_allclose(losses.mbls_loss(z, y, 1e6, 0.1), ce, rtol=1e-6)
-  np.testing.assert_allclose(losses.cross_entropy(z, jax.nn.one_hot(y, 10)), ce, rtol=1e-6)
-  np.testing.assert_allclose(losses.brier_score(z, jax.nn.one_hot(y, 10)),
-                             losses.brier_score(z, y), rtol=1e-6)
   images = jnp.array(rng.normal(0, 1, (16, 4, 4, 1)), jnp.float32)
-  targets = jax.nn.one_hot(y, 10)
-  mixed, mixed_t = augment.mixup(jax.random.PRNGKey(0), images, targets, 0.0)  # lambda = 1.
-  np.testing.assert_array_equal(mixed, images)
-  np.testing.assert_array_equal(mixed_t, targets)
+
+  @jax.jit
+  def values(z, y, images):
+    onehot = jax.nn.one_hot(y, 10)
+    mixed, mixed_t = augment.mixup(jax.random.PRNGKey(0), images, onehot, 0.0)  # lambda = 1.
+    return {"ce": losses.cross_entropy(z, y), "ls": losses.label_smoothing(z, y, 0.0),
+            "focal": losses.focal_loss(z, y, 0.0), "mbls": losses.mbls_loss(z, y, 1e6, 0.1),
+            "ce_onehot": losses.cross_entropy(z, onehot),
+            "brier_onehot": losses.brier_score(z, onehot), "brier": losses.brier_score(z, y),
+            "targets": onehot, "mixed": mixed, "mixed_t": mixed_t}
+  got = values(z, y, images)
+  ce = got["ce"]
+  np.testing.assert_allclose(got["ls"], ce, rtol=1e-6)
+  np.testing.assert_allclose(got["focal"], ce, rtol=1e-6)
+  np.testing.assert_allclose(got["mbls"], ce, rtol=1e-6)
+  np.testing.assert_allclose(got["ce_onehot"], ce, rtol=1e-6)
+  np.testing.assert_allclose(got["brier_onehot"], got["brier"], rtol=1e-6)
+  np.testing.assert_array_equal(got["mixed"], images)
+  np.testing.assert_array_equal(got["mixed_t"], got["targets"])
 
 
 def test_mixup_mixes_pairs_with_one_lambda():
-  images = jax.random.normal(jax.random.PRNGKey(5), (8, 2, 2, 1))
-  targets = jnp.eye(8)  # Example i has its own class i: the targets reveal the pairing.
-  mixed, mixed_t = augment.mixup(jax.random.PRNGKey(3), images, targets, 0.4)
-  mixed_t = np.asarray(mixed_t)
+  @jax.jit
+  def mixed_batch():
+    images = jax.random.normal(jax.random.PRNGKey(5), (8, 2, 2, 1))
+    targets = jnp.eye(8)  # Example i has its own class i: the targets reveal the pairing.
+    return (images, *augment.mixup(jax.random.PRNGKey(3), images, targets, 0.4),
+            jax.random.normal(jax.random.PRNGKey(4), (8, 8)))
+  images, mixed, mixed_t, z = (np.asarray(x) for x in mixed_batch())
   lam = float(np.min(np.diag(mixed_t)))  # lam on the diagonal (1 where pi(i) = i).
   assert 0 < lam < 1
   partner = np.array([np.argmax(np.where(np.arange(8) == i, -1, row)) if row[i] < 1 else i
@@ -195,11 +253,11 @@ def test_mixup_mixes_pairs_with_one_lambda():
   np.testing.assert_allclose(mixed, lam * images + (1 - lam) * images[partner], atol=1e-6)
   np.testing.assert_allclose(mixed_t.sum(-1), 1.0, rtol=1e-6)
   # CE against the mixed targets = lam CE(y) + (1 - lam) CE(y_pi): the reference form.
-  z = jax.random.normal(jax.random.PRNGKey(4), (8, 8))
-  y = jnp.arange(8)
-  np.testing.assert_allclose(
-      losses.cross_entropy(z, jnp.asarray(mixed_t)),
-      lam * losses.cross_entropy(z, y) + (1 - lam) * losses.cross_entropy(z, y[partner]), rtol=1e-5)
+  y = np.arange(8)
+  mixed_ce, ce, partner_ce = (np.asarray(x) for x in jax.jit(lambda z, t, y, y_pi: (
+      losses.cross_entropy(z, t), losses.cross_entropy(z, y), losses.cross_entropy(z, y_pi)))(
+          z, mixed_t, y, y[partner]))
+  np.testing.assert_allclose(mixed_ce, lam * ce + (1 - lam) * partner_ce, rtol=1e-5)
 
 
 JITTED_LOSS_FNS = {name: jax.jit(fn) for name, fn in LOSS_FNS.items()}

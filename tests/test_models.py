@@ -103,34 +103,36 @@ def test_published_counts():
 
 def test_outputs_logits_and_penultimate_features():
   model = models.create_model("tiny", 7)  # Every model ends in the same pool -> dense head.
-  x = jnp.ones((3, 28, 28, 1))
-  # Jitted: eager op-by-op execution compiles every primitive (seconds each on CPU).
+  x = np.ones((3, 28, 28, 1), np.float32)
+  # Jitted, and the checks in NumPy: op by op, every jax.numpy operation compiles on its own
+  # (tens of ms each on CPU, seconds for a whole net).
   variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
-  logits, features = jax.jit(model.apply)(variables, x)
+  logits, features = jax.device_get(jax.jit(model.apply)(variables, x))
   assert logits.shape == (3, 7) and features.shape == (3, 16)
-  head = variables["params"]["head"]
-  assert jnp.allclose(logits, features @ head["kernel"] + head["bias"], atol=1e-5)
+  head = jax.device_get(variables["params"]["head"])
+  assert np.allclose(logits, features @ head["kernel"] + head["bias"], atol=1e-5)
 
 
 def test_batchnorm_train_mode_updates_stats_eval_mode_does_not():
   model = models.create_model("tiny", 10)
-  x = jax.random.normal(jax.random.PRNGKey(1), (16, 8, 8, 1)) * 3 + 2
+  x = np.asarray(jax.jit(lambda key: jax.random.normal(key, (16, 8, 8, 1)) * 3 + 2)(
+      jax.random.PRNGKey(1)))
   variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
   apply = jax.jit(model.apply, static_argnames=("train", "mutable"))
   _, updated = apply(variables, x, train=True, mutable=("batch_stats",))
-  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), variables["batch_stats"],
-                         updated["batch_stats"])
+  changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
+                         variables["batch_stats"], updated["batch_stats"])
   assert all(jax.tree.leaves(changed))
   eval_a, _ = apply(variables, x[:4])
   eval_b, _ = apply(variables, x)  # Eval mode: no batch dependence.
-  assert jnp.allclose(eval_a, eval_b[:4], atol=1e-6)
+  assert np.allclose(eval_a, np.asarray(eval_b)[:4], atol=1e-6)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
   model = models.create_model("tiny", 10, "bfloat16")  # Shares the ResNets' conv/norm layers.
-  variables = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.ones((2, 8, 8, 3)))
+  variables = jax.jit(model.init)(jax.random.PRNGKey(0), np.ones((2, 8, 8, 3), np.float32))
   assert {x.dtype for x in jax.tree.leaves(variables["params"])} == {jnp.dtype("float32")}
-  logits, _ = jax.jit(model.apply)(variables, jnp.ones((2, 8, 8, 3)))
+  logits, _ = jax.jit(model.apply)(variables, np.ones((2, 8, 8, 3), np.float32))
   assert logits.dtype == jnp.float32
 
 

@@ -8,6 +8,7 @@ scored and trained with; the docs' tables list exactly the registered names.
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -92,11 +93,12 @@ def test_a_score_and_a_loss_registered_in_a_test_are_valid_choices_with_their_se
     config_validation.validate(config)
     config.selection.toy_power, config.loss.toy_scale = 3.0, 2.0
     logits, labels = jnp.array([[1.0, 2.0], [0.5, -1.0]]), jnp.array([1, 0])
-    np.testing.assert_allclose(scores.forward_score("toy_confidence", config.selection)(
+    # Jitted, as the steps run them (op by op, every operation would compile on its own).
+    np.testing.assert_allclose(jax.jit(scores.forward_score("toy_confidence", config.selection))(
         logits, labels), [8.0, 0.125])
     ce = [np.log1p(np.exp(-1.0)), np.log1p(np.exp(-1.5))]  # -log softmax of the label.
-    np.testing.assert_allclose(losses.get_loss(config.loss)(logits, labels), 2 * np.array(ce),
-                               rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(losses.get_loss(config.loss))(logits, labels),
+                               2 * np.array(ce), rtol=1e-6)
 
 
 def test_unknown_names_get_the_closest_registered_one():

@@ -43,6 +43,8 @@ from tests.helpers import (
   without_timing,
 )
 
+pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
+
 
 def _strict_load(path: str):
   """json.load that refuses NaN, Infinity and -Infinity (as strict parsers do)."""

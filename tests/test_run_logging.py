@@ -20,6 +20,8 @@ from cpjax.runtime import run_logging, sharding
 from cpjax.selection import bookkeeping, sources
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
 
+pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
+
 
 @pytest.mark.parametrize("key, tag", [
     ("train/loss", "train/loss"),  # The window's metrics keep their tags.

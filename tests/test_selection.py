@@ -1,13 +1,12 @@
 """Priority scores, global top-k selection, baselines, the score buffer, resume, targets.
 
 The sharded scoring pass itself (`steps.predict` of `steps.score_step`) is tested in
-test_steps.py. The selected run that several tests read is conftest's `selected_run`.
+test_steps.py. The selected run that several tests read is `selected_run` (tests/trained_runs.py).
 """
 
 import glob
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
@@ -18,6 +17,8 @@ from cpjax.runtime import preemption, sharding
 from cpjax.selection import bookkeeping, policies, score_files, scores, selector, sources, subsets
 from tests import helpers
 from tests.helpers import read_metrics
+
+pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
 
 
 def _numpy_top_k(scores, ids, k):
@@ -109,9 +110,11 @@ def test_scores_match_numpy():
       "el2n": np.sqrt(((p - np.eye(7)[labels]) ** 2).sum(1)),
   }
   assert set(expected) | {"reducible_loss"} == set(scores.SCORES.names())
-  for name, fn in ((name, scores.forward_score(name)) for name in expected):
-    np.testing.assert_allclose(fn(jnp.asarray(logits), jnp.asarray(labels)), expected[name],
-                               rtol=1e-5, atol=1e-6, err_msg=name)
+  # All five in one jitted program (op by op, every operation would compile on its own).
+  got = jax.jit(lambda z, y: {name: scores.forward_score(name)(z, y) for name in expected})(
+      logits, labels)
+  for name in expected:
+    np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_train_pass_buffer_holds_exactly_the_epochs_scores(selected_run, digits):

@@ -75,36 +75,45 @@ def test_step_spec_holds_the_data_and_loss_facts_of_the_config():
   assert steps.step_spec(config.dataset, config.loss, weighted=True).weighted
 
 
-def test_train_step_lowers_the_loss_on_a_fixed_batch(digits):
-  config = tiny_config(**{"dataset.crop_padding": 0})
-  mesh, _, state, step = _setup(config, jax.devices())
+@pytest.fixture(scope="module")
+def no_crop_setup():
+  """_setup of configs/test.py without augmentation, on all 8 devices: one init and one compiled
+  train step for the tests below that start from it (the steps never mutate their inputs:
+  test_train_step_never_mutates_its_inputs)."""
+  return _setup(tiny_config(**{"dataset.crop_padding": 0}), jax.devices())
+
+
+def test_train_step_lowers_the_loss_on_a_fixed_batch(digits, no_crop_setup):
+  mesh, _, state, step = no_crop_setup
   batch = sharding.to_global(mesh, splits.batch_at(digits["train"], np.arange(64)), 64)
   losses_seen = []
   for _ in range(60):
     state, m, _ = step(state, batch, np.float32(0.2), {})
+    m = jax.device_get(m)  # NumPy: an operation on jax arrays would compile a program.
     losses_seen.append(float(m["loss_sum"] / m["count"]))
   assert np.mean(losses_seen[-5:]) < 0.6 * losses_seen[0]
   assert int(state.step) == 60
 
 
-def test_train_step_metrics_match_an_independent_computation(digits):
+def test_train_step_metrics_match_an_independent_computation(digits, no_crop_setup):
   """Masked rows count for nothing; grad_norm and param_norm are the global norms before
   the update; the per-example outputs are of the same (pre-update) forward pass."""
-  config = tiny_config(**{"dataset.crop_padding": 0})  # No augmentation: a known input.
-  mesh, model, state, step = _setup(config, jax.devices())
+  mesh, model, state, step = no_crop_setup  # No augmentation: a known input.
   mask = np.where(np.arange(64) < 40, 1.0, 0.0).astype(np.float32)
   host = splits.batch_at(digits["train"], np.arange(64), mask)
   new_state, m, per_example = jax.device_get(
       step(state, sharding.to_global(mesh, host, 64), np.float32(0.1), {}))
 
-  @jax.jit
   def objective(params):
     images = augment.normalize(jnp.asarray(host["image"]), (0.3054,), (0.3762,))
     (logits, _), _ = model.apply({"params": params, "batch_stats": state.batch_stats},
                                  images, train=True, mutable=["batch_stats"])
     per_row = losses.cross_entropy(logits, host["label"]) * mask
     return jnp.sum(per_row) / mask.sum(), (jnp.sum(per_row), logits)
-  (_, (loss_sum, logits)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+  # The value and gradient jitted whole: one compile (the gradient of a jitted function taken
+  # outside jit compiles its forward and backward passes apart, and its glue op by op).
+  (_, (loss_sum, logits)), grads = jax.device_get(
+      jax.jit(jax.value_and_grad(objective, has_aux=True))(state.params))
   assert m["count"] == 40
   assert m["loss_sum"] == pytest.approx(float(loss_sum), rel=1e-5)
   assert m["correct"] == np.sum((np.argmax(logits, -1) == host["label"]) * mask)
@@ -256,22 +265,31 @@ def test_train_step_never_mutates_its_inputs(digits):
   assert max(moved) > 0
 
 
-@pytest.mark.parametrize("name", sorted(n for n, s in scores.SCORES.items()
-                                         if not s.subtracts_target))
-def test_score_step_is_the_registered_score_of_eval_step_logits(name, digits):
+@pytest.fixture(scope="module")
+def one_step_trained(digits):
+  """configs/test.py's state after one train step on rows 0-63 (trained BatchNorm statistics),
+  that batch, and eval_step's logits of it: computed once for every score below."""
   config = tiny_config()
   mesh, model, state, step = _setup(config, jax.devices())
   spec = steps.step_spec(config.dataset, config.loss)
   host = splits.batch_at(digits["train"], np.arange(64))
   batch = sharding.to_global(mesh, host, 64)
-  state, _, _ = step(state, batch, np.float32(0.1), {})  # Trained BatchNorm statistics.
+  state, _, _ = step(state, batch, np.float32(0.1), {})
+  logits = np.asarray(jax.jit(functools.partial(steps.eval_step, model=model, spec=spec))(
+      state, batch))
+  return model, spec, state, host, batch, logits
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in scores.SCORES.items()
+                                         if not s.subtracts_target))
+def test_score_step_is_the_registered_score_of_eval_step_logits(name, one_step_trained):
+  model, spec, state, host, batch, logits = one_step_trained
   score_fn = scores.forward_score(name)
   got = np.asarray(jax.jit(functools.partial(steps.score_step, model=model, spec=spec,
                                              score_fn=score_fn))(state, batch))
-  logits = np.asarray(jax.jit(functools.partial(steps.eval_step, model=model, spec=spec))(
-      state, batch))
   assert got.shape == (64,) and got.dtype == np.float32
-  np.testing.assert_allclose(got, score_fn(jnp.asarray(logits), host["label"]),
+  # The score of the logits, compiled on its own (op by op, each op would compile by itself).
+  np.testing.assert_allclose(got, jax.jit(score_fn)(logits, host["label"]),
                              rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(got, _numpy_scores(logits, host["label"])[name],
                              rtol=1e-4, atol=1e-6)

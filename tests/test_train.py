@@ -1,7 +1,7 @@
 """The training loop and main.py: compile once, faults, resume after SIGKILL, end to end.
 
 The jitted steps themselves (learning, metrics, 1 vs 8 devices) are tested in
-test_steps.py. The slow runs are shared fixtures of conftest.py: `main_run` (main.py,
+test_steps.py. The slow runs are shared fixtures (tests/trained_runs.py): `main_run` (main.py,
 1 device) serves the end-to-end, evaluate-only and SIGKILL tests; `selected_run` the
 compile-once test; `other_model_run` the shape-mismatch test.
 """
@@ -21,6 +21,8 @@ from cpjax.calibration import posthoc
 from cpjax.calibration import report as report_lib
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
+
+pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
 
 
 def test_learning_rate_schedules_by_hand():
@@ -83,14 +85,18 @@ def test_optimizer_is_pytorch_sgd_with_coupled_weight_decay_and_clipping():
   tx = optim.create_optimizer(config)
   theta, buf = np.array([1.0, -2.0]), np.zeros(2)
   params = jnp.array(theta, jnp.float32)
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
+
+  @jax.jit  # One program (op by op, every operation of the optimizer would compile alone).
+  def update(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
   for raw in ([3.0, 4.0], [0.1, 0.2]):  # The first gradient is clipped (norm 5 -> 1).
     g = np.array(raw) * min(1.0, 1.0 / np.linalg.norm(raw))
     buf = 0.9 * buf + g + 0.01 * theta  # torch.optim.SGD, dampening 0.
     theta = theta - 0.05 * buf
     state.hyperparams["learning_rate"] = jnp.float32(0.05)
-    updates, state = tx.update(jnp.array(raw, jnp.float32), state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = update(jnp.array(raw, jnp.float32), state, params)
   np.testing.assert_allclose(params, theta, rtol=1e-5)
 
 
