@@ -53,7 +53,6 @@ in studies/results/frontier_runs/; rerunning the command continues the study:
 
 import argparse
 import dataclasses
-import difflib
 import json
 import logging
 import math
@@ -67,6 +66,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from cpjax import registry  # noqa: E402
 from cpjax.runtime import preemption  # noqa: E402
 from studies import equivalence, grid, long_schedule  # noqa: E402
 
@@ -196,9 +196,8 @@ def parse_arms(text: str, base) -> list[str]:
   valid = arm_names(base)
   for name in names:
     if name not in valid:
-      near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
-      raise SystemExit(f"--arms: unknown arm {name!r}" + (f"; did you mean {near}?" if near
-                       else ".") + f" Valid arms: {', '.join(valid)}")
+      raise SystemExit(f"--arms: unknown arm {name!r}; {registry.did_you_mean(name, valid)}"
+                       f"valid arms: {', '.join(valid)}")
   return names
 
 

@@ -137,7 +137,8 @@ def test_arms_option_names_an_unknown_arm_and_the_near_ones():
   assert frontier.parse_arms("topk_anneal-70,noisy_topk_anneal-45@confirm", base) == [
       "topk_anneal-70", "noisy_topk_anneal-45@confirm"]
   assert frontier.parse_arms("", base) == []
-  with pytest.raises(SystemExit, match=r"unknown arm 'topk_anneal-50'.*topk_anneal-55"):
+  with pytest.raises(SystemExit, match=r"unknown arm 'topk_anneal-50'; did you mean "
+                                       r".*topk_anneal-55.*valid arms: full,"):
     frontier.parse_arms("topk_anneal-50", base)
 
 
