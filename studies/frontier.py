@@ -37,6 +37,9 @@ Protocol (settings chosen on validation accuracy only):
           different noise draw per seed (seeds 3-7)
   tier E  the chosen arm and full data on a 30-epoch schedule (seeds 0-2): does
           the gap hold where full data is closer to its validation plateau?
+  tier F  replication, declared before any of its runs: the chosen arm and full data on
+          5 more untouched seeds (8-12), the same rule; reported alone and pooled with
+          tier C (seeds 3-12), beside tier C's verdict, which stays as it was
 
 Lossless means: a two one-sided t-test (TOST) of equivalence at a margin of
 0.2 accuracy points passes at alpha = 0.05 on the paired per-seed differences
@@ -74,6 +77,7 @@ RECORDS = "studies/results/frontier_runs"
 LONG_RECORDS = long_schedule.RECORDS
 SEARCH_SEEDS = (0, 1, 2)
 CONFIRM_SEEDS = (3, 4, 5, 6, 7)
+REPLICATE_SEEDS = (8, 9, 10, 11, 12)
 HALF = 45  # The half-compute budget: 0.05 + 0.95 * 0.45 = 47.75 % of full data's passes.
 BUDGETS = (30, 45, 55, 70)
 INFOBATCH_RATIOS = {45: 85, 30: 95, 55: 70, 70: 50}  # Budget column -> prune ratio (%).
@@ -163,8 +167,9 @@ def search_arms(base) -> list[Arm]:
 
 
 def later_arms(chosen: Arm, base) -> list[Arm]:
-  """Tiers C-E for the chosen arm: untouched seeds, per-seed label noise, 30 epochs (its
-  settings recomputed for 30 epochs, so that its share of full data's passes stays)."""
+  """Tiers C-F for the chosen arm: untouched seeds, per-seed label noise, 30 epochs (its
+  settings recomputed for 30 epochs, so that its share of full data's passes stays), and
+  5 more untouched seeds (the replication)."""
   longer = grid.apply(base, {"num_epochs": 30})
   def add_noise(overrides):
     return {**overrides, "dataset.label_noise": NOISE}
@@ -178,7 +183,10 @@ def later_arms(chosen: Arm, base) -> list[Arm]:
       Arm("full_e30", "full", {"num_epochs": 30}, "E", long_name="full_e30"),
       Arm(f"{chosen.name}_e30", chosen.policy,
           {**policy_overrides(chosen.policy, chosen.budget, longer), "num_epochs": 30}, "E",
-          chosen.budget)]
+          chosen.budget),
+      Arm("full@replicate", "full", {}, "F", seeds=REPLICATE_SEEDS),
+      Arm(f"{chosen.name}@replicate", chosen.policy, chosen.overrides, "F", chosen.budget,
+          seeds=REPLICATE_SEEDS)]
 
 
 def arm_names(base) -> list[str]:
@@ -245,7 +253,8 @@ def choose(arms: list[Arm], results: dict) -> Arm | None:
 def summarise(arms: list[Arm], results: dict) -> dict:
   """Per arm: passes as a share of full data's, accuracies, the paired test against the full
   data run of the same regime and schedule on the same seeds."""
-  references = {"C": "full@confirm", "D": "noisy_full@confirm", "E": "full_e30"}
+  references = {"C": "full@confirm", "D": "noisy_full@confirm", "E": "full_e30",
+                "F": "full@replicate"}
   summary = {}
   for arm in arms:
     r = results.get(arm.name)
@@ -485,7 +494,8 @@ def main():
                       help="workdirs (checkpoints, reports), summary and figure")
   parser.add_argument("--records", default=RECORDS,
                       help=f"one small file per finished run (default {RECORDS})")
-  parser.add_argument("--tiers", default="ACBDE", help="tiers to run, in order (default ACBDE)")
+  parser.add_argument("--tiers", default="ACFDBE",
+                      help="tiers to run, in order (default ACFDBE)")
   parser.add_argument("--arms", default="",
                       help="comma-separated arm names: run only these (e.g. a cut-down tier "
                            "B: --tiers B --arms topk_anneal-55,topk_anneal-70); default all")
@@ -502,20 +512,21 @@ def main():
   for tier in args.tiers:
     chosen = choose(arms, results)
     tier_arms = [a for a in arms if a.tier == tier]
-    if tier in "CDE":
+    if tier in "CDEF":
       if chosen is None:
         print(f"[{time.strftime('%H:%M:%S')}] tier {tier} waits for tier A's choice", flush=True)
         continue
       tier_arms = [a for a in later_arms(chosen, base) if a.tier == tier]
       arms += [a for a in tier_arms if a not in arms]
-    if only:
-      tier_arms = [a for a in tier_arms if a.name in only]
     todo = [(a, s) for s in sorted({s for a in tier_arms for s in a.seeds})
             for a in tier_arms if s in a.seeds]  # Seed by seed: a cut-short tier is paired.
     for i, (arm, seed) in enumerate(todo):
+      # An arm left out by --arms still reads its finished records (tier A's decide the
+      # choice that the later tiers need); it trains nothing.
+      skip = args.summarise_only or bool(only and arm.name not in only)
       _run(base, arm, seed, args.out, args.records, results, failures,
-           f"tier {tier} run {i + 1}/{len(todo)}", args.summarise_only)
-      if not args.summarise_only:
+           f"tier {tier} run {i + 1}/{len(todo)}", skip)
+      if not skip:
         write_outputs(args.out, arms, results, choose(arms, results), command, failures)
   write_outputs(args.out, arms, results, choose(arms, results), command, failures)
   print(f"[{time.strftime('%H:%M:%S')}] done: {args.out}/summary.md", flush=True)
