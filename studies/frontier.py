@@ -68,6 +68,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from scipy import stats  # noqa: E402
 
 from cpjax import registry  # noqa: E402
 from cpjax.runtime import preemption  # noqa: E402
@@ -293,26 +294,111 @@ def frontier_answers(summary: dict) -> dict:
   return out
 
 
-def verdicts(summary: dict, chosen: Arm | None) -> dict:
+def smallest_not_worse(summary: dict) -> dict:
+  """For each policy, over the search tiers (A, B; seeds 0-2): the arm with the smallest share
+  of full data's passes that is *not shown worse* than full data (the 90 % t interval of the
+  paired difference reaches 0 or above), or None; and the arms shown equivalent by the TOST."""
+  out = {}
+  for name, row in summary.items():
+    if row["tier"] not in ("A", "B") or "vs_full" not in row:
+      continue
+    entry = out.setdefault(row["policy"], {"not_worse": None, "equivalent": []})
+    vs = row["vs_full"]
+    if np.isfinite(vs["high"]) and vs["high"] >= 0:
+      best = entry["not_worse"]
+      if best is None or row["passes_share"] < best["passes_share"]:
+        entry["not_worse"] = {"arm": name, "passes_share": row["passes_share"]}
+    if vs["equivalent"]:
+      entry["equivalent"].append(name)
+  return out
+
+
+def _verdict_arms(chosen: Arm) -> tuple:
+  """The chosen arm's later tiers: (verdict key, arm name, the seeds that complete it)."""
+  return (("untouched", f"{chosen.name}@confirm", CONFIRM_SEEDS),
+          ("replicate", f"{chosen.name}@replicate", REPLICATE_SEEDS),
+          ("noisy", f"noisy_{chosen.name}@confirm", CONFIRM_SEEDS),
+          ("epochs_30", f"{chosen.name}_e30", SEARCH_SEEDS))
+
+
+def pooled_test(results: dict, pairs: list[tuple[str, str]]) -> dict | None:
+  """The TOST on the per-seed differences of several (arm, reference) pairs pooled; seeds are
+  distinct across the pairs (tiers C and F: 3-7 and 8-12)."""
+  seeds, d = [], []
+  for arm, reference in pairs:
+    if arm in results and reference in results:
+      s, diff = paired_differences(results[arm], results[reference])
+      seeds += s
+      d += diff
+  if not seeds:
+    return None
+  return {**tost(d), "seeds": seeds}
+
+
+def test_image_intervals(results: dict, arm: str, reference: str, seeds) -> dict:
+  """A paired bootstrap over the test images (the same resampled images for both runs of a
+  seed, and for every seed): the 90 % interval of the seed-mean difference in test accuracy
+  over `seeds`, and of each seed's own difference. The test set's sampling uncertainty,
+  beside the seed interval (which measures initialisation and data order)."""
+  a, r = results[arm], results[reference]
+  if "correct" not in a or "correct" not in r:
+    return {}
+  interval = long_schedule.test_interval
+  per_seed = {int(s): [float(a["accuracy"][a["seed_index"][s]]
+                             - r["accuracy"][r["seed_index"][s]]),
+                       *interval(a, r, [s], "accuracy")] for s in seeds}
+  return {"pooled": list(interval(a, r, list(seeds), "accuracy")), "per_seed": per_seed}
+
+
+def verdicts(summary: dict, chosen: Arm | None, results: dict | None = None) -> dict:
   """The chosen arm's later tiers against full data of the same regime and seeds: C
-  (untouched seeds: the lossless-at-half verdict), D (per-seed label noise), E (30 epochs).
-  Each with its seeds, saving in passes, paired TOST and whether it is complete; C's
-  `met`: complete, lossless and at least 50 % fewer passes."""
+  (untouched seeds 3-7: the lossless-at-half verdict), F (its replication on seeds 8-12),
+  C and F pooled (seeds 3-12), D (per-seed label noise), E (30 epochs). Each with its seeds,
+  saving in passes, paired TOST and whether it is complete; C's, F's and the pooled
+  `met`: complete, lossless and at least 50 % fewer passes. With `results` (per-image
+  correctness), each clean tier also gets the test images' paired bootstrap interval."""
   if chosen is None:
     return {}
   out = {}
-  for key, name, seeds in (("untouched", f"{chosen.name}@confirm", CONFIRM_SEEDS),
-                           ("noisy", f"noisy_{chosen.name}@confirm", CONFIRM_SEEDS),
-                           ("epochs_30", f"{chosen.name}_e30", SEARCH_SEEDS)):
+  for key, name, seeds in _verdict_arms(chosen):
     row = summary.get(name)
     if row is None or "vs_full" not in row:
       continue
     vs = row["vs_full"]
     out[key] = {"arm": name, "seeds": vs["seeds"], "complete": tuple(vs["seeds"]) == seeds,
                 "saving": 1 - row["passes_share"], **vs}
-  if "untouched" in out:
-    u = out["untouched"]
-    u["met"] = bool(u["complete"] and u["lossless"] and u["saving"] >= 0.5)
+  test = pooled_test(results or {}, [(f"{chosen.name}@confirm", "full@confirm"),
+                                     (f"{chosen.name}@replicate", "full@replicate")])
+  if test is not None and "untouched" in out and "replicate" in out:
+    out["pooled"] = {"arm": f"{chosen.name}@confirm + @replicate", **test,
+                     "complete": tuple(test["seeds"]) == CONFIRM_SEEDS + REPLICATE_SEEDS,
+                     "saving": out["untouched"]["saving"], "lossless": lossless(test)}
+  for key in ("untouched", "replicate", "pooled"):
+    if key in out:
+      v = out[key]
+      v["met"] = bool(v["complete"] and v["lossless"] and v["saving"] >= 0.5)
+  if results:
+    tiers = {"untouched": ("@confirm",), "replicate": ("@replicate",),
+             "pooled": ("@confirm", "@replicate")}
+    for key, suffixes in tiers.items():
+      if key in out:
+        arm = _merged(results, [f"{chosen.name}{x}" for x in suffixes])
+        reference = _merged(results, [f"full{x}" for x in suffixes])
+        out[key]["test_images"] = test_image_intervals({"arm": arm, "full": reference}, "arm",
+                                                       "full", out[key]["seeds"])
+  return out
+
+
+def _merged(results: dict, names: list[str]) -> dict:
+  """The per-seed results of several arms with distinct seeds as one (tiers C and F)."""
+  out = {"seed_index": {}}
+  for name in names:
+    r = results.get(name, {"seed_index": {}})
+    for seed, i in r["seed_index"].items():
+      out["seed_index"][seed] = len(out["seed_index"])
+      for key in ("accuracy", "correct"):
+        if key in r:
+          out.setdefault(key, []).append(r[key][i])
   return out
 
 
@@ -321,23 +407,39 @@ def _verdict_line(label: str, v: dict) -> str:
   status = "" if v["complete"] else " (incomplete: more seeds to run)"
   why = ("lossless" if v["lossless"] else
          "not lossless: mean below -0.1" if v["equivalent"] else "not lossless")
-  return (f"- {label}: `{v['arm']}`, {100 * v['saving']:.0f} % fewer passes, seeds {seeds}: "
+  line = (f"- {label}: `{v['arm']}`, {100 * v['saving']:.0f} % fewer passes, seeds {seeds}: "
           f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] points vs full data, "
           f"{equivalence.describe(v)}; {why}{status}")
+  images = v.get("test_images")
+  if images:
+    low, high = images["pooled"]
+    per_seed = "; ".join(f"seed {s}: {_pts(d)} [{_pts(lo)}, {_pts(hi)}]"
+                         for s, (d, lo, hi) in images["per_seed"].items())
+    line += (f". Over test images (paired bootstrap, 90 %): mean [{_pts(low)}, {_pts(high)}]; "
+             f"{per_seed}")
+  return line
 
 
 def verdict_lines(found: dict) -> list[str]:
-  """The markdown section answering: lossless at >= 50 % fewer passes on untouched seeds?"""
+  """The markdown section answering: lossless at >= 50 % fewer passes on untouched seeds?
+  Tier C's verdict first, as it was; then its replication (tier F) alone and pooled."""
   lines = ["", "## Lossless at half the passes or fewer, on untouched seeds?", ""]
   if "untouched" not in found:
     return lines + ["Not answered yet: the confirmation runs (tier C) have not finished."]
   u = found["untouched"]
   answer = ("met" if u["met"] else "not decided yet" if not u["complete"] else "missed")
   lines.append(f"**{answer[0].upper() + answer[1:]}.**")
-  labels = {"untouched": "untouched seeds, clean labels (the test)",
+  if "replicate" in found:
+    r = found["replicate"]
+    again = ("replicated" if r["met"] else "replication not finished" if not r["complete"]
+             else "not replicated")
+    lines.append(f"Replication on seeds 8-12 (tier F, declared before its runs): **{again}**.")
+  labels = {"untouched": "tier C, untouched seeds 3-7, clean labels (the test)",
+            "replicate": "tier F, untouched seeds 8-12 (the replication)",
+            "pooled": "tiers C and F pooled, seeds 3-12",
             "noisy": "20 % label noise, one noise draw per seed",
             "epochs_30": "30-epoch schedule (search seeds), vs full data on 30 epochs"}
-  return lines + [_verdict_line(labels[k], v) for k, v in found.items()]
+  return lines + [_verdict_line(labels[k], found[k]) for k in labels if k in found]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +450,8 @@ def _pts(value: float) -> str:
   return "—" if value is None or not np.isfinite(value) else f"{100 * value:+.2f}"
 
 
-def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict) -> str:
+def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
+             results: dict | None = None) -> str:
   lines = ["# Accuracy-compute frontier (Fashion-MNIST, long schedule)", "",
            f"Command: `{command}`. Test accuracy in per cent; differences in points, paired "
            "per seed against full data of the same regime and schedule; [90 % t interval]; "
@@ -372,65 +475,92 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict) ->
   for policy, best in frontier_answers(summary).items():
     lines.append(f"- {policy}: " + (f"{100 * best['saving']:.0f} % fewer passes ({best['arm']})"
                                     if best else "not lossless at any budget run"))
+  lines += ["", "## Smallest share of passes not shown worse than full data (search seeds 0-2)",
+            "", "Not shown worse: the 90 % t interval of the paired difference reaches 0. That "
+            "is not equivalence; the arms shown equivalent (TOST) are named after it.", ""]
+  for policy, entry in smallest_not_worse(summary).items():
+    best = entry["not_worse"]
+    where = (f"{100 * best['passes_share']:.1f} % of the passes ({best['arm']})" if best
+             else "worse than full data at every budget run")
+    same = ", ".join(entry["equivalent"]) or "none"
+    lines.append(f"- {policy}: {where}; shown equivalent: {same}")
   lines += ["", "## The chosen policy", "",
             (f"`{chosen.name}` (highest mean validation accuracy among tier A's arms at no more "
              "than half of full data's passes)." if chosen else
              "Not chosen yet: tier A has not finished.")]
-  lines += verdict_lines(verdicts(summary, chosen))
+  lines += verdict_lines(verdicts(summary, chosen, results))
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
   return "\n".join(lines) + "\n"
 
 
+def _mean_interval(values) -> tuple[float, float]:
+  """(mean, half-width of the 90 % t interval of the mean) of per-seed values; 0 for one."""
+  v = np.asarray(values, np.float64)
+  if len(v) < 2:
+    return float(v.mean()), 0.0
+  return float(v.mean()), float(stats.t.ppf(1 - ALPHA, len(v) - 1)
+                                * v.std(ddof=1) / math.sqrt(len(v)))
+
+
 def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
                   found: dict | None = None) -> None:
-  """Test accuracy vs passes share, one line per policy (mean over seeds 0-2, band: the
-  seeds' range); full data as a band (its seeds' range) and the lossless region (within
-  the margin of full data's mean) shaded; the chosen arm's later tiers (`verdicts`) as
-  text, since they are paired against full data on other seeds or schedules."""
-  fig, ax = plt.subplots(figsize=(9, 6))
+  """Left: test accuracy against the share of full data's passes, one line per policy (mean
+  over seeds 0-2, bars: the 90 % t interval of that mean), full data as a band (its 90 %
+  interval). Right: each arm's paired difference from full data on the same seeds with its
+  90 % t interval (the TOST's interval) and the ±0.2-point equivalence margin; an arm whose
+  bar reaches 0 is not shown worse, one whose bar lies inside the margin is equivalent. The
+  chosen arm's later tiers (`verdicts`) as text, since they are paired on other seeds or
+  schedules."""
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 6))
   full = results.get("full")
   if full is not None:
-    acc = 100 * np.asarray(full["accuracy"])
-    ax.axhspan(acc.min(), acc.max(), color="grey", alpha=0.3,
-               label=f"full data (range over {len(acc)} seed{'s' if len(acc) > 1 else ''})")
-    ax.axhspan(acc.mean() - 100 * MARGIN, 100, color="green", alpha=0.06,
-               label=f"lossless region: >= full mean - {100 * MARGIN:.1f} points")
-    ax.axvline(50, color="black", linestyle=":", linewidth=1, label="half of full's passes")
+    mean, half = _mean_interval(100 * np.asarray(full["accuracy"]))
+    ax.axhspan(mean - half, mean + half, color="grey", alpha=0.3,
+               label=f"full data (90 % interval, {len(full['accuracy'])} seeds)")
   for i, policy in enumerate(POLICIES):
-    names = [a.name for a in arms if a.policy == policy and a.tier in ("A", "B")
-             and a.name in summary]
+    names = sorted((a.name for a in arms if a.policy == policy and a.tier in ("A", "B")
+                    and a.name in summary), key=lambda n: summary[n]["passes_share"])
     if not names:
       continue
-    names.sort(key=lambda n: summary[n]["passes_share"])
-    x = [100 * summary[n]["passes_share"] for n in names]
-    accuracies = [100 * np.asarray(results[n]["accuracy"]) for n in names]
     colour, style = long_schedule.STYLES[i]
-    ax.plot(x, [a.mean() for a in accuracies], style, color=colour, marker="o", label=policy)
-    ax.fill_between(x, [a.min() for a in accuracies], [a.max() for a in accuracies],
-                    color=colour, alpha=0.12)
-    for xi, a in zip(x, accuracies):  # A point short of its seeds is preliminary: say so.
-      if len(a) < len(SEARCH_SEEDS):
-        ax.annotate(f"{len(a)} seed", (xi, a.mean()), xytext=(4, -10),
-                    textcoords="offset points", fontsize=7, color=colour)
-  if full is not None:
-    low = 100 * min(np.min(results[n]["accuracy"]) for n in summary
-                    if summary[n]["tier"] in ("A", "B"))
-    ax.set_ylim(max(low - 0.3, 100 * np.mean(full["accuracy"]) - 3.0),
-                100 * np.max(full["accuracy"]) + 0.6)
-  ax.set_xlim(20, 102)
+    x = np.array([100 * summary[n]["passes_share"] for n in names])
+    acc = [_mean_interval(100 * np.asarray(results[n]["accuracy"])) for n in names]
+    ax.errorbar(x, [m for m, _ in acc], yerr=[h for _, h in acc], fmt=style, color=colour,
+                marker="o", capsize=3, label=policy)
+    vs = [summary[n].get("vs_full") for n in names]
+    keep = [j for j, v in enumerate(vs) if v and np.isfinite(v["low"])]
+    if keep:
+      mid = np.array([100 * vs[j]["mean"] for j in keep])
+      bx.errorbar(x[keep] + (i - len(POLICIES) / 2) * 0.25, mid,
+                  yerr=[mid - [100 * vs[j]["low"] for j in keep],
+                        [100 * vs[j]["high"] for j in keep] - mid],
+                  fmt="o", color=colour, capsize=3, label=policy)
+    for xi, n in zip(x, names):  # A point short of its seeds is preliminary: say so.
+      if len(results[n]["accuracy"]) < len(SEARCH_SEEDS):
+        ax.annotate(f"{len(results[n]['accuracy'])} seed", (xi, acc[names.index(n)][0]),
+                    xytext=(4, -10), textcoords="offset points", fontsize=7, color=colour)
+  for axis in (ax, bx):
+    axis.axvline(50, color="black", linestyle=":", linewidth=1)
+    axis.set_xlim(20, 102)
+    axis.set_xlabel("example passes, % of full data's (scoring included)")
+    axis.grid(alpha=0.3)
+  bx.axhline(0, color="black", linewidth=1)
+  bx.axhspan(-100 * MARGIN, 100 * MARGIN, color="green", alpha=0.08,
+             label=f"equivalence margin ±{100 * MARGIN:.1f}")
   if found:
     text = "\n".join(f"{v['arm']} (seeds {','.join(map(str, v['seeds']))}): "
                      f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] vs full"
                      + (", lossless" if v["lossless"] else ", not lossless")
                      for v in found.values())
-    ax.text(0.01, 0.99, text, transform=ax.transAxes, fontsize=7, va="top",
+    bx.text(0.01, 0.01, text, transform=bx.transAxes, fontsize=7, va="bottom",
             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
-  ax.set_xlabel("example passes, % of full data's (scoring included)")
-  ax.set_ylabel("test accuracy % (line: mean of seeds 0-2; band: their range)")
+  ax.set_ylabel("test accuracy % (mean of seeds 0-2, 90 % t interval)")
+  bx.set_ylabel("vs full data, points (paired per seed, 90 % t interval)")
   ax.set_title("Fashion-MNIST, small_cnn, 20 epochs: accuracy vs training compute")
-  ax.grid(alpha=0.3)
+  bx.set_title("Paired difference from full data (same seeds)")
   ax.legend(fontsize=8, loc="lower right")
+  bx.legend(fontsize=7, loc="upper left")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -439,18 +569,19 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
 def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str,
                   failures: dict) -> None:
   summary = summarise(arms, results)
+  found = verdicts(summary, chosen, results)
   slim = {name: {k: v for k, v in r.items() if k not in ("correct", "confidence")}
           for name, r in results.items()}
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"summary": summary, "frontier": frontier_answers(summary),
+               "not_worse": smallest_not_worse(summary),
                "chosen": chosen.name if chosen else None,
-               "verdicts": verdicts(summary, chosen), "margin": MARGIN,
+               "verdicts": found, "margin": MARGIN,
                "runs": slim, "failures": failures}, f, indent=1,
               default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
   with open(os.path.join(out, "summary.md"), "w") as f:
-    f.write(markdown(summary, chosen, command, failures))
-  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"),
-                verdicts(summary, chosen))
+    f.write(markdown(summary, chosen, command, failures, results))
+  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"), found)
 
 
 # ---------------------------------------------------------------------------------------------

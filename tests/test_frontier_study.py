@@ -170,3 +170,77 @@ def test_summarise_only_reads_the_long_schedule_records(tmp_path, monkeypatch):
   assert not summary["topk_entropy-30"]["vs_full"]["lossless"]  # -0.26 [-0.46, -0.06].
   assert out["chosen"] is None and not out["failures"]
   assert (tmp_path / "frontier.png").exists() and (tmp_path / "summary.md").exists()
+
+
+def _tiers_c_and_f(c_differences, f_differences):
+  """Summary, results and chosen arm with tiers C (seeds 3-7) and F (seeds 8-12) of a chosen
+  arm `p-45`, each `*_differences` from full data on its seeds."""
+  chosen = frontier.Arm("p-45", "p", {}, "A", 45)
+  arms, results = [], {}
+  for suffix, tier, seeds, d in (("@confirm", "C", frontier.CONFIRM_SEEDS, c_differences),
+                                 ("@replicate", "F", frontier.REPLICATE_SEEDS, f_differences)):
+    full = [0.920, 0.918, 0.925, 0.921, 0.919]
+    arms += [frontier.Arm(f"full{suffix}", "full", {}, tier, seeds=seeds),
+             frontier.Arm(f"p-45{suffix}", "p", {}, tier, 45, seeds=seeds)]
+    results[f"full{suffix}"] = _result(full, 100.0, seeds=seeds)
+    results[f"p-45{suffix}"] = _result(np.add(full, d), 47.75, seeds=seeds)
+  return frontier.summarise(arms, results), results, chosen
+
+
+def test_replication_is_reported_alone_and_pooled_beside_the_original_verdict():
+  c = [-0.0005, 0.0003, 0.0001, -0.0002, 0.0004]  # Tight around +0.002 points: met.
+  f = [-0.0011, -0.0013, -0.0012, -0.0012, -0.0012]  # Equivalent, mean -0.12: not lossless.
+  summary, results, chosen = _tiers_c_and_f(c, f)
+  found = frontier.verdicts(summary, chosen, results)
+  assert found["untouched"]["met"]  # Tier C's verdict stays as it was.
+  assert found["replicate"]["equivalent"] and not found["replicate"]["met"]
+  assert found["replicate"]["seeds"] == [8, 9, 10, 11, 12]
+  pooled = found["pooled"]
+  assert pooled["seeds"] == list(range(3, 13)) and pooled["complete"]
+  # The pooled test is the TOST on the 10 differences: SciPy's one-sided t-tests.
+  d = np.array(c + f)
+  lower = stats.ttest_1samp(d + equivalence.MARGIN, 0.0, alternative="greater").pvalue
+  upper = stats.ttest_1samp(d - equivalence.MARGIN, 0.0, alternative="less").pvalue
+  assert pooled["p"] == pytest.approx(max(lower, upper), rel=1e-9)
+  assert pooled["mean"] == pytest.approx((0.0001 / 5 - 0.006 / 5) / 2, abs=1e-12)
+  assert pooled["met"] == (pooled["equivalent"] and pooled["mean"] >= -0.001)
+  lines = frontier.verdict_lines(found)
+  assert lines[3] == "**Met.**" and "**not replicated**" in lines[4]
+  assert any(line.startswith("- tiers C and F pooled, seeds 3-12") for line in lines)
+
+
+def test_test_image_bootstrap_against_the_binomial_closed_form():
+  # Both runs agree on every image but 200 of 2,000, which only the arm gets right: the
+  # resampled difference is Binomial(2000, 0.1) / 2000, whose 90 % interval is about
+  # 0.1 +- 1.645 sqrt(0.1 * 0.9 / 2000) = 0.1 +- 0.011.
+  n, k = 2000, 200
+  full = np.zeros(n, np.int8)
+  full[k::2] = 1
+  arm = full.copy()
+  arm[:k] = 1
+  results = {name: {"seed_index": {3: 0}, "accuracy": [c.mean()], "correct": [c.tolist()]}
+             for name, c in (("arm", arm), ("full", full))}
+  out = frontier.test_image_intervals(results, "arm", "full", [3])
+  half = 1.645 * math.sqrt(0.1 * 0.9 / n)
+  assert out["pooled"] == pytest.approx([0.1 - half, 0.1 + half], abs=0.003)
+  difference, low, high = out["per_seed"][3]
+  assert difference == pytest.approx(0.1) and (low, high) == pytest.approx(out["pooled"])
+  # Identical predictions: every resample differs by exactly 0.
+  results["arm"] = results["full"]
+  assert frontier.test_image_intervals(results, "arm", "full", [3])["pooled"] == [0.0, 0.0]
+
+
+def test_smallest_share_not_shown_worse_and_the_equivalent_arms():
+  arms = [frontier.Arm("full", "full", {}, "A"), frontier.Arm("p-30", "p", {}, "B", 30),
+          frontier.Arm("p-45", "p", {}, "A", 45), frontier.Arm("p-70", "p", {}, "B", 70),
+          frontier.Arm("q-45", "q", {}, "A", 45)]
+  full = [0.920, 0.922, 0.925]
+  results = {"full": _result(full, 100.0),
+             "p-30": _result(np.add(full, [-0.010, -0.008, -0.012]), 34.0),  # Worse.
+             "p-45": _result(np.add(full, [0.003, -0.004, -0.001]), 48.0),  # Not worse, wide.
+             "p-70": _result(np.add(full, [0.0002, -0.0001, 0.0]), 72.0),  # Equivalent.
+             "q-45": _result(np.add(full, [-0.010, -0.011, -0.009]), 48.0)}
+  out = frontier.smallest_not_worse(frontier.summarise(arms, results))
+  assert out["p"]["not_worse"] == {"arm": "p-45", "passes_share": pytest.approx(0.48)}
+  assert out["p"]["equivalent"] == ["p-70"]
+  assert out["q"] == {"not_worse": None, "equivalent": []}
