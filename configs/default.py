@@ -76,7 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.std = ()
   config.dataset.check_files = 50000  # folder: headers read at start-up per split (a sample above).
   config.dataset.skip_bad_files = False  # folder: leave out (and list) unreadable files.
-  config.dataset.num_workers = 0  # Host-stage decode threads per process; 0 = one per core.
+  config.dataset.num_workers = 0  # Host-stage decode workers per process; 0 = its usable cores.
+  # Host-stage workers: process (shared-memory worker processes) or thread (docs/data.md).
+  config.dataset.worker_kind = "process"
 
   config.model = ml_collections.ConfigDict()
   config.model.name = "resnet18"  # Registered (README) or a Flax module "pkg.module:Class".

@@ -81,7 +81,7 @@ import json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
-pid, folder, stream_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+pid, folder, stream_dir, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 jax.distributed.initialize(os.environ["COORDINATOR"], 2, pid)
 import numpy as np
 from configs import default
@@ -95,7 +95,7 @@ dataset.update({"name": "folder", "folder": folder, "image_size": 8, "val_size":
 spec = sources.resolve(dataset)
 reader = host_stage.PreprocessReader(sources.open_splits(dataset)["train"],
                                      preprocess.from_config(dataset, spec.image_shape, 0),
-                                     sharding.create_mesh(), num_workers=2)
+                                     sharding.create_mesh(), num_workers=2, worker_kind=kind)
 assert type(reader.source).__name__ == ("RecordSource" if stream_dir else "FolderSource")
 blocks = np.load(os.environ["BLOCKS"])
 ids, images = [], []
@@ -104,14 +104,16 @@ for batch in reader.batches(blocks, epoch=1):
   ids += np.concatenate([np.asarray(s.data) for s in shards]).tolist()
   shards = sorted(batch["image"].addressable_shards, key=lambda s: s.index[0].start or 0)
   images += np.concatenate([np.asarray(s.data) for s in shards]).tolist()
-read = reader.source.records_read if stream_dir else reader.rows_read  # From the files.
+# From the files where this process reads them (threads); else the rows it had decoded.
+read = reader.source.records_read if stream_dir and kind == "thread" else reader.rows_read
 print("RESULT " + json.dumps({"ids": ids, "images": images, "rows_read": read}))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("read", ["folder", "records"])
-def test_two_processes_decode_disjoint_halves_of_each_batch(read, tmp_path):
+@pytest.mark.parametrize("read,kind", [("folder", "process"), ("records", "thread"),
+                                       ("records", "process")])
+def test_two_processes_decode_disjoint_halves_of_each_batch(read, kind, tmp_path):
   folder = make_folder(str(tmp_path / "images"))
   blocks = np.random.default_rng(0).permutation(108)[:4 * 8].reshape(4, 8)
   np.save(str(tmp_path / "blocks.npy"), blocks)
@@ -121,8 +123,8 @@ def test_two_processes_decode_disjoint_halves_of_each_batch(read, tmp_path):
     dataset = default.get_config().dataset
     dataset.update({"name": "folder", "folder": folder, "image_size": 8})
     sources.write_records(dataset, stream_dir, num_shards=2)
-  results = helpers.run_processes(_WORKER, [["0", folder, stream_dir],
-                                            ["1", folder, stream_dir]],
+  results = helpers.run_processes(_WORKER, [["0", folder, stream_dir, kind],
+                                            ["1", folder, stream_dir, kind]],
                                   {"BLOCKS": str(tmp_path / "blocks.npy")})
   (first, _), (second, _) = results
   assert first["rows_read"] == second["rows_read"] == blocks.size // 2

@@ -124,6 +124,11 @@ class TfdsSource:
   def __len__(self) -> int:
     return len(self._rows)
 
+  def __getstate__(self) -> dict:
+    """Pickled (for the host stage's worker processes) without the opened data source:
+    each process opens the files itself."""
+    return {**self.__dict__, "_source": None}
+
   def take(self, rows: np.ndarray) -> "TfdsSource":
     return TfdsSource(self._builder, self._split, self._rows[rows])
 
