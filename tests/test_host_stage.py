@@ -226,6 +226,27 @@ def test_workers_do_not_run_the_main_script_again(tmp_path):
   assert "MAIN_HAS_JAXLIB True" in out and "WORKER_HAS_JAXLIB False" in out, out
 
 
+def test_shared_memory_that_does_not_fit_is_refused_with_the_ways_out(monkeypatch):
+  """A slot that /dev/shm cannot hold is refused when it is made (its pages reserved), not
+  by a worker's SIGBUS at its first write."""
+  made = []
+  real = decode_workers.shared_memory.SharedMemory
+
+  def recorded(*args, **kwargs):
+    made.append(real(*args, **kwargs))
+    return made[-1]
+
+  def full(fd, offset, length):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(decode_workers.shared_memory, "SharedMemory", recorded)
+  monkeypatch.setattr(os, "posix_fallocate", full)
+  with pytest.raises(decode_workers.SharedMemoryFullError,
+                     match=r"need 0\.8 MiB more shared memory for 2 batches of 256 images.*"
+                           r"--shm-size.*worker_kind=thread"):
+    decode_workers.Slots(2, (256, 32, 32, 3))
+  assert len(made) == 1 and not os.path.exists(f"/dev/shm/{made[0].name}")  # Unlinked.
+
+
 def test_worker_kind_is_checked_with_its_choices():
   with pytest.raises(ValueError, match=r"worker_kind='fork'.*\('process', 'thread'\)"):
     host_stage.PreprocessReader(_Source(), preprocess.Transform(8, 3), sharding.create_mesh(),

@@ -7,6 +7,9 @@ those one process decodes, from the folder or from its records. Generated images
 """
 
 import os
+import signal
+import subprocess
+import time
 
 import jax
 import numpy as np
@@ -15,7 +18,7 @@ import pytest
 
 from configs import default
 from cpjax.data import host_stage, preprocess, sources
-from cpjax.runtime import sharding
+from cpjax.runtime import preemption, sharding
 from tests import helpers
 
 FOLDER_FLAGS = ("--config.dataset.name=folder", "--config.dataset.image_size=8",
@@ -143,3 +146,35 @@ def test_two_processes_decode_disjoint_halves_of_each_batch(read, kind, tmp_path
     expected = reader.images(rows.ravel(), epoch=1)
     np.testing.assert_array_equal(np.asarray(result["images"], np.uint8), expected)
   assert not set(first["ids"]) & set(second["ids"])
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_saves_and_the_rerun_is_the_run_left_alone(tmp_path):
+  """SIGTERM to the whole process group (as a scheduler or Ctrl-C sends it, so the decoding
+  worker processes get it too) mid-run: the run saves a checkpoint and exits 75 (its workers
+  keep decoding until then), and the rerun ends bit-identical to the run left alone."""
+  folder = make_folder(str(tmp_path / "images"))
+  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}", "--config.num_epochs=5",
+           "--config.dataset.worker_kind=process", "--config.dataset.num_workers=2")
+  straight = str(tmp_path / "straight")
+  result = helpers.run_main(straight, *flags)
+  assert result.returncode == 0, result.stderr[-3000:]
+  stopped = str(tmp_path / "stopped")
+  with open(tmp_path / "stopped.log", "w") as log:
+    proc = subprocess.Popen(helpers.main_command(stopped, *flags), cwd=helpers.REPO,
+                            env=helpers.subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=log, start_new_session=True)
+    saved = os.path.join(stopped, "checkpoints", "2")  # Epoch 1's end (2 steps an epoch).
+    deadline = time.monotonic() + 240
+    while not os.path.isdir(saved) and time.monotonic() < deadline:
+      assert proc.poll() is None, (tmp_path / "stopped.log").read_text()[-3000:]
+      time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=240) == preemption.EXIT_CODE, (
+        (tmp_path / "stopped.log").read_text()[-3000:])
+  text = (tmp_path / "stopped.log").read_text()
+  assert text.count("saved a checkpoint") == 1 and "worker process died" not in text
+  resumed = helpers.run_main(stopped, *flags)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resumed from" in resumed.stderr
+  _assert_same_run(straight, stopped)

@@ -88,18 +88,29 @@ def transformed(source, transform: preprocess.Transform, row: int,
 
 
 def _created(num_bytes: int, what: str) -> shared_memory.SharedMemory:
-  """A new shared-memory segment of `num_bytes`; SharedMemoryFullError naming the need and
-  the ways out where /dev/shm has less free space (a container's default is 64 MB)."""
-  if os.path.isdir(SHM_DIR):
+  """A new shared-memory segment of `num_bytes`, its pages reserved now (tmpfs allocates
+  them on first write, and a write past /dev/shm's size kills the writer with SIGBUS);
+  SharedMemoryFullError naming the need and the ways out where they do not fit (a
+  container's default /dev/shm is 64 MB)."""
+  shm = shared_memory.SharedMemory(create=True, size=max(1, num_bytes))
+  path = os.path.join(SHM_DIR, shm.name.lstrip("/"))
+  if not os.path.exists(path):  # Not Linux's tmpfs: nothing to reserve.
+    return shm
+  fd = os.open(path, os.O_RDWR)
+  try:
+    os.posix_fallocate(fd, 0, max(1, num_bytes))
+  except OSError as err:
+    _unlinked(shm)
     stats = os.statvfs(SHM_DIR)
-    free = stats.f_bavail * stats.f_frsize
-    if num_bytes > free:
-      raise SharedMemoryFullError(
-          f"the host stage's worker processes need {num_bytes / 2**20:.1f} MiB of shared "
-          f"memory for {what}, and {SHM_DIR} has {free / 2**20:.1f} MiB free: give the "
-          "container more (docker run --shm-size=8g, or --ipc=host), lower "
-          "dataset.batch_size, or decode in threads (--config.dataset.worker_kind=thread)")
-  return shared_memory.SharedMemory(create=True, size=max(1, num_bytes))
+    raise SharedMemoryFullError(
+        f"the host stage's worker processes need {num_bytes / 2**20:.1f} MiB more shared "
+        f"memory for {what}, and {SHM_DIR} has {stats.f_bavail * stats.f_frsize / 2**20:.1f} "
+        f"MiB free ({err.strerror}): give the container more (docker run --shm-size=8g, or "
+        "--ipc=host), lower dataset.batch_size, or decode in threads "
+        "(--config.dataset.worker_kind=thread)") from err
+  finally:
+    os.close(fd)
+  return shm
 
 
 def _unlinked(shm: shared_memory.SharedMemory) -> None:

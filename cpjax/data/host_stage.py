@@ -15,10 +15,10 @@ Who decodes (`worker_kind`, config.dataset.worker_kind):
            ring, and the reader copies the finished batch out once. No image is pickled.
   thread   `num_workers` threads of this process, one task an image. The Python around
            each image's PIL and OpenCV calls holds the GIL, so threads stop scaling past a
-           few cores (16 threads measured 1.9x one thread on a 16-core machine, where
-           processes writing to shared memory measured 10x); kept for where they are
-           cheaper: a machine with one or two cores, tiny images, or a run too short to
-           repay the workers' start (about a second of CPU each, once a run).
+           few cores (16 threads measured 1.9x one thread on a 16-core machine, where a
+           sketch of processes writing into shared memory measured 10.5x); kept for where
+           they may be cheaper: a machine with one or two cores, a run too short to repay
+           the workers' start (once a run), a container with a small /dev/shm.
 
 Up to `read_ahead` batches are decoding at once ahead of the one the step will take next,
 and the readers' `prefetched` thread puts the next batches on the devices. The batches are
