@@ -223,8 +223,8 @@ class Transform:
         if box is not None:  # PIL's crop copies the box alone, not the whole decoded image.
           image = image.crop(pixel_box(box, *image.size))
         array = cv2_resized(np.asarray(image, np.uint8), self.size)
-        if flip:
-          array = cv2.flip(array, 1)  # Contiguous, unlike a reversed view.
+        if flip:  # A view: its consumer's copy (into a batch) does the flip, not a copy here.
+          array = array[:, ::-1]
     except Exception as err:  # pylint: disable=broad-except  Truncated data surfaces here.
       raise BadImageError(f"{where}: cannot be decoded ({type(err).__name__}: "
                           f"{str(err)[:200]})") from err
