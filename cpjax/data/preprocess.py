@@ -56,9 +56,10 @@ from PIL import Image
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
 
 # OpenCV's own thread pool off (0: each call runs on its calling thread): the host stage's
-# worker threads already use every core, and the pool would split each small resize across
-# threads contending for those cores (on 2 cores: 1.51 against 1.54 ms CPU an image with the
-# default pool, within the noise; the pool grows with the cores).
+# workers (processes or threads) already use every core, and the pool would split each small
+# resize across threads contending for those cores (on 2 cores: 1.51 against 1.54 ms CPU an
+# image with the default pool, within the noise; the pool grows with the cores). Each worker
+# process imports this module, so the setting holds there too.
 cv2.setNumThreads(0)
 
 # Resize engines (config.dataset.resize): "opencv" resizes the crop's whole-pixel box with
