@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -259,6 +260,51 @@ def test_worker_kind_is_checked_with_its_choices():
 
 class _Source:
   labels = ids = np.arange(4)
+
+
+class _LockedSource(_Source):
+  """A source holding a lock (unpicklable), as a naive one holding a shared handle would."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+
+
+def test_a_source_that_cannot_be_pickled_is_refused_with_the_ways_out():
+  reader = host_stage.PreprocessReader(_LockedSource(), preprocess.Transform(8, 3),
+                                       sharding.create_mesh(), 1)
+  with pytest.raises(TypeError, match=r"_LockedSource cannot be pickled.*__getstate__.*"
+                                      r"worker_kind=thread"):
+    reader.images(np.arange(2), epoch=0)
+
+
+_MAIN_SOURCE = """
+import sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+from cpjax.data import host_stage, preprocess
+from cpjax.runtime import sharding
+
+class ScriptSource:  # Defined in the main script, which the workers do not run.
+  labels = ids = np.arange(4)
+  def read(self, rows):
+    return [b"x"] * len(rows)
+
+reader = host_stage.PreprocessReader(ScriptSource(), preprocess.Transform(8, 3),
+                                     sharding.create_mesh(), 1)
+try:
+  reader.images(np.arange(2), epoch=0)
+except TypeError as err:
+  print("ERROR", err)
+"""
+
+
+def test_a_source_class_of_the_main_script_is_named_with_the_ways_out(tmp_path):
+  script = tmp_path / "script.py"
+  script.write_text(_MAIN_SOURCE.format(repo=REPO))
+  out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       env=helpers.subprocess_env(devices=1), timeout=120).stdout
+  assert "ERROR a host-stage worker process cannot unpickle the reader's data source" in out
+  assert "importable module" in out and "worker_kind=thread" in out, out
 
 
 _NO_TENSORFLOW = """

@@ -124,7 +124,14 @@ class Context:
   segment is unlinked when the Context is closed or collected."""
 
   def __init__(self, source, transform: preprocess.Transform):
-    data = pickle.dumps((source, transform), protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+      data = pickle.dumps((source, transform), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as err:  # pylint: disable=broad-except  pickle raises several kinds.
+      raise TypeError(
+          f"the data source {type(source).__name__} cannot be pickled for the host stage's "
+          f"worker processes ({type(err).__name__}: {err}): leave open handles and locks out "
+          "of its pickle (__getstate__) and open them on first read, or decode in threads "
+          "(--config.dataset.worker_kind=thread)") from err
     shm = _created(len(data), "a reader's source")
     shm.buf[:len(data)] = data
     self.key = (shm.name, len(data))  # What a task carries.
@@ -206,6 +213,12 @@ def _context(key: tuple[str, int]):
   shm = shared_memory.SharedMemory(name)
   try:
     value = pickle.loads(shm.buf[:size])
+  except Exception as err:  # pylint: disable=broad-except  A class the worker cannot import.
+    raise TypeError(
+        f"a host-stage worker process cannot unpickle the reader's data source "
+        f"({type(err).__name__}: {err}): define its class in an importable module (the "
+        "workers do not run the main script), or decode in threads "
+        "(--config.dataset.worker_kind=thread)") from err
   finally:
     shm.close()
   _contexts[key] = value
