@@ -55,7 +55,7 @@ def _rate(fn, images_per_call: int, windows: int, steps: int) -> float:
   return statistics.median(rates)
 
 
-def _batch(mesh, size: int, image_size: int, num_classes: int) -> dict[str, jax.Array]:
+def random_batch(mesh, size: int, image_size: int, num_classes: int) -> dict[str, jax.Array]:
   rng = np.random.default_rng(0)
   host = {"image": rng.integers(0, 256, (size, image_size, image_size, 3), np.uint8),
           "label": rng.integers(0, num_classes, size).astype(np.int32),
@@ -82,7 +82,7 @@ def train_setup(model_name: str, batch_size: int, image_size: int, xla_cpu_optio
                                    score_fn=scores.normalized_entropy), donate_argnums=0,
                  compiler_options=(compiler_options.compiler_options("train", xla_cpu_options)
                                    if options is None else options))
-  batch = _batch(mesh, batch_size, image_size, spec.num_classes)
+  batch = random_batch(mesh, batch_size, image_size, spec.num_classes)
   return config, mesh, state, step, batch, np.float32(0.01)
 
 
@@ -104,7 +104,7 @@ def measure(model_name: str, batch_size: int, score_batch_size: int, image_size:
     return metrics["loss_sum"]
   results["train_images_per_s"] = _rate(train_once, batch_size, windows, steps_per_window)
   results["train_step_gflops"] = flops / 1e9
-  score_batch = _batch(mesh, score_batch_size, image_size, spec.num_classes)
+  score_batch = random_batch(mesh, score_batch_size, image_size, spec.num_classes)
   for dtype in ("float32", "bfloat16"):
     scorer = jax.jit(functools.partial(
         steps.score_step, spec=steps.step_spec(config.dataset),
