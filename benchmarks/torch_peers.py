@@ -4,7 +4,8 @@ and torchvision's `DataLoader`, each set up as a PyTorch user would run it on a 
 - Train steps: AMP (`torch.autocast`, bfloat16), channels_last, SGD with momentum, cuDNN's
   autotuner on (`torch.backends.cudnn.benchmark`), eager or `torch.compile` (default mode)
   of the model. Images arrive as uint8 NHWC on the device, as cpjax's steps get them, and
-  are normalised inside the step on both sides.
+  are normalised inside the step on both sides. Without a GPU (the tiny test) autocast is
+  off: PyTorch's bfloat16 CPU path is not what the table measures, and is very slow.
 - Scoring: eval-mode forward under `torch.no_grad` and autocast, then softmax, normalised
   entropy, top-class probability and correctness: what cpjax's `steps.scoring_pass_step`
   returns.
@@ -62,6 +63,10 @@ def _stats(dev: torch.device, mean=IMAGENET_MEAN, std=IMAGENET_STD):
           torch.tensor(std, device=dev).view(1, 3, 1, 1))
 
 
+def _autocast(dev: torch.device):
+  return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+
+
 def _prepared(model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
   torch.backends.cudnn.benchmark = True
   return model.to(dev).to(memory_format=torch.channels_last)
@@ -79,7 +84,7 @@ def train_step(model: torch.nn.Module, batch: int, size: int, classes: int,
   mean, std = _stats(dev)
 
   def call():
-    with torch.autocast(dev.type, dtype=torch.bfloat16):
+    with _autocast(dev):
       loss = F.cross_entropy(forward(_normalized(images, mean, std)), labels)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -97,7 +102,7 @@ def score_step(model: torch.nn.Module, batch: int, size: int, classes: int):
   mean, std = _stats(dev)
 
   def call():
-    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+    with torch.no_grad(), _autocast(dev):
       logits = model(_normalized(images, mean, std)).float()
     with torch.no_grad():
       p = F.softmax(logits, dim=-1)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import xla_cpu_variants
+from benchmarks import feeds, xla_cpu_variants
 from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow  # Each smoke run is a process that compiles and runs steps.
@@ -115,6 +115,11 @@ def test_input_wait_smoke(tmp_path):
                          "--repeats=1", tmp_path=tmp_path)
   assert sorted(results["feeds"]) == ["folder", "records", "resident"]
   assert results["feeds"]["resident"]["input_wait_share"] == 0 and results["images"] == 16
+  # Process workers by default; threads (named in the results) where cpjax has none.
+  assert results["worker_kind"] == ("process" if feeds.reader_options("process") is not None
+                                    else "thread")
+  folder = results["feeds"]["folder"]
+  assert 0 <= folder["median_first_batch_seconds"] <= folder["median_blocked_seconds"]
   assert "input-wait share" in stdout
 
 
