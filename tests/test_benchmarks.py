@@ -228,3 +228,30 @@ def test_gpu_table_tiny_runs_without_tensorflow(tmp_path):
   assert machine["card"] and machine["jax"] and machine["flax"] and machine["date"]
   assert machine["command"].startswith("python -m benchmarks.gpu_table --tiny")
   assert "r50_train cpjax / bare flax" in results["ratios"] and "model FLOPs" in result.stdout
+
+
+def test_host_stage_smoke(tmp_path):
+  """The worker sweep: each pipeline at 1 and 2 workers, or the reason it is skipped."""
+  results, stdout = _run("benchmarks.host_stage", "--images=16", "--batch-size=8",
+                         "--workers=1,2", "--repeats=1", "--size=32", tmp_path=tmp_path)
+  assert sorted(results["results"]) == ["1", "2"]
+  processes = feeds.reader_options("process") is not None
+  for rows in results["results"].values():
+    assert list(rows) == ["cpjax threads", "cpjax processes", "tf.data (flax)",
+                          "torch DataLoader"]
+    for name, row in rows.items():
+      library = {"cpjax processes": processes, "tf.data (flax)": importlib.util.find_spec(
+          "tensorflow") is not None, "torch DataLoader": importlib.util.find_spec(
+              "torch") is not None}.get(name, True)
+      if not library:
+        assert row["skipped"], name
+        continue
+      assert row["images_per_s"] > 0 and row["cpu_ms_per_image"] > 0, name
+      assert len(row["runs"]) == 1, name
+  ratios = results["ratios"]
+  threads = results["results"]
+  assert ratios["cpjax threads: 2 workers / 1"] == pytest.approx(
+      threads["2"]["cpjax threads"]["images_per_s"] / threads["1"]["cpjax threads"]["images_per_s"])
+  if processes and "images_per_s" in threads["2"]["tf.data (flax)"]:
+    assert "2 workers: processes / tf.data, images/s" in ratios
+  assert "ratio cpjax threads: 2 workers / 1" in stdout
