@@ -42,6 +42,7 @@ without it they are skipped with a note.
 
 import argparse
 import dataclasses
+import fnmatch
 import functools
 import math
 import os
@@ -50,7 +51,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from typing import Any
 
 import flax
@@ -75,6 +78,7 @@ except ImportError as import_error:
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
+HARD_MARGIN_SECONDS = 40.0  # After the budget, a watchdog writes what ran and exits.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +98,7 @@ class Sizes:
   source_size: tuple[int, int] = (500, 375)  # Generated JPEGs, W x H.
   host_images: int = 4096  # Host-stage rows: images an epoch (whole batches).
   host_repeats: int = 2  # Timed epochs per host-stage row.
-  wait_images: int = 8192  # Input-wait rows: a ResNet-50 epoch's images.
+  wait_images: int = 6144  # Input-wait rows: a ResNet-50 epoch's images.
   wait_repeats: int = 2
   budget_seconds: float = 420.0  # Whole script; a row starts only if its estimate fits.
   estimate_scale: float = 1.0  # Of the rows' estimated seconds (full sizes, one H100).
@@ -308,6 +312,7 @@ class Table:
     self.sizes, self.selected = sizes, selected
     self.start = time.perf_counter()
     self.rows: dict[str, dict] = {}
+    self.running: tuple[str, str] | None = None  # (key, label) of the row running now.
 
   def run(self, key: str, label: str, estimate_seconds: float, fn, *args) -> dict:
     """`fn(*args)` as row `key`, unless it is not selected or its estimate (scaled) does not
@@ -320,10 +325,13 @@ class Table:
     elif need > left:
       row = {"skipped": f"time budget: {left:.0f} s left, the row needs about {need:.0f} s"}
     else:
+      self.running = (key, label)
       try:
         row = fn(*args)
       except Exception as err:  # pylint: disable=broad-except  One failing row, not the table.
+        traceback.print_exc()
         row = {"error": f"{type(err).__name__}: {str(err)[:1000]}"}
+      self.running = None
     row.update(label=label, seconds=time.perf_counter() - start)
     self.rows[key] = row
     status = row.get("skipped") or row.get("error") or ""
@@ -339,70 +347,82 @@ def _peer(fn):
   return fn
 
 
-def _cpjax_train_row(train_holder: list, make, sizes: Sizes, batch: int) -> dict:
-  train_holder.append(make())
-  return timed_rate(train_holder[-1], jax.block_until_ready, batch, sizes)
-
-
 def _torch_rate(make_step, batch: int, sizes: Sizes) -> dict:
   call, sync = make_step()
-  return timed_rate(call, sync, batch, sizes)
+  try:
+    return timed_rate(call, sync, batch, sizes)
+  finally:
+    del call
+    torch_peers.release_memory()  # The cached blocks, for the JAX rows after it.
+
+
+# The table's rows in the order they are shown; they run in `run_rows`' order instead.
+ROW_ORDER = ("r50_train_cpjax", "r50_train_flax_bare", "r50_train_torch_eager",
+             "r50_train_torch_compile", "r50_score_cpjax", "r50_score_torch_eager",
+             "cifar_r34_train_b*_cpjax", "cifar_r34_train_b*_torch_eager",
+             "host_stage_threads", "host_stage_processes", "host_stage_torch_dataloader",
+             "input_wait_processes", "input_wait_threads")
 
 
 def run_rows(table: Table, sizes: Sizes, root: str) -> None:
-  """Every row, most wanted first: a budget cut drops the last ones."""
+  """Every row, the issue's targets and cheap rows first, so that a budget cut (or an
+  estimate that was too small) drops the CIFAR rows and the thread input-wait row."""
   s, name, b = sizes.imagenet_size, sizes.imagenet_model, sizes.train_batch
   tag = f"{name} {s}px"
   mesh, r50, resident = sharding.create_mesh(), [], []
   make_r50 = functools.partial(cpjax_train, name, 1000, s, b,
                                _spec(1000, IMAGENET_MEAN, IMAGENET_STD))
-  table.run("r50_train_cpjax", f"{tag} train bf16 b{b}: cpjax steps.train_step", 90,
-            _cpjax_train_row, r50, make_r50, sizes, b)
 
   def r50_train() -> JaxTrain:  # The train row's step and state (already compiled), or new.
     if not r50:
       r50.append(make_r50())
     return r50[0]
+  table.run("r50_train_cpjax", f"{tag} train bf16 b{b}: cpjax steps.train_step", 90,
+            lambda: timed_rate(r50_train(), jax.block_until_ready, b, sizes))
   table.run("input_wait_processes", f"{tag} epoch input-wait share, processes", 45,
             lambda: input_wait_row(r50_train(), root, sizes, "process", resident))
-  table.run("r50_train_flax_bare", f"{tag} train bf16 b{b}: bare flax step", 60,
-            bare_train, name, 1000, s, b, sizes)
-  table.run("r50_score_cpjax", f"{tag} scoring pass bf16 b{sizes.score_batch}: cpjax", 30,
-            cpjax_score, name, 1000, s, sizes.score_batch, sizes)
-  cifar = functools.partial(cpjax_train, sizes.cifar_model, 10, sizes.cifar_size)
-  for batch in sizes.cifar_batches:
-    table.run(f"cifar_r34_train_b{batch}_cpjax",
-              f"{sizes.cifar_model} {sizes.cifar_size}px train bf16 b{batch}: cpjax", 40,
-              _cpjax_train_row, [], functools.partial(
-                  cifar, batch, _spec(10, CIFAR_MEAN, CIFAR_STD, 4, True)), sizes, batch)
-  for kind, plural in (("thread", "threads"), ("process", "processes")):
+  for kind, plural in (("process", "processes"), ("thread", "threads")):
     table.run(f"host_stage_{plural}", f"host stage {s}px, {plural}, all cores", 30,
               host_stage_row, root, sizes, kind, mesh)
-  _peer_rows(table, sizes, root)
-  table.run("input_wait_threads", f"{tag} epoch input-wait share, threads", 60,
+  table.run("host_stage_torch_dataloader", f"torchvision DataLoader {s}px, all cores", 40,
+            _peer(dataloader_row), root, sizes)
+  table.run("r50_train_flax_bare", f"{tag} train bf16 b{b}: bare flax step", 60,
+            bare_train, name, 1000, s, b, sizes)
+  _resnet50_peer_rows(table, sizes)
+  table.run("r50_score_cpjax", f"{tag} scoring pass bf16 b{sizes.score_batch}: cpjax", 30,
+            cpjax_score, name, 1000, s, sizes.score_batch, sizes)
+  table.run("r50_score_torch_eager", f"torchvision resnet50 scoring b{sizes.score_batch}: "
+            "eager", 20, _peer(_torch_rate),
+            lambda: torch_peers.score_step(torch_peers.resnet50(), sizes.score_batch, s, 1000),
+            sizes.score_batch, sizes)
+  _cifar_rows(table, sizes)
+  table.run("input_wait_threads", f"{tag} epoch input-wait share, threads", 50,
             lambda: input_wait_row(r50_train(), root, sizes, "thread", resident))
 
 
-def _peer_rows(table: Table, sizes: Sizes, root: str) -> None:
+def _resnet50_peer_rows(table: Table, sizes: Sizes) -> None:
   s, b = sizes.imagenet_size, sizes.train_batch
-  peers = torch_peers
   table.run("r50_train_torch_eager", f"torchvision resnet50 {s}px train b{b}: eager AMP", 30,
-            _peer(_torch_rate), lambda: peers.train_step(peers.resnet50(), b, s, 1000), b, sizes)
-  table.run("r50_score_torch_eager", f"torchvision resnet50 scoring b{sizes.score_batch}: "
-            "eager", 20, _peer(_torch_rate),
-            lambda: peers.score_step(peers.resnet50(), sizes.score_batch, s, 1000),
-            sizes.score_batch, sizes)
-  for batch in sizes.cifar_batches:
-    table.run(f"cifar_r34_train_b{batch}_torch_eager",
-              f"CIFAR ResNet-34 {sizes.cifar_size}px train b{batch}: eager AMP", 20,
-              _peer(_torch_rate), lambda batch=batch: peers.train_step(
-                  peers.cifar_resnet34(), batch, sizes.cifar_size, 10), batch, sizes)
-  table.run("host_stage_torch_dataloader", f"torchvision DataLoader {s}px, all cores", 40,
-            _peer(dataloader_row), root, sizes)
+            _peer(_torch_rate),
+            lambda: torch_peers.train_step(torch_peers.resnet50(), b, s, 1000), b, sizes)
   table.run("r50_train_torch_compile", f"torchvision resnet50 {s}px train b{b}: "
             "torch.compile", 150, _peer(_torch_rate) if sizes.torch_compile
             else lambda *_: {"skipped": "not at tiny sizes (minutes of compiling on a CPU)"},
-            lambda: peers.train_step(peers.resnet50(), b, s, 1000, compiled=True), b, sizes)
+            lambda: torch_peers.train_step(torch_peers.resnet50(), b, s, 1000, compiled=True),
+            b, sizes)
+
+
+def _cifar_rows(table: Table, sizes: Sizes) -> None:
+  size, name = sizes.cifar_size, sizes.cifar_model
+  spec = _spec(10, CIFAR_MEAN, CIFAR_STD, 4, True)  # cpjax's CIFAR crop + flip, on device.
+  for batch in sizes.cifar_batches:
+    table.run(f"cifar_r34_train_b{batch}_cpjax", f"{name} {size}px train bf16 b{batch}: cpjax",
+              40, lambda batch=batch: timed_rate(cpjax_train(name, 10, size, batch, spec),
+                                                 jax.block_until_ready, batch, sizes))
+    table.run(f"cifar_r34_train_b{batch}_torch_eager",
+              f"CIFAR ResNet-34 {size}px train b{batch}: eager AMP", 20, _peer(_torch_rate),
+              lambda batch=batch: torch_peers.train_step(torch_peers.cifar_resnet34(), batch,
+                                                         size, 10), batch, sizes)
 
 
 def add_mfu(rows: dict[str, dict], sizes: Sizes, device_kind: str, devices: int) -> dict:
@@ -486,6 +506,40 @@ def machine_info(argv: list[str]) -> dict[str, str]:
   return info
 
 
+def ordered(rows: dict[str, dict]) -> dict[str, dict]:
+  """`rows` in ROW_ORDER (the order they ran within one pattern)."""
+  def rank(key: str) -> int:
+    return next((i for i, pattern in enumerate(ROW_ORDER) if fnmatch.fnmatch(key, pattern)),
+                len(ROW_ORDER))
+  return dict(sorted(rows.items(), key=lambda item: rank(item[0])))
+
+
+def finish(table: Table, sizes: Sizes, argv: list[str], out: str) -> dict:
+  """The results of the rows run so far: printed, and written to `out` as JSON."""
+  results = {"machine": machine_info(argv), "sizes": dataclasses.asdict(sizes),
+             "rows": ordered(table.rows), "seconds": time.perf_counter() - table.start}
+  results["flops"] = add_mfu(table.rows, sizes, results["machine"]["card"], jax.device_count())
+  results["ratios"] = ratios(table.rows, sizes)
+  print_table(results)
+  throughput.write_json(out, results)
+  return results
+
+
+def _hard_stop(table: Table, sizes: Sizes, argv: list[str], out: str, root: str) -> None:
+  """The watchdog's end of a run past its budget (a row that hangs): the rows so far are
+  written, the running one as an error, and the process exits with status 3."""
+  if table.running:
+    table.rows[table.running[0]] = {"label": table.running[1], "error": "stopped: the run "
+                                    f"passed its hard limit ({HARD_MARGIN_SECONDS:.0f} s "
+                                    "after the budget)"}
+  print(f"hard time limit: stopping in row {table.running}", flush=True)
+  try:
+    finish(table, sizes, argv, out)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+    os._exit(3)  # pylint: disable=protected-access  Worker threads may hold the interpreter.
+
+
 def main(argv: list[str] | None = None) -> dict:
   # Before JAX starts its backend: take GPU memory as needed, leaving room for torch's rows.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -495,28 +549,28 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--rows", default="", help="Comma-separated row-key prefixes to run "
                       "(default all), e.g. r50_train,host_stage.")
   parser.add_argument("--budget-seconds", type=float, default=None,
-                      help="Time budget of the rows (default 420; --tiny 600).")
+                      help="Time budget of the rows (default 420; --tiny 600); a watchdog "
+                      f"ends the run {HARD_MARGIN_SECONDS:.0f} s after it.")
   args = parser.parse_args(argv)
+  argv = sys.argv[1:] if argv is None else argv
   sizes = TINY if args.tiny else Sizes()
   if args.budget_seconds is not None:
     sizes = dataclasses.replace(sizes, budget_seconds=args.budget_seconds)
   table = Table(sizes, tuple(r for r in args.rows.split(",") if r))
   root = tempfile.mkdtemp(prefix="cpjax_gpu_table_")
+  watchdog = threading.Timer(sizes.budget_seconds + HARD_MARGIN_SECONDS, _hard_stop,
+                             (table, sizes, argv, args.out, root))
+  watchdog.daemon = True
+  watchdog.start()
   try:
     feeds.write_folder(root, max(sizes.host_images, sizes.wait_images), *sizes.source_size)
     if torch_peers is None:
       print(f"note: {TORCH_MISSING}: the PyTorch rows are skipped")
     run_rows(table, sizes, root)
   finally:
+    watchdog.cancel()
     shutil.rmtree(root, ignore_errors=True)
-  results = {"machine": machine_info(sys.argv[1:] if argv is None else argv),
-             "sizes": dataclasses.asdict(sizes), "rows": table.rows,
-             "seconds": time.perf_counter() - table.start}
-  results["flops"] = add_mfu(table.rows, sizes, results["machine"]["card"], jax.device_count())
-  results["ratios"] = ratios(table.rows, sizes)
-  print_table(results)
-  throughput.write_json(args.out, results)
-  return results
+  return finish(table, sizes, argv, args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Each `*_step` function returns (call, sync): `call()` runs one step, `sync(out)`
 the device, so that benchmarks.gpu_table times both frameworks with one function.
 """
 
+import gc
 import math
 import time
 
@@ -30,6 +31,7 @@ from torchvision.transforms import v2 as transforms
 from benchmarks import torch_reference
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+LOADER_TIMEOUT_SECONDS = 120  # A batch that takes longer raises instead of hanging the table.
 
 
 def device() -> torch.device:
@@ -112,6 +114,13 @@ def score_step(model: torch.nn.Module, batch: int, size: int, classes: int):
   return call, _sync
 
 
+def release_memory() -> None:
+  """Returns the memory of collected tensors to the device (for the JAX rows after a peer)."""
+  gc.collect()
+  if torch.cuda.is_available():
+    torch.cuda.empty_cache()
+
+
 def resnet50(classes: int = 1000) -> torch.nn.Module:
   """torchvision's ResNet-50 (v1.5, random weights: nothing is downloaded)."""
   return torchvision.models.resnet50(weights=None, num_classes=classes)
@@ -145,6 +154,7 @@ def dataloader(paths: list[str], size: int, batch: int, workers: int):
       JpegFiles(paths, size), batch_size=batch, shuffle=True, num_workers=workers,
       pin_memory=torch.cuda.is_available(), drop_last=True, persistent_workers=workers > 0,
       multiprocessing_context="forkserver" if workers > 0 else None,
+      timeout=LOADER_TIMEOUT_SECONDS if workers > 0 else 0,
       generator=torch.Generator().manual_seed(0))
 
 
