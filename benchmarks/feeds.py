@@ -8,12 +8,14 @@ machines without them).
 from collections.abc import Callable, Iterable
 import concurrent.futures
 import inspect
+import multiprocessing
 import os
 import resource
 import statistics
 import time
 
 import jax
+from jax._src import xla_bridge  # backends_are_initialized: may write_folder fork?
 import numpy as np
 from PIL import Image
 
@@ -38,19 +40,31 @@ def _write_one(path: str, seed: int, width: int, height: int) -> None:
 
 
 def write_folder(root: str, count: int, width: int = 500, height: int = 375,
-                 classes: int = 10, threads: int | None = None) -> None:
+                 classes: int = 10, workers: int | None = None) -> None:
   """`count` generated JPEGs (not photographs) in `classes` class folders of root/train,
   plus one a class in root/val and root/test (so that a run over the folder trains on every
   train image; never read by the benchmarks). Image i is a function of i alone; written by
-  `threads` threads (PIL's resize and encoder release the GIL)."""
+  `workers` workers (all cores by default: `_pool`)."""
   jobs = []
   for i in range(-2 * classes, count):
     split = "train" if i >= 0 else ("test" if i >= -classes else "val")
     folder = os.path.join(root, split, f"class{i % classes}")
     os.makedirs(folder, exist_ok=True)
     jobs.append((os.path.join(folder, f"{i + 2 * classes:06d}.JPEG"), i + 2 * classes))
-  with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-    list(pool.map(lambda job: _write_one(*job, width, height), jobs))
+  with _pool(workers or os.cpu_count() or 1) as pool:
+    list(pool.map(_write_one, *zip(*jobs), [width] * len(jobs), [height] * len(jobs),
+                  chunksize=16))
+
+
+def _pool(workers: int) -> concurrent.futures.Executor:
+  """Forked worker processes while JAX has not started its backend (forking a process that
+  runs JAX's threads can deadlock the child), else threads (PIL's resize and encoder and
+  NumPy's generators release the GIL, but not all of an image's work)."""
+  started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
+  if started or "fork" not in multiprocessing.get_all_start_methods():
+    return concurrent.futures.ThreadPoolExecutor(workers)
+  return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(
+      "fork"))
 
 
 def folder_train_source(root: str) -> folder_source.FolderSource:

@@ -496,11 +496,13 @@ def print_table(results: dict) -> None:
     print(f"  {name:<48}{value:8.2f}")
 
 
-def machine_info(argv: list[str]) -> dict[str, str]:
+def machine_info(argv: list[str]) -> dict[str, Any]:
   info = throughput.machine()
   info.update(card=jax.devices()[0].device_kind, flax=flax.__version__,
               optax=optax.__version__, python=platform.python_version(),
-              command=" ".join(["python -m benchmarks.gpu_table", *argv]))
+              command=" ".join(["python -m benchmarks.gpu_table", *argv]),
+              env={name: os.environ.get(name, "") for name in (
+                  "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")})
   if torch_peers is not None:
     info.update(torch_peers.versions())
   return info
