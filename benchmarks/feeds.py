@@ -83,7 +83,7 @@ def reader_options(worker_kind: str) -> dict[str, str] | None:
   cpjax, or None when it has no such workers (a cpjax whose reader takes no `worker_kind`
   runs threads only)."""
   if worker_kind not in WORKER_KINDS:
-    raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {worker_kind!r}")
+    raise ValueError(f"worker kind {worker_kind!r} is not one of {WORKER_KINDS}")
   if "worker_kind" in inspect.signature(host_stage.PreprocessReader).parameters:
     return {"worker_kind": worker_kind}
   return {} if worker_kind == "thread" else None

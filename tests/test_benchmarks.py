@@ -255,3 +255,26 @@ def test_host_stage_smoke(tmp_path):
   if processes and "images_per_s" in threads["2"]["tf.data (flax)"]:
     assert "2 workers: processes / tf.data, images/s" in ratios
   assert "ratio cpjax threads: 2 workers / 1" in stdout
+
+
+def test_reader_options_follow_the_readers_signature(monkeypatch):
+  """`worker_kind` is passed only to a reader that takes it; threads need nothing, and a
+  reader without the keyword has no process workers."""
+  from cpjax.data import host_stage  # pylint: disable=import-outside-toplevel
+
+  class ThreadsOnly:
+    def __init__(self, source, transform, mesh, num_workers=0, prefetch_depth=2, read_ahead=2):
+      pass
+
+  class BothKinds:
+    def __init__(self, source, transform, mesh, num_workers=0, prefetch_depth=2, read_ahead=2,
+                 worker_kind="process"):
+      pass
+
+  monkeypatch.setattr(host_stage, "PreprocessReader", ThreadsOnly)
+  assert feeds.reader_options("thread") == {} and feeds.reader_options("process") is None
+  monkeypatch.setattr(host_stage, "PreprocessReader", BothKinds)
+  assert feeds.reader_options("process") == {"worker_kind": "process"}
+  assert feeds.reader_options("thread") == {"worker_kind": "thread"}
+  with pytest.raises(ValueError, match="'fiber'.*thread.*process"):
+    feeds.reader_options("fiber")
