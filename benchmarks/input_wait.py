@@ -15,7 +15,9 @@ untimed compile (`benchmarks.feeds.wait_shares`):
   folder     the host stage (`host_stage.PreprocessReader`: decode, random-resized crop,
              flip in `--workers` workers of `--worker-kind`, processes by default, 2 batches
              ahead, prefetch_depth 2) over the folder
-  records    the same over the folder's encoded records (dataset.stream_dir)
+  records    the same over the folder's encoded records (dataset.stream_dir); needs
+             cpjax.data.sources, which imports tensorflow_datasets: skipped, with a note,
+             where that is missing (a GPU machine without TensorFlow)
 
 The input-wait share of a reader is 1 - resident / reader (median epoch seconds): the part of
 its epoch that would go if input cost nothing. It also prints the seconds the loop spent
@@ -39,28 +41,48 @@ from benchmarks import feeds, throughput
 from configs import default
 from cpjax import models, optim, steps
 from cpjax.calibration import losses
-from cpjax.data import preprocess, sources
+from cpjax.data import preprocess
 from cpjax.runtime import compiler_options, sharding
-from cpjax.selection import policies, scores
+from cpjax.selection import scores
+
+try:  # The records feed (cpjax.data.sources imports tensorflow_datasets, which a GPU machine
+  # may lack); without it the folder feed still runs.
+  from cpjax.data import sources
+  SOURCES_MISSING = ""
+except ImportError as import_error:
+  sources, SOURCES_MISSING = None, f"cpjax.data.sources not importable ({import_error})"
 
 NUM_CLASSES = 10
+MEAN, STD = (0.5,) * 3, (0.25,) * 3  # Of the generated images, roughly; timing only.
 
 
 def _dataset(folder: str, stream_dir: str, size: int):
   dataset = default.get_config().dataset
   dataset.update({"name": "folder", "folder": folder, "stream_dir": stream_dir,
                   "image_size": size, "flip": True, "crop_padding": 0,
-                  "mean": (0.5,) * 3, "std": (0.25,) * 3})
+                  "mean": MEAN, "std": STD})
   return dataset
 
 
 def _train_fn(config, model, tx):
-  spec = steps.step_spec(config.dataset, config.loss,
-                         policies.weights_loss(config.selection.method))
+  # The folder's StepSpec as steps.step_spec gives it (flips are the host stage's).
+  spec = steps.StepSpec(mean=MEAN, std=STD, num_classes=NUM_CLASSES,
+                        mixup_alpha=config.loss.mixup_alpha, reduction=config.loss.reduction)
   return jax.jit(functools.partial(
       steps.train_step, model=model, tx=tx, spec=spec, loss_fn=losses.get_loss(config.loss),
       score_fn=scores.normalized_entropy), donate_argnums=0,
       compiler_options=compiler_options.compiler_options("train"))
+
+
+def _records_reader(folder: str, records: str, size: int, mesh, workers: int,
+                    worker_kind: str):
+  """The host stage over the folder's encoded array_record conversion (dataset.stream_dir)."""
+  sources.write_records(_dataset(folder, "", size), records, num_shards=4)
+  dataset = _dataset(folder, records, size)
+  spec = sources.resolve(dataset)
+  transform = preprocess.from_config(dataset, spec.image_shape, seed=0)
+  return feeds.preprocess_reader(sources.open_splits(dataset)["train"], transform, mesh,
+                                 workers, worker_kind)
 
 
 def _worker_kind(worker_kind: str) -> str:
@@ -77,19 +99,20 @@ def measure(model_name: str, size: int, batch_size: int, num_steps: int, workers
   root = tempfile.mkdtemp(prefix="cpjax_input_wait_")
   readers = {}
   try:
-    folder, records = os.path.join(root, "images"), os.path.join(root, "records")
+    folder = os.path.join(root, "images")
     feeds.write_folder(folder, batch_size * num_steps, *source_size, classes=NUM_CLASSES)
-    sources.write_records(_dataset(folder, "", size), records, num_shards=4)
     config = default.get_config()
     config.model.name, config.batch_size = model_name, batch_size
     mesh = sharding.create_mesh()
     worker_kind = _worker_kind(worker_kind)
-    for name, stream_dir in (("folder", ""), ("records", records)):
-      config.dataset = _dataset(folder, stream_dir, size)
-      spec = sources.resolve(config.dataset)
-      transform = preprocess.from_config(config.dataset, spec.image_shape, seed=0)
-      readers[name] = feeds.preprocess_reader(sources.open_splits(config.dataset)["train"],
-                                              transform, mesh, workers, worker_kind)
+    readers["folder"] = feeds.preprocess_reader(
+        feeds.folder_train_source(folder), feeds.train_transform(size), mesh, workers,
+        worker_kind)
+    if sources is not None:
+      readers["records"] = _records_reader(folder, os.path.join(root, "records"), size, mesh,
+                                           workers, worker_kind)
+    else:
+      print(f"note: {SOURCES_MISSING}: no records feed")
     model = models.create_model(model_name, NUM_CLASSES, dtype)
     tx = optim.create_optimizer(config.optimizer)
     state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, (size, size, 3), mesh)
@@ -101,7 +124,7 @@ def measure(model_name: str, size: int, batch_size: int, num_steps: int, workers
                       for name, r in readers.items()}}
     results, _ = feeds.wait_shares(_train_fn(config, model, tx), state, epoch_feeds, repeats)
     return {"steps": num_steps, "images": batch_size * num_steps, "worker_kind": worker_kind,
-            "feeds": results}
+            "feeds": results, **({"records_skipped": SOURCES_MISSING} if sources is None else {})}
   finally:
     for reader in readers.values():
       feeds.close_reader(reader)

@@ -148,6 +148,36 @@ sys.meta_path.insert(0, _NoTensorFlow())
 '''
 
 
+def _no_tensorflow_env(tmp_path) -> dict[str, str]:
+  """A child environment where TensorFlow, tensorflow_datasets and clu cannot be imported
+  (a sitecustomize on PYTHONPATH: worker processes get it too); checked before use."""
+  blocker = tmp_path / "site"
+  blocker.mkdir()
+  (blocker / "sitecustomize.py").write_text(_BLOCKER)
+  env = subprocess_env(PYTHONPATH=os.pathsep.join([str(blocker), REPO]))
+  for module in ("tensorflow", "tensorflow_datasets", "clu"):
+    probe = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "is blocked" in probe.stderr, module  # In force.
+  return env
+
+
+def test_input_wait_runs_without_tensorflow(tmp_path):
+  """On a GPU machine without TensorFlow: the folder feed runs, the records feed (which
+  needs cpjax.data.sources) is skipped with a note."""
+  out = tmp_path / "wait.json"
+  result = subprocess.run(
+      [sys.executable, "-m", "benchmarks.input_wait", "--model=tiny", "--image-size=16",
+       "--batch-size=8", "--steps=2", "--workers=1", "--source-size=40x30", "--repeats=1",
+       f"--json={out}"], env=_no_tensorflow_env(tmp_path), cwd=REPO, capture_output=True,
+      text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads(out.read_text())
+  assert sorted(results["feeds"]) == ["folder", "resident"]
+  assert "tensorflow" in results["records_skipped"] and "no records feed" in result.stdout
+  assert results["feeds"]["folder"]["median_seconds"] > 0
+
+
 def _resnet50_macs_by_hand(size: int = 224, classes: int = 1000) -> int:
   """He et al. 2016, Table 1 (v1.5: the stride on the bottleneck's 3x3), conv by conv."""
   side = size // 2
@@ -184,13 +214,7 @@ def test_model_flops_of_resnet50_match_a_hand_count_and_torchvision():
 def test_gpu_table_tiny_runs_without_tensorflow(tmp_path):
   """`--tiny` end to end in a process where TensorFlow, tensorflow_datasets and clu cannot
   be imported (the GPU machine has none): every row has numbers or names why it has none."""
-  blocker = tmp_path / "site"
-  blocker.mkdir()
-  (blocker / "sitecustomize.py").write_text(_BLOCKER)
-  env = subprocess_env(PYTHONPATH=os.pathsep.join([str(blocker), REPO]))
-  probe = subprocess.run([sys.executable, "-c", "import tensorflow"], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
-  assert probe.returncode != 0 and "is blocked" in probe.stderr  # The blocker is in force.
+  env = _no_tensorflow_env(tmp_path)
   out = tmp_path / "table.json"
   result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_table", "--tiny",
                            f"--out={out}"], env=env, cwd=REPO, capture_output=True, text=True,
