@@ -362,7 +362,7 @@ def _torch_rate(make_step, batch: int, sizes: Sizes) -> dict:
 # The table's rows in the order they are shown; they run in `run_rows`' order instead.
 ROW_ORDER = ("r50_train_cpjax", "r50_train_flax_bare", "r50_train_torch_eager",
              "r50_train_torch_compile", "r50_score_cpjax", "r50_score_torch_eager",
-             "cifar_r34_train_b*_cpjax", "cifar_r34_train_b*_torch_eager",
+             "cifar_r34_train_b*",
              "host_stage_threads", "host_stage_processes", "host_stage_torch_dataloader",
              "input_wait_processes", "input_wait_threads")
 
@@ -480,13 +480,13 @@ def print_table(results: dict) -> None:
   print(f"\n{machine['card']} ({machine['devices']}), {machine['cores']} cores; "
         f"jax {machine['jax']}, flax {machine['flax']}, torch {machine.get('torch', '-')}; "
         f"{machine['date']}\n{machine['command']}")
-  print(f"{'row':<58}{'img/s':>10}{'CPU ms/img':>12}{'MFU':>7}{'wait':>7}  note")
+  print(f"{'row':<66}{'img/s':>10}{'CPU ms/img':>12}{'MFU':>7}{'wait':>7}  note")
   for row in results["rows"].values():
     def cell(key, form, width):
       value = row.get(key)
       return f"{value:>{width}{form}}" if isinstance(value, (int, float)) else " " * width
     note = row.get("skipped") or row.get("error") or ""
-    print(f"{row['label'][:57]:<58}{cell('images_per_s', '.0f', 10)}"
+    print(f"{row['label'][:65]:<66}{cell('images_per_s', '.0f', 10)}"
           f"{cell('cpu_ms_per_image', '.2f', 12)}{cell('mfu', '.3f', 7)}"
           f"{cell('input_wait_share', '.3f', 7)}  {note[:100]}")
   flops = results["flops"]
