@@ -71,7 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Host-stage resize of the crop: opencv (area shrink, bilinear enlarge) or pil (antialiased).
   config.dataset.resize = "opencv"
   # Per-channel mean and std of pixels in [0, 1]; () = computed once on 512 training images
-  # and cached beside the data.
+  # and cached in $XDG_CACHE_HOME/cpjax (~/.cache), never in the dataset's folder.
   config.dataset.mean = ()
   config.dataset.std = ()
   config.dataset.check_files = 50000  # folder: headers read at start-up per split (a sample above).

@@ -63,7 +63,23 @@ def class_names(root: str) -> tuple[str, ...]:
                        if e.is_dir() and not e.name.startswith(".")))
   if not names:
     raise FolderError(f"{train} has no class folders; lay it out as train/<class>/<images>")
+  if len(names) < 2:
+    raise FolderError(f"{train} has one class folder ({names[0]!r}): a classifier needs at "
+                      "least 2 classes; lay it out as train/<class>/<images> with a folder "
+                      "per class")
   return names
+
+
+def _check_no_empty_class(split_dir: str, classes: tuple[str, ...], labels: np.ndarray) -> None:
+  """FolderError naming the class folders of `split_dir` that hold no image: each would be
+  a class the model is trained to predict and never sees (torchvision's ImageFolder also
+  refuses them)."""
+  counts = np.bincount(labels, minlength=len(classes))
+  empty = [os.path.join(split_dir, classes[i]) for i in np.flatnonzero(counts == 0)]
+  if empty:
+    raise FolderError(f"{len(empty)} class folders hold no image files "
+                      f"({', '.join(IMAGE_EXTENSIONS)}): {empty[:MAX_NAMED]}; add images to "
+                      "them or remove them (every class folder of train/ is a class)")
 
 
 def _list_images(split_dir: str, classes: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -157,6 +173,8 @@ def listing(root: str, split: str, check_files: int, skip_bad_files: bool) -> Li
     paths = [p for p in paths if p not in bad]
   index = {name: i for i, name in enumerate(classes)}
   labels = np.asarray([index[p.split(os.sep, 1)[0]] for p in paths], np.int32)
+  if split == "train":
+    _check_no_empty_class(split_dir, classes, labels)
   return Listing(root, split, PathTable(paths), labels, tuple(sorted(bad.items())),
                  tuple(ignored))
 
