@@ -278,7 +278,8 @@ def _record_dataset(dataset: ml_collections.ConfigDict, workdir: str) -> None:
   with open(os.path.join(workdir, "classes.json"), "w") as f:
     json.dump({"dataset": dataset.name, "classes": list(names)}, f, indent=1)
   if bad := sources.bad_files(dataset):
-    with open(os.path.join(workdir, "bad_files.txt"), "w") as f:
+    # Names that are not UTF-8 are written with backslash escapes, as the log shows them.
+    with open(os.path.join(workdir, "bad_files.txt"), "w", errors="backslashreplace") as f:
       f.write("\n".join(bad) + "\n")
     logging.warning("%d unreadable files were left out of the dataset (listed in %s).",
                     len(bad), os.path.join(workdir, "bad_files.txt"))

@@ -78,6 +78,11 @@ def _killed_at(stage: str, workdir: str) -> None:
   assert done.returncode == -signal.SIGKILL, (stage, done.returncode, done.stderr[-3000:])
 
 
+def _read(path: str) -> str:
+  with open(path) as f:
+    return f.read()
+
+
 def _epochs_in_file(workdir: str) -> list[int]:
   """The epoch of every line of metrics.jsonl, in file order (duplicates kept)."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -134,13 +139,13 @@ def test_sigterm_during_the_report_stops_at_once_and_the_rerun_writes_it(tmp_pat
     proc = subprocess.Popen(_command_at("hang", workdir), cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.monotonic() + 400
-    while "Building the calibration report" not in open(log).read():
-      assert proc.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
+    while "Building the calibration report" not in _read(log):
+      assert proc.poll() is None and time.monotonic() < deadline, _read(log)[-3000:]
       time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     # Held in a 10-minute sleep: only an immediate stop ends it within the minute.
     assert proc.wait(timeout=60) == preemption.EXIT_CODE
-  first = open(log).read()
+  first = _read(log)
   assert f"SIGTERM: stopped during the final report; the last checkpoint (global step " \
          f"{LAST_STEP}) is saved" in first
   assert checkpoint_steps(workdir)[-1] == LAST_STEP

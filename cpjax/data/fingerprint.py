@@ -21,6 +21,7 @@ import os
 
 import jax
 
+from cpjax.data.folder_source import printable
 from cpjax.runtime import files
 
 LISTING_FILE = "dataset_listing.json.gz"  # In the workdir: the listing a run started with.
@@ -32,11 +33,6 @@ Entry = tuple[str, int, int]
 
 class DatasetChangedError(ValueError):
   """The dataset's files differ from those the checkpoint was trained on."""
-
-
-def shown(path: str) -> str:
-  """A path for messages and text files: undecodable bytes as backslash escapes."""
-  return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def entries(root: str, relative_paths: Sequence[str]) -> list[Entry]:
@@ -92,7 +88,7 @@ def differences(old: Sequence[Entry], new: Sequence[Entry]) -> list[str]:
            ("added", sorted(set(after) - set(before))),
            ("changed (size or modification time)",
             sorted(p for p in set(before) & set(after) if before[p] != after[p])))
-  return [f"{len(paths)} {kind}: {', '.join(shown(p) for p in paths[:SHOWN])}"
+  return [f"{len(paths)} {kind}: {', '.join(printable(p) for p in paths[:SHOWN])}"
           + (", ..." if len(paths) > SHOWN else "") for kind, paths in kinds if paths]
 
 
@@ -122,7 +118,7 @@ def check_unchanged(saved: Mapping[str, str] | None, listing: Mapping[str, Seque
              if saved_listing is not None else [])
     details.append(f"{split}/: " + ("; ".join(found) if found else "its files differ"))
   raise DatasetChangedError(
-      f"the files of dataset.folder={shown(where)!r} changed since checkpoint {step} was saved "
+      f"the files of dataset.folder={printable(where)!r} changed since checkpoint {step} was saved "
       f"({' | '.join(details)}). The checkpoint's example ids, scores and splits refer to "
       "the files as they were: put them back as they were to resume, or start a new run in a "
       "new --workdir on the folder as it is now.")

@@ -196,7 +196,7 @@ def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   return specs.DatasetSpec("", image_shape, len(classes), len(train.paths), mean, std,
                            local=True, test_split="test" if "test" in present else "",
                            val_split="val" if "val" in present else "", host_stage=True,
-                           classes=classes)
+                           classes=tuple(folder_source.printable(name) for name in classes))
 
 
 def _open_folder(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec
