@@ -60,7 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
   # host (cpjax.data.preprocess, docs/data.md#your-own-data).
   config.dataset.folder = ""  # folder: DIR holding train/<class>/<images> (and val/, test/).
   config.dataset.test_size = 0  # Test examples carved from train when there is no test split.
-  config.dataset.image_size = 0  # Output S x S of the host stage; 0 = the dataset's fixed size.
+  # Output S x S of the host stage; 0 = the dataset's fixed size, else (sizes vary) the
+  # median shorter side of 512 training images, a multiple of 8, at most 224 (docs/data.md).
+  config.dataset.image_size = 0
   config.dataset.channels = 0  # 1 (greyscale) or 3 (RGB); 0 = the dataset's own (3 if unknown).
   # Training crop: random_resized (Inception crop) or center (the evaluation crop).
   config.dataset.train_crop = "random_resized"

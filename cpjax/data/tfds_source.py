@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -46,8 +47,7 @@ def builder(name: str, data_dir: str, download: bool, manual_dir: str):
   try:
     found = tfds.builder(name, data_dir=data_dir or None)
   except Exception as err:  # pylint: disable=broad-except  DatasetNotFoundError and kin.
-    raise TfdsSourceError(f"dataset.name='tfds:{name}': tfds knows no such dataset "
-                          f"({type(err).__name__}: {str(err)[:200]})") from err
+    raise TfdsSourceError(not_found_message(name, err)) from err
   if not found.is_prepared() and (download or manual_dir):
     found = tfds.builder(name, data_dir=data_dir or None, file_format="array_record")
     found.download_and_prepare(
@@ -61,6 +61,20 @@ def builder(name: str, data_dir: str, download: bool, manual_dir: str):
         f"{found.info.file_format.value}; cpjax reads examples by index and needs "
         f"array_record: {_prepare_hint(name)}")
   return found
+
+
+def not_found_message(name: str, err: Exception) -> str:
+  """The error of a name tfds does not know: its own first line, and its spelling suggestion
+  ("Did you mean: mnsit -> mnist ?", far down its message, after the list of every
+  dataset) as the name to pass."""
+  text = str(err).strip()
+  first = text.splitlines()[0][:300] if text else ""
+  message = (f"dataset.name='tfds:{name}': tfds knows no such dataset "
+             f"({type(err).__name__}: {first})")
+  suggestion = re.search(r"Did you mean: \S+ -> (\S+) \?", text)
+  if suggestion:
+    message += f"; did you mean --config.dataset.name=tfds:{suggestion.group(1)}?"
+  return message
 
 
 def image_and_label_keys(info) -> tuple[str, str]:
