@@ -93,6 +93,12 @@ class SourceKind:
   open: Callable[[ml_collections.ConfigDict, specs.DatasetSpec], dict[str, DataSource]]
 
 
+def sample_rows(num_rows: int, sample: int = STATS_SAMPLE) -> np.ndarray:
+  """The seeded sample of training rows (sorted) whose images give the default image size
+  and the channel statistics."""
+  return np.sort(np.random.default_rng(0).permutation(num_rows)[:sample])
+
+
 DEFAULT_SIZE_MAX = 224  # torchvision's and timm's ImageNet input size: the default's cap.
 _default_sizes: dict[str, int] = {}  # Each dataset's default size, chosen (and logged) once.
 
@@ -105,7 +111,7 @@ def default_image_size(train: DataSource, key: str, sample: int = STATS_SAMPLE) 
   dataset (`key`) and process."""
   if key in _default_sizes:
     return _default_sizes[key]
-  rows = np.sort(np.random.default_rng(0).permutation(len(train))[:sample])
+  rows = sample_rows(len(train), sample)
   where = getattr(train, "where", str)
   shorter = [min(preprocess.open_image(data, where(row)).size)
              for row, data in zip(rows, train.read(rows))]
@@ -165,7 +171,7 @@ def channel_stats(train: DataSource, transform: preprocess.Transform,
                   sample: int = STATS_SAMPLE) -> tuple[tuple[float, ...], tuple[float, ...]]:
   """Per-channel mean and standard deviation of pixels / 255 over a seeded sample of
   `train`'s images under the evaluation transform (rounded to 4 decimals)."""
-  rows = np.sort(np.random.default_rng(0).permutation(len(train))[:sample])
+  rows = sample_rows(len(train), sample)
   where = getattr(train, "where", str)
   images = np.stack([transform(data, 0, None, where=where(row))
                      for row, data in zip(rows, train.read(rows))]).astype(np.float64) / 255
@@ -177,6 +183,14 @@ def channel_stats(train: DataSource, transform: preprocess.Transform,
 def _folder_listing(dataset: ml_collections.ConfigDict, split: str) -> folder_source.Listing:
   return folder_source.listing(os.path.abspath(dataset.folder), split, dataset.check_files,
                                dataset.skip_bad_files)
+
+
+def _folder_stats_key(root: str, train: folder_source.Listing) -> str:
+  """The folder and its sampled files' paths, sizes and times: a folder replaced at the same
+  path by as many other files does not reuse the old one's cached statistics."""
+  sampled = fingerprint.entries(os.path.join(root, "train"), [
+      train.paths[int(row)] for row in sample_rows(len(train.paths))])
+  return f"{root}|{fingerprint.digest(sampled)}"
 
 
 def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
@@ -192,7 +206,7 @@ def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   source = folder_source.FolderSource(train)
   size, channels = _size_and_channels(dataset, (), source, root)
   image_shape = (size, size, channels)
-  mean, std = _statistics(dataset, source, image_shape, key=root)
+  mean, std = _statistics(dataset, source, image_shape, key=_folder_stats_key(root, train))
   return specs.DatasetSpec("", image_shape, len(classes), len(train.paths), mean, std,
                            local=True, test_split="test" if "test" in present else "",
                            val_split="val" if "val" in present else "", host_stage=True,
@@ -244,7 +258,7 @@ def _stats_key(dataset: ml_collections.ConfigDict) -> str:
   """What the channel statistics' cache is keyed by: the folder, or the tfds name and
   version (the records keep their source's, so the two share a cache entry)."""
   if dataset.name == "folder":
-    return os.path.abspath(dataset.folder)
+    return _folder_stats_key(os.path.abspath(dataset.folder), _folder_listing(dataset, "train"))
   info = _tfds_builder(dataset).info
   return f"{info.name}|{info.version}"
 
