@@ -5,9 +5,11 @@ checkpoint in `workdir` if there is one, and runs one loop over epochs: choose
 the epoch's rows (cpjax.selection), train them with the jitted train step
 (cpjax.epoch_loop, cpjax.steps), log train metrics every `log_every_steps`, evaluate and
 checkpoint when `run_context.due`, and write the calibration report after the last epoch
-(cpjax.evaluation), once that epoch's checkpoint has committed: a report that fails loses no
-training, and a rerun (or --mode=evaluate) writes it. Start-up checks (cpjax.preflight) run
-before the workdir is touched; an epoch that learns nothing stops the run.
+(cpjax.evaluation), once that epoch's training numbers are in metrics.jsonl and its checkpoint
+has committed: a report that fails, or is killed, loses no training and no record, a signal
+stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
+(cpjax.preflight) run before the workdir is touched, and a folder dataset changed under its
+checkpoint is refused (cpjax.data.fingerprint); an epoch that learns nothing stops the run.
 """
 
 import contextlib

@@ -138,13 +138,18 @@ def test_sigterm_during_the_report_stops_at_once_and_the_rerun_writes_it(tmp_pat
   with open(log, "w") as stderr:
     proc = subprocess.Popen(_command_at("hang", workdir), cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=stderr)
-    deadline = time.monotonic() + 400
-    while "Building the calibration report" not in _read(log):
-      assert proc.poll() is None and time.monotonic() < deadline, _read(log)[-3000:]
-      time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    # Held in a 10-minute sleep: only an immediate stop ends it within the minute.
-    assert proc.wait(timeout=60) == preemption.EXIT_CODE
+    try:
+      deadline = time.monotonic() + 400
+      while "Building the calibration report" not in _read(log):
+        assert proc.poll() is None and time.monotonic() < deadline, _read(log)[-3000:]
+        time.sleep(0.1)
+      proc.send_signal(signal.SIGTERM)
+      # Held in a 10-minute sleep: only an immediate stop ends it within the minute.
+      assert proc.wait(timeout=60) == preemption.EXIT_CODE
+    finally:
+      if proc.poll() is None:  # The test failed: leave no process behind.
+        proc.kill()
+        proc.wait()
   first = _read(log)
   assert f"SIGTERM: stopped during the final report; the last checkpoint (global step " \
          f"{LAST_STEP}) is saved" in first
