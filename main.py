@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from configs import default
 from cpjax import config_schema, config_validation, preflight, train
+from cpjax.data import fingerprint
 from cpjax.runtime import checkpointing, distributed, failures, preemption
 
 FLAGS = flags.FLAGS
@@ -79,7 +80,9 @@ def main(argv):
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
-  except preflight.StartupCheckError as err:  # One line per problem, no traceback.
+  # One line per problem, no traceback: start-up checks, a dataset folder changed under
+  # its checkpoint.
+  except (preflight.StartupCheckError, fingerprint.DatasetChangedError) as err:
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)
   except Exception as err:  # pylint: disable=broad-except  (a bug re-raises below)

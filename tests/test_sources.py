@@ -473,6 +473,19 @@ def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
     config_validation.validate(config)
 
 
+def test_a_misspelled_tfds_name_keeps_tfds_suggestion(tmp_path):
+  """tfds's lookup needs no network: its "Did you mean: mnsit -> mnist ?" comes after the
+  list of every dataset it knows, and the error passes it on as the name to use."""
+  config = tiny_config(**{"dataset.name": "tfds:mnsit", "dataset.data_dir": str(tmp_path),
+                          "evaluation.ood": ""})
+  with pytest.raises(config_validation.ConfigError) as raised:
+    config_validation.validate(config)
+  message = str(raised.value)
+  assert "tfds knows no such dataset (DatasetNotFoundError: Dataset mnsit not found.)" in message
+  assert "did you mean --config.dataset.name=tfds:mnist?" in message
+  assert "abstract_reasoning" not in message  # Not tfds's list of every dataset.
+
+
 # ---------------------------------------------------------------- selection over such data
 
 
