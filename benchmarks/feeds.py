@@ -60,11 +60,19 @@ def _pool(workers: int) -> concurrent.futures.Executor:
   """Forked worker processes while JAX has not started its backend (forking a process that
   runs JAX's threads can deadlock the child), else threads (PIL's resize and encoder and
   NumPy's generators release the GIL, but not all of an image's work)."""
-  started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
-  if started or "fork" not in multiprocessing.get_all_start_methods():
+  if started_backend() or "fork" not in multiprocessing.get_all_start_methods():
     return concurrent.futures.ThreadPoolExecutor(workers)
   return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(
       "fork"))
+
+
+def started_backend() -> bool:
+  """Whether JAX has started a backend (its runtime threads) in this process; True when this
+  JAX version does not say (then nothing forks)."""
+  said = getattr(xla_bridge, "backends_are_initialized", None)
+  if said is not None:
+    return bool(said())
+  return bool(getattr(xla_bridge, "_backends", True))
 
 
 def folder_train_source(root: str) -> folder_source.FolderSource:

@@ -35,9 +35,15 @@ Timing: the first call (compile + one step) is timed apart; then warm-up steps, 
 rate is the median window. Host-stage rows: one untimed epoch (workers start, page cache),
 then timed epochs, median; CPU ms an image counts worker processes too. Every row runs
 inside try/except (a failing row is reported in the JSON, the table goes on) and starts only
-if the time budget left covers its estimate, so the whole script stays under
-`--budget-seconds`. Process rows need a cpjax whose PreprocessReader takes `worker_kind`;
-without it they are skipped with a note.
+if the time budget left (`--budget-seconds`, 400 s from the start, the generated folder's
+writing included) covers its estimate; the rows run with the targets and the cheap ones
+first (`run_rows`), so a cut drops the CIFAR rows and the thread input-wait row. A watchdog
+ends a run still going 40 s past the budget (a row that hangs): it writes the rows done so
+far, the running one as an error, and exits with status 3. `--rows=PREFIX,...` runs only
+some rows (to redo one). Process rows need a cpjax whose PreprocessReader takes
+`worker_kind`; without it they are skipped with a note. JAX takes GPU memory as it needs it
+(XLA_PYTHON_CLIENT_PREALLOCATE=false unless set), leaving room for PyTorch's rows, and
+PyTorch's cached memory is released after each of its rows.
 """
 
 import argparse

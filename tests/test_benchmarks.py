@@ -302,3 +302,22 @@ def test_reader_options_follow_the_readers_signature(monkeypatch):
   assert feeds.reader_options("thread") == {"worker_kind": "thread"}
   with pytest.raises(ValueError, match="'fiber'.*thread.*process"):
     feeds.reader_options("fiber")
+
+
+def test_write_folder_forks_only_before_jax_starts(tmp_path):
+  """Generated JPEGs are written by forked processes only while JAX runs no backend; the
+  files are the same either way (image i is a function of i)."""
+  code = ("import sys, jax\nfrom benchmarks import feeds\n"
+          "before = feeds.started_backend()\n"
+          "feeds.write_folder(sys.argv[1] + '/a', 6, 40, 30, classes=2, workers=2)\n"
+          "jax.devices()\n"
+          "feeds.write_folder(sys.argv[1] + '/b', 6, 40, 30, classes=2, workers=2)\n"
+          "print(before, feeds.started_backend())\n")
+  result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split() == ["False", "True"]
+  files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.JPEG"))
+  assert len(files) == 6 + 2 * 2  # Train, plus one a class in val and in test.
+  for name in files:
+    assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
