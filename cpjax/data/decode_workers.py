@@ -42,6 +42,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import types
 import weakref
 
@@ -318,19 +319,21 @@ class ProcessPool:
   def _died(self) -> WorkerDiedError:
     """The error of a broken pool: the dead workers named, the others stopped."""
     self.broken = True
-    dead = []
-    for pid, process in self._processes.items():
-      process.join(timeout=1.0)  # The dead are reaped at once; the living are not waited on.
-      if process.exitcode not in (None, 0):
-        dead.append(f"pid {pid} {_ended(process.exitcode)}")
+    deadline = time.monotonic() + 2.0  # The executor's thread may be reaping it this moment.
+    while True:
+      dead = [f"pid {pid} {_ended(process.exitcode)}" for pid, process in self._processes.items()
+              if process.exitcode not in (None, 0)]  # Polled (reaped if dead), not waited on.
+      if dead or time.monotonic() > deadline:
+        break
+      time.sleep(0.02)
     for process in self._processes.values():
       if process.is_alive():
         process.kill()  # They ignore SIGTERM; the executor waits on them.
         process.join(timeout=5.0)
     return WorkerDiedError(
-        f"a host-stage worker process died ({'; '.join(dead) or 'no exit status'}), so the "
-        f"batches it was decoding are lost; the run stops here (its last checkpoint is "
-        "intact). If it ran out of memory, lower dataset.num_workers or dataset.batch_size")
+        f"a host-stage worker process died ({'; '.join(dead) or 'no exit status'}) with the "
+        "batches it was decoding (if it ran out of memory: lower dataset.num_workers or "
+        "dataset.batch_size)")
 
   def shutdown(self) -> None:
     self._executor.shutdown(wait=True, cancel_futures=True)
