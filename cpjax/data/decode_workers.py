@@ -25,8 +25,9 @@ Why not grain's `mp_prefetch` (spawned processes too, with `SharedMemoryArray` o
 starts its workers for each iterator, and the host stage iterates once a pass (each epoch,
 each evaluation and scoring pass), each start running the main script and `import grain`
 again in every worker (1.5 s of CPU for `import grain` alone on a 2-core machine); its
-outputs are one shared-memory segment an element, made and unlinked each time; and (by grain 0.2.18's
-source) its workers do not watch for a parent killed by SIGKILL. The pool here outlives the passes.
+outputs are one shared-memory segment an element, made and unlinked each time; and (by
+grain 0.2.18's source) its workers do not watch for a parent killed by SIGKILL. The pool
+here outlives the passes.
 
 multiprocessing's spawn runs the parent's main module again in each new process, to find
 what the parent defined there; for `python main.py` that is the whole trainer with flax and
