@@ -8,6 +8,7 @@ readers under test.
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -96,6 +97,24 @@ def test_batches_are_bit_identical_whatever_the_worker_kind_count_and_read_ahead
   # The training crops are not the evaluation crops (the comparison above sees both).
   assert not np.array_equal(_direct(source, transform, rows[:4], 2),
                             _direct(source, transform, rows[:4], None))
+
+
+def test_a_folder_carve_out_pickles_its_own_paths_only(folder):
+  """What a worker process receives: the validation carve-out of a folder, pickled, reads the
+  same bytes under the same ids, labels and names (and a part taken of it too), and carries
+  its own rows' paths, not the split's whole table."""
+  opened = sources.open_splits(_dataset(folder, val_size=6))
+  val, train = opened["val"], opened["train"]
+  copy = pickle.loads(pickle.dumps(val))
+  rows = np.arange(len(val))
+  np.testing.assert_array_equal(copy.ids, val.ids)
+  np.testing.assert_array_equal(copy.labels, val.labels)
+  assert [copy.where(r) for r in rows] == [val.where(r) for r in rows]
+  assert copy.read(rows) == val.read(rows)
+  part, copied_part = val.take(rows[2:5]), copy.take(rows[2:5])
+  np.testing.assert_array_equal(copied_part.ids, part.ids)
+  assert copied_part.read(np.arange(3)) == part.read(np.arange(3))
+  assert len(copy._files.paths) == len(val) < len(train)  # pylint: disable=protected-access
 
 
 def test_a_file_that_fails_to_decode_is_named_in_one_error(folder, tmp_path):

@@ -178,3 +178,46 @@ def test_sigterm_to_the_process_group_saves_and_the_rerun_is_the_run_left_alone(
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Resumed from" in resumed.stderr
   _assert_same_run(straight, stopped)
+
+
+def _decoding_workers(pid: int) -> list[int]:
+  """The host-stage worker processes among `pid`'s children (not the resource tracker)."""
+  children = []
+  for task in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{task}/children") as f:
+      children += [int(c) for c in f.read().split()]
+  found = []
+  for child in children:
+    with open(f"/proc/{child}/cmdline", "rb") as f:
+      if b"spawn_main" in f.read():
+        found.append(child)
+  return found
+
+
+@pytest.mark.slow
+def test_a_killed_decoding_worker_stops_the_run_with_one_fatal_line(tmp_path):
+  """SIGKILL to one of a folder run's decoding workers (as the out-of-memory killer would):
+  the run ends at once with exit status 1 and one FATAL line naming the worker, its signal
+  and the checkpoint the rerun resumes from; no traceback, no hang."""
+  folder = make_folder(str(tmp_path / "images"))
+  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}", "--config.num_epochs=8",
+           "--config.dataset.worker_kind=process", "--config.dataset.num_workers=2")
+  workdir = str(tmp_path / "run")
+  with open(tmp_path / "run.log", "w") as log:
+    proc = subprocess.Popen(helpers.main_command(workdir, *flags), cwd=helpers.REPO,
+                            env=helpers.subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=log)
+    saved = os.path.join(workdir, "checkpoints", "2")
+    deadline = time.monotonic() + 240
+    while not os.path.isdir(saved) and time.monotonic() < deadline:
+      assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+      time.sleep(0.02)
+    (victim, *_) = _decoding_workers(proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1, (tmp_path / "run.log").read_text()[-3000:]
+  text = (tmp_path / "run.log").read_text()
+  fatal = [line for line in text.splitlines() if line.startswith("FATAL")]
+  assert len(fatal) == 1, text[-3000:]
+  assert f"a host-stage worker process died (pid {victim} was killed by SIGKILL" in fatal[0]
+  assert "rerun the same command: it resumes from the last good checkpoint, step" in fatal[0]
+  assert "Traceback" not in text

@@ -21,6 +21,13 @@ the standard library's `concurrent.futures.ProcessPoolExecutor` (spawned process
 
 Why processes and not threads: the Python around each image's PIL and OpenCV calls holds
 the GIL, so threads stop scaling past a few cores (16 threads measured 1.9x one thread).
+Why not grain's `mp_prefetch` (spawned processes too, with `SharedMemoryArray` outputs): it
+starts its workers for each iterator, and the host stage iterates once a pass (each epoch,
+each evaluation and scoring pass), each start running the main script and `import grain`
+again in every worker (1.5 s of CPU for `import grain` alone on a 2-core machine); its
+outputs are one shared-memory segment an element, made and unlinked each time; and (by
+grain 0.2.18's source) its workers do not watch for a parent killed by SIGKILL. The pool
+here outlives the passes.
 
 multiprocessing's spawn runs the parent's main module again in each new process, to find
 what the parent defined there; for `python main.py` that is the whole trainer with flax and
@@ -42,6 +49,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import types
 import weakref
 
@@ -318,19 +326,21 @@ class ProcessPool:
   def _died(self) -> WorkerDiedError:
     """The error of a broken pool: the dead workers named, the others stopped."""
     self.broken = True
-    dead = []
-    for pid, process in self._processes.items():
-      process.join(timeout=1.0)  # The dead are reaped at once; the living are not waited on.
-      if process.exitcode not in (None, 0):
-        dead.append(f"pid {pid} {_ended(process.exitcode)}")
+    deadline = time.monotonic() + 2.0  # The executor's thread may be reaping it this moment.
+    while True:
+      dead = [f"pid {pid} {_ended(process.exitcode)}" for pid, process in self._processes.items()
+              if process.exitcode not in (None, 0)]  # Polled (reaped if dead), not waited on.
+      if dead or time.monotonic() > deadline:
+        break
+      time.sleep(0.02)
     for process in self._processes.values():
       if process.is_alive():
         process.kill()  # They ignore SIGTERM; the executor waits on them.
         process.join(timeout=5.0)
     return WorkerDiedError(
-        f"a host-stage worker process died ({'; '.join(dead) or 'no exit status'}), so the "
-        f"batches it was decoding are lost; the run stops here (its last checkpoint is "
-        "intact). If it ran out of memory, lower dataset.num_workers or dataset.batch_size")
+        f"a host-stage worker process died ({'; '.join(dead) or 'no exit status'}) with the "
+        "batches it was decoding (if it ran out of memory: lower dataset.num_workers or "
+        "dataset.batch_size)")
 
   def shutdown(self) -> None:
     self._executor.shutdown(wait=True, cancel_futures=True)
