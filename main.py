@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from configs import default
 from cpjax import config_schema, config_validation, preflight, train
+from cpjax.data import decode_workers, fingerprint
 from cpjax.runtime import checkpointing, distributed, failures, preemption
 
 FLAGS = flags.FLAGS
@@ -79,7 +80,9 @@ def main(argv):
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
-  except preflight.StartupCheckError as err:  # One line per problem, no traceback.
+  # One line per problem, no traceback: start-up checks, a dataset folder changed under
+  # its checkpoint.
+  except (preflight.StartupCheckError, fingerprint.DatasetChangedError) as err:
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)
   except Exception as err:  # pylint: disable=broad-except  (a bug re-raises below)
@@ -90,12 +93,15 @@ def main(argv):
 
 def _exit_on_failure(err: Exception) -> None:
   """Ends the process with one FATAL line if `err` is an operational failure (a failed
-  checkpoint write, a full or read-only folder, a lost process); returns for a bug."""
+  checkpoint write, a full or read-only folder, a lost process or decoding worker); returns
+  for a bug."""
+  checkpoint_dir = os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints")
   if isinstance(err, checkpointing.CheckpointSaveError):
     line = str(err)
+  elif isinstance(err, decode_workers.WorkerDiedError):
+    line = f"{err}; {failures.resume_advice(checkpoint_dir)}"
   elif failures.cause(err, jax.process_count()) != failures.OTHER:
-    line = failures.line(err, os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints"),
-                         jax.process_count())
+    line = failures.line(err, checkpoint_dir, jax.process_count())
   else:
     return
   if failures.is_lost_peer(err, jax.process_count()):

@@ -8,9 +8,16 @@ normalised entropy) in float32 and bfloat16, on random CIFAR-shaped inputs
 (timing only: the values do not matter). Each rate is the median over
 `--windows` timed windows of `--steps` steps after a warm-up window, each
 window ending with `block_until_ready`. Compile time is the train step's
-lower + compile. On a GPU, the train step's FLOPs (XLA cost analysis) give
-model FLOPs utilisation against the device's peak. Prints a table and,
-with --json, writes the numbers for scripts.
+lower + compile. Prints a table and, with --json, writes the numbers for scripts.
+
+FLOPs and MFU: the model FLOPs of a train step per image come from the model's conv and
+dense layer shapes (`benchmarks.model_flops`: MACs x 2 x 3 forwards), on every backend;
+MFU is that times the train images/s over the device's dense bfloat16 peak, printed where
+the device kind has a known peak (GPUs, TPUs: `model_flops.PEAK_BF16_FLOPS`; the train
+step computes in `--dtype`). XLA's own count (`cost_analysis()` of the compiled step) is
+printed on a CPU only, beside the model FLOPs: on XLA:CPU convolutions are ordinary HLO and
+it counts them; on a GPU it leaves out the cuDNN convolution calls (about 60x too few
+FLOPs for ResNet-50), so it is never used there.
 """
 
 import argparse
@@ -24,14 +31,13 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import model_flops
 from configs import default
 from cpjax import models, optim, steps
 from cpjax.calibration import losses
 from cpjax.data import specs
 from cpjax.runtime import compiler_options, sharding
 from cpjax.selection import scores
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # Dense, per device.
 
 
 def _config(model_name: str, batch_size: int):
@@ -55,7 +61,7 @@ def _rate(fn, images_per_call: int, windows: int, steps: int) -> float:
   return statistics.median(rates)
 
 
-def _batch(mesh, size: int, image_size: int, num_classes: int) -> dict[str, jax.Array]:
+def random_batch(mesh, size: int, image_size: int, num_classes: int) -> dict[str, jax.Array]:
   rng = np.random.default_rng(0)
   host = {"image": rng.integers(0, 256, (size, image_size, image_size, 3), np.uint8),
           "label": rng.integers(0, num_classes, size).astype(np.int32),
@@ -65,14 +71,15 @@ def _batch(mesh, size: int, image_size: int, num_classes: int) -> dict[str, jax.
 
 
 def train_setup(model_name: str, batch_size: int, image_size: int, xla_cpu_options: str,
-                options: dict[str, str] | None = None):
+                options: dict[str, str] | None = None, dtype: str = "float32"):
   """(config, mesh, train state, jitted donated train step, batch, lr) on random inputs; the
-  step compiles with the `xla_cpu_options` preset, or with `options` when given."""
+  step compiles with the `xla_cpu_options` preset, or with `options` when given, and
+  computes in `dtype` (parameters float32)."""
   config = _config(model_name, batch_size)
   config.xla_cpu_options = xla_cpu_options
   spec = specs.DATASETS["cifar10"]
   mesh = sharding.create_mesh()
-  model = models.create_model(model_name, spec.num_classes, "float32")
+  model = models.create_model(model_name, spec.num_classes, dtype)
   tx = optim.create_optimizer(config.optimizer)
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx,
                                    (image_size, image_size, 3), mesh)
@@ -82,43 +89,57 @@ def train_setup(model_name: str, batch_size: int, image_size: int, xla_cpu_optio
                                    score_fn=scores.normalized_entropy), donate_argnums=0,
                  compiler_options=(compiler_options.compiler_options("train", xla_cpu_options)
                                    if options is None else options))
-  batch = _batch(mesh, batch_size, image_size, spec.num_classes)
+  batch = random_batch(mesh, batch_size, image_size, spec.num_classes)
   return config, mesh, state, step, batch, np.float32(0.01)
 
 
 def measure(model_name: str, batch_size: int, score_batch_size: int, image_size: int,
-            windows: int, steps_per_window: int, xla_cpu_options: str = "tuned"
-            ) -> dict[str, float]:
-  """Compile time, train images/s, scoring images/s (float32, bfloat16), MFU on GPU."""
+            windows: int, steps_per_window: int, xla_cpu_options: str = "tuned",
+            dtype: str = "float32") -> dict[str, float]:
+  """Compile time, train images/s, scoring images/s (float32, bfloat16), model FLOPs and
+  MFU (where the device's peak is known; `dtype`: the train step's compute dtype)."""
   config, mesh, state, step, batch, lr = train_setup(model_name, batch_size, image_size,
-                                                     xla_cpu_options)
+                                                     xla_cpu_options, dtype=dtype)
   spec = specs.DATASETS["cifar10"]
   start = time.perf_counter()
   compiled = step.lower(state, batch, lr, {}).compile()
   results = {"compile_seconds": time.perf_counter() - start}
-  flops = (compiled.cost_analysis() or {}).get("flops", float("nan"))
   holder = [state]
 
   def train_once():
     holder[0], metrics, _ = compiled(holder[0], batch, lr, {})
     return metrics["loss_sum"]
   results["train_images_per_s"] = _rate(train_once, batch_size, windows, steps_per_window)
-  results["train_step_gflops"] = flops / 1e9
-  score_batch = _batch(mesh, score_batch_size, image_size, spec.num_classes)
-  for dtype in ("float32", "bfloat16"):
+  score_batch = random_batch(mesh, score_batch_size, image_size, spec.num_classes)
+  for score_dtype in ("float32", "bfloat16"):
     scorer = jax.jit(functools.partial(
         steps.score_step, spec=steps.step_spec(config.dataset),
         score_fn=scores.normalized_entropy,
-        model=models.create_model(model_name, spec.num_classes, dtype)),
+        model=models.create_model(model_name, spec.num_classes, score_dtype)),
         compiler_options=compiler_options.compiler_options("inference", xla_cpu_options))
-    results[f"score_{dtype}_images_per_s"] = _rate(
+    results[f"score_{score_dtype}_images_per_s"] = _rate(
         lambda s=scorer: s(holder[0], score_batch), score_batch_size, windows, steps_per_window)
-  kind = jax.devices()[0].device_kind
-  peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
-  if peak and jax.default_backend() == "gpu":
-    results["train_mfu_float32_step"] = (flops * results["train_images_per_s"] / batch_size
-                                         / (peak * jax.device_count()))
+  results.update(_flops(compiled, model_name, spec.num_classes, image_size, batch_size,
+                        results["train_images_per_s"]))
   return results
+
+
+def _flops(compiled, model_name: str, num_classes: int, image_size: int, batch_size: int,
+           train_images_per_s: float) -> dict[str, float]:
+  """Model GFLOPs a train image and MFU against the bf16 peak (where known); on a CPU also
+  XLA's count of the compiled step (module docstring: why not on a GPU)."""
+  model = models.create_model(model_name, num_classes)
+  flops = model_flops.train_flops_per_image(model, (image_size, image_size, 3))
+  out = {"train_model_gflops_per_image": flops / 1e9}
+  if jax.default_backend() == "cpu":
+    xla = (compiled.cost_analysis() or {}).get("flops", float("nan"))
+    out["train_xla_cost_analysis_gflops_per_image"] = xla / batch_size / 1e9
+  mfu = model_flops.mfu(flops, train_images_per_s,
+                        model_flops.peak_bf16_flops(jax.devices()[0].device_kind),
+                        jax.device_count())
+  if mfu is not None:
+    out["train_mfu_vs_bf16_peak"] = mfu
+  return out
 
 
 def machine() -> dict[str, str]:
@@ -147,6 +168,9 @@ def main():
   parser.add_argument("--image-size", type=int, default=32)
   parser.add_argument("--windows", type=int, default=5)
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="Compute dtype of the timed train step (MFU is against the bf16 "
+                      "peak).")
   parser.add_argument("--compare-torch", action="store_true")
   parser.add_argument("--xla-cpu-options", default="tuned", choices=compiler_options.PRESETS,
                       help="cpjax.runtime.compiler_options preset of the JAX steps.")
@@ -157,7 +181,7 @@ def main():
                  f"not --model={args.model}")
   results = {"machine": machine(), "args": vars(args),
              "jax": measure(args.model, args.batch_size, args.score_batch_size, args.image_size,
-                            args.windows, args.steps, args.xla_cpu_options)}
+                            args.windows, args.steps, args.xla_cpu_options, args.dtype)}
   if args.compare_torch:
     import torch
 
@@ -171,10 +195,10 @@ def main():
         "score_float32": (results["jax"]["score_float32_images_per_s"]
                           / results["torch"]["score_images_per_s"])}
   print(json.dumps(results["machine"]))
-  print(f"{'measure':<34}{'value':>14}")
+  print(f"{'measure':<48}{'value':>14}")
   for side in ("jax", "torch", "ratio_jax_over_torch"):
     for key, value in results.get(side, {}).items():
-      print(f"{side + '.' + key:<34}{value:>14.3f}")
+      print(f"{side + '.' + key:<48}{value:>14.4g}")
   write_json(args.json, results)
 
 

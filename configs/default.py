@@ -60,7 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
   # host (cpjax.data.preprocess, docs/data.md#your-own-data).
   config.dataset.folder = ""  # folder: DIR holding train/<class>/<images> (and val/, test/).
   config.dataset.test_size = 0  # Test examples carved from train when there is no test split.
-  config.dataset.image_size = 0  # Output S x S of the host stage; 0 = the dataset's fixed size.
+  # Output S x S of the host stage; 0 = the dataset's fixed size, else (sizes vary) the
+  # median shorter side of 512 training images, a multiple of 8, at most 224 (docs/data.md).
+  config.dataset.image_size = 0
   config.dataset.channels = 0  # 1 (greyscale) or 3 (RGB); 0 = the dataset's own (3 if unknown).
   # Training crop: random_resized (Inception crop) or center (the evaluation crop).
   config.dataset.train_crop = "random_resized"
@@ -71,12 +73,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Host-stage resize of the crop: opencv (area shrink, bilinear enlarge) or pil (antialiased).
   config.dataset.resize = "opencv"
   # Per-channel mean and std of pixels in [0, 1]; () = computed once on 512 training images
-  # and cached beside the data.
+  # and cached in $XDG_CACHE_HOME/cpjax (~/.cache), never in the dataset's folder.
   config.dataset.mean = ()
   config.dataset.std = ()
   config.dataset.check_files = 50000  # folder: headers read at start-up per split (a sample above).
   config.dataset.skip_bad_files = False  # folder: leave out (and list) unreadable files.
-  config.dataset.num_workers = 0  # Host-stage decode threads per process; 0 = one per core.
+  config.dataset.num_workers = 0  # Host-stage decode workers per process; 0 = its usable cores.
+  # Host-stage workers: process (shared-memory worker processes) or thread (docs/data.md).
+  config.dataset.worker_kind = "process"
 
   config.model = ml_collections.ConfigDict()
   config.model.name = "resnet18"  # Registered (README) or a Flax module "pkg.module:Class".

@@ -94,9 +94,12 @@ def save_checkpoint(run: Run, state: steps.TrainState,
                              f"{run_context.last_good(run.checkpointer)}")
   if partial is None:
     partial = run_state.empty_partial(run.config.dataset, run.config.batch_size)
-  run.checkpointer.save(step, run_state.checkpoint_tree(state, selection_state, partial, run.mesh),
-      {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
-       "config": run.config.to_json_best_effort(sort_keys=True)})
+  meta = {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
+          "config": run.config.to_json_best_effort(sort_keys=True)}
+  if run.data_digests is not None:  # A folder's files: a resume checks they are unchanged.
+    meta["data_digests"] = run.data_digests
+  run.checkpointer.save(step, run_state.checkpoint_tree(state, selection_state, partial,
+                                                        run.mesh), meta)
   return step
 
 

@@ -29,9 +29,10 @@ import numpy as np
 from cpjax import run_context, steps
 from cpjax.calibration import figures, metrics, report
 from cpjax.data import corruptions, input_pipeline, readers, splits
-from cpjax.runtime import files
+from cpjax.runtime import files, run_logging
 
 SPLITS = ("val", "test")  # The splits evaluated, in this order.
+REPORT_KEY = "calibrator"  # A key every `report_record` has: marks an epoch record complete.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +132,18 @@ class ReportEvaluator:
     return results
 
   def describes(self, step: int) -> bool:
-    """Whether workdir/report/results.json exists and describes the checkpoint at `step`, as
-    process 0 (the one that writes it) sees it: every process gets the same answer."""
+    """Whether the report of the checkpoint at `step` is complete: workdir/report/results.json
+    (written last of the report's files) describes that checkpoint, and metrics.jsonl holds
+    the report's numbers in its epoch's record. As process 0 (the one that writes both) sees
+    it: every process gets the same answer."""
     found = False
     if jax.process_index() == 0:
       try:
         with open(os.path.join(self.workdir, "report", "results.json"), encoding="utf-8") as f:
-          found = json.load(f).get("checkpoint_step") == step
-      except (OSError, ValueError):
+          saved = json.load(f)
+        found = saved.get("checkpoint_step") == step and _records_report(
+            os.path.join(self.workdir, "metrics.jsonl"), saved["epoch"] - 1)
+      except (OSError, ValueError, KeyError, TypeError):
         pass  # No report, or a torn one: it describes nothing, and the rerun rewrites it.
     if jax.process_count() > 1:
       found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
@@ -150,11 +155,12 @@ class ReportEvaluator:
     paired comparisons of runs on the same test images (e.g. a paired bootstrap of accuracy
     differences)."""
     report_dir = os.path.join(self.workdir, "report")
-    paths = report.write_report(report_dir, results, gamma)
-    paths.append(os.path.join(report_dir, "test_logits.npz"))
-    files.atomic_write(paths[-1], lambda f: np.savez_compressed(
+    logits_path = os.path.join(report_dir, "test_logits.npz")
+    files.atomic_write(logits_path, lambda f: np.savez_compressed(
         f, logits=test_logits.astype(np.float32), labels=self.split_evaluator.labels["test"],
         ids=self.test.ids))
+    # results.json last of all: `describes` takes it as the mark of a complete report.
+    paths = [*report.write_report(report_dir, results, gamma), logits_path]
     logging.info("Wrote the calibration report: %s", ", ".join(paths))
 
   def _ood_split(self) -> splits.Split | None:
@@ -202,6 +208,16 @@ class Evaluations:
     return {}
 
 
+def _records_report(metrics_path: str, epoch: int) -> bool:
+  """Whether metrics.jsonl's record of 0-indexed `epoch` holds the report's numbers
+  (`report_record`: its "calibrator" key), not only the epoch's training numbers written
+  before the report began."""
+  if not os.path.exists(metrics_path):
+    return False
+  return any(r["epoch"] == epoch and REPORT_KEY in r for r in run_logging.read_records(
+      metrics_path))
+
+
 def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
                              reliability: dict[str, dict[str, list]]) -> None:
   """The test split's reliability diagram of each scaling in `reliability` (before_ts, and
@@ -235,7 +251,7 @@ def report_record(results: dict[str, Any]) -> dict[str, Any]:
             for split in SPLITS
             for name in report.EPOCH_METRICS + report.SELECTIVE_METRICS}
   section = results["posthoc"]
-  record["calibrator"] = section["chosen"]
+  record[REPORT_KEY] = section["chosen"]
   record.update({f"test_calibrated_{name}": value
                  for name, value in section["calibrators"][section["chosen"]]["test"].items()})
   if results["ood"]:

@@ -38,6 +38,9 @@ class Run:
   # Steps of each epoch the run trains (cpjax.train._epoch_steps); () before it knows them.
   epoch_steps: tuple[int, ...] = ()
   compilation_cache: str | None = None  # The persistent cache's directory; None: off.
+  # {split: digest} of a folder dataset's files, saved in every checkpoint's metadata
+  # (cpjax.data.fingerprint); None for other datasets.
+  data_digests: dict[str, str] | None = None
 
   @property
   def num_epochs(self) -> int:

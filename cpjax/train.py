@@ -5,9 +5,11 @@ checkpoint in `workdir` if there is one, and runs one loop over epochs: choose
 the epoch's rows (cpjax.selection), train them with the jitted train step
 (cpjax.epoch_loop, cpjax.steps), log train metrics every `log_every_steps`, evaluate and
 checkpoint when `run_context.due`, and write the calibration report after the last epoch
-(cpjax.evaluation), once that epoch's checkpoint has committed: a report that fails loses no
-training, and a rerun (or --mode=evaluate) writes it. Start-up checks (cpjax.preflight) run
-before the workdir is touched; an epoch that learns nothing stops the run.
+(cpjax.evaluation), once that epoch's training numbers are in metrics.jsonl and its checkpoint
+has committed: a report that fails, or is killed, loses no training and no record, a signal
+stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
+(cpjax.preflight) run before the workdir is touched, and a folder dataset changed under its
+checkpoint is refused (cpjax.data.fingerprint); an epoch that learns nothing stops the run.
 """
 
 import contextlib
@@ -36,7 +38,7 @@ from cpjax import (
   steps,
 )
 from cpjax.calibration import gamma_net, losses
-from cpjax.data import input_pipeline, sources, specs
+from cpjax.data import fingerprint, input_pipeline, sources, specs
 
 # Run and the two errors are part of this module's interface (users catch the errors).
 from cpjax.epoch_loop import StalledTrainingError  # noqa: F401
@@ -97,10 +99,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if run.start_epoch == 0 and run.partial is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
   state, selection_state, record = run.state, run.selection, {}
-  _finish_report(run, report)
   with preemption.PreemptionGuard() as guard:
     hooks = epoch_loop.LoopHooks(writer, progress, guard)
     try:
+      _finish_report(run, evaluations, (writer, epoch_writer), epoch_log, guard)
       for epoch in range(run.start_epoch, run.num_epochs):
         start = time.time()
         rows, weights, selection_state, timings = chooser.rows_for_epoch(epoch, state,
@@ -120,12 +122,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             epoch, selection_state, result.order, result.per_example, timings, workdir)
         record = {**result.record, **selection_record}
         last, logits = epoch + 1 == run.num_epochs, None
+        global_step = int(jax.device_get(state.step))
         if last:  # Committed before the report: a report that fails loses no training.
           logits = report.split_evaluator.logits(state)  # Non-finite: stops, nothing saved.
+          # The epoch's training numbers first: a kill during the report loses none of them
+          # (before the commit below, the rerun redoes the epoch and drops this record).
+          epoch_log.write({**record, "epoch": epoch, "epoch_seconds": time.time() - start})
           step = epoch_loop.save_checkpoint(run, state, selection_state, epochs_done=epoch + 1)
           run.checkpointer.wait_until_finished()
-        global_step = int(jax.device_get(state.step))
-        record.update(evaluations.run(state, epoch, writer, global_step, logits))
+        stop_at_once = (guard.stopping_at_once(_REPORT_STOP.format(step=step), step) if last
+                        else contextlib.nullcontext())
+        with stop_at_once:  # The report: a signal stops it at once (the checkpoint is saved).
+          record.update(evaluations.run(state, epoch, writer, global_step, logits))
         record.update(epoch=epoch, epoch_seconds=time.time() - start)
         epoch_writer.write_scalars(global_step, record)
         if epoch == run.start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
@@ -141,16 +149,32 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   return record
 
 
-def _finish_report(run: Run, report: evaluation.ReportEvaluator) -> None:
-  """Writes the report of a run whose training is complete but whose report is missing or
-  describes another checkpoint (the report failed after the last checkpoint was saved)."""
+# A signal during the final report stops the run at once: its checkpoint has committed.
+_REPORT_STOP = ("stopped during the final report; the last checkpoint (global step {step}) "
+                "is saved, and rerunning the same command writes the report.")
+
+
+def _finish_report(run: Run, evaluations: evaluation.Evaluations, writers: tuple[Any, Any],
+                   epoch_log: run_logging.EpochLog, guard: preemption.PreemptionGuard) -> None:
+  """Writes the report of a run whose training is complete but whose report is missing,
+  incomplete or of another checkpoint (a report that failed, or was killed, after the last
+  checkpoint was saved), and its numbers into the last epoch's metrics.jsonl record.
+  `writers`: (TensorBoard's, the epoch records' = TensorBoard's and metrics.jsonl)."""
   if run.start_epoch < run.num_epochs or run.partial is not None:
     return
   step = int(jax.device_get(run.state.step))
-  if not report.describes(step):
-    logging.warning("Training is complete (checkpoint %d) but report/ does not describe it; "
-                    "writing the report now.", step)
-    report.run(run.state, run.start_epoch)
+  if evaluations.report_evaluator.describes(step):
+    return
+  logging.warning("Training is complete (checkpoint %d) but report/ or metrics.jsonl does not "
+                  "hold its report; writing the report now.", step)
+  epoch = run.start_epoch - 1
+  with guard.stopping_at_once(_REPORT_STOP.format(step=step), step):
+    numbers = evaluations.run(run.state, epoch, writers[0], step)
+  saved = epoch_log.record(epoch)
+  if saved is None and jax.process_index() == 0:
+    logging.warning("metrics.jsonl has no record of epoch %d (lost by an earlier version of "
+                    "cpjax); writing the report's numbers alone for it.", epoch)
+  writers[1].write_scalars(step, {**(saved or {}), **numbers, "epoch": epoch})
 
 
 def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -203,6 +227,10 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
       bookkeeping.initial_state_of(config.dataset, config.selection),
       run_state.empty_partial(config.dataset, config.batch_size), mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
+  # Before the restore: files added or deleted would show as a shape mismatch instead.
+  data_digests = fingerprint.check_resume(sources.file_listing(config.dataset),
+                                          checkpointer.latest_meta(), workdir,
+                                          config.dataset.folder)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
@@ -212,7 +240,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              meta.get("epoch", 0),
              run_state.partial_from_checkpoint(saved["partial"], meta.get("epoch_step", 0),
                                                config.batch_size),
-             compilation_cache=cache_dir)
+             compilation_cache=cache_dir, data_digests=data_digests)
 
 
 def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:
@@ -252,7 +280,8 @@ def _record_dataset(dataset: ml_collections.ConfigDict, workdir: str) -> None:
   with open(os.path.join(workdir, "classes.json"), "w") as f:
     json.dump({"dataset": dataset.name, "classes": list(names)}, f, indent=1)
   if bad := sources.bad_files(dataset):
-    with open(os.path.join(workdir, "bad_files.txt"), "w") as f:
+    # Names that are not UTF-8 are written with backslash escapes, as the log shows them.
+    with open(os.path.join(workdir, "bad_files.txt"), "w", errors="backslashreplace") as f:
       f.write("\n".join(bad) + "\n")
     logging.warning("%d unreadable files were left out of the dataset (listed in %s).",
                     len(bad), os.path.join(workdir, "bad_files.txt"))

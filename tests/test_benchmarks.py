@@ -1,13 +1,15 @@
 """CI smoke runs of the benchmarks at tiny sizes, so they never rot (no timing asserted)."""
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks import xla_cpu_variants
+from benchmarks import feeds, xla_cpu_variants
 from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow  # Each smoke run is a process that compiles and runs steps.
@@ -113,4 +115,209 @@ def test_input_wait_smoke(tmp_path):
                          "--repeats=1", tmp_path=tmp_path)
   assert sorted(results["feeds"]) == ["folder", "records", "resident"]
   assert results["feeds"]["resident"]["input_wait_share"] == 0 and results["images"] == 16
+  # Process workers by default; threads (named in the results) where cpjax has none.
+  assert results["worker_kind"] == ("process" if feeds.reader_options("process") is not None
+                                    else "thread")
+  folder = results["feeds"]["folder"]
+  assert 0 <= folder["median_first_batch_seconds"] <= folder["median_blocked_seconds"]
   assert "input-wait share" in stdout
+
+
+# Keys of every row of benchmarks.gpu_table at tiny sizes (its CIFAR batches are 4 and 8).
+GPU_TABLE_ROWS = (
+    "r50_train_cpjax", "r50_train_flax_bare", "r50_train_torch_eager",
+    "r50_train_torch_compile", "r50_score_cpjax", "r50_score_torch_eager",
+    "cifar_r34_train_b4_cpjax", "cifar_r34_train_b4_torch_eager",
+    "cifar_r34_train_b8_cpjax", "cifar_r34_train_b8_torch_eager",
+    "host_stage_threads", "host_stage_processes", "host_stage_torch_dataloader",
+    "input_wait_processes", "input_wait_threads")
+_BLOCKER = '''
+import sys
+
+
+class _NoTensorFlow:
+  """Makes TensorFlow, tensorflow_datasets and clu unimportable, as on a GPU machine."""
+
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in ("tensorflow", "tensorflow_datasets", "clu"):
+      raise ImportError(f"{name} is blocked: the GPU table must run without it")
+    return None
+
+
+sys.meta_path.insert(0, _NoTensorFlow())
+'''
+
+
+def _no_tensorflow_env(tmp_path) -> dict[str, str]:
+  """A child environment where TensorFlow, tensorflow_datasets and clu cannot be imported
+  (a sitecustomize on PYTHONPATH: worker processes get it too); checked before use."""
+  blocker = tmp_path / "site"
+  blocker.mkdir()
+  (blocker / "sitecustomize.py").write_text(_BLOCKER)
+  env = subprocess_env(PYTHONPATH=os.pathsep.join([str(blocker), REPO]))
+  for module in ("tensorflow", "tensorflow_datasets", "clu"):
+    probe = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "is blocked" in probe.stderr, module  # In force.
+  return env
+
+
+def test_input_wait_runs_without_tensorflow(tmp_path):
+  """On a GPU machine without TensorFlow: the folder feed runs, the records feed (which
+  needs cpjax.data.sources) is skipped with a note."""
+  out = tmp_path / "wait.json"
+  result = subprocess.run(
+      [sys.executable, "-m", "benchmarks.input_wait", "--model=tiny", "--image-size=16",
+       "--batch-size=8", "--steps=2", "--workers=1", "--source-size=40x30", "--repeats=1",
+       f"--json={out}"], env=_no_tensorflow_env(tmp_path), cwd=REPO, capture_output=True,
+      text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads(out.read_text())
+  assert sorted(results["feeds"]) == ["folder", "resident"]
+  assert "tensorflow" in results["records_skipped"] and "no records feed" in result.stdout
+  assert results["feeds"]["folder"]["median_seconds"] > 0
+
+
+def _resnet50_macs_by_hand(size: int = 224, classes: int = 1000) -> int:
+  """He et al. 2016, Table 1 (v1.5: the stride on the bottleneck's 3x3), conv by conv."""
+  side = size // 2
+  macs = side * side * 64 * 7 * 7 * 3  # Stem: 7x7/2, 3 -> 64 channels.
+  side, inputs = side // 2, 64  # 3x3/2 max-pool.
+  for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512))):
+    for i in range(blocks):
+      out = side // (2 if stage > 0 and i == 0 else 1)
+      macs += side * side * inputs * width  # 1x1 reduce, at the input's size.
+      macs += out * out * width * width * 9  # 3x3, strided.
+      macs += out * out * width * 4 * width  # 1x1 expand.
+      if i == 0:
+        macs += out * out * inputs * 4 * width  # 1x1 projection shortcut.
+      side, inputs = out, 4 * width
+  return macs + inputs * classes  # The linear head.
+
+
+def test_model_flops_of_resnet50_match_a_hand_count_and_torchvision():
+  from benchmarks import model_flops  # pylint: disable=import-outside-toplevel
+  from cpjax import models  # pylint: disable=import-outside-toplevel
+  counted = model_flops.forward_macs(models.create_model("resnet50_imagenet", 1000), (224, 224, 3))
+  assert counted == pytest.approx(_resnet50_macs_by_hand(), rel=1e-6)
+  assert counted == pytest.approx(4.09e9, rel=0.01)  # torchvision's documented 4.09 G(MAC)s.
+  train = model_flops.train_flops_per_image(models.create_model("resnet50_imagenet", 1000),
+                                            (224, 224, 3))
+  assert train == pytest.approx(6 * counted)  # 3 forwards, 2 FLOPs a MAC: ~24.5 GFLOP.
+  assert model_flops.mfu(24.6e9, 6725.0, 989e12, 1) == pytest.approx(0.1673, abs=1e-4)
+  assert model_flops.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+  assert model_flops.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+  assert model_flops.peak_bf16_flops("cpu") is None
+  assert model_flops.mfu(1.0, 1.0, None, 1) is None
+
+
+def test_gpu_table_tiny_runs_without_tensorflow(tmp_path):
+  """`--tiny` end to end in a process where TensorFlow, tensorflow_datasets and clu cannot
+  be imported (the GPU machine has none): every row has numbers or names why it has none."""
+  env = _no_tensorflow_env(tmp_path)
+  out = tmp_path / "table.json"
+  result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_table", "--tiny",
+                           f"--out={out}"], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads(out.read_text())
+  rows = results["rows"]
+  assert sorted(rows) == sorted(GPU_TABLE_ROWS)
+  torch_missing = importlib.util.find_spec("torch") is None
+  for key, row in rows.items():
+    assert "error" not in row, (key, row["error"])
+    if "skipped" in row:  # Only where a reason holds: no torch, no process workers, tiny.
+      note = row["skipped"]
+      assert (("torch" in note and torch_missing and "torch" in key)
+              or ("process workers" in note and "process" in key)
+              or (key == "r50_train_torch_compile" and "tiny" in note)), (key, note)
+      continue
+    assert math.isfinite(row["images_per_s"]) and row["images_per_s"] > 0, key
+    if key.startswith("input_wait"):
+      assert math.isfinite(row["input_wait_share"]) and row["input_wait_share"] < 1, key
+      assert row["feeds"]["resident"]["input_wait_share"] == 0
+    if key.startswith("host_stage"):
+      assert row["cpu_ms_per_image"] > 0 and row["images"] == 16, key
+  for key in ("r50_train_cpjax", "r50_train_flax_bare", "r50_score_cpjax", "host_stage_threads",
+              "input_wait_threads"):
+    assert "images_per_s" in rows[key], key  # These need nothing but cpjax and its deps.
+  # The tiny net at 16 px with the ImageNet rows' 1,000 classes, layer by layer:
+  # conv 3x3 3->8 at 16x16, conv 3x3/2 8->16 to 8x8, dense 16->1000.
+  assert results["flops"]["forward_gmac_per_image"] * 1e9 == pytest.approx(
+      16 * 16 * 8 * 9 * 3 + 8 * 8 * 16 * 9 * 8 + 16 * 1000)
+  assert results["flops"]["peak_bf16_flops_per_device"] is None and "MFU omitted" in (
+      results["flops"]["note"])
+  assert rows["r50_train_cpjax"]["mfu"] is None
+  machine = results["machine"]
+  assert machine["card"] and machine["jax"] and machine["flax"] and machine["date"]
+  assert machine["command"].startswith("python -m benchmarks.gpu_table --tiny")
+  assert "r50_train cpjax / bare flax" in results["ratios"] and "model FLOPs" in result.stdout
+
+
+def test_host_stage_smoke(tmp_path):
+  """The worker sweep: each pipeline at 1 and 2 workers, or the reason it is skipped."""
+  results, stdout = _run("benchmarks.host_stage", "--images=16", "--batch-size=8",
+                         "--workers=1,2", "--repeats=1", "--size=32", tmp_path=tmp_path)
+  assert sorted(results["results"]) == ["1", "2"]
+  processes = feeds.reader_options("process") is not None
+  for rows in results["results"].values():
+    assert list(rows) == ["cpjax threads", "cpjax processes", "tf.data (flax)",
+                          "torch DataLoader"]
+    for name, row in rows.items():
+      library = {"cpjax processes": processes, "tf.data (flax)": importlib.util.find_spec(
+          "tensorflow") is not None, "torch DataLoader": importlib.util.find_spec(
+              "torch") is not None}.get(name, True)
+      if not library:
+        assert row["skipped"], name
+        continue
+      assert row["images_per_s"] > 0 and row["cpu_ms_per_image"] > 0, name
+      assert len(row["runs"]) == 1, name
+  ratios = results["ratios"]
+  threads = results["results"]
+  assert ratios["cpjax threads: 2 workers / 1"] == pytest.approx(
+      threads["2"]["cpjax threads"]["images_per_s"] / threads["1"]["cpjax threads"]["images_per_s"])
+  if processes and "images_per_s" in threads["2"]["tf.data (flax)"]:
+    assert "2 workers: processes / tf.data, images/s" in ratios
+  assert "ratio cpjax threads: 2 workers / 1" in stdout
+
+
+def test_reader_options_follow_the_readers_signature(monkeypatch):
+  """`worker_kind` is passed only to a reader that takes it; threads need nothing, and a
+  reader without the keyword has no process workers."""
+  from cpjax.data import host_stage  # pylint: disable=import-outside-toplevel
+
+  class ThreadsOnly:
+    def __init__(self, source, transform, mesh, num_workers=0, prefetch_depth=2, read_ahead=2):
+      pass
+
+  class BothKinds:
+    def __init__(self, source, transform, mesh, num_workers=0, prefetch_depth=2, read_ahead=2,
+                 worker_kind="process"):
+      pass
+
+  monkeypatch.setattr(host_stage, "PreprocessReader", ThreadsOnly)
+  assert feeds.reader_options("thread") == {} and feeds.reader_options("process") is None
+  monkeypatch.setattr(host_stage, "PreprocessReader", BothKinds)
+  assert feeds.reader_options("process") == {"worker_kind": "process"}
+  assert feeds.reader_options("thread") == {"worker_kind": "thread"}
+  with pytest.raises(ValueError, match="'fiber'.*thread.*process"):
+    feeds.reader_options("fiber")
+
+
+def test_write_folder_forks_only_before_jax_starts(tmp_path):
+  """Generated JPEGs are written by forked processes only while JAX runs no backend; the
+  files are the same either way (image i is a function of i)."""
+  code = ("import sys, jax\nfrom benchmarks import feeds\n"
+          "before = feeds.started_backend()\n"
+          "feeds.write_folder(sys.argv[1] + '/a', 6, 40, 30, classes=2, workers=2)\n"
+          "jax.devices()\n"
+          "feeds.write_folder(sys.argv[1] + '/b', 6, 40, 30, classes=2, workers=2)\n"
+          "print(before, feeds.started_backend())\n")
+  result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split() == ["False", "True"]
+  files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.JPEG"))
+  assert len(files) == 6 + 2 * 2  # Train, plus one a class in val and in test.
+  for name in files:
+    assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

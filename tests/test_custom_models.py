@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from cpjax import config_validation, models, train
+from cpjax.models import custom
 from tests import helpers, toy_models
 
 TOY = "tests.toy_models:ToyNet"
 MLP = "tests.toy_models:LogitsOnlyMLP"
+NO_DTYPE = "tests.toy_models:NoDtype"
 
 
 def _problems(name, **overrides):
@@ -29,13 +31,14 @@ def _problems(name, **overrides):
     ("tests.no_such_module:Net",
      "cannot import module 'tests.no_such_module' (ModuleNotFoundError"),
     ("tests.toy_models:Missing", "has no attribute 'Missing'; its flax modules: HalfParams, "
-                                 "LogitsOnlyMLP"),
+                                 "LogitsOnlyMLP, NoDtype, NoNumClasses"),
     ("tests.toy_models:NotAModule", "NotAModule is <class 'tests.toy_models.NotAModule'>, "
                                     "not a flax.linen.Module subclass"),
     ("tests.toy_models:not_a_class", "not a flax.linen.Module subclass"),
     ("tests.toy_models:", "an import path is 'package.module:ClassName'"),
     ("tests.toy_models:ToyNet:x", "an import path is 'package.module:ClassName'"),
-    ("tests.toy_models:NoDtype", "NoDtype(num_classes=10, dtype=float32), which failed"),
+    ("tests.toy_models:NoNumClasses", "NoNumClasses(num_classes=10, dtype=float32), which "
+                                      "failed"),
     ("tests.toy_models:WrongClasses", "apply(x, train=False) returned logits float32[2, 11]; "
                                       "expected a float array [2, 10]"),
     ("tests.toy_models:ThreeOutputs", "it must return logits [B, 10] or (logits [B, 10], "
@@ -56,7 +59,7 @@ def test_fl_gamma_needs_features_and_a_head():
   assert _problems(TOY, **{"loss.name": "flgamma_sece", "dataset.meta_val_size": 128}) == ""
 
 
-@pytest.mark.parametrize("name", [TOY, MLP])
+@pytest.mark.parametrize("name", [TOY, MLP, NO_DTYPE])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_modules_that_meet_the_contract_validate(name, dtype):
   assert _problems(name, **{"model.dtype": dtype}) == ""
@@ -82,6 +85,45 @@ def test_wrapper_keeps_the_modules_own_parameters_and_outputs(cls, returns_featu
   assert logits.dtype == jnp.float32
   np.testing.assert_array_equal(logits, np.asarray(expected_logits).astype(np.float32))
   assert (features is not None) == returns_features
+
+
+def test_a_module_without_dtype_computes_in_its_own_with_one_notice(caplog, monkeypatch):
+  """NoDtype is built as NoDtype(num_classes=10): under model.dtype=bfloat16 its logits are
+  its own float32 ones, bit for bit (a bfloat16 computation would round them), and one
+  notice says model.dtype was not passed; float32 asks for nothing it lacks: no second one."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 1))
+  alone = toy_models.NoDtype(num_classes=10)
+  variables = jax.jit(lambda k, x: alone.init(k, x, train=False))(jax.random.PRNGKey(0), x)
+  expected = np.asarray(jax.jit(lambda v, x: alone.apply(v, x, train=False))(variables, x))
+  assert expected.dtype == np.float32
+  monkeypatch.setattr(custom, "_NOTIFIED", set())  # As in a fresh process.
+  with caplog.at_level("WARNING"):
+    for _ in range(2):  # Built twice (validation and the run build it): noticed once.
+      wrapped = models.create_model(NO_DTYPE, 10, "bfloat16")
+    models.create_model(NO_DTYPE, 10, "float32")
+  notices = [r.getMessage() for r in caplog.records if "has no `dtype` field" in r.getMessage()]
+  assert notices == [f"model.dtype=bfloat16 is not passed to {NO_DTYPE}: it has no `dtype` "
+                     "field, so it computes in its own dtype (declare `dtype: Any = "
+                     "jnp.float32` to take model.dtype)."]
+  logits, _ = jax.jit(wrapped.apply)(variables, x)
+  np.testing.assert_array_equal(np.asarray(logits), expected)
+
+
+@pytest.mark.slow  # A main.py process.
+def test_main_trains_a_module_without_dtype_with_no_extra_flag(tmp_path):
+  """From main.py, model.dtype=bfloat16 and a module with num_classes alone: it trains, its
+  checkpoint holds the module's float32 parameters, and the notice is logged once."""
+  workdir = str(tmp_path / "run")
+  result = helpers.run_main(workdir, f"--config.model.name={NO_DTYPE}",
+                            "--config.model.dtype=bfloat16", "--config.num_epochs=1",
+                            "--config.evaluation.ood=", "--config.evaluation.calibrator_folds=2",
+                            "--config.evaluation.calibrator_resamples=0",
+                            "--config.evaluation.bootstrap_resamples=20")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stderr.count("has no `dtype` field, so it computes in its own dtype") == 1
+  params = helpers.restore_checkpoint(workdir)["train"]["params"]
+  assert {np.asarray(p).dtype.name for p in jax.tree.leaves(params)} == {"float32"}
+  assert jax.tree.map(np.shape, params) == {"Dense_0": {"bias": (10,), "kernel": (64, 10)}}
 
 
 @pytest.mark.slow

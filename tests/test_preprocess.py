@@ -231,6 +231,21 @@ def test_pixel_box_rounds_each_edge_to_the_nearest_pixel_edge():
   assert preprocess.pixel_box((4.4, 4.4, 4.45, 4.45), 10, 10) == (4, 4, 5, 5)
 
 
+@pytest.mark.parametrize("mode,bands", [("RGB", 3), ("L", 1)])
+def test_a_box_packed_by_pils_encoder_is_pils_crop(mode, bands, monkeypatch):
+  """`box_pixels` against PIL's own crop and array conversion, for boxes at every edge and
+  of one pixel; it packs the box without cropping (the crop path is never taken)."""
+  shape = (37, 53) + ((bands,) if bands > 1 else ())
+  image = Image.fromarray(np.random.default_rng(3).integers(0, 256, shape, np.uint8), mode)
+  boxes = [(0, 0, 53, 37), (3, 5, 40, 30), (52, 36, 53, 37), (0, 10, 1, 11), (10, 0, 53, 1)]
+  expected = [np.asarray(image.crop(box), np.uint8) for box in boxes]
+  monkeypatch.setattr(Image.Image, "crop", None)  # Any fallback to crop fails here.
+  for box, want in zip(boxes, expected):
+    got = preprocess.box_pixels(image, box)
+    assert got.shape == want.shape and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_opencv_crops_are_a_function_of_seed_epoch_and_id():
   """The same (seed, epoch, id) gives the same pixels from two Transforms and in any call
   order; another id or epoch gives another crop; and the box is the draw "pil" uses (the

@@ -416,6 +416,27 @@ def test_a_tfds_dataset_by_name_reads_its_metadata_and_images(tfds_dir):
   assert batch.shape == (9, 12, 12, 3) and batch.dtype == np.uint8
 
 
+def test_a_tfds_dataset_decodes_the_same_in_worker_processes_and_threads(tfds_dir):
+  """tfds:NAME through the host stage: worker processes (2, or 1 with read-ahead 1) and
+  threads give the transform's own output for each row, bit for bit, training and
+  evaluation (each worker opens the dataset's files itself)."""
+  dataset = _dataset("", name="tfds:cpjax_generated_images", data_dir=tfds_dir,
+                     image_size=12)
+  spec = sources.resolve(dataset)
+  source = sources.open_splits(dataset)["train"]
+  transform = preprocess.from_config(dataset, spec.image_shape, 2)
+  rows = np.random.default_rng(4).permutation(len(source))[:16]
+  for epoch in (1, None):
+    expected = np.stack([transform(source.read(np.asarray([row]))[0], int(source.ids[row]),
+                                   epoch) for row in rows])
+    for kind, workers, read_ahead in (("process", 2, 2), ("process", 1, 1), ("thread", 2, 2)):
+      reader = host_stage.PreprocessReader(source, transform, sharding.create_mesh(), workers,
+                                           read_ahead=read_ahead, worker_kind=kind)
+      images = [jax.device_get(b["image"]) for b in reader.batches(rows.reshape(2, 8),
+                                                                   epoch=epoch)]
+      np.testing.assert_array_equal(np.concatenate(images), expected, err_msg=kind)
+
+
 def test_a_converted_tfds_dataset_holds_its_encoded_bytes(tmp_path, tfds_dir):
   """A tfds dataset converted to encoded records (cpjax.data.record_source): tfds's own
   bytes of every row, and the same facts."""
@@ -450,6 +471,19 @@ def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
   config.dataset.name = "tfds:no_such_dataset_anywhere"
   with pytest.raises(config_validation.ConfigError, match="no such dataset"):
     config_validation.validate(config)
+
+
+def test_a_misspelled_tfds_name_keeps_tfds_suggestion(tmp_path):
+  """tfds's lookup needs no network: its "Did you mean: mnsit -> mnist ?" comes after the
+  list of every dataset it knows, and the error passes it on as the name to use."""
+  config = tiny_config(**{"dataset.name": "tfds:mnsit", "dataset.data_dir": str(tmp_path),
+                          "evaluation.ood": ""})
+  with pytest.raises(config_validation.ConfigError) as raised:
+    config_validation.validate(config)
+  message = str(raised.value)
+  assert "tfds knows no such dataset (DatasetNotFoundError: Dataset mnsit not found.)" in message
+  assert "did you mean --config.dataset.name=tfds:mnist?" in message
+  assert "abstract_reasoning" not in message  # Not tfds's list of every dataset.
 
 
 # ---------------------------------------------------------------- selection over such data

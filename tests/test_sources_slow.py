@@ -7,6 +7,9 @@ those one process decodes, from the folder or from its records. Generated images
 """
 
 import os
+import signal
+import subprocess
+import time
 
 import jax
 import numpy as np
@@ -15,7 +18,7 @@ import pytest
 
 from configs import default
 from cpjax.data import host_stage, preprocess, sources
-from cpjax.runtime import sharding
+from cpjax.runtime import preemption, sharding
 from tests import helpers
 
 FOLDER_FLAGS = ("--config.dataset.name=folder", "--config.dataset.image_size=8",
@@ -81,7 +84,7 @@ import json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
-pid, folder, stream_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+pid, folder, stream_dir, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 jax.distributed.initialize(os.environ["COORDINATOR"], 2, pid)
 import numpy as np
 from configs import default
@@ -95,7 +98,7 @@ dataset.update({"name": "folder", "folder": folder, "image_size": 8, "val_size":
 spec = sources.resolve(dataset)
 reader = host_stage.PreprocessReader(sources.open_splits(dataset)["train"],
                                      preprocess.from_config(dataset, spec.image_shape, 0),
-                                     sharding.create_mesh(), num_workers=2)
+                                     sharding.create_mesh(), num_workers=2, worker_kind=kind)
 assert type(reader.source).__name__ == ("RecordSource" if stream_dir else "FolderSource")
 blocks = np.load(os.environ["BLOCKS"])
 ids, images = [], []
@@ -104,14 +107,16 @@ for batch in reader.batches(blocks, epoch=1):
   ids += np.concatenate([np.asarray(s.data) for s in shards]).tolist()
   shards = sorted(batch["image"].addressable_shards, key=lambda s: s.index[0].start or 0)
   images += np.concatenate([np.asarray(s.data) for s in shards]).tolist()
-read = reader.source.records_read if stream_dir else reader.rows_read  # From the files.
+# From the files where this process reads them (threads); else the rows it had decoded.
+read = reader.source.records_read if stream_dir and kind == "thread" else reader.rows_read
 print("RESULT " + json.dumps({"ids": ids, "images": images, "rows_read": read}))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("read", ["folder", "records"])
-def test_two_processes_decode_disjoint_halves_of_each_batch(read, tmp_path):
+@pytest.mark.parametrize("read,kind", [("folder", "process"), ("records", "thread"),
+                                       ("records", "process")])
+def test_two_processes_decode_disjoint_halves_of_each_batch(read, kind, tmp_path):
   folder = make_folder(str(tmp_path / "images"))
   blocks = np.random.default_rng(0).permutation(108)[:4 * 8].reshape(4, 8)
   np.save(str(tmp_path / "blocks.npy"), blocks)
@@ -121,8 +126,8 @@ def test_two_processes_decode_disjoint_halves_of_each_batch(read, tmp_path):
     dataset = default.get_config().dataset
     dataset.update({"name": "folder", "folder": folder, "image_size": 8})
     sources.write_records(dataset, stream_dir, num_shards=2)
-  results = helpers.run_processes(_WORKER, [["0", folder, stream_dir],
-                                            ["1", folder, stream_dir]],
+  results = helpers.run_processes(_WORKER, [["0", folder, stream_dir, kind],
+                                            ["1", folder, stream_dir, kind]],
                                   {"BLOCKS": str(tmp_path / "blocks.npy")})
   (first, _), (second, _) = results
   assert first["rows_read"] == second["rows_read"] == blocks.size // 2
@@ -141,3 +146,78 @@ def test_two_processes_decode_disjoint_halves_of_each_batch(read, tmp_path):
     expected = reader.images(rows.ravel(), epoch=1)
     np.testing.assert_array_equal(np.asarray(result["images"], np.uint8), expected)
   assert not set(first["ids"]) & set(second["ids"])
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_saves_and_the_rerun_is_the_run_left_alone(tmp_path):
+  """SIGTERM to the whole process group (as a scheduler or Ctrl-C sends it, so the decoding
+  worker processes get it too) mid-run: the run saves a checkpoint and exits 75 (its workers
+  keep decoding until then), and the rerun ends bit-identical to the run left alone."""
+  folder = make_folder(str(tmp_path / "images"))
+  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}", "--config.num_epochs=5",
+           "--config.dataset.worker_kind=process", "--config.dataset.num_workers=2")
+  straight = str(tmp_path / "straight")
+  result = helpers.run_main(straight, *flags)
+  assert result.returncode == 0, result.stderr[-3000:]
+  stopped = str(tmp_path / "stopped")
+  with open(tmp_path / "stopped.log", "w") as log:
+    proc = subprocess.Popen(helpers.main_command(stopped, *flags), cwd=helpers.REPO,
+                            env=helpers.subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=log, start_new_session=True)
+    saved = os.path.join(stopped, "checkpoints", "2")  # Epoch 1's end (2 steps an epoch).
+    deadline = time.monotonic() + 240
+    while not os.path.isdir(saved) and time.monotonic() < deadline:
+      assert proc.poll() is None, (tmp_path / "stopped.log").read_text()[-3000:]
+      time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=240) == preemption.EXIT_CODE, (
+        (tmp_path / "stopped.log").read_text()[-3000:])
+  text = (tmp_path / "stopped.log").read_text()
+  assert text.count("saved a checkpoint") == 1 and "worker process died" not in text
+  resumed = helpers.run_main(stopped, *flags)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resumed from" in resumed.stderr
+  _assert_same_run(straight, stopped)
+
+
+def _decoding_workers(pid: int) -> list[int]:
+  """The host-stage worker processes among `pid`'s children (not the resource tracker)."""
+  children = []
+  for task in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{task}/children") as f:
+      children += [int(c) for c in f.read().split()]
+  found = []
+  for child in children:
+    with open(f"/proc/{child}/cmdline", "rb") as f:
+      if b"spawn_main" in f.read():
+        found.append(child)
+  return found
+
+
+@pytest.mark.slow
+def test_a_killed_decoding_worker_stops_the_run_with_one_fatal_line(tmp_path):
+  """SIGKILL to one of a folder run's decoding workers (as the out-of-memory killer would):
+  the run ends at once with exit status 1 and one FATAL line naming the worker, its signal
+  and the checkpoint the rerun resumes from; no traceback, no hang."""
+  folder = make_folder(str(tmp_path / "images"))
+  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}", "--config.num_epochs=8",
+           "--config.dataset.worker_kind=process", "--config.dataset.num_workers=2")
+  workdir = str(tmp_path / "run")
+  with open(tmp_path / "run.log", "w") as log:
+    proc = subprocess.Popen(helpers.main_command(workdir, *flags), cwd=helpers.REPO,
+                            env=helpers.subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=log)
+    saved = os.path.join(workdir, "checkpoints", "2")
+    deadline = time.monotonic() + 240
+    while not os.path.isdir(saved) and time.monotonic() < deadline:
+      assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+      time.sleep(0.02)
+    (victim, *_) = _decoding_workers(proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1, (tmp_path / "run.log").read_text()[-3000:]
+  text = (tmp_path / "run.log").read_text()
+  fatal = [line for line in text.splitlines() if line.startswith("FATAL")]
+  assert len(fatal) == 1, text[-3000:]
+  assert f"a host-stage worker process died (pid {victim} was killed by SIGKILL" in fatal[0]
+  assert "rerun the same command: it resumes from the last good checkpoint, step" in fatal[0]
+  assert "Traceback" not in text

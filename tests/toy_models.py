@@ -1,7 +1,8 @@
 """Users' own Flax modules, as `--config.model.name=tests.toy_models:ClassName` names them.
 
-`ToyNet` and `LogitsOnlyMLP` meet cpjax's model contract (cpjax/models/custom.py); each
-of the others breaks one part of it, for the tests of its error messages.
+`ToyNet`, `LogitsOnlyMLP` and `NoDtype` (no `dtype` field) meet cpjax's model contract
+(cpjax/models/custom.py); each of the others breaks one part of it, for the tests of its error
+messages.
 """
 
 from typing import Any
@@ -45,12 +46,22 @@ def not_a_class(num_classes, dtype):  # A function, not a Module subclass.
 
 
 class NoDtype(nn.Module):
-  """Takes num_classes but no dtype field."""
+  """Takes num_classes but no dtype field: a plain `Net(num_classes)`, computing in float32."""
   num_classes: int
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     return nn.Dense(self.num_classes)(x.reshape((x.shape[0], -1)))
+
+
+class NoNumClasses(nn.Module):
+  """Its classes are a field of another name: cpjax cannot tell it the dataset's."""
+  classes: int = 10
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    return nn.Dense(self.classes)(x.reshape((x.shape[0], -1)))
 
 
 class WrongClasses(LogitsOnlyMLP):

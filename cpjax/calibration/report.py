@@ -385,7 +385,6 @@ def write_report(report_dir: str, report: dict[str, Any],
     paths.append(os.path.join(report_dir, "reliability_calibrated.png"))
     _save_png(paths[-1], figures.reliability_figure(report["reliability"]["calibrated"],
                                                     f"test, {report['posthoc']['chosen']}"))
-  files.atomic_write(paths[0], json.dumps(strict_json(report), indent=1, allow_nan=False))
   files.atomic_write(paths[1], _markdown(report))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
     _save_png(path, figures.reliability_figure(report["reliability"][tag],
@@ -395,4 +394,7 @@ def write_report(report_dir: str, report: dict[str, Any],
     paths += [os.path.join(report_dir, name) for name in ("gamma_test.npz", "gamma_histogram.png")]
     files.atomic_write(paths[-2], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))
     _gamma_figure(paths[-1], *gamma)
+  # Last: a report killed while being written has no results.json describing it (a rerun
+  # that finds one takes the report as complete, cpjax.evaluation).
+  files.atomic_write(paths[0], json.dumps(strict_json(report), indent=1, allow_nan=False))
   return paths

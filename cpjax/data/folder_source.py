@@ -14,6 +14,8 @@ in one error, or with `skip_bad_files` left out of the split and listed. Damage 
 header (a truncated JPEG) is found when the file is first read and named there.
 
 Paths are held as one bytes blob and offsets (tens of bytes per file), never the images.
+Names need not be UTF-8: paths stay the file system's bytes, and class names (stored as text:
+classes.json, the report) show undecodable bytes as backslash escapes (`printable`).
 """
 
 from collections.abc import Sequence
@@ -37,11 +39,18 @@ class FolderError(ValueError):
   """The folder is not laid out as DIR/train/<class>/images, or holds undecodable files."""
 
 
+def printable(name: str) -> str:
+  """A file or folder name as text (messages, class lists in JSON and Markdown): bytes that
+  are not UTF-8 (os.listdir gives them as surrogates) shown as backslash escapes."""
+  return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 class PathTable:
-  """Relative paths as one UTF-8 blob and offsets: ~(len(path) + 8) bytes per file."""
+  """Relative paths as one blob of their file-system bytes (os.fsencode: any name, UTF-8 or
+  not) and offsets: ~(len(path) + 8) bytes per file."""
 
   def __init__(self, paths: Sequence[str]):
-    encoded = [p.encode("utf-8") for p in paths]
+    encoded = [os.fsencode(p) for p in paths]
     self._offsets = np.zeros(len(encoded) + 1, np.int64)
     np.cumsum([len(e) for e in encoded], out=self._offsets[1:])
     self._blob = b"".join(encoded)
@@ -50,7 +59,7 @@ class PathTable:
     return len(self._offsets) - 1
 
   def __getitem__(self, row: int) -> str:
-    return self._blob[self._offsets[row]:self._offsets[row + 1]].decode("utf-8")
+    return os.fsdecode(self._blob[self._offsets[row]:self._offsets[row + 1]])
 
 
 def class_names(root: str) -> tuple[str, ...]:
@@ -63,7 +72,23 @@ def class_names(root: str) -> tuple[str, ...]:
                        if e.is_dir() and not e.name.startswith(".")))
   if not names:
     raise FolderError(f"{train} has no class folders; lay it out as train/<class>/<images>")
+  if len(names) < 2:
+    raise FolderError(f"{train} has one class folder ({names[0]!r}): a classifier needs at "
+                      "least 2 classes; lay it out as train/<class>/<images> with a folder "
+                      "per class")
   return names
+
+
+def _check_no_empty_class(split_dir: str, classes: tuple[str, ...], labels: np.ndarray) -> None:
+  """FolderError naming the class folders of `split_dir` that hold no image: each would be
+  a class the model is trained to predict and never sees (torchvision's ImageFolder also
+  refuses them)."""
+  counts = np.bincount(labels, minlength=len(classes))
+  empty = [os.path.join(split_dir, classes[i]) for i in np.flatnonzero(counts == 0)]
+  if empty:
+    raise FolderError(f"{len(empty)} class folders hold no image files "
+                      f"({', '.join(IMAGE_EXTENSIONS)}): {empty[:MAX_NAMED]}; add images to "
+                      "them or remove them (every class folder of train/ is a class)")
 
 
 def _list_images(split_dir: str, classes: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -157,6 +182,8 @@ def listing(root: str, split: str, check_files: int, skip_bad_files: bool) -> Li
     paths = [p for p in paths if p not in bad]
   index = {name: i for i, name in enumerate(classes)}
   labels = np.asarray([index[p.split(os.sep, 1)[0]] for p in paths], np.int32)
+  if split == "train":
+    _check_no_empty_class(split_dir, classes, labels)
   return Listing(root, split, PathTable(paths), labels, tuple(sorted(bad.items())),
                  tuple(ignored))
 
@@ -170,17 +197,29 @@ class FolderSource:
   """Rows `rows` of a folder split's listing: encoded bytes read from the files."""
   encoded = True
 
-  def __init__(self, files: Listing, rows: np.ndarray | None = None):
+  def __init__(self, files: Listing, rows: np.ndarray | None = None,
+               ids: np.ndarray | None = None):
     self._files = files
     self._rows = np.arange(len(files.paths)) if rows is None else np.asarray(rows)
     self.labels = files.labels[self._rows]
-    self.ids = self._rows.astype(np.int32)  # A row of the listing is the example's id.
+    # A row of the listing is the example's id (`ids`: a compacted copy's, see __getstate__).
+    self.ids = self._rows.astype(np.int32) if ids is None else np.asarray(ids, np.int32)
 
   def __len__(self) -> int:
     return len(self._rows)
 
   def take(self, rows: np.ndarray) -> "FolderSource":
-    return FolderSource(self._files, self._rows[rows])
+    return FolderSource(self._files, self._rows[rows], self.ids[rows])
+
+  def __getstate__(self) -> dict:
+    """Pickled (for the host stage's worker processes) with its own rows' paths alone when
+    it holds under half of its listing: a carve-out (validation from ImageNet's 1.28M files)
+    does not carry the whole split's path table (49 MB) to every worker."""
+    if 2 * len(self._rows) >= len(self._files.paths):
+      return self.__dict__
+    paths = PathTable([self._files.paths[int(row)] for row in self._rows])
+    files = dataclasses.replace(self._files, paths=paths, labels=self.labels)
+    return {**self.__dict__, "_files": files, "_rows": np.arange(len(self._rows))}
 
   def where(self, row: int) -> str:
     """The file of `row`, for messages."""

@@ -1,70 +1,69 @@
 """The host stage's reader: encoded rows decoded and cropped in parallel, ahead of the device.
 
-`PreprocessReader` is the reader of a source dataset (folder, tfds:NAME). For each global
-batch, each process reads and transforms only its own rows (cpjax.runtime.sharding
-.process_rows) in a pool of worker threads, then puts them on the devices as the other
-readers do. Training batches (`batches(..., epoch=e)`) get the training transform of epoch
-e (random-resized crop and flip, drawn from (seed, e, example id):
-cpjax.data.preprocess); evaluation and scoring passes (no epoch) the evaluation transform.
+`PreprocessReader` is the reader of a source dataset (folder, tfds:NAME, their array_record
+conversions). For each global batch, each process reads and transforms only its own rows
+(cpjax.runtime.sharding.process_rows), then puts them on the devices as the other readers
+do. Training batches (`batches(..., epoch=e)`) get the training transform of epoch e
+(random-resized crop and flip, drawn from (seed, e, example id): cpjax.data.preprocess);
+evaluation and scoring passes (no epoch) the evaluation transform.
 
-Threads, not processes: PIL releases the GIL while it decodes and resamples, which is
-nearly all of an example's cost, so threads run in parallel on the cores without copying
-decoded images between processes or pickling the source; and they share the process's
-JAX-free state. Up to `read_ahead` batches are in the pool at once, so the workers run
-ahead of the step; the readers' `prefetched` thread then puts the next batches on the
-devices. The batches are the same, bit for bit, whatever the worker count or read-ahead.
+Who decodes (`worker_kind`, config.dataset.worker_kind):
+
+  process  (the default) `num_workers` worker processes, shared by the run's readers
+           (cpjax.data.decode_workers): each batch's rows are split into one chunk a
+           worker, each worker writes its crops into the batch's slot of a shared-memory
+           ring, and the reader copies the finished batch out once. No image is pickled.
+  thread   `num_workers` threads of this process, one task an image. The Python around
+           each image's PIL and OpenCV calls holds the GIL, so threads stop scaling past a
+           few cores (16 threads measured 1.9x one thread on a 16-core machine, where a
+           sketch of processes writing into shared memory measured 10.5x); kept for where
+           they may be cheaper: a machine with one or two cores, a run too short to repay
+           the workers' start (once a run), a container with a small /dev/shm.
+
+Up to `read_ahead` batches are decoding at once ahead of the one the step will take next,
+and the readers' `prefetched` thread puts the next batches on the devices. The batches are
+the same, bit for bit, whatever the worker kind, the worker count or the read-ahead: each
+example's crop depends on (seed, epoch, example id) only.
 """
 
 import collections
 from collections.abc import Iterator
 import concurrent.futures
-import os
 
 import jax
 import numpy as np
 
-from cpjax.data import preprocess, readers, splits
+from cpjax.data import decode_workers, preprocess, readers, splits
 from cpjax.runtime import sharding
 
 
 class PreprocessReader(readers.HostReader):
-  """Batches of a source's rows through a `preprocess.Transform`, in worker threads."""
+  """Batches of a source's rows through a `preprocess.Transform`, in worker processes or
+  threads (`worker_kind`; `num_workers` 0: the cores this process may use)."""
   kind = "preprocess"
 
   def __init__(self, source, transform: preprocess.Transform, mesh: jax.sharding.Mesh,
                num_workers: int = 0, prefetch_depth: int = readers.DEFAULT_PREFETCH_DEPTH,
-               read_ahead: int = 2):
+               read_ahead: int = 2, worker_kind: str = "process"):
     super().__init__(splits.Split(None, np.asarray(source.labels, np.int32),
                                   np.asarray(source.ids, np.int32)), mesh, prefetch_depth)
-    self.source, self.transform = source, transform
-    self.num_workers = num_workers or os.cpu_count() or 1
+    if worker_kind not in decode_workers.WORKER_KINDS:
+      raise ValueError(f"worker_kind={worker_kind!r}: one of {decode_workers.WORKER_KINDS}")
+    self.source, self.transform, self.worker_kind = source, transform, worker_kind
+    self.num_workers = num_workers or decode_workers.usable_cores()
     self._read_ahead = max(1, read_ahead)
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-    self.rows_read = 0  # Rows this process has decoded (tests: each process its own).
-
-  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-    if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(self.num_workers,
-                                                         thread_name_prefix="cpjax-decode")
-    return self._pool
-
-  def _one(self, row: int, epoch: int | None) -> np.ndarray:
-    (data,) = self.source.read(np.asarray([row]))
-    return self.transform(data, int(self.split.ids[row]), epoch, where=self._where(row))
-
-  def _where(self, row: int) -> str:
-    where = getattr(self.source, "where", None)
-    return where(row) if where else f"row {row}"
-
-  def _submit(self, rows: np.ndarray, epoch: int | None) -> list[concurrent.futures.Future]:
-    self.rows_read += len(rows)
-    pool = self._executor()
-    return [pool.submit(self._one, int(row), epoch) for row in rows]
+    self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+    self._context: decode_workers.Context | None = None
+    self.rows_read = 0  # Rows this process has had decoded (tests: each process its own).
 
   def images(self, rows: np.ndarray, epoch: int | None = None) -> np.ndarray:
     """uint8 [len(rows), S, S, C]: the rows transformed (training transform of `epoch`, or
     the evaluation transform when None)."""
-    return _stacked(self._submit(rows, epoch))
+    decoded = self._decode(np.asarray(rows)[None, :], epoch)
+    try:
+      return next(decoded)
+    finally:
+      decoded.close()
 
   def batch(self, rows, mask=None, weights=None, epoch=None):
     local = sharding.process_rows(self.mesh, len(rows))
@@ -82,21 +81,60 @@ class PreprocessReader(readers.HostReader):
     if len(row_blocks) == 0:
       return
     local = sharding.process_rows(self.mesh, row_blocks.shape[1])
+    decoded = self._decode(np.asarray(row_blocks)[:, local], epoch)
+    try:
+      for s, images in enumerate(decoded):
+        yield self._block(row_blocks, masks, row_weights, s, images)
+    finally:  # A consumer that leaves early (preemption, an error) cancels the rest.
+      decoded.close()
+
+  def _decode(self, local_blocks: np.ndarray, epoch: int | None) -> Iterator[np.ndarray]:
+    """The images of each block of rows [S, L] in order, `read_ahead` blocks ahead."""
+    if self.worker_kind == "thread" or local_blocks.shape[1] == 0:
+      return self._in_threads(local_blocks, epoch)
+    return self._in_processes(local_blocks, epoch)
+
+  def _in_threads(self, local_blocks, epoch) -> Iterator[np.ndarray]:
+    if self._threads is None:
+      self._threads = concurrent.futures.ThreadPoolExecutor(self.num_workers,
+                                                            thread_name_prefix="cpjax-decode")
     pending: collections.deque = collections.deque()
     try:
-      for s in range(len(row_blocks)):
-        pending.append(self._submit(row_blocks[s, local], epoch))
+      for rows in local_blocks:
+        self.rows_read += len(rows)
+        pending.append([self._threads.submit(decode_workers.transformed, self.source,
+                                             self.transform, int(row), epoch)
+                        for row in rows])
         if len(pending) > self._read_ahead:
-          yield self._block(row_blocks, masks, row_weights, s - self._read_ahead,
-                            _stacked(pending.popleft()))
-      first = len(row_blocks) - len(pending)
-      for offset in range(len(pending)):
-        yield self._block(row_blocks, masks, row_weights, first + offset,
-                          _stacked(pending.popleft()))
-    finally:  # A consumer that leaves early (preemption, an error) cancels the rest.
+          yield _stacked(pending.popleft(), self.transform)
+      while pending:
+        yield _stacked(pending.popleft(), self.transform)
+    finally:
       for futures in pending:
         for future in futures:
           future.cancel()
+
+  def _in_processes(self, local_blocks, epoch) -> Iterator[np.ndarray]:
+    pool = decode_workers.shared_pool(self.num_workers)
+    if self._context is None:
+      self._context = decode_workers.Context(self.source, self.transform)
+    t = self.transform
+    shape = (local_blocks.shape[1], t.size, t.size, t.channels)
+    pending: collections.deque = collections.deque()
+    # Blocks in flight: read_ahead ahead of the one being waited on, each in its own slot.
+    with decode_workers.Slots(min(self._read_ahead + 1, len(local_blocks)), shape) as slots:
+      try:
+        for s, rows in enumerate(local_blocks):
+          self.rows_read += len(rows)
+          pending.append((s, pool.decode(self._context, slots, s, rows, epoch)))
+          if len(pending) > self._read_ahead:
+            yield _finished(pool, slots, *pending.popleft())
+        while pending:
+          yield _finished(pool, slots, *pending.popleft())
+      finally:  # Not started: cancelled; running: write into slots about to be unlinked.
+        for _, futures in pending:
+          for future in futures:
+            future.cancel()
 
   def _block(self, row_blocks, masks, row_weights, s: int, images: np.ndarray):
     rows = row_blocks[s]
@@ -111,6 +149,16 @@ class PreprocessReader(readers.HostReader):
     return sharding.to_global(self.mesh, host, len(rows))
 
 
-def _stacked(futures: list[concurrent.futures.Future]) -> np.ndarray:
+def _stacked(futures: list[concurrent.futures.Future],
+             transform: preprocess.Transform) -> np.ndarray:
   """The futures' images stacked in order (an error is raised in its row's place)."""
+  if not futures:
+    return np.zeros((0, transform.size, transform.size, transform.channels), np.uint8)
   return np.stack([f.result() for f in futures])
+
+
+def _finished(pool: decode_workers.ProcessPool, slots: decode_workers.Slots, s: int,
+              futures: list[concurrent.futures.Future]) -> np.ndarray:
+  """Block s's images, once its tasks are done, copied out of its slot."""
+  pool.wait(futures)
+  return slots.copy(s)

@@ -205,14 +205,16 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
   if spec.host_stage:
     transform = preprocess.from_config(dataset, spec.image_shape, seed)
     by_name = {name: host_stage.PreprocessReader(source, transform, mesh, dataset.num_workers,
-                                                 dataset.prefetch_depth)
+                                                 dataset.prefetch_depth,
+                                                 worker_kind=dataset.worker_kind)
                for name, source in sources.open_splits(dataset).items()}
     _log_reader("preprocess", dataset, sum(len(r) for r in by_name.values()) * 8)
     logging.info("Dataset %s: %s, read from %s; images decoded to %s on the host by %d "
-                 "threads.", dataset.name, {k: len(v) for k, v in by_name.items()},
+                 "%s.", dataset.name, {k: len(v) for k, v in by_name.items()},
                  (f"its encoded records in {dataset.stream_dir}"
                   if sources.reads_records(dataset) else "the source"),
-                 spec.image_shape, by_name["train"].num_workers)
+                 spec.image_shape, by_name["train"].num_workers,
+                 {"process": "worker processes", "thread": "threads"}[dataset.worker_kind])
     return {name: r.split for name, r in by_name.items()}, by_name
   if readers.streams(dataset):
     names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])

@@ -56,9 +56,10 @@ from PIL import Image
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
 
 # OpenCV's own thread pool off (0: each call runs on its calling thread): the host stage's
-# worker threads already use every core, and the pool would split each small resize across
-# threads contending for those cores (on 2 cores: 1.51 against 1.54 ms CPU an image with the
-# default pool, within the noise; the pool grows with the cores).
+# workers (processes or threads) already use every core, and the pool would split each small
+# resize across threads contending for those cores (on 2 cores: 1.51 against 1.54 ms CPU an
+# image with the default pool, within the noise; the pool grows with the cores). Each worker
+# process imports this module, so the setting holds there too.
 cv2.setNumThreads(0)
 
 # Resize engines (config.dataset.resize): "opencv" resizes the crop's whole-pixel box with
@@ -164,6 +165,25 @@ def pixel_box(box: Box, width: int, height: int) -> tuple[int, int, int, int]:
   return left, top, right, bottom
 
 
+def box_pixels(image: Image.Image, box: tuple[int, int, int, int]) -> np.ndarray:
+  """uint8 [h, w] (one band) or [h, w, bands]: the whole-pixel `box` of a decoded image, as
+  `np.asarray(image.crop(box))` gives it, packed by PIL's raw encoder (what `tobytes` runs)
+  straight from the box into one buffer: no cropped copy first, no joining of 64 KB chunks."""
+  left, top, right, bottom = box
+  bands = len(image.getbands())
+  shape = (bottom - top, right - left) + ((bands,) if bands > 1 else ())
+  try:
+    # PIL's `_getencoder` (private; the encoder `Image.tobytes` runs) over the box alone.
+    encoder = Image._getencoder(image.mode, "raw", image.mode)  # pylint: disable=protected-access
+    encoder.setimage(image.im, box)
+    _, status, data = encoder.encode(math.prod(shape))  # Whole lines fit: one call.
+  except (AttributeError, OSError, TypeError, ValueError):  # Another Pillow's internals.
+    status = 0
+  if status != 1 or len(data) != math.prod(shape):  # 1: the encoder's "done".
+    return np.asarray(image.crop(box), np.uint8)  # tests/test_preprocess.py fails if always.
+  return np.frombuffer(data, np.uint8).reshape(shape)
+
+
 def cv2_resized(pixels: np.ndarray, size: int) -> np.ndarray:
   """uint8 [size, size] or [size, size, C]: `pixels` (a crop) resized by OpenCV: area
   averaging (`cv2.INTER_AREA`, antialiased) where both sides shrink and one by `AREA_FROM` or
@@ -220,11 +240,11 @@ class Transform:
           out = out.transpose(Image.FLIP_LEFT_RIGHT)
         array = np.asarray(out, np.uint8)
       else:
-        if box is not None:  # PIL's crop copies the box alone, not the whole decoded image.
-          image = image.crop(pixel_box(box, *image.size))
-        array = cv2_resized(np.asarray(image, np.uint8), self.size)
-        if flip:
-          array = cv2.flip(array, 1)  # Contiguous, unlike a reversed view.
+        whole = (0, 0) + image.size
+        pixels = box_pixels(image, whole if box is None else pixel_box(box, *image.size))
+        array = cv2_resized(pixels, self.size)
+        if flip:  # A view: its consumer's copy (into a batch) does the flip, not a copy here.
+          array = array[:, ::-1]
     except Exception as err:  # pylint: disable=broad-except  Truncated data surfaces here.
       raise BadImageError(f"{where}: cannot be decoded ({type(err).__name__}: "
                           f"{str(err)[:200]})") from err

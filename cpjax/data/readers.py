@@ -12,7 +12,7 @@
           batch, by index, and grain's threads read the next batches ahead. Memory holds
           labels and ids (8 bytes per example) and the read-ahead buffer, not the set.
   preprocess  (source datasets: folder, tfds:NAME) rows read as encoded bytes, decoded and
-          cropped on the host in worker threads, each process its own rows
+          cropped on the host in worker processes (or threads), each process its own rows
           (cpjax.data.host_stage).
   auto    stream when `dataset.stream_dir` is set and the training split is larger than
           `dataset.host_memory_mb`; else device when the splits fit

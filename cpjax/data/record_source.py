@@ -111,6 +111,14 @@ class _Records:
     self._records: array_records.RecordImages | None = None
     self._lock = threading.Lock()
 
+  def __getstate__(self) -> dict:
+    """Pickled (for the host stage's worker processes) as its directory, split and index:
+    each process opens the files itself."""
+    return {"directory": self.directory, "split": self.split, "index": self.index}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state, _records=None, _lock=threading.Lock())
+
   def opened(self) -> array_records.RecordImages:
     with self._lock:  # Worker threads may read first at once.
       if self._records is None:

@@ -21,8 +21,9 @@ run's carve-outs (validation, test, meta-validation, holdout, train_examples:
 cpjax.data.splits) to the opened splits.
 
 Channel statistics: `dataset.mean`/`dataset.std` when set, else computed once on a seeded
-sample of training images under the evaluation transform and cached beside the data (in
-the dataset folder, or ~/.cache/cpjax/stats where that folder is read-only).
+sample of training images under the evaluation transform and cached in the user's cache
+folder ($XDG_CACHE_HOME/cpjax/stats, ~/.cache by default), never beside the data: a dataset
+folder may be read-only or shared, and a run leaves it untouched.
 """
 
 from collections.abc import Callable
@@ -36,7 +37,16 @@ from typing import Protocol
 import ml_collections
 import numpy as np
 
-from cpjax.data import folder_source, preprocess, record_source, specs, splits, tfds_source
+from cpjax.data import (
+  fingerprint,
+  folder_source,
+  preprocess,
+  record_source,
+  specs,
+  splits,
+  tfds_source,
+)
+from cpjax.runtime import files
 
 STATS_SAMPLE = 512  # Training images whose pixels give the channel statistics.
 
@@ -83,21 +93,54 @@ class SourceKind:
   open: Callable[[ml_collections.ConfigDict, specs.DatasetSpec], dict[str, DataSource]]
 
 
-def _size_and_channels(dataset: ml_collections.ConfigDict, shape: tuple) -> tuple[int, int]:
+def sample_rows(num_rows: int, sample: int = STATS_SAMPLE) -> np.ndarray:
+  """The seeded sample of training rows (sorted) whose images give the default image size
+  and the channel statistics."""
+  return np.sort(np.random.default_rng(0).permutation(num_rows)[:sample])
+
+
+DEFAULT_SIZE_MAX = 224  # torchvision's and timm's ImageNet input size: the default's cap.
+_default_sizes: dict[str, int] = {}  # Each dataset's default size, chosen (and logged) once.
+
+
+def default_image_size(train: DataSource, key: str, sample: int = STATS_SAMPLE) -> int:
+  """The output size of a dataset whose images vary in size: the median shorter side of a
+  seeded sample of `sample` training images (read from their headers), rounded down to a
+  multiple of 8, at least 8 and at most DEFAULT_SIZE_MAX (224, as torchvision's and timm's
+  defaults): small images are not blown up, photos go to the usual 224. Logged once per
+  dataset (`key`) and process."""
+  if key in _default_sizes:
+    return _default_sizes[key]
+  rows = sample_rows(len(train), sample)
+  where = getattr(train, "where", str)
+  shorter = [min(preprocess.open_image(data, where(row)).size)
+             for row, data in zip(rows, train.read(rows))]
+  median = float(np.median(shorter))
+  size = int(min(DEFAULT_SIZE_MAX, max(8, median // 8 * 8)))
+  logging.info("dataset.image_size=0 and the images vary in size: using %d (the median shorter "
+               "side of %d training images, %g px, rounded down to a multiple of 8, at most "
+               "%d); set --config.dataset.image_size to choose another.", size, len(rows),
+               median, DEFAULT_SIZE_MAX)
+  _default_sizes[key] = size
+  return size
+
+
+def _size_and_channels(dataset: ml_collections.ConfigDict, shape: tuple, train: DataSource,
+                       key: str) -> tuple[int, int]:
   """The host stage's output size and channels: the config's, else the dataset's own fixed
-  image shape; a ValueError naming dataset.image_size when neither gives one."""
+  image shape, else `default_image_size` of its training images (`key`: the dataset's)."""
   size = dataset.image_size or (shape[0] if shape and shape[0] and shape[0] == shape[1] else 0)
   if not size:
-    raise ValueError(f"dataset.name={dataset.name!r} has images of varying size: set "
-                     "--config.dataset.image_size=S (the S x S crops the model sees, e.g. 224)")
+    size = default_image_size(train, key)
   channels = dataset.channels or (shape[-1] if shape and shape[-1] else 3)
   return size, channels
 
 
-def _statistics(dataset: ml_collections.ConfigDict, cache_dir: str, train: DataSource,
+def _statistics(dataset: ml_collections.ConfigDict, train: DataSource,
                 image_shape: tuple[int, int, int], key: str
                 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-  """(mean, std) per channel: the config's, else cached or computed (`channel_stats`)."""
+  """(mean, std) per channel: the config's, else cached (files.user_cache_dir, keyed by the
+  dataset's `key`, its size and the transform) or computed (`channel_stats`)."""
   if dataset.mean and dataset.std:
     return tuple(dataset.mean), tuple(dataset.std)
   transform = preprocess.Transform(size=image_shape[0], channels=image_shape[2],
@@ -105,25 +148,22 @@ def _statistics(dataset: ml_collections.ConfigDict, cache_dir: str, train: DataS
                                    resize=dataset.resize)
   key = (f"{key}|{len(train)}|{transform.size}|{transform.channels}|{transform.eval_fraction}"
          f"|{transform.resize}")
-  name = "cpjax_stats-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".json"
-  for folder in (cache_dir, os.path.expanduser("~/.cache/cpjax/stats")):
-    path = os.path.join(folder, name)
-    if os.path.exists(path):
-      with open(path) as f:
-        saved = json.load(f)
+  path = os.path.join(files.user_cache_dir("stats"),
+                      "cpjax_stats-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+    if saved["key"] == key:
       return tuple(saved["mean"]), tuple(saved["std"])
+  except (OSError, ValueError, KeyError, TypeError):
+    pass  # Not cached yet (or a damaged entry): computed and cached again below.
   mean, std = channel_stats(train, transform)
   logging.info("Channel statistics of %s on %d training images: mean %s, std %s.",
                dataset.name, min(STATS_SAMPLE, len(train)), mean, std)
-  for folder in (cache_dir, os.path.expanduser("~/.cache/cpjax/stats")):
-    try:
-      os.makedirs(folder, exist_ok=True)
-      with open(os.path.join(folder, name + ".tmp"), "w") as f:
-        json.dump({"key": key, "mean": mean, "std": std}, f)
-      os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
-      break
-    except OSError:
-      continue
+  try:
+    files.atomic_write(path, json.dumps({"key": key, "mean": mean, "std": std}))
+  except OSError as err:  # No cache: computed again next time, nothing else lost.
+    logging.info("Channel statistics not cached (%s): %s", path, err)
   return mean, std
 
 
@@ -131,7 +171,7 @@ def channel_stats(train: DataSource, transform: preprocess.Transform,
                   sample: int = STATS_SAMPLE) -> tuple[tuple[float, ...], tuple[float, ...]]:
   """Per-channel mean and standard deviation of pixels / 255 over a seeded sample of
   `train`'s images under the evaluation transform (rounded to 4 decimals)."""
-  rows = np.sort(np.random.default_rng(0).permutation(len(train))[:sample])
+  rows = sample_rows(len(train), sample)
   where = getattr(train, "where", str)
   images = np.stack([transform(data, 0, None, where=where(row))
                      for row, data in zip(rows, train.read(rows))]).astype(np.float64) / 255
@@ -145,6 +185,14 @@ def _folder_listing(dataset: ml_collections.ConfigDict, split: str) -> folder_so
                                dataset.skip_bad_files)
 
 
+def _folder_stats_key(root: str, train: folder_source.Listing) -> str:
+  """The folder and its sampled files' paths, sizes and times: a folder replaced at the same
+  path by as many other files does not reuse the old one's cached statistics."""
+  sampled = fingerprint.entries(os.path.join(root, "train"), [
+      train.paths[int(row)] for row in sample_rows(len(train.paths))])
+  return f"{root}|{fingerprint.digest(sampled)}"
+
+
 def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   if not dataset.folder:
     raise ValueError("dataset.name='folder' needs --config.dataset.folder=DIR "
@@ -155,14 +203,14 @@ def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   train = _folder_listing(dataset, "train")
   for split in present[1:]:  # Named at start-up like train's bad files.
     _folder_listing(dataset, split)
-  size, channels = _size_and_channels(dataset, ())
+  source = folder_source.FolderSource(train)
+  size, channels = _size_and_channels(dataset, (), source, root)
   image_shape = (size, size, channels)
-  mean, std = _statistics(dataset, root, folder_source.FolderSource(train), image_shape,
-                          key=root)
+  mean, std = _statistics(dataset, source, image_shape, key=_folder_stats_key(root, train))
   return specs.DatasetSpec("", image_shape, len(classes), len(train.paths), mean, std,
                            local=True, test_split="test" if "test" in present else "",
                            val_split="val" if "val" in present else "", host_stage=True,
-                           classes=classes)
+                           classes=tuple(folder_source.printable(name) for name in classes))
 
 
 def _open_folder(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec
@@ -183,9 +231,10 @@ def _describe_tfds(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   info = found.info
   image_key, label_key = tfds_source.image_and_label_keys(info)
   roles = tfds_source.split_roles(info)
-  size, channels = _size_and_channels(dataset, tuple(info.features[image_key].shape))
   train = tfds_source.TfdsSource(found, "train")
-  mean, std = _statistics(dataset, str(found.data_dir), train, (size, size, channels),
+  size, channels = _size_and_channels(dataset, tuple(info.features[image_key].shape), train,
+                                      f"{info.name}|{info.version}")
+  mean, std = _statistics(dataset, train, (size, size, channels),
                           key=f"{info.name}|{info.version}")
   return specs.DatasetSpec(info.name, (size, size, channels),
                            info.features[label_key].num_classes,
@@ -209,7 +258,7 @@ def _stats_key(dataset: ml_collections.ConfigDict) -> str:
   """What the channel statistics' cache is keyed by: the folder, or the tfds name and
   version (the records keep their source's, so the two share a cache entry)."""
   if dataset.name == "folder":
-    return os.path.abspath(dataset.folder)
+    return _folder_stats_key(os.path.abspath(dataset.folder), _folder_listing(dataset, "train"))
   info = _tfds_builder(dataset).info
   return f"{info.name}|{info.version}"
 
@@ -230,10 +279,9 @@ def _describe_records(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
       os.path.abspath(dataset.folder) != facts["source"]):
     logging.warning("dataset.folder=%s is not read: the run reads %s, converted from %s.",
                     dataset.folder, directory, facts["source"])
-  size, channels = _size_and_channels(dataset, tuple(facts["shape"]))
   train = record_source.RecordSource(directory, "train")
-  mean, std = _statistics(dataset, directory, train, (size, size, channels),
-                          key=facts["stats_key"])
+  size, channels = _size_and_channels(dataset, tuple(facts["shape"]), train, facts["stats_key"])
+  mean, std = _statistics(dataset, train, (size, size, channels), key=facts["stats_key"])
   roles = facts["splits"]
   return specs.DatasetSpec(facts["tfds_name"], (size, size, channels), len(facts["classes"]),
                            len(train), mean, std, local=dataset.name == "folder",
@@ -350,6 +398,21 @@ def bad_files(dataset: ml_collections.ConfigDict) -> list[str]:
   return [f"{os.path.join(root, split, path)}\t{problem}"
           for split in folder_source.splits_present(root)
           for path, problem in _folder_listing(dataset, split).bad]
+
+
+def file_listing(dataset: ml_collections.ConfigDict) -> dict[str, list[fingerprint.Entry]] | None:
+  """{split: (relative path, size, mtime) of each row's file} of a folder dataset read from
+  its folder (cpjax.data.fingerprint); None for every other (a built-in's or tfds dataset's
+  version, and converted records, do not change under a run)."""
+  if dataset.name != "folder" or reads_records(dataset):
+    return None
+  root = os.path.abspath(dataset.folder)
+  out = {}
+  for split in folder_source.splits_present(root):
+    paths = _folder_listing(dataset, split).paths
+    out[split] = fingerprint.entries(os.path.join(root, split),
+                                     [paths[row] for row in range(len(paths))])
+  return out
 
 
 def name_problem(name) -> str | None:

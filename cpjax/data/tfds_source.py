@@ -4,7 +4,8 @@ Classes, split names and sizes come from the builder's metadata (`builder.info`)
 feature's names, `info.splits`. Rows are read by index, as encoded bytes (the image feature's
 decoding skipped), through `builder.as_data_source`, which needs the dataset prepared in the
 array_record format. The split's labels (4 bytes per example) are read once, without the
-images' decoding, and cached beside the prepared data. Nothing is downloaded unless asked
+images' decoding, and cached in the user's cache folder (never beside the prepared data,
+which may be shared or read-only). Nothing is downloaded unless asked
 (`dataset.download`), as for the built-in datasets.
 
 Splits: "test" is the test split, else "validation" (ImageNet's convention: its labelled
@@ -14,13 +15,16 @@ carved (`test_size`).
 """
 
 import functools
+import hashlib
 import logging
 import os
+import re
 
 import numpy as np
 import tensorflow_datasets as tfds
 
 from cpjax.data import preprocess
+from cpjax.runtime import files
 
 
 class TfdsSourceError(FileNotFoundError):
@@ -43,8 +47,7 @@ def builder(name: str, data_dir: str, download: bool, manual_dir: str):
   try:
     found = tfds.builder(name, data_dir=data_dir or None)
   except Exception as err:  # pylint: disable=broad-except  DatasetNotFoundError and kin.
-    raise TfdsSourceError(f"dataset.name='tfds:{name}': tfds knows no such dataset "
-                          f"({type(err).__name__}: {str(err)[:200]})") from err
+    raise TfdsSourceError(not_found_message(name, err)) from err
   if not found.is_prepared() and (download or manual_dir):
     found = tfds.builder(name, data_dir=data_dir or None, file_format="array_record")
     found.download_and_prepare(
@@ -58,6 +61,20 @@ def builder(name: str, data_dir: str, download: bool, manual_dir: str):
         f"{found.info.file_format.value}; cpjax reads examples by index and needs "
         f"array_record: {_prepare_hint(name)}")
   return found
+
+
+def not_found_message(name: str, err: Exception) -> str:
+  """The error of a name tfds does not know: its own first line, and its spelling suggestion
+  ("Did you mean: mnsit -> mnist ?", far down its message, after the list of every
+  dataset) as the name to pass."""
+  text = str(err).strip()
+  first = text.splitlines()[0][:300] if text else ""
+  message = (f"dataset.name='tfds:{name}': tfds knows no such dataset "
+             f"({type(err).__name__}: {first})")
+  suggestion = re.search(r"Did you mean: \S+ -> (\S+) \?", text)
+  if suggestion:
+    message += f"; did you mean --config.dataset.name=tfds:{suggestion.group(1)}?"
+  return message
 
 
 def image_and_label_keys(info) -> tuple[str, str]:
@@ -83,12 +100,16 @@ def split_roles(info) -> dict[str, str]:
 
 
 def _labels_cache(found, split: str) -> str:
-  return os.path.join(found.data_dir, f"cpjax_labels-{split}.npy")
+  """The user's cache file of `split`'s labels (files.user_cache_dir), keyed by the prepared
+  data's folder, name and version: never written beside the data."""
+  key = f"{found.data_dir}|{found.info.name}|{found.info.version}|{split}"
+  return os.path.join(files.user_cache_dir("labels"),
+                      f"cpjax_labels-{hashlib.sha1(key.encode()).hexdigest()[:16]}.npy")
 
 
 def split_labels(found, split: str) -> np.ndarray:
-  """int32 labels of `split` in row order: read once (images not decoded) and cached beside
-  the data (or, where that folder is read-only, recomputed each start)."""
+  """int32 labels of `split` in row order: read once (images not decoded) and cached in the
+  user's cache folder (or, where that cannot be written, recomputed each start)."""
   path = _labels_cache(found, split)
   if os.path.exists(path):
     cached = np.load(path)
@@ -101,8 +122,7 @@ def split_labels(found, split: str) -> np.ndarray:
     rows = list(range(start, min(start + 4096, len(source))))
     labels[start:start + len(rows)] = [int(r[label_key]) for r in source.__getitems__(rows)]
   try:
-    np.save(path + ".tmp.npy", labels)
-    os.replace(path + ".tmp.npy", path)
+    files.atomic_write(path, lambda f: np.save(f, labels))
   except OSError as err:
     logging.warning("Could not cache the labels of %s (%s): they are read at each start.",
                     split, err)
@@ -123,6 +143,11 @@ class TfdsSource:
 
   def __len__(self) -> int:
     return len(self._rows)
+
+  def __getstate__(self) -> dict:
+    """Pickled (for the host stage's worker processes) without the opened data source:
+    each process opens the files itself."""
+    return {**self.__dict__, "_source": None}
 
   def take(self, rows: np.ndarray) -> "TfdsSource":
     return TfdsSource(self._builder, self._split, self._rows[rows])

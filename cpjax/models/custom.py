@@ -6,7 +6,10 @@ The contract (docs/extending.md#add-a-model):
   (installed, or on PYTHONPATH).
 * cpjax constructs it as `ClassName(num_classes=K, dtype=D)`: K the dataset's number of
   classes, D the compute dtype of `config.model.dtype` (`jnp.float32` or `jnp.bfloat16`).
-  Parameters stay float32 (flax's default `param_dtype`); compute in D.
+  Parameters stay float32 (flax's default `param_dtype`); compute in D. A module without a
+  `dtype` field is built as `ClassName(num_classes=K)` and computes in its own dtype (a
+  one-line notice where `config.model.dtype` asked for another); its logits are cast to
+  float32 either way.
 * `__call__(x, train)`: `x` float32 [B, H, W, C], normalised images of the dataset's shape;
   `train` a Python bool, True in the train step (BatchNorm on batch statistics), False for
   evaluation and scoring. It returns logits [B, K], or (logits [B, K], features [B, d]).
@@ -21,7 +24,9 @@ Everything is checked before any data is read or anything compiled: the import
 dummy batch of the dataset's shape with `jax.eval_shape` (`contract_problems`).
 """
 
+import dataclasses
 import importlib
+import logging
 import re
 from typing import Any
 
@@ -99,20 +104,39 @@ class ContractModel(nn.Module):
     return logits.astype(jnp.float32), features
 
 
+_NOTIFIED: set[tuple[str, str]] = set()  # (path, dtype) whose dtype notice was logged.
+
+
+def _has_field(cls: type[nn.Module], name: str) -> bool:
+  return name in {field.name for field in dataclasses.fields(cls)}
+
+
 def create(path: str, num_classes: int, dtype: jnp.dtype) -> ContractModel:
-  """The module "package.module:ClassName" built with (num_classes, dtype), wrapped.
+  """The module "package.module:ClassName" built with (num_classes, dtype), wrapped; a
+  module without a `dtype` field is built with num_classes alone and computes in its own
+  dtype (a one-line notice, once, where `dtype` asked for another than float32).
 
   Raises:
     ModelContractError: as `load`, or the class does not take those keyword arguments.
   """
   cls = load(path)
+  takes_dtype = _has_field(cls, "dtype")
+  kwargs = {"num_classes": num_classes, **({"dtype": dtype} if takes_dtype else {})}
   try:
-    module = cls(num_classes=num_classes, dtype=dtype)
+    module = cls(**kwargs)
   except TypeError as err:
+    shown = ", ".join(f"{k}={jnp.dtype(v).name if k == 'dtype' else v}"
+                      for k, v in kwargs.items())
     raise ModelContractError(
-        f"got {path!r}: cpjax builds it as {cls.__name__}(num_classes={num_classes}, "
-        f"dtype={jnp.dtype(dtype).name}), which failed: {err}; declare the fields "
-        "`num_classes: int` and `dtype: Any = jnp.float32`") from err
+        f"got {path!r}: cpjax builds it as {cls.__name__}({shown}), which failed: {err}; "
+        "declare the field `num_classes: int` (and optionally `dtype: Any = jnp.float32`, "
+        "the compute dtype of config.model.dtype)") from err
+  name = jnp.dtype(dtype).name
+  if not takes_dtype and name != "float32" and (path, name) not in _NOTIFIED:
+    _NOTIFIED.add((path, name))
+    logging.warning("model.dtype=%s is not passed to %s: it has no `dtype` field, so it "
+                    "computes in its own dtype (declare `dtype: Any = jnp.float32` to take "
+                    "model.dtype).", name, path)
   return ContractModel(module=module)
 
 

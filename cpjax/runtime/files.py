@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of one), and
+where cpjax caches what it derives from a dataset (`user_cache_dir`)."""
 
 from collections.abc import Callable
 import contextlib
@@ -57,3 +58,11 @@ def remove_stale_temporaries(path: str) -> list[str]:
       os.remove(candidate)
       removed.append(candidate)
   return removed
+
+
+def user_cache_dir(name: str) -> str:
+  """$XDG_CACHE_HOME/cpjax/`name` (~/.cache by default): where derived facts of a dataset
+  (channel statistics, a tfds split's labels) are cached, never beside the data, which may
+  be read-only or shared."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+  return os.path.join(base, "cpjax", name)

@@ -12,8 +12,14 @@ one safe step across processes (`multihost_utils.reached_preemption_sync_point`)
 so every process stops at the same step; no Python SIGTERM handler is installed
 there (it would replace the service's). Ctrl-C (SIGINT) is handled only in
 single-process runs: one process alone cannot stop a multi-process run in step.
+
+After the last checkpoint has committed there is no step to finish: during the final report
+(`PreemptionGuard.stopping_at_once`) a signal raises Preempted where the run is, so the
+process exits within moments, well inside a scheduler's grace period; the rerun writes the
+report from that checkpoint. (Single process only; several processes finish the report.)
 """
 
+import contextlib
 import logging
 import signal
 import types
@@ -38,6 +44,8 @@ class PreemptionGuard:
   def __init__(self):
     self._signal: int | None = None
     self._previous: dict[int, object] = {}
+    # While set: (message, checkpoint step) that Preempted is raised with at once.
+    self._at_once: tuple[str, int] | None = None
 
   def __enter__(self) -> "PreemptionGuard":
     if jax.process_count() == 1:
@@ -55,8 +63,33 @@ class PreemptionGuard:
     if self._signal is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt  # A second Ctrl-C: the user really means now.
     self._signal = signum
+    if self._at_once is not None:
+      self._raise_now()
     logging.warning("Received %s: stopping after the current step to save a checkpoint.",
                     signal.Signals(signum).name)
+
+  def _raise_now(self) -> None:
+    message, step = self._at_once
+    self._at_once = None  # Raised once: a second signal must not interrupt the unwinding.
+    message = f"{self.signal_name}: {message}"
+    logging.warning("Received %s", message)
+    raise Preempted(message, step)
+
+  @contextlib.contextmanager
+  def stopping_at_once(self, message: str, step: int):
+    """A context in which SIGTERM/SIGINT (also one received before it) raise Preempted with
+    `message` at once, wherever the run is: for work after the checkpoint at global `step`
+    has committed (the report), which a rerun redoes from that checkpoint."""
+    if jax.process_count() > 1:
+      yield
+      return
+    self._at_once = (message, step)
+    try:
+      if self._signal is not None:
+        self._raise_now()
+      yield
+    finally:
+      self._at_once = None
 
   def should_stop(self, step: int) -> bool:
     """Whether the run must stop after global `step` (all processes agree on it)."""

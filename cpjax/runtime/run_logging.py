@@ -55,6 +55,13 @@ class EpochLog(metric_writers.MetricWriter):
     if os.path.exists(self.path):
       self._rewrite([r for r in read_records(self.path) if r["epoch"] < epoch])
 
+  def record(self, epoch: int) -> dict[str, Any] | None:
+    """The record of 0-indexed `epoch` as the file holds it; None if it has none (and on
+    processes other than 0, which write nothing)."""
+    if not self._active or not os.path.exists(self.path):
+      return None
+    return next((r for r in read_records(self.path) if r["epoch"] == epoch), None)
+
   def write(self, record: dict[str, Any]) -> None:
     if self._active:
       records = read_records(self.path) if os.path.exists(self.path) else []
