@@ -137,6 +137,7 @@ def test_a_file_that_fails_to_decode_is_named_in_one_error(folder, tmp_path):
   assert reader.images(np.delete(rows, row)[:2], epoch=0).shape == (2, 16, 16, 3)
 
 
+@pytest.mark.slow  # A kill trial, or a process of its own.
 def test_a_killed_worker_ends_the_pass_with_one_clear_error_within_seconds(folder):
   source, transform = _source_and_transform(_dataset(folder, image_size=64))
   reader = host_stage.PreprocessReader(source, transform, sharding.create_mesh(), 3,
@@ -197,6 +198,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow  # A kill trial, or a process of its own.
 def test_kill_9_of_the_main_process_leaves_no_workers_and_no_shared_memory(folder):
   process = subprocess.Popen(
       [sys.executable, "-c", _KILLED_MAIN.format(repo=REPO, folder=folder)],
@@ -236,6 +238,7 @@ print("MAIN_HAS_JAXLIB", "jaxlib" in open("/proc/self/maps").read())
 """
 
 
+@pytest.mark.slow  # A kill trial, or a process of its own.
 def test_workers_do_not_run_the_main_script_again(tmp_path):
   """The workers start under a stand-in main module: a main script's imports (JAX here;
   for main.py, the trainer and TensorFlow) are not loaded again in each of them."""
@@ -317,6 +320,7 @@ except TypeError as err:
 """
 
 
+@pytest.mark.slow  # A kill trial, or a process of its own.
 def test_a_source_class_of_the_main_script_is_named_with_the_ways_out(tmp_path):
   script = tmp_path / "script.py"
   script.write_text(_MAIN_SOURCE.format(repo=REPO))
@@ -339,6 +343,7 @@ print("IMPORTED")
 """
 
 
+@pytest.mark.slow  # A kill trial, or a process of its own.
 def test_the_host_stage_imports_without_tensorflow():
   """A GPU machine without TensorFlow runs the host stage (and the benchmarks on it)."""
   out = subprocess.run([sys.executable, "-c", _NO_TENSORFLOW.format(repo=REPO)],

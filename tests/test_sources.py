@@ -416,6 +416,7 @@ def test_a_tfds_dataset_by_name_reads_its_metadata_and_images(tfds_dir):
   assert batch.shape == (9, 12, 12, 3) and batch.dtype == np.uint8
 
 
+@pytest.mark.slow  # Each worker imports this module (tfds, JAX) to unpickle the builder.
 def test_a_tfds_dataset_decodes_the_same_in_worker_processes_and_threads(tfds_dir):
   """tfds:NAME through the host stage: worker processes (2, or 1 with read-ahead 1) and
   threads give the transform's own output for each row, bit for bit, training and
