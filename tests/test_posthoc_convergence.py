@@ -8,6 +8,7 @@ Every data set here is generated (labels drawn from a softmax of the logits).
 
 import dataclasses
 import logging
+import re
 
 import jax
 import jax.flatten_util
@@ -174,12 +175,17 @@ def test_fits_match_a_converged_scipy_reference_k100(method):
   z, y = _generated(3, 400, 100)
   strength = 1e3
   reference, fun = _reference_fit(method, z, y, strength)
+  # Dirichlet here has a nearly flat direction (below): float64's gradient tolerance takes
+  # more than the default budget of evaluations along it.
+  solver = dataclasses.replace(FLOAT64_SOLVER, newton_steps=1000, max_evaluations=100_000)
   with jax.enable_x64(True):
-    fit = parametric.fit(method, z, y, np.ones(len(z)), strength, FLOAT64_SOLVER)
+    fit = parametric.fit(method, z, y, np.ones(len(z)), strength, solver)
   assert fit.converged and fit.grad_norm <= 1e-8, fit.message
   float32 = parametric.fit(method, z, y, np.ones(len(z)), strength, posthoc.ODIR_SOLVER)
   assert float32.converged, float32.message
-  assert fun(_flat(float32.params))[0] == pytest.approx(fun(reference)[0], abs=1e-8)
+  # Within a few of float32's spacings of the objective (1.2e-7 at 1.3): matrix scaling
+  # within 1e-8, Dirichlet (its nearly flat direction) 1.6e-7 above SciPy's optimum.
+  assert fun(_flat(float32.params))[0] == pytest.approx(fun(reference)[0], abs=1e-6)
   ours = _flat(fit.params)
   # A stationary point of the independently written objective, and no higher than SciPy's.
   assert np.max(np.abs(fun(ours)[1])) < 1e-8
@@ -261,8 +267,12 @@ def test_separable_rows_are_reported_not_converged(caplog):
   warning = next(r.getMessage() for r in caplog.records if "short of convergence" in
                  r.getMessage())
   assert warning.startswith("matrix_scaling at odir=") and "max |gradient|" in warning
-  # One line for the whole cross-validation, however many of its fits stopped short.
-  assert sum("cross-validation fits" in r.getMessage() for r in caplog.records) == 1
+  # One line for the whole cross-validation, however many of its fits stopped short; a
+  # strength that stopped short on its first fold is not fitted on the other two.
+  lines = [r.getMessage() for r in caplog.records if "cross-validation fits" in r.getMessage()]
+  assert len(lines) == 1
+  stopped, fitted = map(int, re.search(r"in (\d+) of (\d+) cross-validation", lines[0]).groups())
+  assert stopped == len(posthoc.ODIR_GRID) and fitted < 3 * len(posthoc.ODIR_GRID)
   row = {"hyper": {}, "converged": calibrator.converged, "at_edge": calibrator.at_edge}
   assert report._fit_flag(row) == "NOT CONVERGED"  # pylint: disable=protected-access
 

@@ -66,12 +66,12 @@ class Solver:
   xtol64: float = 1e-6
   dtype: str = "float32"  # Of the fit: float32, or float64 (needs JAX's x64 mode).
 
+  to_tolerance = True  # A fit is judged converged by the tolerances above.
+
   def tolerances(self) -> tuple[float, float]:
     """(gtol, xtol) of a fit computed in `self.dtype`."""
     return ((self.gtol64, self.xtol64) if self.dtype == "float64" else
             (self.gtol32, self.xtol32))
-
-  to_tolerance = True  # A fit is judged converged by the tolerances above.
 
   def describe(self) -> str:
     """One line for the docs' table."""
@@ -186,8 +186,11 @@ def _newton(key, x0, inputs, labels, weights, strength, gtol, xtol, *, newton_st
     value, grad = value_and_grad(x)
     step, cg, scaled, change = newton_step(x, grad, max_evaluations - evaluations)
     converged = (scaled <= gtol) & (change <= xtol)
-    t, halvings, moved = line_search(x, value, grad, step)
-    x = jnp.where(converged | ~moved, x, x + t * step)
+    t, halvings, moved = jax.lax.cond(  # A converged fit stays where it is.
+        converged, lambda: (jnp.zeros((), x.dtype), -1, False),
+        lambda: line_search(x, value, grad, step))
+    x = jnp.where(moved, x + t * step, x)
+    # Evaluations: the gradient, the Hessian's diagonal, CG's products, the line search's.
     return (x, i + 1, evaluations + 2 + cg + halvings + 1, converged, ~converged & ~moved,
             scaled, change)
 
