@@ -123,10 +123,10 @@ class ReportEvaluator:
     if gamma is not None:
       results["gamma"] = report.gamma_summary(*gamma)
     seconds = results["seconds"]
-    logging.info("Report built in %.1f s: T = %.3f; metrics and temperature %.1f s, bootstrap "
-                 "%.1f s, post-hoc maps %.1f s.", seconds["total"],
-                 results["temperature"]["temperature"], seconds["metrics_and_temperature"],
-                 seconds["bootstrap"], seconds["posthoc"])
+    logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s, "
+                 "post-hoc maps %.1f s; %.1f s in all.", results["temperature"]["temperature"],
+                 seconds["metrics_and_temperature"], seconds["bootstrap"], seconds["posthoc"],
+                 seconds["total"])
     if jax.process_index() == 0:
       self._write(results, gamma, logits["test"])
     return results
