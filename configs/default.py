@@ -173,6 +173,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.evaluation.calibrator_folds = 5  # k of the k-fold CV on validation (map strengths).
   # Bootstrap resamples of every interval of the post-hoc table; 0 = no intervals there.
   config.evaluation.calibrator_resamples = 200
+  # matrix_scaling and dirichlet (K^2 + K parameters) are fitted only for K <= this many
+  # classes; above it the report skips them and names them (unless evaluation.calibrator names
+  # one); 0 = no limit.
+  config.evaluation.calibrator_square_max_classes = 128
   # OOD set: "", gaussian_noise (corrupted test) or a dataset name.
   config.evaluation.ood = "gaussian_noise"
   config.evaluation.ood_severity = 5  # gaussian_noise severity 1..5 (CIFAR-10-C scales).

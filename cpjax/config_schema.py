@@ -109,6 +109,7 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.calibrator": choice(["auto", *posthoc.MAPS]),  # The registry of maps.
       "evaluation.calibrator_folds": integer(2),
       "evaluation.calibrator_resamples": integer(0),
+      "evaluation.calibrator_square_max_classes": integer(0),
       "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),
       "evaluation.ood_severity": integer(1, 5),
       "num_epochs": integer(1),

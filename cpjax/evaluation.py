@@ -124,9 +124,10 @@ class ReportEvaluator:
     if gamma is not None:
       results["gamma"] = report.gamma_summary(*gamma)
     seconds = results["seconds"]
-    logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s.",
-                 results["temperature"]["temperature"], seconds["metrics_and_temperature"],
-                 seconds["bootstrap"])
+    logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s, "
+                 "post-hoc maps %.1f s; %.1f s in all.", results["temperature"]["temperature"],
+                 seconds["metrics_and_temperature"], seconds["bootstrap"], seconds["posthoc"],
+                 seconds["total"])
     if jax.process_index() == 0:
       self._write(results, gamma, logits["test"])
     return results

@@ -65,6 +65,7 @@ RANKS = {
     "calibration.gamma_net": 1,
     "calibration.losses": 1,
     "calibration.metrics": 1,
+    "calibration.newton": 1,
     "calibration.parametric": 1,
     "calibration.posthoc": 1,
     "calibration.report": 1,

@@ -52,3 +52,40 @@ def test_the_report_lists_the_classes_of_classes_json_and_keeps_its_numbers(tmp_
                                        "source": str(workdir / "classes.json")}
   assert named_json == plain_json and "classes" not in plain_json
   assert "classes" not in built  # The built report is left as it was.
+
+
+def _table(num_classes: int, **overrides) -> dict:
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(150, num_classes)) * 2
+  labels = rng.integers(0, num_classes, 150)
+  config = tiny_config(**{"evaluation.calibrator_resamples": 0,
+                          "evaluation.calibrator_folds": 2,
+                          **{f"evaluation.{k}": v for k, v in overrides.items()}}).evaluation
+  section, _ = report.posthoc_table((logits, labels), (logits, labels), num_classes, config)
+  return section
+
+
+@pytest.mark.slow  # Cross-validated fits of every map, three times.
+def test_maps_with_k_squared_parameters_are_skipped_above_the_cap_and_named(caplog):
+  section = _table(6, calibrator_square_max_classes=5, calibrator="auto")
+  reason = section["calibrators"]["dirichlet"]["skipped"]
+  assert set(section["skipped"]) == {"matrix_scaling", "dirichlet"}
+  assert section["calibrators"]["matrix_scaling"] == {"skipped": section["skipped"]
+                                                      ["matrix_scaling"]}
+  # 6^2 + 6 = 42 parameters, 10 strengths x 2 folds + 1 refit = 21 fits.
+  assert reason.startswith("K = 6 classes > evaluation.calibrator_square_max_classes = 5: its "
+                           "42 parameters (K^2 + K) would be fitted 21 times")
+  assert "vector_scaling" in section["calibrators"] and "test" in section["calibrators"][
+      "vector_scaling"]
+  assert section["chosen"] not in section["skipped"]
+  assert sum("Post-hoc map dirichlet skipped" in r.getMessage() for r in caplog.records) == 1
+  markdown = "\n".join(report._posthoc_markdown(section))  # pylint: disable=protected-access
+  for method in ("matrix_scaling", "dirichlet"):
+    assert f"- **{method} skipped**: K = 6 classes" in markdown
+    assert f"| {method} |" not in markdown  # No table row of made-up numbers.
+  assert json.loads(json.dumps(report.strict_json(section)))["skipped"] == section["skipped"]
+  # At the cap, with no cap, or named as the calibrator: fitted.
+  assert not _table(6, calibrator_square_max_classes=6)["skipped"]
+  assert not _table(6, calibrator_square_max_classes=0)["skipped"]
+  named = _table(6, calibrator_square_max_classes=5, calibrator="dirichlet")
+  assert list(named["skipped"]) == ["matrix_scaling"] and named["chosen"] == "dirichlet"

@@ -43,6 +43,21 @@ class Solver:
   # in (rows that nearly separate).
   xtol: float = 1e-6  # A probability: see `minimise`.
 
+  @property
+  def to_tolerance(self) -> bool:
+    """Whether a fit is judged converged by a tolerance (else by L-BFGS-B's own tests)."""
+    return self.gtol is not None
+
+  def describe(self) -> str:
+    """One line for the docs' table."""
+    if self.gtol is None:
+      return f"L-BFGS-B ({self.lbfgs_steps} steps), its own tests"
+    return (f"L-BFGS-B ({self.lbfgs_steps} steps), then Newton ({self.newton_steps}), to max "
+            f"\\|grad\\| <= {self.gtol:g} (SciPy, float64)")
+
+  def minimise(self, key, init, inputs, labels, weights, strength) -> "Fit":
+    return minimise(key, init, inputs, labels, weights, strength, self)
+
 
 class Fit(NamedTuple):
   """One fit's parameters and how it ended."""
@@ -105,9 +120,11 @@ def _penalty(method: str, params: dict, num_classes: int):
     return jnp.mean((w - jnp.mean(w)) ** 2) + jnp.mean(params["b"] ** 2)
   if method not in ("matrix_scaling", "dirichlet"):
     return 0.0
-  w = params["w"]
-  off = jnp.sum(w ** 2) - jnp.sum(jnp.diagonal(w) ** 2)
-  return off / max(num_classes * (num_classes - 1), 1) + jnp.mean(params["b"] ** 2)
+  # The off-diagonal weights masked, not sum(W^2) - sum(diag(W)^2): that difference of two
+  # sums ~K cancels, and in float32 its rounding (~1e-6 K) times lambda / K^2 swamped the
+  # objective's decrease near the optimum.
+  off = params["w"] * (1.0 - jnp.eye(num_classes, dtype=params["w"].dtype))
+  return jnp.sum(off ** 2) / max(num_classes * (num_classes - 1), 1) + jnp.mean(params["b"] ** 2)
 
 
 def identity_params(method: str, num_classes: int, log_t: float = 0.0) -> dict:
@@ -302,7 +319,7 @@ def minimise(key: str, init: dict, inputs: np.ndarray, labels: np.ndarray,
 
 
 def fit(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray,
-        strength: float, solver: Solver, start: dict | None = None,
+        strength: float, solver, start: dict | None = None,
         log_t: float | None = None, temperature_solver: Solver | None = None) -> Fit:
   """One fit of a parametric map: minimises the weighted mean NLL + strength * penalty.
 
@@ -312,7 +329,8 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray
     labels: [N] integer labels.
     weights: [N] row weights (0/1 selects a fold's training rows).
     strength: the regularisation strength (vector, matrix and Dirichlet scaling only).
-    solver: how to minimise.
+    solver: how to minimise: a `Solver` (SciPy, float64) or any object with its `minimise`
+      method (cpjax.calibration.newton.Solver: Newton-CG in JAX).
     start: parameters to start from (a warm start); None = the identity map.
     log_t: ensemble_temperature only: a fixed log-temperature; None = fitted by NLL first,
       by `temperature_solver`.
@@ -335,7 +353,7 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray
     key, inputs = "matrix_scaling", log_softmax(np, logits)
   elif method == "ensemble_temperature":
     key, inputs = "ets_mixture", _ets_parts(np, logits, init.pop("log_t"))
-  result = minimise(key, init, inputs, labels, weights, strength, solver)
+  result = solver.minimise(key, init, inputs, labels, weights, strength)
   if method != "ensemble_temperature":
     return result
   params = {**result.params, "log_t": np.float64(log_t)}

@@ -46,15 +46,17 @@ on the held-out fold; the lowest mean wins and is refitted on all rows. Every
 method records its cross-validated NLL, which `choose` compares (`auto`).
 
 Every map is an entry of MAPS, which declares its fit, its apply, its cross-validated
-setting and grid and, for the parametric maps, its solver (cpjax.calibration.parametric):
-vector, matrix and Dirichlet scaling are fitted to convergence (max |gradient| <= 1e-8, by
-L-BFGS-B and then Newton's method where L-BFGS-B has not got there, and a remaining Newton
-step that moves no fit row's probability by more than 1e-6), temperature and ETS by
-L-BFGS-B's own tests. A fit that ends short of its tolerance (rows that nearly separate have
-no optimum) is logged (a warning naming the map, the strength and the gradient reached),
-scores no cross-validated NLL, and flags the map (`Calibrator.converged`; with no converged
-strength the map is the identity); a strength chosen at its grid's edge is logged and flagged
-too (`Calibrator.at_edge`).
+setting and grid and, for the parametric maps, its solver: vector, matrix and Dirichlet
+scaling are fitted to convergence by Newton-CG in JAX, float32, jitted, on the default device
+(cpjax.calibration.newton: max |gradient| <= 1e-6 relative to the curvature where that
+exceeds 1, and a remaining Newton step that moves no fit row's probability by more than
+1e-5), temperature and ETS by SciPy's L-BFGS-B and its own tests
+(cpjax.calibration.parametric, which also holds the float64 SciPy fits the JAX ones were
+checked against: `SCIPY_ODIR_SOLVER`). A fit that ends short of its tolerance (rows that
+nearly separate have no optimum) is logged (a warning naming the map, the strength and the
+gradient reached), scores no cross-validated NLL, and flags the map (`Calibrator.converged`;
+with no converged strength the map is the identity); a strength chosen at its grid's edge is
+logged and flagged too (`Calibrator.at_edge`).
 """
 
 from collections.abc import Callable
@@ -65,7 +67,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import threadpoolctl
 
-from cpjax.calibration import binning, parametric, temperature
+from cpjax.calibration import binning, newton, parametric, temperature
 
 # Candidates of the cross-validated strengths. ODIR's penalty is a mean over the K (K - 1)
 # off-diagonal weights, so the strength that pins a map to its diagonal grows with K: the grid
@@ -76,10 +78,13 @@ DEFAULT_FLOOR = 1e-6
 DEFAULT_FOLDS = 5
 # Temperature and ETS (one and three parameters): L-BFGS-B's own tests, at most 200 steps.
 SCALING_SOLVER = parametric.Solver(lbfgs_steps=200)
-# Vector, matrix and Dirichlet scaling: to max |gradient| <= 1e-8. On large logits or many
-# classes their objective is ill-conditioned: L-BFGS-B took up to ~20,000 steps where Newton's
-# method takes tens (docs/posthoc.md).
-ODIR_SOLVER = parametric.Solver(lbfgs_steps=100, newton_steps=100, gtol=1e-8)
+# Vector, matrix and Dirichlet scaling: Newton-CG in JAX, float32, jitted, on the default
+# device (cpjax.calibration.newton). On large logits or many classes their objective is
+# ill-conditioned: L-BFGS-B took up to ~20,000 steps where Newton's method takes tens.
+ODIR_SOLVER = newton.Solver()
+# The fits these replaced (SciPy, float64, max |gradient| <= 1e-8): `fit(..., solver=
+# SCIPY_ODIR_SOLVER)` runs them, as the reference of the tests and benchmarks.
+SCIPY_ODIR_SOLVER = parametric.Solver(lbfgs_steps=100, newton_steps=100, gtol=1e-8)
 
 
 class Calibrator(NamedTuple):
@@ -109,7 +114,8 @@ class Map:
   apply: Callable[..., Any]
   setting: str | None = None  # The cross-validated hyper-parameter, if any.
   grid: tuple = ()  # Its candidates, in increasing order.
-  solver: parametric.Solver | None = None  # Parametric maps only.
+  solver: Any = None  # Parametric maps only: a parametric.Solver or newton.Solver.
+  square: bool = False  # K^2 + K parameters: the report skips it above a number of classes.
 
 
 def _softmax(xp, z):
@@ -121,7 +127,7 @@ def _closed_form(params: dict) -> parametric.Fit:
   return parametric.Fit(params, True, float("nan"), 0, "closed form")
 
 
-def _parametric_map(name: str, doc: str, solver: parametric.Solver, grid: tuple = ()) -> Map:
+def _parametric_map(name: str, doc: str, solver, grid: tuple = (), square: bool = False) -> Map:
   def fit_rows(z, y, weights, strength, start):
     return parametric.fit(name, z, y, weights, strength or 0.0, solver, start,
                           temperature_solver=SCALING_SOLVER)
@@ -130,7 +136,14 @@ def _parametric_map(name: str, doc: str, solver: parametric.Solver, grid: tuple 
     del hyper
     params = {k: xp.asarray(v) for k, v in params.items()}
     return parametric.log_softmax(xp, parametric.log_probs(xp, name, params, z))  # Exact rows.
-  return Map(name, doc, fit_rows, apply_map, "odir" if grid else None, grid, solver)
+  return Map(name, doc, fit_rows, apply_map, "odir" if grid else None, grid, solver, square)
+
+
+def with_solver(entry: Map, solver) -> Map:
+  """A parametric map of MAPS with another solver (e.g. SCIPY_ODIR_SOLVER, the reference)."""
+  if entry.solver is None:
+    raise ValueError(f"{entry.name} is fitted in closed form: it has no solver to replace")
+  return _parametric_map(entry.name, entry.doc, solver, entry.grid, entry.square)
 
 
 def _one_vs_rest_map(name: str, doc: str, fit_table, apply_table, grid: tuple = ()) -> Map:
@@ -153,9 +166,9 @@ MAPS = {m.name: m for m in (
     _parametric_map("vector_scaling", "s = w * z + b, ODIR's diagonal analogue (Guo et al. "
                     "2017)", ODIR_SOLVER, ODIR_GRID),
     _parametric_map("matrix_scaling", "s = W z + b, ODIR (Guo et al. 2017; Kull et al. 2019)",
-                    ODIR_SOLVER, ODIR_GRID),
+                    ODIR_SOLVER, ODIR_GRID, square=True),
     _parametric_map("dirichlet", "s = W log p + b, ODIR (Kull et al. 2019, NeurIPS)",
-                    ODIR_SOLVER, ODIR_GRID),
+                    ODIR_SOLVER, ODIR_GRID, square=True),
     _parametric_map("ensemble_temperature", "q = w1 softmax(z / T) + w2 softmax(z) + w3 / K "
                     "(Zhang, Kailkhura & Han 2020, ICML)", SCALING_SOLVER),
     _one_vs_rest_map("histogram_binning", "per-class equal-width bins (Zadrozny & Elkan 2001, "
@@ -165,6 +178,7 @@ MAPS = {m.name: m for m in (
 )}
 METHODS = tuple(MAPS)
 PARAMETRIC = tuple(name for name, m in MAPS.items() if m.solver is not None)
+SQUARE = tuple(name for name, m in MAPS.items() if m.square)  # K^2 + K parameters.
 
 
 def markdown_table() -> str:
@@ -172,10 +186,7 @@ def markdown_table() -> str:
   lines = ["| method | map | cross-validated setting: grid | solver |", "|---|---|---|---|"]
   for m in MAPS.values():
     grid = f"`{m.setting}`: {', '.join(f'{v:g}' for v in m.grid)}" if m.setting else "—"
-    solver = ("closed form" if m.solver is None else
-              f"L-BFGS-B ({m.solver.lbfgs_steps} steps), its own tests" if m.solver.gtol is None
-              else f"L-BFGS-B ({m.solver.lbfgs_steps} steps), then Newton "
-                   f"({m.solver.newton_steps}), to max \\|grad\\| <= {m.solver.gtol:g}")
+    solver = "closed form" if m.solver is None else m.solver.describe()
     lines.append(f"| `{m.name}` | {m.doc} | {grid} | {solver} |")
   return "\n".join(lines) + "\n"
 
@@ -209,7 +220,7 @@ def _held_out_nll(log_p: np.ndarray, labels: np.ndarray) -> float:
 
 def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEFAULT_FOLDS,
         seed: int = 0, floor: float = DEFAULT_FLOOR, odir: float | None = None,
-        num_bins: int | None = None, search: str = "lbfgs_nll") -> Calibrator:
+        num_bins: int | None = None, search: str = "lbfgs_nll", solver=None) -> Calibrator:
   """Fits a post-hoc map on (validation) logits [N, K] and integer labels [N].
 
   Args:
@@ -224,6 +235,7 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
     num_bins: histogram_binning bins; None = cross-validated over BINS_GRID.
     search: temperature only: lbfgs_nll, or a grid fit of cpjax.calibration.temperature
       (grid_ece, grid_nll).
+    solver: parametric maps only: a solver in place of the map's own (`with_solver`).
 
   Returns:
     The fitted Calibrator with its cross-validated NLL.
@@ -233,7 +245,8 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
   # One BLAS thread: the fits' matrices are tiny, and OpenBLAS's threads waiting on each
   # other made L-BFGS-B's steps ~10x slower on a busy 2-core machine.
   with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
-    return _fit(MAPS[method], logits, labels, folds=folds, seed=seed, floor=floor,
+    entry = MAPS[method] if solver is None else with_solver(MAPS[method], solver)
+    return _fit(entry, logits, labels, folds=folds, seed=seed, floor=floor,
                 pinned={"odir": odir, "num_bins": num_bins}, search=search)
 
 
@@ -263,30 +276,65 @@ def _held_out_log_probs(entry: Map, params: dict, z: np.ndarray, hyper: dict) ->
 
 
 def _cross_validate(entry: Map, z, y, fold, candidates, hyper) -> Calibrator:
-  """Every candidate on every fold, then the best candidate on all rows. Within a fold the
-  candidates go from the largest (the strongest regularisation) to the smallest, each
-  parametric fit starting where the previous one ended."""
+  """Every candidate on every fold, then the best candidate on all rows.
+
+  The candidates go from the largest (the strongest regularisation) to the smallest. Each fit
+  starts where another ended (a warm start): where the same fold's fit of the previous
+  candidate ended. For a map fitted to a tolerance (whose converged fit does not depend on its
+  start: its objective is convex), a fold with no such fit (the first candidate) starts where
+  the previous fold's fit of the same candidate ended, the refit on all rows at the mean of
+  the folds' fits, and a candidate whose fit on one fold stops short of convergence is not
+  fitted on the remaining folds (it scores nothing whatever they give). The maps fitted by
+  their solver's own tests (temperature, ETS: one candidate) start every fold afresh, as they
+  always did.
+  """
   scores, evaluations, unconverged = np.zeros(len(candidates)), 0, []
   order = np.argsort([0.0 if c is None else float(c) for c in candidates])[::-1]
-  for f in range(int(fold.max()) + 1):
-    held, start = fold == f, None
-    for c in order:
+  num_folds = int(fold.max()) + 1
+  chained = _to_tolerance(entry)
+  starts, means, fits = [None] * num_folds, {}, 0
+  for c in order:
+    previous = None
+    for f in range(num_folds):
+      held = fold == f
+      # A fold's own fit of the previous strength is a better start than another fold's of
+      # this one: directions the data hardly determine differ between folds, and Newton's
+      # method took twice the steps from there at weak strengths (K = 100).
+      start = starts[f] if starts[f] is not None or not chained else previous
       result = entry.fit(z, y, (~held).astype(np.float64), candidates[c], start)
-      evaluations += result.evaluations
+      evaluations, fits = evaluations + result.evaluations, fits + 1
       if not result.converged:
         unconverged.append((candidates[c], result))
       usable = _usable(entry, result)
       log_p = _held_out_log_probs(entry, result.params, z[held], hyper) if usable else None
       scores[c] += _held_out_nll(log_p, y[held]) * held.sum() if usable else np.inf
-      start = result.params if usable else None  # A diverged fit is no warm start.
-  _log_unconverged_folds(entry, unconverged, len(candidates) * (int(fold.max()) + 1))
+      # A diverged (or, where chained, unconverged) fit is no warm start.
+      previous = result.params if usable else None
+      starts[f] = previous if previous is not None or not chained else starts[f]
+      if chained and not usable:
+        break
+      if chained:
+        means[c] = _running_mean(means.get(c), result.params, f)
+  _log_unconverged_folds(entry, unconverged, fits)
+  return _refit_best(entry, z, y, candidates, scores, means, hyper, evaluations)
+
+
+def _running_mean(mean: dict | None, params: dict, count: int) -> dict:
+  """The mean of `count` + 1 parameter dicts, from that of the first `count`."""
+  if mean is None:
+    return dict(params)
+  return {k: (mean[k] * count + params[k]) / (count + 1) for k in params}
+
+
+def _refit_best(entry: Map, z, y, candidates, scores, starts, hyper, evaluations) -> Calibrator:
+  """The best candidate refitted on all rows (from `starts[candidate]`, where given)."""
   # The best candidate refitted on all rows; should that fit diverge (or, where the map is
   # fitted to convergence, not converge), the next best, and if every one does, the starting
   # map (cv_nll inf): never non-finite parameters, nor the solver's choice of a divergent map.
   for best in np.argsort(scores, kind="stable"):
     if _to_tolerance(entry) and not np.isfinite(scores[best]):
       break  # No fold's fit of this strength, or of any after it, converged.
-    result = entry.fit(z, y, np.ones(len(z)), candidates[best], None)
+    result = entry.fit(z, y, np.ones(len(z)), candidates[best], starts.get(best))
     evaluations += result.evaluations
     _log_unconverged(entry, candidates[best], result, "all rows")
     if _usable(entry, result):
@@ -320,7 +368,8 @@ def _log_unconverged_folds(entry: Map, unconverged: list, total: int) -> None:
   worst = max(unconverged, key=lambda item: item[1].grad_norm)
   logging.warning("%s at %s stopped short of convergence in %d of %d cross-validation fits "
                   "(largest max |gradient| %.3g, at %s=%s: %s); those strengths get no "
-                  "cross-validated score.", entry.name, setting, len(unconverged), total,
+                  "cross-validated score (and are not fitted on their remaining folds).",
+                  entry.name, setting, len(unconverged), total,
                   worst[1].grad_norm, entry.setting, worst[0], worst[1].message)
 
 
@@ -344,7 +393,7 @@ def _usable(entry: Map, result: parametric.Fit) -> bool:
 
 
 def _to_tolerance(entry: Map) -> bool:
-  return entry.solver is not None and entry.solver.gtol is not None
+  return entry.solver is not None and entry.solver.to_tolerance
 
 
 def _fit_temperature_grid(z, y, search, hyper) -> Calibrator:

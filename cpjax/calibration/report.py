@@ -10,6 +10,7 @@ atomically. A dataset with class names (folder, tfds:NAME) has them in the run's
 """
 
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -106,8 +107,9 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
                   num_classes: int, config: ml_collections.ConfigDict
                   ) -> tuple[dict[str, Any], np.ndarray]:
   """Every post-hoc map fitted on validation (strengths by k-fold CV there) and measured on
-  test, with a bootstrap interval of every TABLE_METRICS column (`calibrator_resamples`
-  resamples, 0 = none: eight maps' intervals at the report's 1,000 would dominate its cost);
+  test (but those `skip_reason` skips: row {"skipped": why}, also listed under "skipped"),
+  with a bootstrap interval of every TABLE_METRICS column (`calibrator_resamples` resamples,
+  0 = none: eight maps' intervals at the report's 1,000 would dominate its cost);
   the chosen one (`config.calibrator`, auto = lowest cross-validated validation NLL).
 
   Returns:
@@ -115,6 +117,11 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
   """
   rows, calibrators, test_log_probs = {}, {}, {}
   for method in posthoc.METHODS:
+    skipped = skip_reason(method, num_classes, config)
+    if skipped is not None:
+      logging.warning("Post-hoc map %s skipped: %s.", method, skipped)
+      rows[method] = {"skipped": skipped}
+      continue
     started = time.perf_counter()
     calibrators[method] = posthoc.fit(method, *val, folds=config.calibrator_folds,
                                       seed=config.bootstrap_seed)
@@ -133,7 +140,23 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
                       if config.calibrator_resamples else {})}
   chosen = posthoc.choose(calibrators, config.calibrator)
   return ({"requested": config.calibrator, "chosen": chosen, "folds": config.calibrator_folds,
-           "calibrators": rows}, test_log_probs[chosen])
+           "calibrators": rows,
+           "skipped": {method: row["skipped"] for method, row in rows.items() if "skipped" in row}},
+          test_log_probs[chosen])
+
+
+def skip_reason(method: str, num_classes: int, config: ml_collections.ConfigDict) -> str | None:
+  """Why the report does not fit `method` (a map with K^2 + K parameters above
+  `calibrator_square_max_classes` classes, unless it is the requested calibrator), or None."""
+  cap = config.calibrator_square_max_classes
+  if (method not in posthoc.SQUARE or not cap or num_classes <= cap
+      or method == config.calibrator):
+    return None
+  return (f"K = {num_classes} classes > evaluation.calibrator_square_max_classes = {cap}: its "
+          f"{num_classes ** 2 + num_classes:,} parameters (K^2 + K) would be fitted "
+          f"{len(posthoc.MAPS[method].grid) * config.calibrator_folds + 1} times (each strength "
+          "on each fold, then on all rows); raise the limit, set it to 0, or name the map in "
+          "evaluation.calibrator to fit it")
 
 
 def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
@@ -154,7 +177,7 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     (`posthoc_table`), OOD AUROCs and FPRs at 95 % TPR, reliability bins
     ("before_ts", "after_ts", "calibrated": the chosen map), timings.
   """
-  started = time.perf_counter()
+  started = report_started = time.perf_counter()
   fit = temperature.fit_temperature(*val, method=config.temperature_method,
                                     num_bins=config.num_bins)
   scalings = {"before_ts": 1.0, "after_ts": fit.temperature}
@@ -183,7 +206,8 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     report["ood"] = {"set": config.ood, **{tag: pair[0] for tag, pair in ood.items()},
                      "fpr_at_95_tpr": {tag: pair[1] for tag, pair in ood.items()}}
   report["seconds"] = {"metrics_and_temperature": metrics_seconds,
-                       "bootstrap": bootstrap_seconds, "posthoc": posthoc_seconds}
+                       "bootstrap": bootstrap_seconds, "posthoc": posthoc_seconds,
+                       "total": time.perf_counter() - report_started}
   return report
 
 
@@ -295,10 +319,16 @@ def _posthoc_markdown(section: dict[str, Any]) -> list[str]:
            "| map | strength | fit | CV val NLL | " + " | ".join(TABLE_METRICS) + " |",
            "|---" * (len(TABLE_METRICS) + 4) + "|"]
   for method, row in section["calibrators"].items():
+    if "skipped" in row:
+      continue
     name = f"**{method}**" if method == section["chosen"] else method
     strength = ", ".join(f"{k}={v}" for k, v in row["hyper"].items()) or "—"
     lines.append(f"| {name} | {strength} | {_fit_flag(row)} | {row['cv_nll']:.4f} | "
                  + " | ".join(_with_interval(row, m) for m in TABLE_METRICS) + " |")
+  skipped = section.get("skipped", {})
+  if skipped:
+    lines += ["", "Not fitted:", ""]
+    lines += [f"- **{method} skipped**: {reason}." for method, reason in skipped.items()]
   return lines
 
 
