@@ -33,7 +33,7 @@ multiprocessing's spawn runs the parent's main module again in each new process,
 what the parent defined there; for `python main.py` that is the whole trainer with flax and
 TensorFlow (about 0.9 GB and seconds of CPU a worker). The workers run this module only, so
 they are started under a stand-in main module that names no file (`_bare_main`), as a
-parent in an interactive session would be. This module imports no JAX, so a worker holds
+parent in an interactive interpreter would be. This module imports no JAX, so a worker holds
 NumPy, PIL and OpenCV (about 55 MB) and the source's own module.
 """
 
