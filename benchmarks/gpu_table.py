@@ -374,7 +374,7 @@ ROW_ORDER = ("r50_train_cpjax", "r50_train_flax_bare", "r50_train_torch_eager",
 
 
 def run_rows(table: Table, sizes: Sizes, root: str) -> None:
-  """Every row, the issue's targets and cheap rows first, so that a budget cut (or an
+  """Every row, the rows the targets read and the cheap rows first, so that a budget cut (or an
   estimate that was too small) drops the CIFAR rows and the thread input-wait row."""
   s, name, b = sizes.imagenet_size, sizes.imagenet_model, sizes.train_batch
   tag = f"{name} {s}px"

@@ -134,12 +134,16 @@ def test_every_entry_point_has_a_smoke_test():
 
 @pytest.mark.slow
 def test_posthoc_fits_times_every_map_and_the_table():
-  result = _module("benchmarks.posthoc_fits", "--val=300", "--test=300", "--classes=4")
+  result = _module("benchmarks.posthoc_fits", "--rows=300", "--test=300", "--classes=4", "--table",
+                   "--ratio")
   assert result.returncode == 0, result.stderr[-2000:]
   fitted = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("fit ")]
   assert fitted == ["none", "temperature", "vector_scaling", "matrix_scaling", "dirichlet",
                     "ensemble_temperature", "histogram_binning", "isotonic"]
-  assert "post-hoc table" in result.stdout and "ratio" in result.stdout
+  tabled = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("table ")]
+  assert tabled == fitted  # K = 4 is under the cap: the report's table fits every map too.
+  assert "post-hoc section (K = 4, 300 validation and 300 test rows)" in result.stdout
+  assert "ratio" in result.stdout
 
 
 @pytest.mark.slow
