@@ -138,13 +138,18 @@ def test_a_warm_start_reaches_the_cold_starts_optimum(method):
     np.testing.assert_allclose(_flat(warm.params), _flat(cold.params), atol=1e-4)
 
 
+def _random_problem(method: str, seed: int, rows: int):
+  """Generated logits of 4 classes, 0/1 row weights and random parameters of `method`."""
+  rng = np.random.default_rng(seed)
+  z, y = _generated(seed, rows, 4)
+  weights = (rng.uniform(size=rows) < 0.7).astype(float)
+  shape = (4,) if method == "vector_scaling" else (4, 4)
+  return rng, z, y, weights, shape, {"w": rng.normal(size=shape), "b": rng.normal(size=4)}
+
+
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling"])
 def test_the_preconditioners_diagonal_is_the_hessians(method):
-  rng = np.random.default_rng(13)
-  z, y = _generated(13, 30, 4)
-  weights = (rng.uniform(size=30) < 0.7).astype(float)
-  shape = (4,) if method == "vector_scaling" else (4, 4)
-  params = {"w": rng.normal(size=shape), "b": rng.normal(size=4)}
+  rng, z, y, weights, shape, params = _random_problem(method, 13, 30)
   with jax.enable_x64(True):
     ours = newton.hessian_diagonal(method, params, z, weights, 0.3)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
@@ -205,11 +210,7 @@ def test_fits_match_a_converged_scipy_reference_k100(method):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling"])
 def test_hessian_vector_product_matches_jax(method):
-  rng = np.random.default_rng(4)
-  z, y = _generated(4, 60, 4)
-  weights = (rng.uniform(size=60) < 0.7).astype(float)
-  shape = (4,) if method == "vector_scaling" else (4, 4)
-  params = {"w": rng.normal(size=shape), "b": rng.normal(size=4)}
+  rng, z, y, weights, shape, params = _random_problem(method, 4, 60)
   direction = {"w": rng.normal(size=shape), "b": rng.normal(size=4)}
   scores = z * params["w"] + params["b"] if method == "vector_scaling" else (
       z @ params["w"].T + params["b"])
