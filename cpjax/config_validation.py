@@ -152,40 +152,20 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   if target and restores_target and not os.path.isdir(os.path.join(target, "checkpoints")):
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
-  return (problems + _reducible_loss_problems(config) + _needs_problems(selection)
-          + _budget_schedule_problems(config))
+  return problems + _reducible_loss_problems(config) + _policy_schedule_problems(config)
 
 
-def _budget_schedule_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """final_full_epochs and fraction_end shape a fixed-size method's budget over epochs."""
-  selection, problems = config.selection, []
-  fixed = policies.fixed_size(selection.method)
-  if selection.final_full_epochs and not fixed:
-    problems.append(f"config.selection.final_full_epochs={selection.final_full_epochs} works "
-                    f"with the fixed-size methods only, not selection.method="
-                    f"{selection.method!r}" + (" (use selection.anneal_fraction)"
-                                               if selection.method == "infobatch" else ""))
-  selected = config.num_epochs - selection.final_full_epochs - selection.warmup_epochs
-  if fixed and selection.final_full_epochs and selected <= 0:
-    problems.append(f"config.selection.warmup_epochs={selection.warmup_epochs} and "
-                    f"selection.final_full_epochs={selection.final_full_epochs} leave no epoch "
-                    f"of the {config.num_epochs} (config.num_epochs) to select in")
-  if selection.fraction_end < 0:
-    return problems
-  if selection.fraction_end == 0:
-    problems.append("config.selection.fraction_end=0 keeps no example in the last selected "
-                    "epoch; valid: -1 (a constant fraction) or a share in (0, 1]")
-  varying = [p.name for p in policies.POLICIES.entries()
-             if policies.fixed_size(p.name) and not p.one_size]
-  if selection.method not in varying:
-    problems.append(f"config.selection.fraction_end={selection.fraction_end} does not work with "
-                    f"selection.method={selection.method!r} (its subset needs one size); "
-                    f"valid: {', '.join(varying)}")
-  if selection.count:
-    problems.append(f"config.selection.fraction_end={selection.fraction_end} needs "
-                    f"selection.count=0 (the schedule moves the fraction; count "
-                    f"{selection.count} fixes k)")
-  return problems
+def _policy_schedule_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The selected epochs and the budget schedule (`policies.schedule_problems`, the checks
+  the library API runs too) and the fields the policy needs (`Policy.needs`)."""
+  selection = config.selection
+  needs = policies.POLICIES[selection.method].needs
+  problems = policies.needs_problems(selection.method, **{f: selection[f] for f in needs})
+  problems += policies.schedule_problems(
+      selection.method, num_epochs=config.num_epochs, warmup_epochs=selection.warmup_epochs,
+      final_full_epochs=selection.final_full_epochs, fraction_end=selection.fraction_end,
+      count=selection.count)
+  return [f"config.selection.{problem}" for problem in problems]
 
 
 def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -204,15 +184,6 @@ def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
                     "its own passes; the target run only gives the irreducible losses); "
                     f"valid: {', '.join(repr(s) for s in own_losses)}")
   return problems
-
-
-def _needs_problems(selection: ml_collections.ConfigDict) -> list[str]:
-  """The selection fields the policy needs (`Policy.needs`; infobatch prunes by each
-  example's own training loss), set otherwise."""
-  policy = policies.POLICIES[selection.method]
-  return [f"config.selection.{field}={selection[field]!r} does not work with "
-          f"selection.method={policy.name!r} (it {policy.needs_reason}); valid: {needed!r}"
-          for field, needed in policy.needs.items() if selection[field] != needed]
 
 
 def default_meta_val_size(dataset: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -305,11 +276,11 @@ def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
             "holdout"]
   num_rows = config.dataset.train_examples or num_rows
   selection = config.selection
-  if selection.count > num_rows:
-    return [f"config.selection.count={selection.count} exceeds the {num_rows} "
-            "training examples"]
-  policy_problems = policies.POLICIES[selection.method].problems
-  return policy_problems(selection, num_rows, config.num_epochs) if policy_problems else []
+  settings = {s.name: selection[s.name] for s in policies.POLICIES[selection.method].settings}
+  return [f"config.selection.{problem}" for problem in policies.size_problems(
+      selection.method, num_rows=num_rows, num_epochs=config.num_epochs,
+      warmup_epochs=selection.warmup_epochs, fraction=selection.fraction,
+      count=selection.count, **settings)]
 
 
 def _holdout_problems(dataset: ml_collections.ConfigDict, pool_size: int) -> list[str]:
@@ -371,10 +342,6 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   if config.evaluation.bootstrap_level >= 1.0:
     problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
                     "must be below 1 (e.g. 0.9 for a 90 % interval)")
-  if config.selection.method != "full" and config.selection.warmup_epochs >= config.num_epochs:
-    problems.append(f"config.selection.warmup_epochs={config.selection.warmup_epochs} leaves no "
-                    f"epoch of the {config.num_epochs} (config.num_epochs) to select in; "
-                    f"selection.method={config.selection.method!r} would never run")
   if policies.weights_loss(config.selection.method) and (
       config.budget_steps or config.optimizer.schedule_unit == "step"):
     # An infobatch epoch's size is drawn when it starts: the run's steps are not known ahead.

@@ -8,6 +8,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from cpjax import config_validation
 from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 from cpjax.selection import api, bookkeeping, policies, selector, sources
@@ -23,7 +24,9 @@ SETTINGS = {"random_share": 0.3, "temperature": 0.2, "stratify_drop": 0.1, "num_
 def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup, fraction,
                  **schedule):
   """The trainer's Selector (train-pass scoring) on the same ids, labels and score buffers:
-  {epoch: (ids, weights)}. `schedule`: final_full_epochs, fraction_end."""
+  {epoch: (ids, weights)}. `schedule`: final_full_epochs, fraction_end. The Selector selects
+  through an api.Selection it builds from config.selection, so this checks that translation
+  (every field and setting reaching it) and the mapping of ids to the split's rows."""
   config = tiny_config(**{"seed": seed, "num_epochs": num_epochs, "selection.method": method,
                           "selection.warmup_epochs": warmup, "selection.fraction": fraction,
                           **{f"selection.{k}": v for k, v in {**SETTINGS, **schedule}.items()}})
@@ -134,6 +137,46 @@ def test_record_keeps_an_ids_first_score_and_refuses_unknown_ids():
 def test_bad_arguments_are_named_with_the_valid_ones(kwargs, message):
   with pytest.raises(ValueError, match=message):
     api.Selection(np.arange(10), **kwargs)
+
+
+# Values that cannot work together, as api.Selection's keywords (num_epochs and the
+# selection section's fields of a config), and the problem's text, worked by hand on
+# configs/test.py's 1257 training examples.
+COMBINATIONS = [
+    ({"method": "stratified", "fraction": 0.5, "stratify_drop": 0.6},
+     # k = round(0.5 * 1257) = 628 (to even); 1257 - int(0.6 * 1257) = 1257 - 754 = 503.
+     "stratify_drop=0.6 leaves 503 of 1257 training examples, fewer than the subset size 628"),
+    ({"method": "infobatch", "num_epochs": 4, "warmup_epochs": 2, "anneal_fraction": 0.5},
+     "anneal_fraction=0.5 anneals from epoch 2 of 4, no later than warmup_epochs=2: "
+     "infobatch would never prune"),  # floor((1 - 0.5) * 4) = 2.
+    ({"method": "infobatch", "num_epochs": 4, "direction": "easiest"},
+     "direction='easiest' does not work with method='infobatch'"),
+    ({"method": "top_k", "count": 2000}, "count=2000 exceeds the 1257 training examples"),
+    ({"method": "top_k", "num_epochs": 3, "warmup_epochs": 3},
+     "warmup_epochs=3 leaves no epoch of the 3 (num_epochs) to select in"),
+    ({"method": "top_k", "num_epochs": 2, "warmup_epochs": 1, "final_full_epochs": 1},
+     "warmup_epochs=1 and final_full_epochs=1 leave no epoch of the 2 (num_epochs)"),
+    ({"method": "infobatch", "num_epochs": 4, "final_full_epochs": 1},
+     "final_full_epochs=1 works with the fixed-size methods only, not method='infobatch'"),
+    ({"method": "top_k", "count": 10, "fraction_end": 0.5}, "fraction_end=0.5 needs count=0"),
+    ({"method": "random_without_replacement", "fraction_end": 0.5},
+     "fraction_end=0.5 does not work with method='random_without_replacement' (its subset "
+     "needs one size)"),
+]
+
+
+@pytest.mark.parametrize("kwargs, problem", COMBINATIONS)
+def test_a_bad_combination_is_the_same_error_in_the_api_and_the_config(kwargs, problem):
+  config = tiny_config(**{("" if name == "num_epochs" else "selection.") + name: value
+                          for name, value in kwargs.items()},
+                       **({"selection.score": "loss"} if kwargs["method"] == "infobatch"
+                          and "direction" not in kwargs else {}))
+  with pytest.raises(config_validation.ConfigError) as from_config:
+    config_validation.validate(config)
+  assert f"config.selection.{problem}" in str(from_config.value)
+  with pytest.raises(ValueError) as from_api:
+    api.Selection(np.arange(splits.num_train_examples(config.dataset)), **kwargs)
+  assert problem in str(from_api.value)
 
 
 def _python_blocks(path: str) -> list[str]:

@@ -317,18 +317,18 @@ def test_infobatch_default_keeps_a_full_data_epoch_at_the_end(num_epochs, first)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({}, "config.selection.score='entropy' does not work with selection.method='infobatch' "
+    ({}, "config.selection.score='entropy' does not work with method='infobatch' "
          "(it prunes by the train pass's own per-example loss); valid: 'loss'"),
     ({"selection.score": "loss", "selection.scoring": "fresh"},
-     "config.selection.scoring='fresh' does not work with selection.method='infobatch'"),
+     "config.selection.scoring='fresh' does not work with method='infobatch'"),
     ({"selection.score": "loss", "selection.prune_ratio": 1.0},
      "config.selection.prune_ratio: must be in [0.0, 1.0), got 1.0"),
     ({"selection.score": "loss", "selection.anneal_fraction": -0.1},
      "config.selection.anneal_fraction: must be in [0.0, 1.0), got -0.1"),
     ({"selection.score": "loss", "num_epochs": 4, "selection.warmup_epochs": 2,
       "selection.anneal_fraction": 0.5},
-     "config.selection.anneal_fraction=0.5 anneals from epoch 2 of 4, no later than the "
-     "selection.warmup_epochs=2: infobatch would never prune"),
+     "config.selection.anneal_fraction=0.5 anneals from epoch 2 of 4, no later than "
+     "warmup_epochs=2: infobatch would never prune"),
 ])
 def test_bad_infobatch_configs_are_named(overrides, message):
   with pytest.raises(ValueError) as info:

@@ -9,13 +9,16 @@
       ..., per_example_scores = train_step(...)   # E.g. scores.normalized_entropy(logits).
       state = selection.record(state, batch_ids, per_example_scores)
 
-The policies are the trainer's (`policies.POLICIES`, each with its settings, checked as a
-config's are), and so is the determinism: `select` is a pure function of (seed, epoch,
-the recorded scores), so the same scores give the trainer's ids, and a run restored from
-a checkpoint of `state` selects what the uninterrupted run selected. The state is the
-trainer's score buffer: one float32 score per example (0 before any is recorded, as the
-trainer's), by the example's position in `ids`; `record` keeps the first score of an id
-that a call holds twice (the trainer's wrapped last batch). docs/library.md.
+The trainer selects through this same class (its `selector.Selector` builds one from
+config.selection and adds only what is the trainer's own: scoring passes, rows of its
+readers, the workdir's records), so the two cannot drift apart: the policies are
+`policies.POLICIES`, each with its settings, checked by the rules config validation runs
+(`policies.needs_problems`, `schedule_problems`, `size_problems`), and `select` is a pure
+function of (seed, epoch, the recorded scores), so the same scores give the trainer's ids,
+and a run restored from a checkpoint of `state` selects what the uninterrupted run selected.
+The state is the trainer's score buffer: one float32 score per example (0 before any is
+recorded, as the trainer's), by the example's position in `ids`; `record` keeps the first
+score of an id that a call holds twice (the trainer's wrapped last batch). docs/library.md.
 """
 
 from collections.abc import Mapping
@@ -64,7 +67,8 @@ class Selection:
         others keep their declared defaults.
 
     Raises:
-      ValueError: an unknown policy or setting, or a bad value, named with the valid ones.
+      ValueError: an unknown policy or setting, a bad value, or values that cannot work
+        together (the checks of a config's `selection` section), named with the valid ones.
     """
     self.ids = np.asarray(ids)
     if self.ids.ndim != 1 or np.any(np.diff(self.ids) <= 0):
@@ -74,16 +78,12 @@ class Selection:
     if len(self.labels) != len(self.ids):
       raise ValueError(f"{len(self.labels)} labels for {len(self.ids)} ids")
     self.policy = policies.POLICIES[method]
-    self._settings = _checked_settings(self.policy, settings)
-    if direction not in policies.DIRECTIONS:
-      raise ValueError(f"direction={direction!r}; valid choices: "
-                       f"{', '.join(policies.DIRECTIONS)}")
-    if "direction" in self.policy.needs and direction != self.policy.needs["direction"]:
-      raise ValueError(f"direction={direction!r} does not work with method={method!r} (it "
-                       f"{self.policy.needs_reason}); valid: {self.policy.needs['direction']!r}")
-    if (final_full_epochs or fraction_end >= 0) and not policies.fixed_size(method):
-      raise ValueError(f"final_full_epochs and fraction_end work with the fixed-size "
-                       f"policies only, not method={method!r}")
+    values = _checked_settings(self.policy, settings)
+    _check_combination(method, direction, num_rows=len(self.ids), fraction=fraction,
+                       count=count, warmup_epochs=warmup_epochs, num_epochs=num_epochs,
+                       final_full_epochs=final_full_epochs, fraction_end=fraction_end,
+                       settings=values)
+    self._settings = policies.POLICIES.keywords(method, values)
     self.fraction, self.count, self.fraction_end = fraction, count, fraction_end
     self.warmup_epochs, self.num_epochs, self.seed = warmup_epochs, num_epochs, seed
     self.final_full_epochs, self.direction, self.mesh = final_full_epochs, direction, mesh
@@ -98,15 +98,20 @@ class Selection:
     return {"scores": np.zeros(len(self.ids), np.float32)}
 
   def selecting(self, epoch: int) -> bool:
-    """Whether `epoch` trains on a policy's subset (not warm-up, not the final full epochs,
-    not method=full)."""
-    return policies.selecting(self.policy.name, epoch, self.warmup_epochs, self.num_epochs,
-                              self.final_full_epochs)
+    """Whether `epoch` trains on a policy's subset: after the warm-up epochs and before the
+    final full-data epochs (`final_full_epochs`, an annealing phase as InfoBatch's for the
+    fixed-size policies); never under method=full."""
+    return (self.policy.name != policies.FULL
+            and self.warmup_epochs <= epoch < self.num_epochs - self.final_full_epochs)
 
   def k_at(self, epoch: int) -> int:
-    """The subset size of a fixed-size policy in selected `epoch`."""
-    return policies.k_at(self.fraction, self.count, len(self.ids), epoch, self.warmup_epochs,
-                         self.num_epochs, self.final_full_epochs, self.fraction_end)
+    """The subset size of a fixed-size policy in selected `epoch`: `count`, or the kept
+    fraction of the epoch (`fraction`, moving linearly to `fraction_end` over the selected
+    epochs when that is >= 0; `policies.fraction_at`) times the training examples."""
+    fraction = policies.fraction_at(self.fraction, self.fraction_end, epoch,
+                                    self.warmup_epochs,
+                                    self.num_epochs - self.final_full_epochs - 1)
+    return policies.subset_size(fraction, self.count, len(self.ids))
 
   def select(self, state: State, epoch: int) -> Subset:
     """The ids to train on in `epoch` (all of them in warm-up), by the recorded scores."""
@@ -142,7 +147,7 @@ class Selection:
 
 
 def _checked_settings(policy: policies.Policy, given: Mapping[str, Any]) -> dict[str, Any]:
-  """The policy's keyword arguments: its declared defaults, overridden by `given`, checked."""
+  """The policy's settings by name: its declared defaults, overridden by `given`, checked."""
   declared = {s.name: s for s in policy.settings}
   unknown = sorted(set(given) - set(declared))
   if unknown:
@@ -153,5 +158,24 @@ def _checked_settings(policy: policies.Policy, given: Mapping[str, Any]) -> dict
   for name, value in values.items():
     if problem := declared[name].check(value):
       raise ValueError(f"{policy.name} setting {name}: {problem}")
-  return {declared[name].keyword: value for name, value in values.items()
-          if declared[name].keyword is not None}
+  return values
+
+
+def _check_combination(method: str, direction: str, *, num_rows: int, fraction: float,
+                       count: int, warmup_epochs: int, num_epochs: int, final_full_epochs: int,
+                       fraction_end: float, settings: Mapping[str, Any]) -> None:
+  """Raises the cross-field problems that config validation names for a config's
+  `selection` section (`policies.needs_problems`, `schedule_problems`, `size_problems`)."""
+  if direction not in policies.DIRECTIONS:
+    raise ValueError(f"direction={direction!r}; valid choices: "
+                     f"{', '.join(policies.DIRECTIONS)}")
+  problems = (policies.needs_problems(method, direction=direction)
+              + policies.schedule_problems(method, num_epochs=num_epochs,
+                                           warmup_epochs=warmup_epochs,
+                                           final_full_epochs=final_full_epochs,
+                                           fraction_end=fraction_end, count=count)
+              + policies.size_problems(method, num_rows=num_rows, num_epochs=num_epochs,
+                                       warmup_epochs=warmup_epochs, fraction=fraction,
+                                       count=count, **settings))
+  if problems:
+    raise ValueError("; ".join(problems))

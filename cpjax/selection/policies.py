@@ -4,9 +4,11 @@ configs/default.py's fields and docs/selection.md's table all come from this reg
 
 A policy is `fn(request, **settings)`: the epoch's scores, labels, ids, k, seed and epoch
 in, the ids it trains on out (infobatch: ids and a loss weight each). The algorithms are
-the pure functions of cpjax/selection/subsets.py. `select` is the one entry point, shared
-by the trainer's `Selector` and the library API (`cpjax.selection.api`); scores rank
-"hardest first" (highest first) and `direction="easiest"` negates them first. Adding a
+the pure functions of cpjax/selection/subsets.py. `select` is the one entry point, called by
+the library API's `api.Selection`, through which the trainer selects too; scores rank
+"hardest first" (highest first) and `direction="easiest"` negates them first. The
+cross-field checks (`needs_problems`, `schedule_problems`, `size_problems`) take the values
+they check as keywords: config validation and `api.Selection` run the same ones. Adding a
 policy: docs/extending.md.
 """
 
@@ -15,7 +17,6 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
-import ml_collections
 import numpy as np
 
 from cpjax import registry
@@ -39,7 +40,7 @@ class Request(NamedTuple):
 
 
 PolicyFn = Callable[..., Any]  # fn(request, **settings) -> ids [k], or (ids, weights).
-ProblemsFn = Callable[[ml_collections.ConfigDict, int, int], list[str]]
+ProblemsFn = Callable[..., list[str]]  # fn(**values) -> messages (Policy.problems).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,10 @@ class Policy:
   # Other selection fields it needs, and why: implied when unset, refused when set otherwise.
   needs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   needs_reason: str = ""
-  # Cross-field problems: (config.selection, training examples, config.num_epochs) -> messages.
+  # Cross-field problems, called by `size_problems` with keywords: num_rows (training
+  # examples), num_epochs, warmup_epochs, fraction, count and the policy's settings by name.
+  # It names the ones it checks (`**_` takes the rest) and returns messages that start with
+  # a selection field's name, bare (config validation prefixes "config.selection.").
   problems: ProblemsFn | None = None
   one_size: bool = False  # Its subsets need one k all run (no `fraction_end` schedule).
 
@@ -101,24 +105,6 @@ def fraction_at(fraction: float, fraction_end: float, epoch: int, first_selected
   return fraction + (fraction_end - fraction) * progress
 
 
-def selecting(method: str, epoch: int, warmup_epochs: int, num_epochs: int,
-              final_full_epochs: int = 0) -> bool:
-  """Whether `epoch` trains on a selected subset: after the warm-up epochs and before the
-  final full-data epochs (`final_full_epochs`, an annealing phase as InfoBatch's for the
-  fixed-size methods); never under method=full."""
-  return method != FULL and warmup_epochs <= epoch < num_epochs - final_full_epochs
-
-
-def k_at(fraction: float, count: int, num_train: int, epoch: int, warmup_epochs: int,
-         num_epochs: int, final_full_epochs: int = 0, fraction_end: float = -1.0) -> int:
-  """k of a fixed-size method in selected `epoch`: `count`, or the kept fraction of the
-  epoch (`fraction`, moving linearly to `fraction_end` over the selected epochs when that
-  is >= 0) times the training rows."""
-  fraction = fraction_at(fraction, fraction_end, epoch, warmup_epochs,
-                         num_epochs - final_full_epochs - 1)
-  return subset_size(fraction, count, num_train)
-
-
 POLICIES.register(Policy(
     "top_k", lambda r: subsets.select_top_k(r.scores, r.ids, r.k, r.mesh),
     "the k highest scores (Tata et al. 2022's selection): a global `jax.lax.top_k` over a "
@@ -133,15 +119,14 @@ POLICIES.register(Policy(
     "top-k inside each class"))
 
 
-def _stratified_problems(selection: ml_collections.ConfigDict, num_rows: int,
-                        num_epochs: int) -> list[str]:
+def _stratified_problems(*, stratify_drop: float, fraction: float, count: int, num_rows: int,
+                         **_) -> list[str]:
   """The drop must leave at least k examples to stratify."""
-  del num_epochs
-  kept = num_rows - int(selection.stratify_drop * num_rows)
-  k = subset_size(selection.fraction, selection.count, num_rows)
+  kept = num_rows - int(stratify_drop * num_rows)
+  k = subset_size(fraction, count, num_rows)
   if k > kept:
-    return [f"config.selection.stratify_drop={selection.stratify_drop} leaves {kept} of "
-            f"{num_rows} training examples, fewer than the subset size {k}"]
+    return [f"stratify_drop={stratify_drop} leaves {kept} of {num_rows} training examples, "
+            f"fewer than the subset size {k}"]
   return []
 
 
@@ -183,15 +168,14 @@ POLICIES.register(Policy(
     needs_scores=False, one_size=True))
 
 
-def _infobatch_problems(selection: ml_collections.ConfigDict, num_rows: int,
-                        num_epochs: int) -> list[str]:
+def _infobatch_problems(*, anneal_fraction: float, warmup_epochs: int, num_epochs: int,
+                        **_) -> list[str]:
   """InfoBatch prunes only before its annealing epochs."""
-  del num_rows
-  first_anneal = subsets.anneal_start(num_epochs, selection.anneal_fraction)
-  if first_anneal <= selection.warmup_epochs:
-    return [f"config.selection.anneal_fraction={selection.anneal_fraction} anneals "
-            f"from epoch {first_anneal} of {num_epochs}, no later than the "
-            f"selection.warmup_epochs={selection.warmup_epochs}: infobatch would never prune"]
+  first_anneal = subsets.anneal_start(num_epochs, anneal_fraction)
+  if first_anneal <= warmup_epochs:
+    return [f"anneal_fraction={anneal_fraction} anneals from epoch {first_anneal} of "
+            f"{num_epochs}, no later than warmup_epochs={warmup_epochs}: infobatch would "
+            "never prune"]
   return []
 
 
@@ -212,6 +196,62 @@ POLICIES.register(Policy(
     weights_loss=True, needs={"score": "loss", "scoring": "train_pass", "direction": "hardest"},
     needs_reason="prunes by the train pass's own per-example loss",
     problems=_infobatch_problems))
+
+
+# The cross-field checks of a selection, shared by config validation (which prefixes each
+# message with "config.selection.") and the library API (`api.Selection` raises them): they
+# take the values they check as keywords, so both run the very same rules.
+
+
+def needs_problems(method: str, **fields: Any) -> list[str]:
+  """The selection `fields` (by name) that policy `method` needs set otherwise
+  (`Policy.needs`; infobatch prunes by each example's own training loss)."""
+  policy = POLICIES[method]
+  return [f"{field}={fields[field]!r} does not work with method={method!r} (it "
+          f"{policy.needs_reason}); valid: {needed!r}"
+          for field, needed in policy.needs.items()
+          if field in fields and fields[field] != needed]
+
+
+def schedule_problems(method: str, *, num_epochs: int, warmup_epochs: int,
+                      final_full_epochs: int, fraction_end: float, count: int) -> list[str]:
+  """The epochs that select (warm-up, final full epochs) and a fixed-size method's budget
+  schedule (`fraction_end`), for `num_epochs` epochs."""
+  problems, fixed = [], fixed_size(method)
+  if method != FULL and warmup_epochs >= num_epochs:
+    problems.append(f"warmup_epochs={warmup_epochs} leaves no epoch of the {num_epochs} "
+                    f"(num_epochs) to select in; method={method!r} would never run")
+  if final_full_epochs and not fixed:
+    problems.append(f"final_full_epochs={final_full_epochs} works with the fixed-size methods "
+                    f"only, not method={method!r}"
+                    + (" (use anneal_fraction)" if method == "infobatch" else ""))
+  if fixed and final_full_epochs and num_epochs - final_full_epochs - warmup_epochs <= 0:
+    problems.append(f"warmup_epochs={warmup_epochs} and final_full_epochs={final_full_epochs} "
+                    f"leave no epoch of the {num_epochs} (num_epochs) to select in")
+  if fraction_end < 0:
+    return problems
+  if fraction_end == 0:
+    problems.append("fraction_end=0 keeps no example in the last selected epoch; valid: -1 "
+                    "(a constant fraction) or a share in (0, 1]")
+  varying = [p.name for p in POLICIES.entries() if fixed_size(p.name) and not p.one_size]
+  if method not in varying:
+    problems.append(f"fraction_end={fraction_end} does not work with method={method!r} (its "
+                    f"subset needs one size); valid: {', '.join(varying)}")
+  if count:
+    problems.append(f"fraction_end={fraction_end} needs count=0 (the schedule moves the "
+                    f"fraction; count {count} fixes k)")
+  return problems
+
+
+def size_problems(method: str, *, num_rows: int, num_epochs: int, warmup_epochs: int,
+                  fraction: float, count: int, **settings: Any) -> list[str]:
+  """The subset size against the `num_rows` training examples, then the policy's own
+  cross-field problems (`Policy.problems`) with its `settings` by name."""
+  if count > num_rows:
+    return [f"count={count} exceeds the {num_rows} training examples"]
+  problems = POLICIES[method].problems
+  return problems(num_rows=num_rows, num_epochs=num_epochs, warmup_epochs=warmup_epochs,
+                  fraction=fraction, count=count, **settings) if problems else []
 
 
 def select(method: str, request: Request, settings: Mapping[str, Any],

@@ -1,11 +1,15 @@
 """Each epoch's training rows: warm-up on all data, then a scored or random subset
 (infobatch: a pruned subset of varying size, with a loss weight per row).
 
-`Selector` joins the parts of the selection package for the training loop:
-before an epoch, the score source refreshes the buffer if a pass is due and
-the policy picks the subset by the buffer's scores (under score=reducible_loss:
-the buffer's losses less the target's irreducible losses); after it, the
-bookkeeping updates the selection state and returns the epoch's accounting.
+`Selector` is the training loop's side of the library API's `api.Selection`, which
+makes every selection decision (which epochs select, k, the policy's ids and
+weights), so that the trainer and one's own loop (examples/own_loop.py) select
+alike by construction. What only the trainer has is here: before an epoch, the
+score source refreshes the buffer if a pass is due (a scoring pass through the
+mesh readers) and the selection ranks the buffer's scores (under
+score=reducible_loss: the buffer's losses less the target's irreducible losses),
+mapped to the split's rows; after it, the bookkeeping updates the selection
+state, returns the epoch's accounting and writes the scores to the workdir.
 Every random draw is a function of (seed, epoch) and the selection state is
 checkpointed with the train state, so a resumed run selects exactly what the
 uninterrupted run selected.
@@ -19,7 +23,7 @@ import numpy as np
 
 from cpjax import steps
 from cpjax.data import readers, splits
-from cpjax.selection import bookkeeping, policies, score_files, scores, sources
+from cpjax.selection import api, bookkeeping, policies, score_files, scores, sources
 
 
 class Selector:
@@ -42,35 +46,28 @@ class Selector:
       num_ids: the dataset's training examples, the id range of the recorded score files.
       num_bins: evaluation.num_bins, of the train-pass and scorer ECE.
     """
-    self._selection, self._split, self._mesh, self._source = selection, train_split, mesh, source
-    self._num_epochs, self._batch_size, self._seed = num_epochs, batch_size, seed
+    self._split, self._source, self._batch_size = train_split, source, batch_size
     self._num_classes, self._num_ids, self._num_bins = num_classes, num_ids, num_bins
+    self._record_scores = selection.record_scores
+    self._reducible = selection.score == scores.REDUCIBLE_LOSS
+    policy_settings = {s.name: selection[s.name]
+                       for s in policies.POLICIES[selection.method].settings}
+    self.selection = api.Selection(
+        train_split.ids, train_split.labels, method=selection.method,
+        fraction=selection.fraction, count=selection.count,
+        warmup_epochs=selection.warmup_epochs, num_epochs=num_epochs, seed=seed,
+        direction=selection.direction, final_full_epochs=selection.final_full_epochs,
+        fraction_end=selection.fraction_end, mesh=mesh, **policy_settings)
     # Weighted methods (infobatch) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
-    self.weighted = policies.weights_loss(selection.method)
-    self._reducible = selection.score == scores.REDUCIBLE_LOSS
-    self._settings = policies.POLICIES.keywords(selection.method, selection)
-
-  def selecting(self, epoch: int) -> bool:
-    """Whether `epoch` trains on a selected subset (after the warm-up, before the
-    `selection.final_full_epochs`)."""
-    return policies.selecting(self._selection.method, epoch, self._selection.warmup_epochs,
-                              self._num_epochs, self._selection.final_full_epochs)
-
-  def k_at(self, epoch: int) -> int:
-    """k of a fixed-size method in selected `epoch` (`policies.k_at`: `selection.count`, or
-    the epoch's kept fraction under `selection.fraction_end`'s schedule)."""
-    selection = self._selection
-    return policies.k_at(selection.fraction, selection.count, len(self._split), epoch,
-                         selection.warmup_epochs, self._num_epochs,
-                         selection.final_full_epochs, selection.fraction_end)
+    self.weighted = self.selection.weighted
 
   def steps_in_epoch(self, epoch: int) -> int:
     """Steps of `epoch` for the progress report's total. An infobatch epoch's size is known
     only once its rows are drawn: its full size counts (an upper bound; the loop trains
     ceil(rows / batch_size) steps of the rows it gets)."""
-    fixed_subset = self.selecting(epoch) and not self.weighted
-    rows = self.k_at(epoch) if fixed_subset else len(self._split)
+    fixed_subset = self.selection.selecting(epoch) and not self.weighted
+    rows = self.selection.k_at(epoch) if fixed_subset else len(self._split)
     return -(-rows // self._batch_size)
 
   def rows_for_epoch(self, epoch: int, train_state: steps.TrainState,
@@ -81,18 +78,18 @@ class Selector:
       (rows, float32 loss weights of the rows or None (unweighted methods),
       selection state, {"scoring_seconds", "selection_seconds"}).
     """
-    if not self.selecting(epoch):
-      rows = np.arange(len(self._split))
-      return (rows, self._unit_weights(rows), state,
+    if not self.selection.selecting(epoch):  # All rows (unit weights): no pass, no ranking.
+      subset = self.selection.select(state, epoch)
+      return (np.arange(len(self._split)), subset.weights, state,
               {"scoring_seconds": 0.0, "selection_seconds": 0.0})
     start = time.perf_counter()
-    if policies.POLICIES[self._selection.method].needs_scores:
+    if self.selection.policy.needs_scores:
       state = self._source.refresh(epoch, train_state, state)
     scored = time.perf_counter()
-    chosen, weights = self._choose(epoch, self._priorities(state))
-    rows = np.searchsorted(self._split.ids, chosen)
-    return rows, weights, state, {"scoring_seconds": scored - start,
-                                  "selection_seconds": time.perf_counter() - scored}
+    subset = self.selection.select({"scores": self._priorities(state)}, epoch)
+    rows = np.searchsorted(self._split.ids, subset.ids)
+    return rows, subset.weights, state, {"scoring_seconds": scored - start,
+                                         "selection_seconds": time.perf_counter() - scored}
 
   def _priorities(self, state: bookkeeping.SelectionState) -> np.ndarray:
     """What the policy ranks: the score buffer, or under RHO-LOSS the buffer's training
@@ -101,17 +98,6 @@ class Selector:
     if self._reducible:
       return scores.reducible_loss(state["scores"], state["irreducible"])
     return state["scores"]
-
-  def _choose(self, epoch: int, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """The policy's ids (increasing) and their weights (None for unweighted methods)."""
-    request = policies.Request(scores, self._split.labels, self._split.ids, self.k_at(epoch),
-                               self._seed, epoch, self._selection.warmup_epochs,
-                               self._num_epochs, self._mesh)
-    return policies.select(self._selection.method, request, self._settings,
-                           self._selection.direction)
-
-  def _unit_weights(self, rows: np.ndarray) -> np.ndarray | None:
-    return np.ones(len(rows), np.float32) if self.weighted else None
 
   def after_epoch(self, epoch: int, state: bookkeeping.SelectionState, order: np.ndarray,
                   per_example: dict[str, np.ndarray], timings: dict[str, float],
@@ -126,7 +112,7 @@ class Selector:
     """
     rows, first = bookkeeping.first_pass(order, per_example)
     record = bookkeeping.train_pass_record(first["confidence"], first["correct"], self._num_bins)
-    if self.selecting(epoch):
+    if self.selection.selecting(epoch):
       # score_mean_selected/_all: means of what the policy ranked (reducible losses under
       # RHO-LOSS), before this epoch's train pass rewrites the buffer.
       state, subset = bookkeeping.subset_record(state, rows, self._split.labels,
@@ -140,7 +126,7 @@ class Selector:
         record.update(bookkeeping.scorer_record(calibration, rows, self._num_bins))
     if self._source.learns_from_training:
       state = bookkeeping.with_scores(state, rows, first["score"])
-    if self._selection.record_scores and jax.process_index() == 0:
+    if self._record_scores and jax.process_index() == 0:
       score_files.write_epoch_scores(workdir, epoch, self._num_ids, self._split.ids[rows],
                                      first["score"])
     state, seconds = bookkeeping.add_seconds(state, timings)
