@@ -68,9 +68,6 @@ class Score:
   doc: str  # One line for the docs' table.
   settings: tuple[registry.Setting, ...] = ()  # `config.selection.<name>` fields it reads.
   uses_labels: bool = True  # False: label-free (uncertainty) scores.
-  # RHO-LOSS: the selector subtracts another run's `fn` of the same rows (the irreducible
-  # losses of `selection.target_workdir`) before ranking.
-  subtracts_target: bool = False
 
 
 SCORES: registry.Registry[Score] = registry.Registry("selection score", "selection")
@@ -85,7 +82,7 @@ for _score in (
     Score("loss", loss, "cross-entropy of the label (Loshchilov & Hutter 2015)"),
     Score("el2n", el2n, "||softmax(z) - onehot(y)||_2 (Paul et al. 2021)"),
     Score(REDUCIBLE_LOSS, loss, "RHO-LOSS (Mindermann et al., ICML 2022): this model's loss "
-          "less `target_workdir`'s loss of the same example", subtracts_target=True),
+          "less `target_workdir`'s loss of the same example"),
 ):
   SCORES.register(_score)
 
