@@ -133,7 +133,11 @@ class Context:
 
   def __init__(self, source, transform: preprocess.Transform):
     try:
-      data = pickle.dumps((source, transform), protocol=pickle.HIGHEST_PROTOCOL)
+      # The transform's crop entry travels too, pickled by reference: unpickling it imports
+      # the module that registered it (a user's module among them) in the worker, whose
+      # TRAIN_CROPS then holds the name.
+      crop = preprocess.TRAIN_CROPS[transform.train_crop]
+      data = pickle.dumps((source, transform, crop), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as err:  # pylint: disable=broad-except  pickle raises several kinds.
       raise TypeError(
           f"the data source {type(source).__name__} cannot be pickled for the host stage's "
@@ -220,7 +224,7 @@ def _context(key: tuple[str, int]):
   name, size = key
   shm = shared_memory.SharedMemory(name)
   try:
-    value = pickle.loads(shm.buf[:size])
+    value = pickle.loads(shm.buf[:size])[:2]  # (source, transform); the crop is registered.
   except Exception as err:  # pylint: disable=broad-except  A class the worker cannot import.
     raise TypeError(
         f"a host-stage worker process cannot unpickle the reader's data source "
