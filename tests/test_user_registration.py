@@ -7,17 +7,24 @@ it reads the config file and validates it, so its names are valid choices and it
 config field; the run trains on the generated data with the toy policy's subsets.
 """
 
+import io
 import json
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 import pytest
+from scipy import special
 
-from cpjax import config_validation
+from cpjax import config_schema, config_validation, models
+from cpjax.calibration import parametric, posthoc, report
+from cpjax.data import preprocess
 from cpjax.selection import policies
-from tests import helpers
+from tests import helpers, toy_models
 
 MODULE = "cpjax_user_ext"
 NUM_EXAMPLES, NUM_CLASSES, NUM_TEST = 240, 4, 64  # The generated dataset: train and test.
@@ -33,7 +40,7 @@ import numpy as np
 from PIL import Image
 
 from cpjax import registry
-from cpjax.data import sources, specs
+from cpjax.data import preprocess, sources, specs
 from cpjax.selection import policies
 
 NUM_EXAMPLES, NUM_CLASSES, NUM_TEST = 240, 4, 64
@@ -101,6 +108,19 @@ def open_splits(dataset, spec):
 
 sources.KINDS.register(sources.SourceKind("toygen:", describe, open_splits,
                                           "generated 8x8 grey images (a test's)"))
+
+
+def corner_box(rng, width, height, transform):
+  """The top-left square of the image (no random draw)."""
+  del rng, transform
+  _log(event="crop", pid=os.getpid(), size=[width, height])
+  side = min(width, height)
+  return (0, 0, side, side)
+
+
+preprocess.TRAIN_CROPS.register(preprocess.TrainCrop("toy_corner", corner_box,
+                                                     "toy: the top-left square"))
+_log(event="imported", pid=os.getpid())
 '''
 
 
@@ -125,6 +145,7 @@ RUN_FLAGS = ("--config.dataset.name=toygen:small", "--config.selection.method=to
              "--config.selection.fraction=0.25", "--config.num_epochs=2",
              "--config.dataset.val_size=40", "--config.dataset.crop_padding=0",
              "--config.evaluation.ood=", "--config.evaluation.calibrator_resamples=0",
+             "--config.dataset.train_crop=toy_corner",
              "--config.dataset.worker_kind=process", "--config.dataset.num_workers=2")
 
 
@@ -160,8 +181,11 @@ def test_a_users_module_registers_a_policy_and_a_source_that_a_run_trains_with(t
   read_test = {i for c in calls if c["event"] == "read" and c["split"] == "test"
                for i in c["ids"]}
   assert read_test == set(range(NUM_TEST))  # Evaluated on the generated test split.
-  final = [r for r in records if "test_accuracy" in r]
-  assert final and 0.0 <= final[-1]["test_accuracy"] <= 1.0
+  # The training crop the module registered ran in the decoding worker processes, which
+  # registered it from the reader's pickle (the module is imported there, not run).
+  main_pid = next(c["pid"] for c in calls if c["event"] == "imported")
+  crops = [c for c in calls if c["event"] == "crop"]
+  assert crops and all(c["size"] == [8, 8] and c["pid"] != main_pid for c in crops)
 
 
 def test_a_module_that_cannot_be_imported_is_named_before_anything_runs(tmp_path):
@@ -213,3 +237,82 @@ def test_the_config_field_imports_modules_in_library_use(tmp_path, monkeypatch):
     if "toy_first_k" in policies.POLICIES:
       policies.POLICIES.unregister("toy_first_k")
     sys.modules.pop("cpjax_user_policy_only", None)
+
+
+# ----------------------------------------------------------------- registered in a test
+
+
+def test_a_model_registered_outside_cpjax_is_a_choice_built_by_its_constructor():
+  spec = models.ModelSpec("toy_registered", toy_models.ToyNet, 8, 2, "toy: a test's model")
+  with models.MODELS.registered(spec):
+    config = helpers.tiny_config(**{"model.name": "toy_registered"})
+    config_validation.validate(config)
+    assert "| `toy_registered` | 8 px | x2 | toy: a test's model |" in models.markdown_table()
+    x = jnp.ones((2, 8, 8, 1))
+    built = models.create_model("toy_registered", 3)
+    direct = toy_models.ToyNet(num_classes=3)  # What the constructor alone builds.
+    key = jax.random.PRNGKey(0)
+    ours, theirs = built.init(key, x, train=False), direct.init(key, x, train=False)
+    np.testing.assert_array_equal(built.apply(ours, x, train=False)[0],
+                                  direct.apply(theirs, x, train=False)[0])
+    with pytest.raises(config_validation.ConfigError, match="did you mean toy_registered"):
+      config_validation.validate(helpers.tiny_config(**{"model.name": "toy_registerd"}))
+  assert "toy_registered" not in models.MODELS
+
+
+def _corner(rng, width, height, transform):
+  del rng, transform
+  return (0, 0, width // 2, height // 2)
+
+
+def test_a_training_crop_registered_outside_cpjax_crops_training_images():
+  pixels = np.arange(64, dtype=np.uint8).reshape(8, 8) * 3
+  data = io.BytesIO()
+  Image.fromarray(pixels, "L").save(data, format="PNG")
+  with preprocess.TRAIN_CROPS.registered(preprocess.TrainCrop("toy_quarter", _corner, "toy")):
+    transform = preprocess.Transform(size=4, channels=1, train_crop="toy_quarter")
+    out = transform(data.getvalue(), example_id=5, epoch=0)
+    # The top-left 4x4 at its own size: the crop box alone decides the pixels.
+    np.testing.assert_array_equal(out[..., 0], pixels[:4, :4])
+    assert config_schema.spine_schema()["dataset.train_crop"]("toy_quarter") is None
+  problem = config_schema.spine_schema()["dataset.train_crop"]("toy_quarter")
+  assert problem == "got 'toy_quarter'; valid choices: center, random_resized"
+
+
+def _prior_fit(z, y, weights, setting, start):
+  """s = z + b, b_k = log of class k's smoothed frequency among the weighted rows."""
+  del setting, start
+  counts = np.bincount(y, weights=weights, minlength=z.shape[1])
+  return parametric.Fit({"b": np.log((counts + 1) / (counts.sum() + z.shape[1]))}, True,
+                        float("nan"), 0, "closed form")
+
+
+def _prior_apply(params, z, xp, hyper):
+  del hyper
+  shifted = z + xp.asarray(params["b"])
+  return shifted - jax.nn.logsumexp(shifted, axis=-1, keepdims=True) if xp is jnp else (
+      special.log_softmax(shifted, axis=-1))
+
+
+def test_a_posthoc_map_registered_outside_cpjax_is_fitted_applied_and_reported():
+  rng = np.random.default_rng(0)
+  z, y = rng.normal(size=(120, 3)), rng.choice(3, 120, p=[0.6, 0.3, 0.1])
+  entry = posthoc.Map("toy_prior", "toy: a class-prior shift", _prior_fit, _prior_apply)
+  with posthoc.MAPS.registered(entry):
+    calibrator = posthoc.fit("toy_prior", z, y, folds=3)
+    # Refitted on every row: b by hand from the class counts.
+    counts = np.array([np.sum(y == k) for k in range(3)])
+    np.testing.assert_allclose(calibrator.params["b"], np.log((counts + 1) / (120 + 3)))
+    log_p = posthoc.apply(calibrator, z)
+    np.testing.assert_allclose(log_p, special.log_softmax(z + calibrator.params["b"], axis=1))
+    np.testing.assert_allclose(posthoc.apply(calibrator, z, jnp), log_p, rtol=1e-5, atol=1e-6)
+    # A config may choose it, and the report fits and tables it beside cpjax's maps.
+    config = helpers.tiny_config(**{"evaluation.calibrator": "toy_prior"})
+    assert config_schema.spine_schema()["evaluation.calibrator"]("toy_prior") is None
+    config.evaluation.calibrator_resamples = 0
+    section, chosen = report.posthoc_table((z[:60], y[:60]), (z[60:], y[60:]), 3,
+                                           config.evaluation)
+    assert list(section["calibrators"]) == list(posthoc.MAPS) and section["chosen"] == "toy_prior"
+    shift = _prior_fit(z[:60], y[:60], np.ones(60), None, None).params["b"]
+    np.testing.assert_allclose(chosen, special.log_softmax(z[60:] + shift, axis=1))
+  assert "toy_prior" not in posthoc.MAPS

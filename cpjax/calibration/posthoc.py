@@ -248,7 +248,8 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
     The fitted Calibrator with its cross-validated NLL.
   """
   if method not in MAPS:
-    raise ValueError(f"post-hoc method={method!r}; {MAPS.choices(method)}")
+    raise ValueError(f"post-hoc method={method!r}; {registry.did_you_mean(method, MAPS.names())}"
+                     f"valid choices: {', '.join(MAPS.names())}")  # In the docs' order.
   # One BLAS thread: the fits' matrices are tiny, and OpenBLAS's threads waiting on each
   # other made L-BFGS-B's steps ~10x slower on a busy 2-core machine.
   with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
