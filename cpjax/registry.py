@@ -90,6 +90,23 @@ def int_sequence(low: int = 0) -> Check:
   return check
 
 
+def floats(length: int | None, low: float, high: float, increasing: bool = False) -> Check:
+  """A tuple of numbers in [low, high] (`length` of them, any when None; empty allowed only
+  when `length` is None), optionally non-decreasing."""
+  def check(value):
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+      return f"must be a tuple of numbers, got {value!r}"
+    if length is not None and len(value) != length:
+      return f"must hold {length} numbers, got {value!r}"
+    if any(not low <= v <= high for v in value):
+      return f"must hold numbers in [{low}, {high}], got {value!r}"
+    if increasing and list(value) != sorted(value):
+      return f"must be (low, high) with low <= high, got {value!r}"
+    return None
+  return check
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
   """One config field that an entry reads: `config.<section>.<name>`.

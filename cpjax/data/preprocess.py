@@ -373,7 +373,7 @@ class TrainCrop:
 
 
 # Training crops by name. A new crop is one function and its registration (a user's module
-# too: docs/extending.md#add-a-training-crop).
+# too: docs/extending.md#add-a-preprocessing-op).
 TRAIN_CROPS: registry.Registry[TrainCrop] = registry.Registry("training crop", "dataset")
 TRAIN_CROPS.register(TrainCrop("random_resized", _random_resized,
                                "Inception crop: area share in crop_scale, ratio in crop_ratio"))

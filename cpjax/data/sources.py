@@ -457,19 +457,3 @@ def name_problem(name) -> str | None:
   names = [*specs.BUILTIN, *(kind.name for kind in KINDS.entries())]
   return (f"got {name!r}; {registry.did_you_mean(name, names)}valid choices: "
           f"{', '.join(sorted(specs.BUILTIN))}, {kinds}")
-
-
-def floats_problem(value, length: int | None, low: float, high: float,
-                   increasing: bool = False) -> str | None:
-  """A check of a tuple of floats in [low, high] (`length` of them, any when None; empty
-  allowed only when `length` is None), optionally non-decreasing."""
-  if not isinstance(value, (tuple, list)) or not all(
-      isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-    return f"must be a tuple of numbers, got {value!r}"
-  if length is not None and len(value) != length:
-    return f"must hold {length} numbers, got {value!r}"
-  if any(not low <= v <= high for v in value):
-    return f"must hold numbers in [{low}, {high}], got {value!r}"
-  if increasing and list(value) != sorted(value):
-    return f"must be (low, high) with low <= high, got {value!r}"
-  return None
