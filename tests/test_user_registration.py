@@ -22,7 +22,7 @@ from scipy import special
 
 from cpjax import config_schema, config_validation, models
 from cpjax.calibration import parametric, posthoc, report
-from cpjax.data import preprocess
+from cpjax.data import preprocess, sources
 from cpjax.selection import policies
 from tests import helpers, toy_models
 
@@ -316,3 +316,26 @@ def test_a_posthoc_map_registered_outside_cpjax_is_fitted_applied_and_reported()
     shift = _prior_fit(z[:60], y[:60], np.ones(60), None, None).params["b"]
     np.testing.assert_allclose(chosen, special.log_softmax(z[60:] + shift, axis=1))
   assert "toy_prior" not in posthoc.MAPS
+
+
+def _no_describe(dataset):
+  raise AssertionError("not called: the test only names datasets")
+
+
+def test_a_source_kind_registered_under_a_prefix_opens_its_names_only():
+  kind = sources.SourceKind("toyprefix:", _no_describe, lambda d, s: {}, "toy datasets")
+  assert not sources.is_source_name("toyprefix:abc")
+  with sources.KINDS.registered(kind):
+    assert sources.kind_of("toyprefix:abc") is kind and sources.is_source_name("toyprefix:a")
+    # The bare prefix, another prefix and the prefix's word alone are no source names.
+    assert not any(sources.is_source_name(n) for n in ("toyprefix:", "toyprefi:x", "toyprefix"))
+    assert sources.name_problem("toyprefix:abc") is None
+    problem = sources.name_problem("toyprefx")
+    assert "did you mean toyprefix:?" in problem and "toyprefix:NAME (toy datasets)" in problem
+    assert "folder (with dataset.folder=DIR)" in problem and "digits" in problem
+  assert not sources.is_source_name("toyprefix:abc")  # Gone with its registration.
+  for bad in ("a:b", ":", "toy::", "digits", ""):
+    with pytest.raises(ValueError, match=f"source kind name {bad!r}"):
+      sources.SourceKind(bad, _no_describe, lambda d, s: {})
+  with pytest.raises(ValueError, match="'tfds:' is already registered"):
+    sources.KINDS.register(sources.SourceKind("tfds:", _no_describe, lambda d, s: {}))
