@@ -9,6 +9,9 @@ Rerunning the same command resumes from the latest checkpoint in --workdir. A ch
 what it needs unless the command line or the config file sets it (logged): e.g.
 --config.selection.method=infobatch implies --config.selection.score=loss. A bad config
 (or a missing --config file) prints its problems and exits with status 2 (a usage error).
+--config.import_modules=mypkg.extras imports a user's module first (before the config file
+is read), so the policies, datasets, models... it registers are choices like cpjax's own
+(docs/extending.md).
 An operational failure (a full or read-only folder, a failed checkpoint write, a lost
 process) ends in one FATAL line naming the cause, the way out and the last good
 checkpoint, and status 1 (cpjax/runtime/failures.py).
@@ -117,6 +120,10 @@ def _config_with_implied_settings():
   """--config with what its choices imply set (logged), validated: a bad one exits with its
   problems alone. Set by the user: the command-line overrides and the fields the config file
   changed from configs/default.py."""
+  try:
+    config_validation.import_modules(FLAGS.config)  # A user's registrations, before all else.
+  except config_validation.ConfigError as err:
+    _usage_exit(str(err))
   explicit = set(FLAGS["config"].override_values) | config_validation.changed_fields(
       FLAGS.config, default.get_config())
   implied = config_validation.implied_settings(FLAGS.config, explicit)
@@ -173,6 +180,11 @@ def parse_flags(argv: list[str]) -> list[str]:
   config_path = _flag_value(argv, "config")
   if config_path is not None:
     _check_config_file(config_path)
+  modules = _flag_value(argv, "config.import_modules")
+  if modules:  # Before the config file is read: configs/default.py adds their settings.
+    problem = config_schema.import_problem(modules)
+    if problem:
+      _usage_exit(f"--config.import_modules: {problem}")
   try:
     return FLAGS(argv)
   except (AttributeError, KeyError) as err:  # ml_collections: the override's field is unknown.

@@ -14,10 +14,15 @@ def get_config() -> ml_collections.ConfigDict:
   """Returns the default configuration."""
   config = ml_collections.ConfigDict()
   config.seed = 0  # Root seed: model init, data order, augmentation, mixup.
+  # Modules to import at start-up, before the config is validated, comma-separated
+  # ("mypkg.extras,my_sources"): a user's own registered policies, scores, losses, models,
+  # source kinds, training crops or post-hoc maps (docs/extending.md). "" = none.
+  config.import_modules = ""
 
   config.dataset = ml_collections.ConfigDict()
-  # One of cpjax.data.specs.DATASETS, "folder" (dataset.folder) or "tfds:NAME" (any tfds
-  # image-classification dataset): docs/data.md.
+  # One of cpjax.data.specs.DATASETS, or a name a source kind opens (cpjax.data.sources
+  # .KINDS): "folder" (dataset.folder) or "tfds:NAME" (any tfds image-classification
+  # dataset), docs/data.md.
   config.dataset.name = "digits"
   config.dataset.data_dir = ""  # tfds data dir; "" = ~/tensorflow_datasets.
   config.dataset.manual_dir = ""  # Raw files for local builders; "" = builder default.
@@ -83,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.worker_kind = "process"
 
   config.model = ml_collections.ConfigDict()
-  config.model.name = "resnet18"  # Registered (README) or a Flax module "pkg.module:Class".
+  config.model.name = "resnet18"  # Registered (docs/models.md) or a Flax module "pkg.module:Class".
   config.model.dtype = "float32"  # Compute dtype: float32 or bfloat16 (params stay float32).
 
   config.loss = ml_collections.ConfigDict()
@@ -165,7 +170,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.evaluation.bootstrap_level = 0.9  # Coverage of the bootstrap intervals.
   config.evaluation.bootstrap_kind = "basic"  # basic (pivotal; focal-loss code) or percentile.
   config.evaluation.bootstrap_seed = 0  # Seed of the bootstrap resampling.
-  # Post-hoc map of the report's "calibrated" numbers: one of cpjax.calibration.posthoc.METHODS
+  # Post-hoc map of the report's "calibrated" numbers: one of cpjax.calibration.posthoc.MAPS
   # or auto (lowest cross-validated validation NLL); every map is fitted and tabled anyway.
   # ensemble_temperature keeps every prediction; in studies/results/posthoc.md it beat auto by
   # 0.8 ECE points on a 180-image validation set and was within 0.1 of it on 6,000 images.

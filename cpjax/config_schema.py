@@ -8,6 +8,8 @@ fields get the closest known names, and renamed ones a pointer to their replacem
 """
 
 import difflib
+import importlib
+import re
 from typing import Any
 
 import ml_collections
@@ -33,10 +35,36 @@ RENAMED_FIELDS = {
 }
 
 
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def module_names(value: str) -> list[str]:
+  """The module names of `config.import_modules` (comma-separated; blanks ignored)."""
+  return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def import_problem(value: Any) -> str | None:
+  """`config.import_modules`'s check, which imports each module (once: Python keeps it): a
+  user's module registers its entries when it is imported. The first module that is no
+  module name or cannot be imported is named, with its error."""
+  if not isinstance(value, str):
+    return f"must be a string of comma-separated module names, got {value!r}"
+  for name in module_names(value):
+    if not _MODULE_NAME.match(name):
+      return f"{name!r} is not a module name (package.module; names separated by commas)"
+    try:
+      importlib.import_module(name)
+    except Exception as err:  # pylint: disable=broad-except  Any error of the user's code.
+      return (f"cannot import module {name!r} ({type(err).__name__}: {err}); is it installed "
+              "or on PYTHONPATH?")
+  return None
+
+
 def spine_schema() -> dict[str, Check]:
   """Checks of every field; the registries of the modules that own them give the choices."""
   return {
       "seed": integer(0, 2**31 - 1),
+      "import_modules": import_problem,
       "dataset.name": data_sources.name_problem,
       "dataset.data_dir": string(),
       "dataset.manual_dir": string(),
@@ -61,13 +89,13 @@ def spine_schema() -> dict[str, Check]:
       "dataset.image_size": integer(0, 4096),
       "dataset.channels": lambda v: None if is_int(v) and v in (0, 1, 3) else (
           f"must be 0 (the dataset's own), 1 or 3, got {v!r}"),
-      "dataset.train_crop": choice(list(preprocess.TRAIN_CROPS)),
-      "dataset.crop_scale": lambda v: data_sources.floats_problem(v, 2, 1e-6, 1.0, True),
-      "dataset.crop_ratio": lambda v: data_sources.floats_problem(v, 2, 1e-3, 1e3, True),
+      "dataset.train_crop": preprocess.TRAIN_CROPS.check(),
+      "dataset.crop_scale": registry.floats(2, 1e-6, 1.0, True),
+      "dataset.crop_ratio": registry.floats(2, 1e-3, 1e3, True),
       "dataset.eval_crop_fraction": number(0.0, 1.0, low_open=True),
       "dataset.resize": choice(list(preprocess.RESIZE_ENGINES)),
-      "dataset.mean": lambda v: data_sources.floats_problem(v, None, 0.0, 1.0),
-      "dataset.std": lambda v: data_sources.floats_problem(v, None, 1e-6, 1.0),
+      "dataset.mean": registry.floats(None, 0.0, 1.0),
+      "dataset.std": registry.floats(None, 1e-6, 1.0),
       "dataset.check_files": integer(0),
       "dataset.skip_bad_files": boolean(),
       "dataset.num_workers": integer(0, 256),
@@ -106,7 +134,7 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.bootstrap_level": number(0.0, 1.0, low_open=True),
       "evaluation.bootstrap_kind": choice(list(bootstrap.KINDS)),
       "evaluation.bootstrap_seed": integer(0, 2**31 - 1),
-      "evaluation.calibrator": choice(["auto", *posthoc.MAPS]),  # The registry of maps.
+      "evaluation.calibrator": choice(lambda: ["auto", *posthoc.MAPS]),  # When it runs.
       "evaluation.calibrator_folds": integer(2),
       "evaluation.calibrator_resamples": integer(0),
       "evaluation.calibrator_square_max_classes": integer(0),

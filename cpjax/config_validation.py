@@ -39,6 +39,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: one line per bad, unknown or missing field.
   """
+  import_modules(config)  # First: the names the modules register are valid choices below.
   schema = config_schema.spine_schema()
   leaves = config_schema.leaves(config)
   problems = [config_schema.unknown_field(name, schema) for name in leaves if name not in schema]
@@ -55,6 +56,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+def import_modules(config: ml_collections.ConfigDict) -> None:
+  """Imports `config.import_modules` (a user's registrations), so that the names they
+  register are valid choices; before `implied_settings` and `validate`.
+
+  Raises:
+    ConfigError: a module that cannot be imported, named with its error.
+  """
+  problem = config_schema.import_problem(config.get("import_modules", ""))
+  if problem:
+    raise ConfigError(f"invalid config:\n  config.import_modules: {problem}")
+
+
 # Readers of a source dataset: auto and stream read its converted records when
 # dataset.stream_dir is set, else (auto, host) the source itself.
 SOURCE_READERS = ("auto", "host", "stream")
@@ -64,7 +77,7 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   """A source dataset (folder, tfds:NAME): its facts read and registered (data_sources
   .resolve: a missing folder, an unprepared tfds dataset or unreadable files are named
   here), and the fields that only in-memory datasets use left alone."""
-  if not specs.is_source_name(dataset.name):
+  if not data_sources.is_source_name(dataset.name):
     return [f"config.dataset.folder={dataset.folder!r} is read only with "
             "dataset.name='folder'"] if dataset.folder else []
   problems = []

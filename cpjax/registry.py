@@ -1,11 +1,14 @@
-"""Registries of named entries (selection policies, scores, losses) and their declared settings.
+"""Registries of named entries and their declared settings: cpjax's one way to add a choice.
 
-An entry is a small frozen dataclass registered once, in the module that defines its
-function; it declares its config settings beside it (`Setting`: the field name, default,
-check and a one-line doc). Config validation, configs/default.py's fields, the
-did-you-mean messages for unknown names and the docs' option tables are all read from
-the registries, so a new policy, score or loss is one function and its registration
-(docs/extending.md). Checks return a problem description, or None.
+Every named choice is an entry of a `Registry`: selection policies and scores, losses,
+models, dataset source kinds, host-stage training crops and post-hoc maps. An entry is a
+small frozen dataclass with a `name`, a one-line `doc` and the config `settings` it reads
+(`Setting`: the field name, default, check and a one-line doc; most kinds declare none),
+registered once, in the module that defines its function, or in a user's own module
+(`config.import_modules`, docs/extending.md). Config validation, configs/default.py's
+fields, the did-you-mean messages for unknown names and the docs' option tables are all
+read from the registries, so a new entry is one function and its registration. Checks
+return a problem description, or None.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -87,6 +90,23 @@ def int_sequence(low: int = 0) -> Check:
   return check
 
 
+def floats(length: int | None, low: float, high: float, increasing: bool = False) -> Check:
+  """A tuple of numbers in [low, high] (`length` of them, any when None; empty allowed only
+  when `length` is None), optionally non-decreasing."""
+  def check(value):
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+      return f"must be a tuple of numbers, got {value!r}"
+    if length is not None and len(value) != length:
+      return f"must hold {length} numbers, got {value!r}"
+    if any(not low <= v <= high for v in value):
+      return f"must hold numbers in [{low}, {high}], got {value!r}"
+    if increasing and list(value) != sorted(value):
+      return f"must be (low, high) with low <= high, got {value!r}"
+    return None
+  return check
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
   """One config field that an entry reads: `config.<section>.<name>`.
@@ -114,10 +134,16 @@ E = TypeVar("E", bound=Entry)
 
 
 class Registry(Generic[E]):
-  """Named entries of one kind, in registration order."""
+  """Named entries of one kind, in registration order.
 
-  def __init__(self, kind: str, section: str):
+  `register(entry)` adds one (`registered(entry)` for a `with` block); `registry[name]` looks
+  one up, and an unknown name raises ValueError naming it, the closest registered names and
+  every valid choice; iterating gives the names.
+  """
+
+  def __init__(self, kind: str, section: str, hint: str = ""):
     self.kind, self.section = kind, section  # E.g. "selection policy", "selection".
+    self.hint = hint  # Appended to the valid choices of an unknown name: what else is valid.
     self._entries: dict[str, E] = {}
 
   def register(self, entry: E) -> E:
@@ -146,12 +172,25 @@ class Registry(Generic[E]):
 
   def __getitem__(self, name: str) -> E:
     if name not in self._entries:
-      raise ValueError(f"unknown {self.kind} {name!r}; {did_you_mean(name, self.names())}"
-                       f"valid choices: {', '.join(sorted(self.names()))}")
+      raise ValueError(f"unknown {self.kind} {name!r}; {self.choices(name)}")
     return self._entries[name]
+
+  def get(self, name: str, default: E | None = None) -> E | None:
+    return self._entries.get(name, default)
+
+  def choices(self, name: Any) -> str:
+    """"did you mean x? valid choices: a, b[, hint]": what to tell a user who gave `name`."""
+    return (f"{did_you_mean(name, self.names())}valid choices: "
+            f"{', '.join(sorted(self.names()))}{', ' + self.hint if self.hint else ''}")
 
   def __contains__(self, name: object) -> bool:
     return name in self._entries
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(tuple(self._entries))
+
+  def __len__(self) -> int:
+    return len(self._entries)
 
   def names(self) -> tuple[str, ...]:
     return tuple(self._entries)
@@ -184,7 +223,9 @@ class Registry(Generic[E]):
 
   def check(self) -> Check:
     """The check of the field that names an entry (one of the names registered when it runs)."""
-    return choice(self.names)
+    def check(value):
+      return None if value in self.names() else f"got {value!r}; {self.choices(value)}"
+    return check
 
 
 def markdown_table(registry: Registry, columns: dict[str, Callable[[Any], str]]) -> str:

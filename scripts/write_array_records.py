@@ -25,7 +25,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from cpjax.data import array_records, input_pipeline, sources, specs
+from cpjax.data import array_records, input_pipeline, sources
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -43,7 +43,7 @@ def directory_bytes(directory: str) -> int:
 def main(argv):
   del argv
   dataset = FLAGS.config.dataset
-  if specs.is_source_name(dataset.name):
+  if sources.is_source_name(dataset.name):
     written = sources.write_records(dataset, FLAGS.out, FLAGS.num_shards)
     for name, count in written.items():
       print(f"{name}: {count} encoded examples -> {FLAGS.out}/{name}.array_record-*")

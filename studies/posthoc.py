@@ -217,14 +217,14 @@ RUNS = {
 
 def summary_lines(dataset: str, results: dict, seeds: list[int]) -> list[str]:
   by_loss = results[dataset]
-  methods = list(posthoc.METHODS) + ["auto"]
+  methods = list(posthoc.MAPS.names()) + ["auto"]
   lines = [f"## {dataset} (seeds {seeds})", "", RUNS[dataset], "",
            "Mean test ECE % / NLL over seeds, per training loss (rows) and post-hoc map "
            "(columns; auto = the map of lowest cross-validated validation NLL, per run).", "",
            "| loss | acc % | " + " | ".join(methods) + " |", "|---" * (len(methods) + 2) + "|"]
-  best = min(((loss, m) for loss in by_loss for m in posthoc.METHODS),
+  best = min(((loss, m) for loss in by_loss for m in posthoc.MAPS.names()),
              key=lambda lm: np.mean(by_loss[lm[0]][lm[1]]["ece"]))
-  best_nll = min(((loss, m) for loss in by_loss for m in posthoc.METHODS),
+  best_nll = min(((loss, m) for loss in by_loss for m in posthoc.MAPS.names()),
                  key=lambda lm: np.mean(by_loss[lm[0]][lm[1]]["nll"]))
   for loss, by_map in by_loss.items():
     cells = [f"{100 * np.mean(by_map[m]['ece']):.2f} / {np.mean(by_map[m]['nll']):.3f}"
@@ -320,7 +320,7 @@ def pooled_lines(dataset: str, results: dict) -> list[str]:
            "share a data split, so the interval is optimistic):", "",
            "| map | ΔECE vs auto | ΔNLL vs auto | Δacc vs auto | ΔECE vs none | ΔNLL vs none |",
            "|---|---|---|---|---|---|"]
-  for method in posthoc.METHODS:
+  for method in posthoc.MAPS.names():
     cells = []
     for base, metrics in (("auto", METRICS), ("none", ("ece", "nll"))):
       for metric in metrics:

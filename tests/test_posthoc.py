@@ -133,7 +133,7 @@ def test_accuracy_is_unchanged_where_the_method_guarantees_it(method):
   np.testing.assert_array_equal(out.argmax(1), z[300:].argmax(1))
 
 
-@pytest.mark.parametrize("method", posthoc.METHODS)
+@pytest.mark.parametrize("method", posthoc.MAPS.names())
 def test_saturated_logits_give_finite_normalised_log_probabilities(method):
   z, y = _data(4, n=300)
   for fit_z, new_z in ((z, z * 1e4), (z * 1e4, z * 1e4), (z * 1e4, z)):
@@ -248,7 +248,7 @@ def test_a_diverged_final_fit_never_gives_non_finite_parameters(monkeypatch, div
     assert calibrator.hyper["odir"] != picked and np.isfinite(calibrator.cv_nll)
 
 
-@pytest.mark.parametrize("method", posthoc.METHODS)
+@pytest.mark.parametrize("method", posthoc.MAPS.names())
 def test_apply_in_jax_under_jit_matches_the_numpy_apply(method):
   import jax  # pylint: disable=g-import-not-at-top  (x64 only inside this test)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top

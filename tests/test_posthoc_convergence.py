@@ -296,13 +296,14 @@ def test_a_strength_at_the_grids_edge_is_flagged(caplog):
 
 
 def test_the_registry_declares_every_map_and_feeds_the_config_and_the_docs():
-  assert posthoc.METHODS == tuple(posthoc.MAPS)
+  assert list(posthoc.MAPS) == list(posthoc.MAPS.names())
   for name, entry in posthoc.MAPS.items():
     assert entry.name == name and callable(entry.fit) and callable(entry.apply) and entry.doc
     assert (entry.setting is None) == (entry.grid == ())
     assert list(entry.grid) == sorted(entry.grid)
-  assert posthoc.PARAMETRIC == ("temperature", "vector_scaling", "matrix_scaling", "dirichlet",
-                                "ensemble_temperature")
+  parametric_maps = tuple(name for name, m in posthoc.MAPS.items() if m.parametric)
+  assert parametric_maps == ("temperature", "vector_scaling", "matrix_scaling", "dirichlet",
+                             "ensemble_temperature")
   check = config_schema.spine_schema()["evaluation.calibrator"]
   problem = check("platt")
   assert all(name in problem for name in posthoc.MAPS)

@@ -97,7 +97,7 @@ def _report(ece: float) -> dict:
     return {"cv_nll": cv_nll, "test": {"ece": ece * scale, "nll": 0.3 * scale,
                                        "accuracy": 0.9, "brier": 0.1}}
   return {"posthoc": {"calibrators": {
-      m: row(0.5, 0.2) if m == "temperature" else row(1.0, 0.5) for m in study.posthoc.METHODS}}}
+      m: row(0.5, 0.2) if m == "temperature" else row(1.0, 0.5) for m in study.posthoc.MAPS}}}
 
 
 def _args(tmp_path, **extra):

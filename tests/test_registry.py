@@ -172,3 +172,21 @@ def test_existing_flat_setting_names_stay_config_fields_with_their_old_defaults(
       assert config[section][name] == value and type(config[section][name]) is type(value)
   assert set(policies.POLICIES.defaults()) == set(before["selection"])
   assert set(losses.LOSSES.defaults()) == set(before["loss"])
+
+
+def test_a_registry_lists_looks_up_and_names_a_bad_value_with_its_choices():
+  """The one Registry every kind of entry uses (models, source kinds, crops, maps too)."""
+  toys = registry.Registry("toy entry", "toy", hint="or anything else by hand")
+  first = policies.Policy("beta", every_nth, "one")
+  second = policies.Policy("alpha", every_nth, "two")
+  toys.register(first)
+  toys.register(second)
+  assert list(toys) == ["beta", "alpha"] and len(toys) == 2  # Registration order.
+  assert toys["alpha"] is second and toys.get("gamma") is None and "beta" in toys
+  with pytest.raises(ValueError, match=r"unknown toy entry 'alpah'; did you mean alpha\? "
+                                       "valid choices: alpha, beta, or anything else by hand"):
+    toys["alpah"]  # pylint: disable=pointless-statement
+  check = toys.check()
+  assert check("beta") is None
+  assert check(["beta"]) == ("got ['beta']; valid choices: alpha, beta, or anything else by "
+                             "hand")  # An unhashable value is named, not a TypeError.

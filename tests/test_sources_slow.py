@@ -88,9 +88,20 @@ pid, folder, stream_dir, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.
 jax.distributed.initialize(os.environ["COORDINATOR"], 2, pid)
 import numpy as np
 from configs import default
-from cpjax.data import host_stage, preprocess, sources
+from cpjax.data import host_stage, preprocess, record_source, sources
 from cpjax.runtime import sharding
 
+records_read = 0  # Rows this process read from the record files (threads read in-process).
+_read_records = record_source.RecordSource.read
+
+
+def _counted_read(self, rows):
+  global records_read
+  records_read += len(rows)
+  return _read_records(self, rows)
+
+
+record_source.RecordSource.read = _counted_read
 dataset = default.get_config().dataset
 dataset.update({"name": "folder", "folder": folder, "image_size": 8, "val_size": 12,
                 "flip": True, "mean": (0.5,) * 3, "std": (0.25,) * 3,
@@ -108,7 +119,7 @@ for batch in reader.batches(blocks, epoch=1):
   shards = sorted(batch["image"].addressable_shards, key=lambda s: s.index[0].start or 0)
   images += np.concatenate([np.asarray(s.data) for s in shards]).tolist()
 # From the files where this process reads them (threads); else the rows it had decoded.
-read = reader.source.records_read if stream_dir and kind == "thread" else reader.rows_read
+read = records_read if stream_dir and kind == "thread" else reader.rows_read
 print("RESULT " + json.dumps({"ids": ids, "images": images, "rows_read": read}))
 """
 

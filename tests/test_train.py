@@ -233,7 +233,7 @@ def _check_report(report_dir):
   assert sum(report["reliability"]["before_ts"]["count"]) == 360  # Every test image binned.
   assert set(report["ood"]["fpr_at_95_tpr"]["before_ts"]) == set(report["ood"]["before_ts"])
   section = report["posthoc"]
-  assert list(section["calibrators"]) == list(posthoc.METHODS)
+  assert list(section["calibrators"]) == list(posthoc.MAPS.names())
   assert section["requested"] == section["chosen"] == "ensemble_temperature"  # The default.
   for method in ("none", "temperature", "ensemble_temperature"):  # Accuracy kept.
     assert (section["calibrators"][method]["test"]["accuracy"]

@@ -45,12 +45,12 @@ never the test split): each candidate is fitted on k - 1 folds and scored by NLL
 on the held-out fold; the lowest mean wins and is refitted on all rows. Every
 method records its cross-validated NLL, which `choose` compares (`auto`).
 
-Every map is an entry of MAPS, which declares its fit, its apply, its cross-validated
-setting and grid and, for the parametric maps, its solver: vector, matrix and Dirichlet
-scaling are fitted to convergence by Newton-CG in JAX, float32, jitted, on the default device
-(cpjax.calibration.newton: max |gradient| <= 1e-6 relative to the curvature where that
-exceeds 1, and a remaining Newton step that moves no fit row's probability by more than
-1e-5), temperature and ETS by SciPy's L-BFGS-B and its own tests
+Every map is an entry of the registry MAPS (cpjax.registry), which declares its fit, its
+apply, its cross-validated setting and grid and, for the parametric maps, its solver: vector,
+matrix and Dirichlet scaling are fitted to convergence by Newton-CG in JAX, float32,
+jitted, on the default device (cpjax.calibration.newton: max |gradient| <= 1e-6 relative
+to the curvature where that exceeds 1, and a remaining Newton step that moves no fit row's
+probability by more than 1e-5), temperature and ETS by SciPy's L-BFGS-B and its own tests
 (cpjax.calibration.parametric, which also holds the float64 SciPy fits the JAX ones were
 checked against: `SCIPY_ODIR_SOLVER`). A fit that ends short of its tolerance (rows that
 nearly separate have no optimum) is logged (a warning naming the map, the strength and the
@@ -67,6 +67,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import threadpoolctl
 
+from cpjax import registry
 from cpjax.calibration import binning, newton, parametric, temperature
 
 # Candidates of the cross-validated strengths. ODIR's penalty is a mean over the K (K - 1)
@@ -89,7 +90,7 @@ SCIPY_ODIR_SOLVER = parametric.Solver(lbfgs_steps=100, newton_steps=100, gtol=1e
 
 class Calibrator(NamedTuple):
   """A fitted post-hoc map."""
-  method: str  # One of METHODS.
+  method: str  # A map registered in MAPS.
   params: dict[str, np.ndarray]  # The method's parameters.
   hyper: dict[str, Any]  # The hyper-parameters used (the cross-validated one included).
   cv_nll: float  # Mean held-out-fold NLL of the chosen hyper-parameters on the fit data.
@@ -110,12 +111,19 @@ class Map:
   """A post-hoc map with its settings: what `fit`, the config schema and the docs read."""
   name: str
   doc: str  # One line: the map and its paper.
+  # (logits [N, K], labels [N], 0/1 row weights, setting's value or None, warm start) -> Fit.
   fit: Callable[..., parametric.Fit]
   apply: Callable[..., Any]
   setting: str | None = None  # The cross-validated hyper-parameter, if any.
   grid: tuple = ()  # Its candidates, in increasing order.
   solver: Any = None  # Parametric maps only: a parametric.Solver or newton.Solver.
   square: bool = False  # K^2 + K parameters: the report skips it above a number of classes.
+  settings: tuple[registry.Setting, ...] = ()  # None: config.evaluation's fields apply to all.
+
+  @property
+  def parametric(self) -> bool:
+    """Fitted by an iterative solver (its parameters are small enough to report)."""
+    return self.solver is not None
 
 
 def _softmax(xp, z):
@@ -158,7 +166,8 @@ def _one_vs_rest_map(name: str, doc: str, fit_table, apply_table, grid: tuple = 
   return Map(name, doc, fit_rows, apply_map, "num_bins" if grid else None, grid)
 
 
-MAPS = {m.name: m for m in (
+MAPS: registry.Registry[Map] = registry.Registry("post-hoc map", "evaluation")
+for _map in (
     Map("none", "s = z: the uncalibrated model", lambda *args: _closed_form({}),
         lambda params, z, xp, hyper: parametric.log_softmax(xp, z)),
     _parametric_map("temperature", "s = z / T, T by L-BFGS on NLL (Guo et al. 2017, ICML)",
@@ -175,16 +184,14 @@ MAPS = {m.name: m for m in (
                      "ICML)", binning.fit_histogram, binning.apply_histogram, BINS_GRID),
     _one_vs_rest_map("isotonic", "per-class isotonic regression (Zadrozny & Elkan 2002, KDD)",
                      binning.fit_isotonic, binning.apply_isotonic),
-)}
-METHODS = tuple(MAPS)
-PARAMETRIC = tuple(name for name, m in MAPS.items() if m.solver is not None)
-SQUARE = tuple(name for name, m in MAPS.items() if m.square)  # K^2 + K parameters.
+):
+  MAPS.register(_map)
 
 
 def markdown_table() -> str:
   """MAPS as the docs' table (docs/posthoc.md holds it verbatim; a test checks)."""
   lines = ["| method | map | cross-validated setting: grid | solver |", "|---|---|---|---|"]
-  for m in MAPS.values():
+  for m in MAPS.entries():
     grid = f"`{m.setting}`: {', '.join(f'{v:g}' for v in m.grid)}" if m.setting else "—"
     solver = "closed form" if m.solver is None else m.solver.describe()
     lines.append(f"| `{m.name}` | {m.doc} | {grid} | {solver} |")
@@ -224,7 +231,7 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
   """Fits a post-hoc map on (validation) logits [N, K] and integer labels [N].
 
   Args:
-    method: one of METHODS.
+    method: a map registered in MAPS.
     logits: the fit split's logits (never the test split's).
     labels: their labels.
     folds: k of the k-fold cross-validation.
@@ -241,7 +248,8 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
     The fitted Calibrator with its cross-validated NLL.
   """
   if method not in MAPS:
-    raise ValueError(f"post-hoc method={method!r}; valid choices: {', '.join(METHODS)}")
+    raise ValueError(f"post-hoc method={method!r}; {registry.did_you_mean(method, MAPS.names())}"
+                     f"valid choices: {', '.join(MAPS.names())}")  # In the docs' order.
   # One BLAS thread: the fits' matrices are tiny, and OpenBLAS's threads waiting on each
   # other made L-BFGS-B's steps ~10x slower on a busy 2-core machine.
   with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
@@ -409,10 +417,11 @@ def _fit_temperature_grid(z, y, search, hyper) -> Calibrator:
                     total / len(z))
 
 
-def fit_all(logits: np.ndarray, labels: np.ndarray, methods=METHODS,
+def fit_all(logits: np.ndarray, labels: np.ndarray, methods=None,
             **hyper) -> dict[str, Calibrator]:
-  """Every method of `methods` fitted on the same rows and folds."""
-  return {method: fit(method, logits, labels, **hyper) for method in methods}
+  """Every method of `methods` (None: every registered map) fitted on the same rows and
+  folds."""
+  return {method: fit(method, logits, labels, **hyper) for method in methods or MAPS.names()}
 
 
 def choose(calibrators: dict[str, Calibrator], name: str = "auto") -> str:

@@ -98,7 +98,7 @@ def _ood(test_logits, ood_logits, temperature_value) -> tuple[dict, dict]:
 
 def _parameters_for_json(calibrator: posthoc.Calibrator) -> dict[str, Any]:
   """The parametric maps' parameters; the one-vs-rest maps' table shapes (they are large)."""
-  if calibrator.method in posthoc.PARAMETRIC:
+  if posthoc.MAPS[calibrator.method].parametric:
     return {k: np.asarray(v).tolist() for k, v in calibrator.params.items()}
   return {k: list(np.shape(v)) for k, v in calibrator.params.items()}
 
@@ -116,7 +116,7 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
     (the report's "posthoc" section, the chosen map's test log-probabilities [N, K]).
   """
   rows, calibrators, test_log_probs = {}, {}, {}
-  for method in posthoc.METHODS:
+  for method in posthoc.MAPS:
     skipped = skip_reason(method, num_classes, config)
     if skipped is not None:
       logging.warning("Post-hoc map %s skipped: %s.", method, skipped)
@@ -149,7 +149,7 @@ def skip_reason(method: str, num_classes: int, config: ml_collections.ConfigDict
   """Why the report does not fit `method` (a map with K^2 + K parameters above
   `calibrator_square_max_classes` classes, unless it is the requested calibrator), or None."""
   cap = config.calibrator_square_max_classes
-  if (method not in posthoc.SQUARE or not cap or num_classes <= cap
+  if (not posthoc.MAPS[method].square or not cap or num_classes <= cap
       or method == config.calibrator):
     return None
   return (f"K = {num_classes} classes > evaluation.calibrator_square_max_classes = {cap}: its "

@@ -132,14 +132,19 @@ class Context:
   segment is unlinked when the Context is closed or collected."""
 
   def __init__(self, source, transform: preprocess.Transform):
+    # The transform's crop entry travels too (its function pickled by reference, so
+    # unpickling imports the module that defines it): a worker process registers it where
+    # its own TRAIN_CROPS lacks it (a crop that a user's module or a test registered).
+    crop = preprocess.TRAIN_CROPS[transform.train_crop]
     try:
-      data = pickle.dumps((source, transform), protocol=pickle.HIGHEST_PROTOCOL)
+      data = pickle.dumps((source, transform, crop), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as err:  # pylint: disable=broad-except  pickle raises several kinds.
       raise TypeError(
           f"the data source {type(source).__name__} cannot be pickled for the host stage's "
           f"worker processes ({type(err).__name__}: {err}): leave open handles and locks out "
           "of its pickle (__getstate__) and open them on first read, or decode in threads "
-          "(--config.dataset.worker_kind=thread)") from err
+          "(--config.dataset.worker_kind=thread); the training crop "
+          f"{transform.train_crop!r} must be a module-level function") from err
     shm = _created(len(data), "a reader's source")
     shm.buf[:len(data)] = data
     self.key = (shm.name, len(data))  # What a task carries.
@@ -220,7 +225,7 @@ def _context(key: tuple[str, int]):
   name, size = key
   shm = shared_memory.SharedMemory(name)
   try:
-    value = pickle.loads(shm.buf[:size])
+    source, transform, crop = pickle.loads(shm.buf[:size])
   except Exception as err:  # pylint: disable=broad-except  A class the worker cannot import.
     raise TypeError(
         f"a host-stage worker process cannot unpickle the reader's data source "
@@ -229,7 +234,9 @@ def _context(key: tuple[str, int]):
         "(--config.dataset.worker_kind=thread)") from err
   finally:
     shm.close()
-  _contexts[key] = value
+  if crop.name not in preprocess.TRAIN_CROPS:
+    preprocess.TRAIN_CROPS.register(crop)
+  value = _contexts[key] = (source, transform)
   while len(_contexts) > CONTEXTS_KEPT:
     _contexts.popitem(last=False)
   return value

@@ -89,7 +89,7 @@ def open_or_prepare(name: str, config: ml_collections.ConfigDict) -> None:
     DataNotFoundError: not prepared and not to be prepared, or its preparation failed, or
       a split is missing; the message names the dataset and the ways to prepare it.
   """
-  if specs.is_source_name(name):  # Read (and named when missing) by sources.resolve.
+  if sources.is_source_name(name):  # Read (and named when missing) by sources.resolve.
     sources.resolve(config)
     return
   spec = specs.DATASETS[name]
@@ -172,7 +172,7 @@ def get_test_split(config: ml_collections.ConfigDict, name: str) -> Split:
 def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   """Returns {"train", "val", "test"} host splits for `config.dataset`, and "meta_val"
   with a `meta_val_size` (FL_gamma's meta-validation batches)."""
-  if specs.is_source_name(config.name):
+  if sources.is_source_name(config.name):
     raise ValueError(f"dataset {config.name!r} is not read into memory: its images are decoded "
                      "per batch by the host stage (input_pipeline.load)")
   spec = specs.DATASETS[config.name]

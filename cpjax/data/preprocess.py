@@ -4,7 +4,7 @@ Each op is a function of an example's encoded bytes and, for training, of a NumP
 seeded by (seed, epoch, example id) alone (`example_rng`): a resumed, re-sharded or
 re-ordered run draws the same crop and flip for the same example in the same epoch.
 
-  training    decode -> a crop box from `TRAIN_CROPS[train_crop]` (random_resized:
+  training    decode -> a crop box from `TRAIN_CROPS[train_crop]` (a registry; random_resized:
               Szegedy et al. 2015's Inception crop as torchvision's RandomResizedCrop draws
               it, area share in `scale`, aspect ratio log-uniform in `ratio`, ten tries,
               then a centre crop) -> resize to size x size (`resize`) -> flip with p = 1/2
@@ -52,6 +52,8 @@ import math
 import cv2
 import numpy as np
 from PIL import Image
+
+from cpjax import registry
 
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
 
@@ -201,7 +203,7 @@ class Transform:
   """The host stage's settings (from config.dataset: `from_config`); call it on an example."""
   size: int  # Output size S (S x S).
   channels: int  # 1 (L) or 3 (RGB).
-  train_crop: str = "random_resized"  # A key of TRAIN_CROPS.
+  train_crop: str = "random_resized"  # A name registered in TRAIN_CROPS.
   scale: tuple[float, float] = (0.08, 1.0)  # random_resized: area share range.
   ratio: tuple[float, float] = (3 / 4, 4 / 3)  # random_resized: aspect-ratio range.
   flip: bool = False  # Training: flip left-right with probability 1/2.
@@ -224,7 +226,7 @@ class Transform:
       box, flip = center_box(width, height, self.size, self.eval_fraction), False
     else:
       rng = example_rng(self.seed, epoch, example_id)
-      box = TRAIN_CROPS[self.train_crop](rng, width, height, self)
+      box = TRAIN_CROPS[self.train_crop].box(rng, width, height, self)
       flip = self.flip and bool(rng.random() < 0.5)  # Drawn after the crop, always.
       crop = _tf_crop(data, box) if self._tf_decodable(image, box) else None
       if crop is not None:
@@ -359,11 +361,24 @@ def _center(rng: np.random.Generator, width: int, height: int, t: Transform) -> 
   return center_box(width, height, t.size, t.eval_fraction)
 
 
-# Training crops by name: (rng, width, height, transform) -> box. A new crop is one entry.
-TRAIN_CROPS: dict[str, Callable[[np.random.Generator, int, int, Transform], Box]] = {
-    "random_resized": _random_resized,
-    "center": _center,
-}
+@dataclasses.dataclass(frozen=True)
+class TrainCrop:
+  """A training crop of the host stage (`config.dataset.train_crop`)."""
+  name: str
+  # (rng, image width, image height, transform) -> the crop box; every random number drawn
+  # from `rng` (seeded by seed, epoch and example id: `example_rng`).
+  box: Callable[[np.random.Generator, int, int, Transform], Box]
+  doc: str  # One line: what it crops.
+  settings: tuple[registry.Setting, ...] = ()  # None: crops read config.dataset's fields.
+
+
+# Training crops by name. A new crop is one function and its registration (a user's module
+# too: docs/extending.md#add-a-preprocessing-op).
+TRAIN_CROPS: registry.Registry[TrainCrop] = registry.Registry("training crop", "dataset")
+TRAIN_CROPS.register(TrainCrop("random_resized", _random_resized,
+                               "Inception crop: area share in crop_scale, ratio in crop_ratio"))
+TRAIN_CROPS.register(TrainCrop("center", _center,
+                               "the evaluation's centre crop (flips still random)"))
 
 
 def from_config(dataset, image_shape: tuple[int, int, int], seed: int) -> Transform:

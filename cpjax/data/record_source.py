@@ -144,11 +144,6 @@ class RecordSource:
   def take(self, rows: np.ndarray) -> "RecordSource":
     return RecordSource("", "", self._rows[rows], self._records)
 
-  @property
-  def records_read(self) -> int:
-    """Records this process has read from the split's files (by every source taken from it)."""
-    return self._records.opened().rows_read
-
   def where(self, row: int) -> str:
     """The record of `row`, for messages."""
     path, record = self._records.opened().location(int(self._rows[row]))

@@ -13,9 +13,12 @@ True, decoded by the host stage, cpjax.data.preprocess). Three kinds stand behin
                encoded images (`write_records`; cpjax.data.record_source), read in its
                place when `dataset.stream_dir` is set (`reads_records`)
 
-A source kind is one `SourceKind` entry in `KINDS`: `describe` reads a dataset config's facts
+A source kind is one `SourceKind` entry of the registry `KINDS` (cpjax.registry), named by
+the dataset name it opens ("folder") or by the prefix of those it opens ("tfds:" opens
+tfds:NAME; `is_source_name`, `kind_of`): `describe` reads a dataset config's facts
 (classes, split sizes, output image shape, channel statistics) into a specs.DatasetSpec,
-and `open` gives its splits as sources. `resolve` runs `describe` once at start-up (config
+and `open` gives its splits as sources. A user's module registers its own kind the same
+way (docs/extending.md#add-a-dataset-source). `resolve` runs `describe` once at start-up (config
 validation) and registers the facts under the dataset's name; `open_splits` applies the
 run's carve-outs (validation, test, meta-validation, holdout, train_examples:
 cpjax.data.splits) to the opened splits.
@@ -37,6 +40,7 @@ from typing import Protocol
 import ml_collections
 import numpy as np
 
+from cpjax import registry
 from cpjax.data import (
   fingerprint,
   folder_source,
@@ -88,9 +92,26 @@ class Relabelled:
 @dataclasses.dataclass(frozen=True)
 class SourceKind:
   """A kind of dataset source: its facts from a dataset config, and its splits."""
+  # The dataset name it opens ("folder"), or a prefix ending in ":" ("tfds:"): it opens
+  # every name PREFIX:REST with a non-empty REST.
+  name: str
   describe: Callable[[ml_collections.ConfigDict], specs.DatasetSpec]
   # (dataset config, its spec) -> {"train", and "val" / "test" where the dataset has them}.
   open: Callable[[ml_collections.ConfigDict, specs.DatasetSpec], dict[str, DataSource]]
+  doc: str = ""  # One line: what it opens (the dataset name's valid choices show it).
+  settings: tuple[registry.Setting, ...] = ()  # None: kinds read config.dataset's fields.
+
+  def __post_init__(self):
+    head, _, tail = self.name.partition(":")
+    if not head or tail or self.name in specs.BUILTIN:
+      raise ValueError(f"source kind name {self.name!r}: a dataset name that is not a built-in "
+                       f"one ({', '.join(specs.BUILTIN)}) and has no ':', or a prefix ending "
+                       "in its only ':' ('tfds:')")
+
+  @property
+  def pattern(self) -> str:
+    """How a dataset name selects it: "folder", "tfds:NAME"."""
+    return self.name + "NAME" if self.name.endswith(":") else self.name
 
 
 def sample_rows(num_rows: int, sample: int = STATS_SAMPLE) -> np.ndarray:
@@ -297,20 +318,39 @@ def _open_records(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec
   return {name: record_source.RecordSource(directory, name) for name in names}
 
 
-# Source kinds by name ("folder") or name prefix ("tfds:"). A new kind is one entry here and
-# a module with its source class (docs/extending.md).
-KINDS: dict[str, SourceKind] = {
-    "folder": SourceKind(_describe_folder, _open_folder),
-    "tfds:": SourceKind(_describe_tfds, _open_tfds),
-}
+# Source kinds by name ("folder") or name prefix ("tfds:"). A new kind is one registration
+# and a module with its source class (docs/extending.md#add-a-dataset-source).
+KINDS: registry.Registry[SourceKind] = registry.Registry("dataset source kind", "dataset")
+KINDS.register(SourceKind("folder", _describe_folder, _open_folder,
+                          "with dataset.folder=DIR"))
+KINDS.register(SourceKind("tfds:", _describe_tfds, _open_tfds,
+                          "any tfds image-classification dataset"))
 # A folder or tfds:NAME dataset's converted records, read in the source's place.
-RECORDS = SourceKind(_describe_records, _open_records)
+RECORDS = SourceKind("records", _describe_records, _open_records,
+                     "a source dataset's converted records (dataset.stream_dir)")
+
+
+def kind_of(name: str) -> SourceKind | None:
+  """The source kind that opens dataset `name`: the kind registered under `name`, else the
+  one registered under its prefix "PREFIX:" (with a non-empty rest); None for another name
+  (a built-in dataset's)."""
+  if not isinstance(name, str):
+    return None
+  if name in KINDS and not name.endswith(":"):
+    return KINDS[name]
+  prefix, colon, rest = name.partition(":")
+  return KINDS.get(prefix + colon) if colon and rest else None
+
+
+def is_source_name(name: str) -> bool:
+  """Whether dataset `name` is opened by a registered source kind (`kind_of`)."""
+  return kind_of(name) is not None
 
 
 def reads_records(dataset: ml_collections.ConfigDict) -> bool:
   """Whether a source dataset's run reads its converted records (dataset.stream_dir set,
   dataset.reader auto or stream) rather than the source itself."""
-  return (specs.is_source_name(dataset.name) and bool(dataset.stream_dir)
+  return (is_source_name(dataset.name) and bool(dataset.stream_dir)
           and dataset.reader in ("auto", "stream"))
 
 
@@ -342,14 +382,6 @@ def write_records(dataset: ml_collections.ConfigDict, directory: str, num_shards
           _source_shape(dataset)), "stats_key": _stats_key(dataset),
       "bad_files": bad_files(dataset)})
   return written
-
-
-def kind_of(name: str) -> SourceKind | None:
-  """The source kind of dataset `name`; None for a built-in dataset."""
-  if name in KINDS:
-    return KINDS[name]
-  prefix = name.split(":", 1)[0] + ":" if ":" in name else None
-  return KINDS.get(prefix) if prefix else None
 
 
 def resolve(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
@@ -416,24 +448,12 @@ def file_listing(dataset: ml_collections.ConfigDict) -> dict[str, list[fingerpri
 
 
 def name_problem(name) -> str | None:
-  """config.dataset.name's check: a built-in dataset, "folder" or "tfds:NAME"."""
-  if name in specs.BUILTIN or specs.is_source_name(name):
+  """config.dataset.name's check: a built-in dataset, or a name a registered source kind
+  opens ("folder", "tfds:NAME")."""
+  if name in specs.BUILTIN or is_source_name(name):
     return None
-  return (f"got {name!r}; valid choices: {', '.join(sorted(specs.BUILTIN))}, folder (with "
-          "dataset.folder=DIR) or tfds:NAME (any tfds image-classification dataset)")
-
-
-def floats_problem(value, length: int | None, low: float, high: float,
-                   increasing: bool = False) -> str | None:
-  """A check of a tuple of floats in [low, high] (`length` of them, any when None; empty
-  allowed only when `length` is None), optionally non-decreasing."""
-  if not isinstance(value, (tuple, list)) or not all(
-      isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-    return f"must be a tuple of numbers, got {value!r}"
-  if length is not None and len(value) != length:
-    return f"must hold {length} numbers, got {value!r}"
-  if any(not low <= v <= high for v in value):
-    return f"must hold numbers in [{low}, {high}], got {value!r}"
-  if increasing and list(value) != sorted(value):
-    return f"must be (low, high) with low <= high, got {value!r}"
-  return None
+  kinds = " or ".join(f"{kind.pattern} ({kind.doc})" if kind.doc else kind.pattern
+                      for kind in KINDS.entries())
+  names = [*specs.BUILTIN, *(kind.name for kind in KINDS.entries())]
+  return (f"got {name!r}; {registry.did_you_mean(name, names)}valid choices: "
+          f"{', '.join(sorted(specs.BUILTIN))}, {kinds}")

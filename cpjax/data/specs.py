@@ -3,11 +3,11 @@
 The registry `DATASETS` is what config validation, the steps (normalisation
 statistics) and the readers consult; nothing here reads files or imports tfds.
 
-Built-in datasets are listed here. A dataset opened by a source kind (a folder of images,
-`folder`; any tfds image-classification dataset, `tfds:NAME`) has facts that only its files
-know (classes, sizes, statistics): `cpjax.data.sources.resolve` reads them once at start-up
-and `register`s them under the dataset's name, after which every layer reads them from
-`DATASETS` as it reads a built-in's.
+Built-in datasets are listed here. A dataset opened by a source kind (cpjax.data.sources
+.KINDS: a folder of images, `folder`; any tfds image-classification dataset, `tfds:NAME`;
+a user's own kind) has facts that only its files know (classes, sizes, statistics):
+`cpjax.data.sources.resolve` reads them once at start-up and `register`s them under the
+dataset's name, after which every layer reads them from `DATASETS` as it reads a built-in's.
 """
 
 import dataclasses
@@ -35,25 +35,17 @@ class _Registry(dict):
   """DATASETS: a dict whose missing entry names the datasets it knows."""
 
   def __missing__(self, name: str):
-    hint = (" (a source dataset: cpjax.data.sources.resolve(config.dataset) registers it; "
-            "config validation does that)" if is_source_name(name) else "")
-    raise KeyError(f"dataset {name!r} is not known{hint}; known: {', '.join(self)}")
-
-
-SOURCE_PREFIXES = ("folder", "tfds:")  # Names of the datasets that a source kind opens.
-
-
-def is_source_name(name: str) -> bool:
-  """Whether `name` is opened by a source kind (cpjax.data.sources): `folder` or `tfds:NAME`."""
-  return isinstance(name, str) and (name == "folder" or (name.startswith("tfds:")
-                                                         and len(name) > len("tfds:")))
+    raise KeyError(f"dataset {name!r} is not known; known: {', '.join(self)} (a source "
+                   "dataset, such as folder or tfds:NAME, is known once cpjax.data.sources"
+                   ".resolve(config.dataset) has registered it; config validation does that)")
 
 
 def register(name: str, spec: DatasetSpec) -> None:
   """Records the facts of source dataset `name` (replacing any earlier ones: a process that
-  opens another folder under the same name reads the new folder's facts)."""
-  if not is_source_name(name):
-    raise ValueError(f"only source datasets (folder, tfds:NAME) are registered, not {name!r}")
+  opens another folder under the same name reads the new folder's facts); a built-in
+  dataset's facts are fixed."""
+  if name in BUILTIN:
+    raise ValueError(f"{name!r} is a built-in dataset: its facts are fixed, not registered")
   DATASETS[name] = spec
 
 

@@ -1,20 +1,21 @@
-"""The registered models: one `ModelSpec` per `config.model.name`, its settings beside it.
+"""The registered models: one `ModelSpec` per `config.model.name`, in the registry `MODELS`.
 
-`MODELS` is the single list the rest of cpjax reads: config validation takes the valid
-names and the did-you-mean hint from it (`name_problem`), and docs/models.md's table is
-`markdown_table()` (tests/test_models.py checks that they agree). A name of the form
-"package.module:ClassName" is not registered: it is a user's own Flax module
-(cpjax.models.custom; docs/extending.md#add-a-model).
+`MODELS` (a cpjax.registry.Registry) is the single list the rest of cpjax reads: config
+validation takes the valid names and the did-you-mean hint from it (`name_problem`), and
+docs/models.md's table is `markdown_table()` (tests/test_models.py checks that they agree).
+A user's module registers a model with `MODELS.register(ModelSpec(...))`
+(docs/extending.md#add-a-model). A name of the form "package.module:ClassName" is not
+registered: it is a user's own Flax module, built by import path (cpjax.models.custom).
 """
 
 from collections.abc import Callable
 import dataclasses
-import difflib
 import functools
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from cpjax import registry
 from cpjax.models import custom, nets
 
 
@@ -25,7 +26,8 @@ class ModelSpec:
   constructor: Callable[..., nn.Module]  # Called with num_classes= and dtype= (compute dtype).
   image_size: int  # The image side (pixels) the architecture was designed for.
   downsampling: int  # Image side / side of the last feature map, before global pooling.
-  doc: str  # One line, for the README's table.
+  doc: str  # One line, for docs/models.md's table.
+  settings: tuple[registry.Setting, ...] = ()  # None: a model reads config.model's fields.
 
 
 _kuangliu = functools.partial(nets.ResNet, stem="cifar")  # 3x3 stem, no max-pool: x8.
@@ -69,7 +71,12 @@ _SPECS = (
     ModelSpec("wrn26_10", functools.partial(_wide, stage_sizes=(4, 4, 4)), 32, 4,
               "WideResNet-26-10 as the focal-loss code builds it, 36.5M parameters"),
 )
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}
+_IMPORT_PATH_HINT = ("or a Flax module as 'package.module:ClassName' "
+                     "(docs/extending.md#add-a-model)")
+MODELS: registry.Registry[ModelSpec] = registry.Registry("model", "model",
+                                                         hint=_IMPORT_PATH_HINT)
+for _spec in _SPECS:
+  MODELS.register(_spec)
 
 
 def name_problem(name: object) -> str | None:
@@ -82,10 +89,7 @@ def name_problem(name: object) -> str | None:
     return None
   if custom.is_import_path(name):
     return custom.import_problem(name)
-  close = difflib.get_close_matches(name, list(MODELS), n=3)
-  hint = f"did you mean {' or '.join(close)}? " if close else ""
-  return (f"got {name!r}; {hint}valid choices: {', '.join(sorted(MODELS))}, or a Flax "
-          "module as 'package.module:ClassName' (docs/extending.md#add-a-model)")
+  return f"got {name!r}; {MODELS.choices(name)}"
 
 
 def create_model(name: str, num_classes: int, dtype: str = "float32") -> nn.Module:
@@ -117,5 +121,5 @@ def markdown_table() -> str:
   """docs/models.md's model table, one row per registered model, in registration order."""
   rows = ["| name | designed for | downsampling | model |", "|---|---|---|---|"]
   rows += [f"| `{s.name}` | {s.image_size} px | x{s.downsampling} | {s.doc} |"
-           for s in _SPECS]
+           for s in MODELS.entries()]
   return "\n".join(rows)
