@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import default
 from cpjax import evaluation, run_context
-from cpjax.calibration import report
+from cpjax.calibration import bootstrap, metrics, report
 from cpjax.data import splits
 from cpjax.runtime import sharding
 
@@ -92,3 +93,29 @@ def test_the_report_follows_the_last_epoch_and_the_split_metrics_every_n(monkeyp
   assert records == [{}, {"val_ece": 0.1}, {}, {"val_ece": 0.1}, {"record_of": "built"}]
   assert len(split_evaluator.calls) == 2
   assert report_evaluator.calls == [((state, 5), {"logits": logits})]
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_report_intervals_equal_the_generic_bootstrap(finite):
+  """The report's intervals (per-row statistics, classwise ECE from resample counts) against
+  `bootstrap.bootstrap_interval` on the resampled [N, K] arrays: equal bit for bit, classwise
+  ECE to float64 rounding; non-finite logits take the generic path."""
+  rng = np.random.default_rng(4)
+  logits, labels = rng.normal(size=(300, 12)) * 3, rng.integers(0, 12, 300)
+  if not finite:
+    logits[7, 3] = np.nan
+  config = default.get_config().evaluation
+  ours = report._intervals(logits, labels, 12, config, 40, report.TABLE_METRICS)  # pylint: disable=protected-access
+  functions = report._metric_functions(12, config.num_bins)  # pylint: disable=protected-access
+  for name in report.TABLE_METRICS:
+    reference = bootstrap.bootstrap_interval(
+        functions[name], (metrics.softmax(logits), logits, labels), num_resamples=40,
+        level=config.bootstrap_level, kind=config.bootstrap_kind,
+        seed=config.bootstrap_seed)._asdict()
+    assert ours[name].keys() == reference.keys()
+    for field, value in reference.items():
+      if name == "classwise_ece" and isinstance(value, float) and finite:
+        assert ours[name][field] == pytest.approx(value, rel=0, abs=1e-13), (name, field)
+      else:
+        assert ours[name][field] == value or (np.isnan(value) and np.isnan(ours[name][field])), (
+            name, field)

@@ -365,3 +365,36 @@ def test_fpr_at_95_tpr_matches_sklearn_roc_curve():
                                        drop_intermediate=False)
     expected = fpr[np.argmax(tpr >= 0.95)]
     assert metrics.fpr_at_tpr(inside, outside, 0.95) == pytest.approx(expected, abs=1e-12)
+
+
+def test_resampled_rows_are_the_sequential_draws_in_chunks():
+  rng = np.random.default_rng(5)  # The reference: one integers(0, N, N) call per resample.
+  reference = np.stack([rng.integers(0, 37, 37) for _ in range(23)])
+  chunks = list(bootstrap.resampled_rows(37, 23, seed=5, chunk=10))
+  assert [len(c) for c in chunks] == [10, 10, 3]
+  np.testing.assert_array_equal(np.concatenate(chunks), reference)
+
+
+def test_classwise_ece_of_resamples_hand_worked():
+  # probs [[.9, .1], [.3, .7]], labels [0, 0], 2 bins (0, .5], (.5, 1].
+  # Rows (0, 0): class 0 has .9, .9 in the top bin, both events: |2 - 1.8| = .2; class 1 has
+  # .1, .1 in the bottom bin, no event: |0 - .2| = .2; (.2 + .2) / N 2 / K 2 = 0.1.
+  # Rows (0, 1): class 0: top bin .9 (event) |1 - .9|, bottom bin .3 (event) |1 - .3|; class 1:
+  # bottom .1 |0 - .1|, top .7 |0 - .7|: (.1 + .7 + .1 + .7) / 2 / 2 = 0.4.
+  probs, labels = np.array([[0.9, 0.1], [0.3, 0.7]]), np.array([0, 0])
+  values = metrics.classwise_ece_of_resamples(probs, labels, 2, 2, np.array([[2, 0], [1, 1]]))
+  np.testing.assert_allclose(values, [0.1, 0.4], atol=1e-15)
+
+
+@pytest.mark.parametrize("n,k", [(60, 3), (700, 40)])
+def test_classwise_ece_of_resamples_equals_the_resampled_rows(n, k):
+  rng = np.random.default_rng(n)
+  logits = rng.normal(size=(n, k)) * 5
+  logits[:4, 0] = 900.0  # Probabilities exactly 0 (in no bin) and exactly 1 (the top bin).
+  probs, labels = metrics.softmax(logits), rng.integers(0, k, n)
+  assert (probs == 0).any() and (probs == 1).any()
+  rows = rng.integers(0, n, (9, n))
+  counts = np.stack([np.bincount(r, minlength=n) for r in rows])
+  expected = [metrics.classwise_ece(probs[r], labels[r], k, 15) for r in rows]
+  np.testing.assert_allclose(metrics.classwise_ece_of_resamples(probs, labels, k, 15, counts),
+                             expected, rtol=0, atol=1e-13)

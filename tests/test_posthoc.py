@@ -265,3 +265,26 @@ def test_apply_in_jax_under_jit_matches_the_numpy_apply(method):
   # 1e-3: the suite compiles at XLA:CPU's optimisation level 0 (conftest), whose float32 exp
   # is off by ~1e-4 near 0 (level 3, the default, by ~1e-7).
   np.testing.assert_allclose(np.exp(out).sum(1), 1.0, atol=1e-3)
+
+
+def test_cross_validation_skips_folds_of_candidates_that_cannot_win(monkeypatch):
+  """A strength whose held-out NLL over its first folds already exceeds the best complete
+  strength's total is fitted on no more folds; the choice and its cross-validated NLL equal
+  those of each strength cross-validated on its own (every fold fitted)."""
+  rng = np.random.default_rng(3)
+  logits, labels = rng.normal(size=(200, 10)) * 3, rng.integers(0, 10, 200)  # No signal.
+  alone = {c: posthoc.fit("matrix_scaling", logits, labels, odir=c).cv_nll
+           for c in posthoc.ODIR_GRID}
+  fitted = []
+  original = parametric.fit
+  monkeypatch.setattr(parametric, "fit", lambda name, z, y, w, strength, *args, **kwargs: (
+      fitted.append(strength), original(name, z, y, w, strength, *args, **kwargs))[1])
+  calibrator = posthoc.fit("matrix_scaling", logits, labels)
+  chosen = min(alone, key=alone.get)
+  assert calibrator.hyper["odir"] == chosen
+  assert calibrator.cv_nll == pytest.approx(alone[chosen], rel=1e-5)
+  folds = {c: fitted[:-1].count(c) for c in posthoc.ODIR_GRID}  # The last: the refit.
+  assert folds[chosen] == posthoc.DEFAULT_FOLDS
+  # The weak strengths fit noise in 160 rows with 110 parameters: at least one stops early.
+  assert min(folds.values()) < posthoc.DEFAULT_FOLDS, folds
+  assert len(fitted) - 1 < len(posthoc.ODIR_GRID) * posthoc.DEFAULT_FOLDS

@@ -15,6 +15,7 @@ The fits are NumPy; the applications take `xp` (numpy, or jax.numpy to run under
 """
 
 import numpy as np
+import scipy.optimize
 
 
 def bin_of(p, num_bins: int, xp=np):
@@ -47,20 +48,11 @@ def pool_adjacent_violators(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, n
   """
   order = np.argsort(x, kind="stable")
   ux, start, counts = np.unique(x[order], return_index=True, return_counts=True)
-  sums = np.add.reduceat(y[order].astype(np.float64), start)
-  # Blocks as a stack of (sum, count, number of knots).
-  block_sum, block_count, block_size = [], [], []
-  for s, c in zip(sums, counts):
-    block_sum.append(s)
-    block_count.append(float(c))
-    block_size.append(1)
-    while len(block_sum) > 1 and (block_sum[-2] / block_count[-2]
-                                  > block_sum[-1] / block_count[-1]):
-      s2, c2, n2 = block_sum.pop(), block_count.pop(), block_size.pop()
-      block_sum[-1] += s2
-      block_count[-1] += c2
-      block_size[-1] += n2
-  fitted = np.repeat(np.asarray(block_sum) / np.asarray(block_count), block_size)
+  means = np.add.reduceat(y[order].astype(np.float64), start) / counts
+  # SciPy's pool-adjacent-violators (C) on the tied means weighted by their counts: the same
+  # unique least-squares fit as pooling in Python (up to rounding), ~100x faster, which a
+  # report at ImageNet's K (a fit per class per fold) needs.
+  fitted = scipy.optimize.isotonic_regression(means, weights=counts.astype(np.float64)).x
   return ux, fitted
 
 

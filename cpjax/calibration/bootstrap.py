@@ -9,7 +9,7 @@ The percentile interval [q_lo, q_hi] is the alternative. The seed is explicit
 and recorded with the result.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -45,25 +45,44 @@ def bootstrap_interval(metric: Callable[..., float], arrays: tuple[np.ndarray, .
   Returns:
     The interval with its point estimate and settings.
   """
-  if kind not in KINDS:
-    raise ValueError(f"kind={kind!r}; valid choices: {', '.join(KINDS)}")
-  if not 0 < level < 1:
-    raise ValueError(f"level={level} must be in (0, 1)")
-  size = len(arrays[0])
+  _check(level, kind)
   point = float(metric(*arrays))
-  rng = np.random.default_rng(seed)
   # Not scipy.stats.bootstrap: it draws the same resamples from the same generator and gives
   # the same interval (tests/test_metrics.py checks it) but differs in the last bit, which
   # would change reported numbers; it has no "mid" and needs index arrays to keep probs
   # [N, K] paired with labels [N].
-  values = np.empty(num_resamples)
-  for b in range(num_resamples):
-    rows = rng.integers(0, size, size)
-    values[b] = metric(*(a[rows] for a in arrays))
+  values = np.concatenate([[metric(*(a[rows] for a in arrays)) for rows in chunk]
+                           for chunk in resampled_rows(len(arrays[0]), num_resamples, seed)])
+  return interval_from_values(point, values, level=level, kind=kind, seed=seed)
+
+
+def resampled_rows(size: int, num_resamples: int, seed: int, chunk: int = 100
+                   ) -> Iterator[np.ndarray]:
+  """The bootstrap's resamples of rows 0..size-1, as [<= chunk, size] index blocks: the B
+  draws of `bootstrap_interval` (one `integers(0, size, size)` call each, in order), so
+  every metric computed from them resamples the same rows."""
+  rng = np.random.default_rng(seed)
+  for start in range(0, num_resamples, chunk):
+    yield np.stack([rng.integers(0, size, size)
+                    for _ in range(min(chunk, num_resamples - start))])
+
+
+def interval_from_values(point: float, values: np.ndarray, *, level: float, kind: str,
+                         seed: int) -> Interval:
+  """The interval of a metric whose full-data value is `point` and whose B resampled values
+  are `values`: basic [2 t - q_hi, 2 t - q_lo] or percentile [q_lo, q_hi]."""
+  _check(level, kind)
   tail = 100 * (1 - level) / 2
   q_lo, q_mid, q_hi = np.percentile(values, [tail, 50, 100 - tail])
   if kind == "basic":
     low, mid, high = 2 * point - q_hi, 2 * point - q_mid, 2 * point - q_lo
   else:
     low, mid, high = q_lo, q_mid, q_hi
-  return Interval(point, float(low), float(high), float(mid), level, kind, num_resamples, seed)
+  return Interval(point, float(low), float(high), float(mid), level, kind, len(values), seed)
+
+
+def _check(level: float, kind: str) -> None:
+  if kind not in KINDS:
+    raise ValueError(f"kind={kind!r}; valid choices: {', '.join(KINDS)}")
+  if not 0 < level < 1:
+    raise ValueError(f"level={level} must be in (0, 1)")

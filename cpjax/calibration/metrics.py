@@ -17,6 +17,7 @@ smooth ECE).
 from typing import NamedTuple
 
 import numpy as np
+import scipy.sparse
 import scipy.special
 import scipy.stats
 
@@ -168,9 +169,15 @@ def seed_ece(logits: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> floa
   Returns:
     That code's ECE as a fraction; NaN for non-finite logits.
   """
-  conf, correct = top_label(softmax_float32(logits), labels)
+  return seed_ece_from_confidences(*top_label(softmax_float32(logits), labels), num_bins)
+
+
+def seed_ece_from_confidences(confidences: np.ndarray, correct: np.ndarray,
+                              num_bins: int = 15) -> float:
+  """`seed_ece` from float32 top-label confidences [N] and 0/1 correctness [N]."""
   edges = equal_width_edges(num_bins).astype(np.float32)  # Exact in float64 below.
-  return _weighted_gap(bin_statistics(conf, correct, edges.astype(np.float64), "left_closed"))
+  return _weighted_gap(bin_statistics(confidences, correct, edges.astype(np.float64),
+                                      "left_closed"))
 
 
 def mce(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
@@ -188,9 +195,15 @@ def adaptive_ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> f
   e_{m+1}] with weights |B_m| / N. As in the reference, the sample(s) at the
   minimum confidence fall in no bin, and tied confidences can merge edges.
   """
-  conf, correct = top_label(probs, labels)
-  edges = np.interp(np.linspace(0, len(conf), num_bins + 1), np.arange(len(conf)), np.sort(conf))
-  return _weighted_gap(bin_statistics(conf, correct, edges, "right_closed"))
+  return adaptive_ece_from_confidences(*top_label(probs, labels), num_bins)
+
+
+def adaptive_ece_from_confidences(confidences: np.ndarray, correct: np.ndarray,
+                                  num_bins: int = 15) -> float:
+  """`adaptive_ece` from top-label confidences [N] and 0/1 correctness [N]."""
+  edges = np.interp(np.linspace(0, len(confidences), num_bins + 1),
+                    np.arange(len(confidences)), np.sort(confidences))
+  return _weighted_gap(bin_statistics(confidences, correct, edges, "right_closed"))
 
 
 def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
@@ -216,6 +229,38 @@ def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
                         np.bincount(flat, probs[inside], size),
                         np.bincount(flat, events[inside], size), float(len(probs)))
   return _weighted_gap(stats) / num_classes
+
+
+def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classes: int,
+                               num_bins: int, counts: np.ndarray) -> np.ndarray:
+  """[B]: `classwise_ece` of B bootstrap resamples, each given by `counts` [B, N] (how often
+  it draws each row), without copying the [N, K] probabilities per resample.
+
+  Resample b's sums per (bin m, class k) are sum_i counts_bi x_ik over the entries (i, k)
+  in bin m, x = 1, p_ik or 1[y_i = k]. At most M - 1 of a row's probabilities exceed 1 / M,
+  so nearly every entry is in the lowest bin: the other entries (and those in no bin, p = 0)
+  are summed as a sparse product, and the lowest bin's sums are the class totals
+  (counts @ probs, the label counts) less theirs. Per (m, k), |B| |acc - conf| is
+  |sum of events - sum of p|. Equal to `classwise_ece` of the resampled rows up to float64
+  rounding (the sums are taken in another order). Finite probabilities only.
+  """
+  probs, counts = np.asarray(probs, np.float64), np.asarray(counts, np.float64)
+  index = bin_index(probs, equal_width_edges(num_bins), "right_closed")  # -1: p = 0.
+  rows, classes = np.nonzero(index != 0)
+  slot = np.where(index[rows, classes] < 0, num_bins, index[rows, classes])  # M: no bin.
+  columns = (slot - 1) * num_classes + classes  # Bins 1..M-1, then "no bin".
+  event = np.asarray(labels)[rows] == classes
+  shape = (len(probs), num_bins * num_classes)
+  sums = [counts @ scipy.sparse.csr_matrix((value, (rows, columns)), shape=shape)
+          for value in (np.ones(len(rows)), probs[rows, classes], event.astype(np.float64))]
+  label_counts = np.stack([np.bincount(labels, c, num_classes) for c in counts])
+  totals = (np.broadcast_to(counts.sum(1, keepdims=True), label_counts.shape),
+            counts @ probs, label_counts)  # [B, K] each: count, confidence, event sums.
+  by_bin = [np.asarray(s).reshape(len(counts), num_bins, num_classes) for s in sums]
+  lowest = [t - s.sum(1) for t, s in zip(totals, by_bin)]  # Bin 0: the rest.
+  confidence = np.concatenate([lowest[1][:, None], by_bin[1][:, :-1]], 1)  # [B, M, K]
+  events = np.concatenate([lowest[2][:, None], by_bin[2][:, :-1]], 1)
+  return np.abs(events - confidence).sum((1, 2)) / counts.sum(1) / num_classes
 
 
 class ReliabilityBins(NamedTuple):
@@ -276,14 +321,24 @@ def top_k_accuracy(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
 def nll(logits: np.ndarray, labels: np.ndarray) -> float:
   """Mean negative log-likelihood: mean_i -log softmax(z_i)[y_i]
   (docs/methods.md#nll-top-k-accuracy-and-brier)."""
-  return float(-np.mean(log_softmax(logits)[np.arange(len(labels)), labels]))
+  return float(-np.mean(label_log_probs(logits, labels)))
+
+
+def label_log_probs(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """[N]: log softmax(z_i)[y_i], the terms of `nll`."""
+  return log_softmax(logits)[np.arange(len(labels)), labels]
 
 
 def brier(probs: np.ndarray, labels: np.ndarray) -> float:
   """Brier score: mean_i sum_k (p_ik - 1[y_i = k])^2 (Brier 1950)."""
+  return float(np.mean(brier_terms(probs, labels)))
+
+
+def brier_terms(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """[N]: sum_k (p_ik - 1[y_i = k])^2, the terms of `brier`."""
   probs = np.asarray(probs, np.float64)
   onehot = np.arange(probs.shape[-1]) == np.asarray(labels)[:, None]
-  return float(np.mean(np.sum((probs - onehot) ** 2, axis=-1)))
+  return np.sum((probs - onehot) ** 2, axis=-1)
 
 
 def s99(probs: np.ndarray, labels: np.ndarray, threshold: float = 0.99) -> tuple[float, float]:
@@ -405,19 +460,28 @@ def selective_risks(confidences: np.ndarray, correct: np.ndarray) -> np.ndarray:
 def aurc(probs: np.ndarray, labels: np.ndarray) -> float:
   """Area under the risk-coverage curve, mean_i risk(i / N), with the top-label confidence
   as the selection score (Geifman, Uziel & El-Yaniv 2019, ICLR). NaN for non-finite probs."""
-  conf, correct = top_label(probs, labels)
-  if not _all_finite(conf):
+  return aurc_from_confidences(*top_label(probs, labels))
+
+
+def aurc_from_confidences(confidences: np.ndarray, correct: np.ndarray) -> float:
+  """`aurc` from top-label confidences [N] and 0/1 correctness [N]."""
+  if not _all_finite(confidences):
     return float("nan")
-  return float(np.mean(selective_risks(conf, correct)))
+  return float(np.mean(selective_risks(confidences, correct)))
 
 
 def e_aurc(probs: np.ndarray, labels: np.ndarray) -> float:
   """Excess AURC: AURC less that of the oracle ranking (every error ranked last) at the
   same accuracy (Geifman et al. 2019); 0 for a perfect ranking of errors."""
-  conf, correct = top_label(probs, labels)
-  if not _all_finite(conf):
+  return e_aurc_from_confidences(*top_label(probs, labels))
+
+
+def e_aurc_from_confidences(confidences: np.ndarray, correct: np.ndarray) -> float:
+  """`e_aurc` from top-label confidences [N] and 0/1 correctness [N]."""
+  if not _all_finite(confidences):
     return float("nan")
-  return aurc(probs, labels) - float(np.mean(selective_risks(correct, correct)))
+  return (aurc_from_confidences(confidences, correct)
+          - float(np.mean(selective_risks(correct, correct))))
 
 
 def selective_risk(probs: np.ndarray, labels: np.ndarray, coverage: float) -> float:

@@ -169,41 +169,50 @@ def _newton(key, x0, inputs, labels, weights, strength, gtol, xtol, *, newton_st
     return step, cg, scaled, change
 
   def line_search(x, value, grad, step):
+    """(the point accepted, its value and gradient, halvings, whether it moved): the value
+    and gradient at the accepted point are the next Newton step's, not computed again."""
     slope = jnp.vdot(grad, step)
 
     def rejected(carry):
-      t, i = carry
-      new_value, new_grad = value_and_grad(x + t * step)
-      accept = ((new_value <= value + ARMIJO * t * slope)
-                | (jnp.vdot(new_grad, step) <= -SLOPE_DECREASE * slope))
-      return ~accept & (i < LINE_SEARCH_HALVINGS)
-    t, halvings = jax.lax.while_loop(rejected, lambda c: (c[0] * 0.5, c[1] + 1),
-                                     (jnp.ones((), x.dtype), 0))
-    return t, halvings, (halvings < LINE_SEARCH_HALVINGS) & (slope < 0.0)
+      _, _, _, i, accepted = carry
+      return ~accepted & (i < LINE_SEARCH_HALVINGS)
+
+    def halve(carry):
+      t, _, _, i, _ = carry
+      t = jnp.where(i > 0, 0.5 * t, t)
+      new_x = x + t * step
+      new_value, new_grad = value_and_grad(new_x)
+      accepted = ((new_value <= value + ARMIJO * t * slope)
+                  | (jnp.vdot(new_grad, step) <= -SLOPE_DECREASE * slope))
+      return t, new_x, (new_value, new_grad), i + jnp.where(accepted, 0, 1), accepted
+    _, new_x, (new_value, new_grad), halvings, accepted = jax.lax.while_loop(
+        rejected, halve, (jnp.ones((), x.dtype), x, (value, grad), 0, False))
+    moved = accepted & (slope < 0.0)
+    return (jnp.where(moved, new_x, x), jnp.where(moved, new_value, value),
+            jnp.where(moved, new_grad, grad), halvings, moved)
 
   def body(carry):
-    x, i, evaluations, _, _, _, _ = carry
-    value, grad = value_and_grad(x)
+    x, value, grad, i, evaluations, _, _, _, _ = carry
     step, cg, scaled, change = newton_step(x, grad, max_evaluations - evaluations)
     converged = (scaled <= gtol) & (change <= xtol)
-    t, halvings, moved = jax.lax.cond(  # A converged fit stays where it is.
-        converged, lambda: (jnp.zeros((), x.dtype), -1, False),
+    x, value, grad, halvings, moved = jax.lax.cond(  # A converged fit stays where it is.
+        converged, lambda: (x, value, grad, -1, False),
         lambda: line_search(x, value, grad, step))
-    x = jnp.where(moved, x + t * step, x)
-    # Evaluations: the gradient, the Hessian's diagonal, CG's products, the line search's.
-    return (x, i + 1, evaluations + 2 + cg + halvings + 1, converged, ~converged & ~moved,
-            scaled, change)
+    # Evaluations: the Hessian's diagonal, CG's products, the line search's (value and
+    # gradient at each point tried).
+    return (x, value, grad, i + 1, evaluations + 1 + cg + halvings + 1, converged,
+            ~converged & ~moved, scaled, change)
 
   def running(carry):
-    _, i, evaluations, converged, stalled, _, _ = carry
+    _, _, _, i, evaluations, converged, stalled, _, _ = carry
     return (i < newton_steps) & ~converged & ~stalled & (evaluations < max_evaluations)
 
   inf = jnp.asarray(jnp.inf, x0.dtype)
-  x, steps, evaluations, converged, stalled, scaled, change = jax.lax.while_loop(
-      running, body, (x0, 0, 0, False, False, inf, inf))
+  value, grad = value_and_grad(x0)
+  x, _, grad, steps, evaluations, converged, stalled, scaled, change = jax.lax.while_loop(
+      running, body, (x0, value, grad, 0, 1, False, False, inf, inf))
   nll = parametric.objective(key, unravel(x), inputs, labels, weights, 0.0)
-  grad_norm = jnp.max(jnp.abs(value_and_grad(x)[1]))
-  return x, steps, evaluations + 1, converged, stalled, scaled, change, nll, grad_norm
+  return x, steps, evaluations, converged, stalled, scaled, change, nll, jnp.max(jnp.abs(grad))
 
 
 def _unravel_as(unravel, dtype, x):

@@ -295,8 +295,13 @@ def _cross_validate(entry: Map, z, y, fold, candidates, hyper) -> Calibrator:
   fitted on the remaining folds (it scores nothing whatever they give). The maps fitted by
   their solver's own tests (temperature, ETS: one candidate) start every fold afresh, as they
   always did.
+
+  A candidate whose held-out NLL summed over the folds fitted so far already exceeds the best
+  complete candidate's sum over all folds cannot be chosen (no fold's NLL is negative): its
+  remaining folds are not fitted, and it ranks by that partial sum (should the best one's
+  refit fail). The weak strengths of the square maps, the costliest fits, are often such.
   """
-  scores, evaluations, unconverged = np.zeros(len(candidates)), 0, []
+  scores, evaluations, unconverged, best = np.zeros(len(candidates)), 0, [], np.inf
   order = np.argsort([0.0 if c is None else float(c) for c in candidates])[::-1]
   num_folds = int(fold.max()) + 1
   chained = _to_tolerance(entry)
@@ -319,10 +324,12 @@ def _cross_validate(entry: Map, z, y, fold, candidates, hyper) -> Calibrator:
       # A diverged (or, where chained, unconverged) fit is no warm start.
       previous = result.params if usable else None
       starts[f] = previous if previous is not None or not chained else starts[f]
-      if chained and not usable:
+      if (chained and not usable) or scores[c] > best:
         break
       if chained:
         means[c] = _running_mean(means.get(c), result.params, f)
+    else:  # Every fold fitted: a complete candidate.
+      best = min(best, scores[c])
   _log_unconverged_folds(entry, unconverged, fits)
   return _refit_best(entry, z, y, candidates, scores, means, hyper, evaluations)
 
