@@ -14,8 +14,9 @@ devices, over the same number of steps, in turn, `--repeats` times (after an unt
 that compiles everything). The ratio of their steps per second (median, and best of the
 repeats: the run least disturbed by other load) is the share of the bare loop's speed that
 the trainer keeps (1.0 = no overhead). `--profile` runs one more
-trainer epoch under cProfile and lists where its Python time goes. Data: GENERATED 8x8x1
-images (random bytes: timing only, not a dataset).
+trainer epoch under cProfile and lists where its Python time goes, and how many Python
+function calls it makes per step (a count, which a busy machine does not disturb). Data:
+GENERATED 8x8x1 images (random bytes: timing only, not a dataset).
 """
 
 import argparse
@@ -65,8 +66,7 @@ def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
     row_weights = np.ones(len(reader), np.float32)
     row_weights[rows] = weights
   batches = loss_steps.PlainSteps(config.loss).batches(
-      reader.train_batches(order, row_weights=row_weights, epoch=epoch), None, config.seed,
-      config.batch_size, first_step, len(order))
+      reader.train_batches(order, row_weights=row_weights, epoch=epoch), first_step, len(order))
   with epoch_loop.step_guard(config.step_transfer_guard):
     state, _, outputs, _, _ = epoch_loop.train_steps(
         train_fn, state, batches,
@@ -125,8 +125,12 @@ def measure(model_name: str, batch_size: int, num_steps: int, log_every: int, re
     trainer_epoch(run, train_fn, state)
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(15)
     results["profile_top_tottime"] = text.getvalue()
+    # Python function calls per step (a count, not a time: it holds on a busy machine), the
+    # epoch's own work (logging points, outputs gathered at its end) spread over its steps.
+    results["profile_calls_per_step"] = stats.total_calls / num_steps
   return results
 
 
@@ -155,6 +159,7 @@ def main():
   print(f"{'trainer / bare':<14}{results['ratio']:>10.3f}{results['best_ratio']:>10.3f}")
   if args.profile:
     print(results["profile_top_tottime"])
+    print(f"Python function calls per trainer step: {results['profile_calls_per_step']:.1f}")
   throughput.write_json(args.json, results)
 
 

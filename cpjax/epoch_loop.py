@@ -63,7 +63,8 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
                                                    loss_hparams)
     window.append((batch_metrics, per_example))  # Summed at a logging point or the end.
     if (i + 1) % log_every == 0:
-      totals, stacked = _fold_window(totals, window, outputs)
+      totals, stacked, window_outputs = _fold_window(totals, window)
+      outputs.append(window_outputs)
       with host_point():
         _log_train_window(writer, stacked, first_step + i + 1, learning_rates[i],
                           (epoch, first_step, checkpointer))
@@ -74,8 +75,9 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
     if guard.should_stop(first_step + i + 1):
       stopped = True
       break
-  if window:
-    totals, _ = _fold_window(totals, window, outputs)
+  if window:  # The steps after the last logging point.
+    totals, _, window_outputs = _fold_window(totals, window)
+    outputs.append(window_outputs)
   return state, totals, outputs, i + 1, stopped
 
 
@@ -131,44 +133,30 @@ def stop_preempted(checkpointer: checkpointing.Checkpointer, step: int, epoch: i
 _global_norm = jax.jit(optax.tree.norm)
 
 
-def _epoch_sums(batch_metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """What an epoch keeps of one step's metrics."""
-  mean_loss = batch_metrics["loss_sum"] / batch_metrics["count"]
-  return {**{k: batch_metrics[k] for k in EPOCH_SUMS}, "grad_norm_max": batch_metrics["grad_norm"],
-          "loss_min": mean_loss, "loss_max": mean_loss}
-
-
-def _accumulate(totals: dict[str, jax.Array], sums: dict[str, jax.Array]):
-  """Sums of two spans of steps (min for the first non-finite step and the smallest loss,
-  max for the largest gradient norm and loss)."""
-  # Not clu.metrics (Average / Accuracy .merge): the same float32 additions, but the sums are
-  # checkpointed mid-epoch as plain arrays (run_state's "partial") and first_bad_step is a
-  # min, which clu.metrics has no metric for; a Collection would wrap three additions.
-  combine = {"first_bad_step": jnp.minimum, "loss_min": jnp.minimum,
-             "grad_norm_max": jnp.maximum, "loss_max": jnp.maximum}
-  return {k: combine.get(k, jnp.add)(v, sums[k]) for k, v in totals.items()}
+# How an epoch combines its steps' metrics: summed, but the first non-finite step and the
+# smallest loss are minima and the largest gradient norm and loss maxima. Not clu.metrics
+# (Average / Accuracy .merge): the same float32 additions, but the sums are checkpointed
+# mid-epoch as plain arrays (run_state's "partial") and first_bad_step is a min, which
+# clu.metrics has no metric for; a Collection would wrap three additions.
+_COMBINE = {"first_bad_step": jnp.minimum, "loss_min": jnp.minimum,
+            "grad_norm_max": jnp.maximum, "loss_max": jnp.maximum}
 
 
 @jax.jit
-def _fold_and_stack(totals: dict[str, jax.Array] | None,
-                    window: list[tuple[dict[str, jax.Array], dict[str, jax.Array]]]):
-  """A window of steps in one dispatch: `totals` (None: nothing yet) plus each step's epoch
-  sums, in order; the steps' metrics stacked for the log and their per-example outputs
-  stacked for the epoch's end ([steps, ...] each)."""
+def _fold_window(totals: dict[str, jax.Array] | None,
+                 window: list[tuple[dict[str, jax.Array], dict[str, jax.Array]]]):
+  """A window of steps in one dispatch (none a step): `totals` (None: nothing yet) plus each
+  step's epoch sums, in order; the steps' metrics stacked for the log and their per-example
+  outputs stacked for the epoch's end ([steps, ...] each)."""
   for batch_metrics, _ in window:
-    sums = _epoch_sums(batch_metrics)
-    totals = sums if totals is None else _accumulate(totals, sums)
+    mean_loss = batch_metrics["loss_sum"] / batch_metrics["count"]
+    sums = {**{k: batch_metrics[k] for k in EPOCH_SUMS}, "loss_min": mean_loss,
+            "grad_norm_max": batch_metrics["grad_norm"], "loss_max": mean_loss}
+    totals = sums if totals is None else {k: _COMBINE.get(k, jnp.add)(v, sums[k])
+                                          for k, v in totals.items()}
   stack = lambda *v: jnp.stack(v)  # noqa: E731
   return (totals, jax.tree.map(stack, *[m for m, _ in window]),
           jax.tree.map(stack, *[o for _, o in window]))
-
-
-def _fold_window(totals, window, outputs: list) -> tuple[Any, dict[str, jax.Array]]:
-  """(totals with the window's steps folded in, the window's metrics stacked); the window's
-  stacked per-example outputs are appended to `outputs`. One dispatch a window, none a step."""
-  totals, stacked, window_outputs = _fold_and_stack(totals, window)
-  outputs.append(window_outputs)
-  return totals, stacked
 
 
 def host_outputs(outputs: list[dict[str, jax.Array]],

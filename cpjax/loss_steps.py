@@ -9,7 +9,8 @@ questions, so the loop (cpjax.train) asks them without knowing which loss it tra
 
   extra_state       what `steps.create_train_state` adds to the train state (None: nothing);
   build_train_step  the train step with the model, optimizer, score and StepSpec bound;
-  batches           the step loop's batches from the reader's training batches;
+  with_data         itself, reading any batches of its own from the run's readers;
+  batches           the step loop's batches from the training reader's;
   gamma_step        the report's per-example gamma step (None: no gamma in the report).
 """
 
@@ -41,11 +42,16 @@ class PlainSteps:
     return functools.partial(steps.train_step, model=model, tx=tx,
                              loss_fn=losses.get_loss(self.loss), score_fn=score_fn, spec=spec)
 
-  def batches(self, train_batches: Iterator[dict[str, Any]], extra: readers.HostReader | None,
-              seed: int, batch_size: int, first_step: int, num_steps: int
+  def with_data(self, data_readers: dict[str, readers.HostReader], seed: int,
+                batch_size: int) -> "PlainSteps":
+    """Itself: its batches are the training reader's alone."""
+    del data_readers, seed, batch_size
+    return self
+
+  def batches(self, train_batches: Iterator[dict[str, Any]], first_step: int, num_steps: int
               ) -> Iterator[dict[str, Any]]:
     """The reader's training batches themselves (nothing joins them)."""
-    del extra, seed, batch_size, first_step, num_steps
+    del first_step, num_steps
     return train_batches
 
   def gamma_step(self, model: nn.Module, spec: steps.StepSpec) -> None:
@@ -58,6 +64,16 @@ class MetaSteps:
   extra_state: tuple[nn.Module, optax.GradientTransformation]  # (gamma-Net, its optimizer).
   objective: gamma_net_lib.MetaObjective  # The meta-loss of a meta-validation batch.
   leak_meta_gradient: bool  # config.meta.leak_meta_gradient (the reference code's quirk).
+  # Where the meta-validation batches come from (`with_data`, once the data is read).
+  meta_reader: readers.HostReader | None = None
+  seed: int = 0  # config.seed: the meta-validation walk's.
+  batch_size: int = 0  # config.batch_size.
+
+  def with_data(self, data_readers: dict[str, readers.HostReader], seed: int,
+                batch_size: int) -> "MetaSteps":
+    """A copy that reads its meta-validation batches from data_readers["meta_val"]."""
+    return dataclasses.replace(self, meta_reader=data_readers["meta_val"], seed=seed,
+                               batch_size=batch_size)
 
   def build_train_step(self, model: nn.Module, tx: optax.GradientTransformation,
                        score_fn: steps.ScoreFn, spec: steps.StepSpec):
@@ -66,18 +82,18 @@ class MetaSteps:
                              meta_tx=meta_tx, objective=self.objective, score_fn=score_fn,
                              spec=spec, leak_meta_gradient=self.leak_meta_gradient)
 
-  def batches(self, train_batches: Iterator[dict[str, Any]], extra: readers.HostReader | None,
-              seed: int, batch_size: int, first_step: int, num_steps: int
+  def batches(self, train_batches: Iterator[dict[str, Any]], first_step: int, num_steps: int
               ) -> Iterator[dict[str, Any]]:
     """Each training batch with the meta-validation batch of its global step (from
     `first_step` on, `num_steps` of them) as "meta_image" and "meta_label": a reshuffling walk
-    over the meta-validation split (`extra`), a function of the step, read ahead by a stream
+    over the meta-validation split, a function of the step, read ahead by a stream
     reader like the training batches. Closing it closes both readers' read-ahead."""
     if num_steps == 0:
       return
-    rows = np.stack([splits.cycled_rows(seed, first_step + s, len(extra), batch_size)
-                     for s in range(num_steps)])
-    with contextlib.closing(train_batches), contextlib.closing(extra.batches(rows)) as meta:
+    rows = np.stack([splits.cycled_rows(self.seed, first_step + s, len(self.meta_reader),
+                                        self.batch_size) for s in range(num_steps)])
+    with contextlib.closing(train_batches), \
+        contextlib.closing(self.meta_reader.batches(rows)) as meta:
       for batch, meta_batch in zip(train_batches, meta):
         yield {**batch, "meta_image": meta_batch["image"], "meta_label": meta_batch["label"]}
 

@@ -134,14 +134,14 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run,
   learning_rates = epoch_loop.learning_rates(config.optimizer, epoch, first_step, len(order),
                                              run.total_steps, config.num_epochs)
   hparams, train_start = epoch_loop.loss_hparams(config.loss, epoch), time.perf_counter()
+  batches = run.loss_steps.batches(  # The loss's batches (FL_gamma's add their own).
+      run.readers["train"].train_batches(order[done["steps"]:], epoch=epoch, row_weights=(
+          _row_weights(rows, weights, len(run.splits["train"])))),
+      first_step + done["steps"], len(order) - done["steps"])
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
-  with run.progress.timed("train", wait_jax_async_dispatch=False), contextlib.closing(
-      run.loss_steps.batches(run.readers["train"].train_batches(
-          order[done["steps"]:], row_weights=_row_weights(rows, weights, len(run.splits["train"])),
-          epoch=epoch), run.readers.get("meta_val"), config.seed, config.batch_size,
-          first_step + done["steps"], len(order) - done["steps"])) as batches, \
-      epoch_loop.step_guard(config.step_transfer_guard):
+  with run.progress.timed("train", wait_jax_async_dispatch=False), \
+      contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
         run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
         epoch=epoch, log_every=config.log_every_steps, writer=run.writer,
@@ -154,8 +154,15 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run,
     timings["training_seconds"] = time.perf_counter() - train_start
     selection_state, selection_record = run.selector.after_epoch(
         epoch, selection_state, order, outputs, timings, run.workdir)
-    record = _evaluated({**record, **selection_record, "epoch": epoch}, config, run, state,
-                        start)
+    record = {**record, **selection_record, "epoch": epoch}
+    if last:  # Its training numbers first: a report that fails or is killed loses none.
+      logits = run.split_evaluator.logits(state)  # Non-finite: stops, nothing saved.
+      run.epoch_log.write({**record, "epoch_seconds": time.time() - start})
+    else:
+      if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
+        record.update(run.split_evaluator.run(state, run.writer, first_step + len(order)))
+      record["epoch_seconds"] = time.time() - start
+      run.epoch_writer.write_scalars(first_step + len(order), record)
     partial = run_state.empty_partial(config.dataset, config.batch_size)
   else:  # Stopped mid-epoch: its sums and outputs go into the checkpoint.
     epoch_loop.raise_if_bad(totals, epoch, first_step, run.checkpointer)
@@ -172,36 +179,19 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run,
   if last:
     run.checkpointer.wait_until_finished()  # Committed before the report.
     with guard.stopping_at_once(_REPORT_STOP.format(step=step), step):
-      record.update(_report_numbers(run, state, epoch, step, record.pop("logits")))
+      record.update(_report_numbers(run.report, run.writer, state, epoch, step, logits))
     record["epoch_seconds"] = time.time() - start
     run.epoch_writer.write_scalars(step, record)
   return state, selection_state, record
 
 
-def _evaluated(record: dict[str, Any], config: ml_collections.ConfigDict, run: Run,
-               state: steps.TrainState, start: float) -> dict[str, Any]:
-  """The epoch's `record` written with its evaluation: the val/test metrics when due; after
-  the last epoch, its training numbers alone in metrics.jsonl (a report that fails or is
-  killed loses none of them) and the report's logits under "logits" (a non-finite state
-  stops here, before the checkpoint)."""
-  epoch, global_step = record["epoch"], int(jax.device_get(state.step))
-  if epoch + 1 == run.num_epochs:
-    logits = run.split_evaluator.logits(state)
-    run.epoch_log.write({**record, "epoch_seconds": time.time() - start})
-    return {**record, "logits": logits}
-  if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
-    record.update(run.split_evaluator.run(state, run.writer, global_step))
-  record["epoch_seconds"] = time.time() - start
-  run.epoch_writer.write_scalars(global_step, record)
-  return record
-
-
-def _report_numbers(run: Run, state: steps.TrainState, epoch: int, step: int,
-                    logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+def _report_numbers(report: evaluation.ReportEvaluator, writer, state: steps.TrainState,
+                    epoch: int, step: int, logits: dict[str, np.ndarray] | None = None
+                    ) -> dict[str, Any]:
   """The final report of `state` after 0-indexed `epoch` (written to workdir/report and to
-  TensorBoard at global `step`): its numbers for metrics.jsonl."""
-  results = run.report.run(state, epoch + 1, logits=logits)
-  evaluation.write_report_summaries(run.writer, step, results)
+  TensorBoard's `writer` at global `step`): its numbers for metrics.jsonl."""
+  results = report.run(state, epoch + 1, logits=logits)
+  evaluation.write_report_summaries(writer, step, results)
   return evaluation.report_record(results)
 
 
@@ -234,7 +224,7 @@ def _finish_report(run: Run, state: steps.TrainState, start_epoch: int,
                   "hold its report; writing the report now.", step)
   epoch = start_epoch - 1
   with guard.stopping_at_once(_REPORT_STOP.format(step=step), step):
-    numbers = _report_numbers(run, state, epoch, step)
+    numbers = _report_numbers(run.report, run.writer, state, epoch, step)
   saved = run.epoch_log.record(epoch)
   if saved is None and jax.process_index() == 0:
     logging.warning("metrics.jsonl has no record of epoch %d (lost by an earlier version of "
@@ -311,8 +301,9 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
   checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True)}
   if data_digests is not None:  # A folder's files: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
-  run = Run(workdir, mesh, model, tx, checkpointer, data_splits, data_readers, eval_fn, kind,
-            checkpoint_meta, compilation_cache=cache_dir)
+  run = Run(workdir, mesh, model, tx, checkpointer, data_splits, data_readers, eval_fn,
+            kind.with_data(data_readers, config.seed, config.batch_size), checkpoint_meta,
+            compilation_cache=cache_dir)
   return (run, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
           meta.get("epoch", 0), run_state.partial_from_checkpoint(
               saved["partial"], meta.get("epoch_step", 0), config.batch_size))
