@@ -101,7 +101,7 @@ class ReportEvaluator:
   # config.dataset: an OOD set that is another dataset is read as this run's test split is.
   dataset: ml_collections.ConfigDict
   # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
-  # compile options (cpjax.train._jit_gamma_step); None for every other loss.
+  # compile options (cpjax.loss_steps.MetaSteps.gamma_step); None for every other loss.
   gamma_fn: Any = None
 
   def run(self, state: steps.TrainState, epoch: int, epoch_step: int = 0,

@@ -1,10 +1,11 @@
 """The training loop: `train_and_evaluate` and `evaluate_only`.
 
 `train_and_evaluate(config, workdir)` validates the config, restores the latest
-checkpoint in `workdir` if there is one, and runs one loop over epochs: choose
-the epoch's rows (cpjax.selection), train them with the jitted train step
-(cpjax.epoch_loop, cpjax.steps), log train metrics every `log_every_steps`, evaluate and
-checkpoint when `run_context.due`, and write the calibration report after the last epoch
+checkpoint in `workdir` if there is one, and runs one loop over epochs, each of them one
+function read top to bottom (`_train_epoch`): choose the epoch's rows (cpjax.selection), train
+them with the jitted train step (cpjax.epoch_loop, cpjax.steps; the loss's step and batches
+from cpjax.loss_steps), log train metrics every `log_every_steps`, evaluate and checkpoint
+when `run_context.due`, and write the calibration report after the last epoch
 (cpjax.evaluation), once that epoch's training numbers are in metrics.jsonl and its checkpoint
 has committed: a report that fails, or is killed, loses no training and no record, a signal
 stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
