@@ -3,7 +3,7 @@
   python -m benchmarks.epoch_cost --data=cifar_sized --model=tiny
   python -m benchmarks.epoch_cost --data=fashion_mnist --model=resnet20
 
-Runs the trainer's own epoch code (`Selector.rows_for_epoch`, `epoch_loop.train_epoch`,
+Runs the trainer's own epoch code (`Selector.rows_for_epoch`, `loop_overhead.trainer_steps`,
 `Selector.after_epoch`) for full data and for 10 % / 30 % subsets in
 `train_pass` and `fresh` scoring modes, after one untimed epoch that compiles
 every step, with each data reader (cpjax.data.readers: `host` gathers batches in
@@ -21,13 +21,12 @@ import functools
 import json
 import time
 
-from clu import metric_writers
 import jax
 import numpy as np
 
-from benchmarks import throughput
+from benchmarks import loop_overhead, throughput
 from configs import default
-from cpjax import epoch_loop, models, optim, steps, train
+from cpjax import loss_steps, models, optim, steps, train
 from cpjax.calibration import losses
 from cpjax.data import input_pipeline, readers, specs, splits
 from cpjax.runtime import compiler_options, sharding
@@ -79,9 +78,9 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
   train_reader = (readers.DeviceReader if reader == "device" else readers.HostReader)(split, mesh)
   sel = bookkeeping.initial_state(len(split))
-  # The loop's Run, without checkpoints or evaluation (train_epoch needs neither).
-  run = train.Run(config, "", mesh, model, tx, None, {"train": split}, {"train": train_reader},
-                  None, state, sel, 0)
+  # The loop's Run, without checkpoints or evaluation (the selector needs neither).
+  run = train.Run("", mesh, model, tx, None, {"train": split}, {"train": train_reader}, None,
+                  loss_steps.for_loss(config.loss, config.meta, spec.num_classes))
   chooser = train._create_selector(config, run)  # pylint: disable=protected-access
   result = {}
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
@@ -89,13 +88,11 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       chooser.rows_for_epoch(1, state, sel)  # Compile the scoring pass, untimed.
     rows, weights, sel, timings = chooser.rows_for_epoch(epoch, state, sel)
     start = time.perf_counter()
-    trained = epoch_loop.train_epoch(
-        run, train_fn, state, epoch_loop.EpochPlan(epoch, rows, sel, weights=weights),
-        epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None))
-    state = trained.state
+    state, order, per_example = loop_overhead.trainer_steps(config, train_fn, state,
+                                                            train_reader, rows, epoch, weights)
     jax.block_until_ready(state.step)
     timings["training_seconds"] = time.perf_counter() - start
-    sel, _ = chooser.after_epoch(epoch, sel, trained.order, trained.per_example, timings, "")
+    sel, _ = chooser.after_epoch(epoch, sel, order, per_example, timings, "")
     result = {"k": len(rows), **timings}
   result["total_seconds"] = sum(result[f"{p}_seconds"] for p in bookkeeping.PHASES)
   return result

@@ -5,16 +5,18 @@
 
 With a tiny model a step takes a millisecond or less, and whatever Python does per step
 becomes the bottleneck of a fast accelerator. This runs, in one process, the trainer's own
-epoch loop (`epoch_loop.train_epoch`: the device reader's batches, gathered inside the train
-step, the learning rates, metric sums, a logging point every `--log-every` steps, per-example
-outputs gathered at the epoch's end)
+step loop as cpjax.train's epoch runs it (`trainer_steps` below: `epoch_loop.train_steps` over
+the device reader's batches, gathered inside the train step, with the learning rates, metric
+sums, a logging point every `--log-every` steps, per-example outputs gathered at the epoch's
+end)
 and a bare Python loop calling the same jitted train step on batches already on the
 devices, over the same number of steps, in turn, `--repeats` times (after an untimed epoch
 that compiles everything). The ratio of their steps per second (median, and best of the
 repeats: the run least disturbed by other load) is the share of the bare loop's speed that
 the trainer keeps (1.0 = no overhead). `--profile` runs one more
-trainer epoch under cProfile and lists where its Python time goes. Data: GENERATED 8x8x1
-images (random bytes: timing only, not a dataset).
+trainer epoch under cProfile and lists where its Python time goes, and how many Python
+function calls it makes per step (a count, which a busy machine does not disturb). Data:
+GENERATED 8x8x1 images (random bytes: timing only, not a dataset).
 """
 
 import argparse
@@ -30,10 +32,10 @@ import numpy as np
 
 from benchmarks import throughput
 from configs import test as test_config
-from cpjax import epoch_loop, models, optim, steps, train
+from cpjax import epoch_loop, loss_steps, models, optim, steps, train
 from cpjax.data import readers, specs, splits
-from cpjax.runtime import sharding
-from cpjax.selection import bookkeeping, policies
+from cpjax.runtime import preemption, sharding
+from cpjax.selection import policies
 
 
 def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
@@ -51,17 +53,37 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
   train_fn = train._jit_train_step(config, model, tx,  # pylint: disable=protected-access
                                    policies.weights_loss(config.selection.method))
   reader = readers.DeviceReader(split, mesh)
-  run = train.Run(config, "", mesh, model, tx, None, {"train": split}, {"train": reader},
-                  None, state, bookkeeping.initial_state(num), 0)
-  return run, train_fn
+  return config, reader, state, train_fn
+
+
+def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
+  """One epoch of `rows` through the step loop as cpjax.train's epoch runs it (no selection,
+  evaluation or checkpoint): (state, order [steps, B], per-example outputs on the host)."""
+  order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
+  first_step = int(jax.device_get(state.step))
+  row_weights = None
+  if weights is not None:
+    row_weights = np.ones(len(reader), np.float32)
+    row_weights[rows] = weights
+  batches = loss_steps.PlainSteps(config.loss).batches(
+      reader.train_batches(order, row_weights=row_weights, epoch=epoch), first_step, len(order))
+  with epoch_loop.step_guard(config.step_transfer_guard):
+    state, _, outputs, _, _ = epoch_loop.train_steps(
+        train_fn, state, batches,
+        epoch_loop.learning_rates(config.optimizer, epoch, first_step, len(order), len(order),
+                                  config.num_epochs),
+        epoch_loop.loss_hparams(config.loss, epoch), epoch_loop.NOTHING_DONE,
+        first_step=first_step, epoch=epoch, log_every=config.log_every_steps,
+        writer=metric_writers.MultiWriter([]), progress=lambda step: None,
+        guard=preemption.PreemptionGuard(), checkpointer=None, last_step=-1)
+  return state, order, epoch_loop.host_outputs(outputs, None)
 
 
 def trainer_epoch(run, train_fn, state):
   """(seconds, state) of one epoch of the trainer's loop over the whole split."""
-  hooks = epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
-  plan = epoch_loop.EpochPlan(0, np.arange(len(run.splits["train"])), None)
+  config, reader = run
   start = time.perf_counter()
-  state = epoch_loop.train_epoch(run, train_fn, state, plan, hooks).state
+  state = trainer_steps(config, train_fn, state, reader, np.arange(len(reader)))[0]
   jax.block_until_ready(state)
   return time.perf_counter() - start, state
 
@@ -78,12 +100,11 @@ def bare_epoch(train_fn, state, batches):
 
 def measure(model_name: str, batch_size: int, num_steps: int, log_every: int, repeats: int,
             profile: bool) -> dict:
-  run, train_fn = _setup(model_name, batch_size, num_steps, log_every)
-  order = splits.epoch_order(run.config.seed, 0, np.arange(len(run.splits["train"])),
-                             batch_size)
-  batches = list(run.readers["train"].batches(order))  # The same batches, placed up front.
+  config, reader, state, train_fn = _setup(model_name, batch_size, num_steps, log_every)
+  run = (config, reader)
+  order = splits.epoch_order(config.seed, 0, np.arange(len(reader)), batch_size)
+  batches = list(reader.batches(order))  # The same batches, placed up front.
   jax.block_until_ready(batches)
-  state = run.state
   _, state = trainer_epoch(run, train_fn, state)  # Compiles every program of the loop.
   _, state = bare_epoch(train_fn, state, batches)
   times = {"trainer": [], "bare": []}
@@ -104,8 +125,12 @@ def measure(model_name: str, batch_size: int, num_steps: int, log_every: int, re
     trainer_epoch(run, train_fn, state)
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(15)
     results["profile_top_tottime"] = text.getvalue()
+    # Python function calls per step (a count, not a time: it holds on a busy machine), the
+    # epoch's own work (logging points, outputs gathered at its end) spread over its steps.
+    results["profile_calls_per_step"] = stats.total_calls / num_steps
   return results
 
 
@@ -134,6 +159,7 @@ def main():
   print(f"{'trainer / bare':<14}{results['ratio']:>10.3f}{results['best_ratio']:>10.3f}")
   if args.profile:
     print(results["profile_top_tottime"])
+    print(f"Python function calls per trainer step: {results['profile_calls_per_step']:.1f}")
   throughput.write_json(args.json, results)
 
 

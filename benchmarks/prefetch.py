@@ -3,7 +3,7 @@
   python -m benchmarks.prefetch                         # small_cnn, 28x28, batch 128
   python -m benchmarks.prefetch --delay-ms=50 --depths 0 1 2 4 --json=out.json
 
-Runs the trainer's own epoch loop (`epoch_loop.train_epoch`, metrics logged every
+Runs the trainer's own epoch loop (`loop_overhead.trainer_steps`, metrics logged every
 `--log-every` steps as in a run) over GENERATED 28x28x1 images (random bytes: timing only,
 not a dataset) read by a host reader whose every batch first sleeps `--delay-ms` (a slow
 disk or network file system; `auto`: the train step's own time, so reading and computing
@@ -20,17 +20,16 @@ import functools
 import statistics
 import time
 
-from clu import metric_writers
 import jax
 import numpy as np
 
-from benchmarks import throughput
+from benchmarks import loop_overhead, throughput
 from configs import default
-from cpjax import epoch_loop, models, optim, steps, train
+from cpjax import models, optim, steps
 from cpjax.calibration import losses
 from cpjax.data import readers, splits
 from cpjax.runtime import compiler_options, sharding
-from cpjax.selection import bookkeeping, policies, scores
+from cpjax.selection import policies, scores
 
 
 class SlowHostReader(readers.HostReader):
@@ -67,12 +66,8 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
 
 def _epoch_seconds(config, split, mesh, model, tx, state, train_fn, reader):
   """(seconds of one epoch of the trainer's loop over `split` through `reader`, state)."""
-  run = train.Run(config, "", mesh, model, tx, None, {"train": split}, {"train": reader},
-                  None, state, bookkeeping.initial_state(len(split)), 0)
-  hooks = epoch_loop.LoopHooks(writer=metric_writers.MultiWriter([]), progress=lambda step: None)
-  plan = epoch_loop.EpochPlan(0, np.arange(len(split)), None)
   start = time.perf_counter()
-  state = epoch_loop.train_epoch(run, train_fn, state, plan, hooks).state
+  state = loop_overhead.trainer_steps(config, train_fn, state, reader, np.arange(len(split)))[0]
   jax.block_until_ready(state.step)
   return time.perf_counter() - start, state
 

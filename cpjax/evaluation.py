@@ -4,9 +4,10 @@
 
   SplitEvaluator   accuracy, NLL and the ECE family of the validation and test splits;
   ReportEvaluator  the final calibration report (cpjax.calibration.report), written to
-                   workdir/report;
-  Evaluations      which of the two is due after an epoch: the report after the last one, the
-                   split metrics every `eval_every_epochs` (`run_context.due`).
+                   workdir/report.
+
+Which is due after an epoch (the report after the last one, the split metrics every
+`eval_every_epochs`: `run_context.due`) is decided in cpjax.train's epoch.
 
 Each takes the train state when called and returns its numbers (as big_vision's evaluators,
 `run(state) -> metrics`); TensorBoard images go to a writer passed in. A non-finite logit
@@ -100,7 +101,7 @@ class ReportEvaluator:
   # config.dataset: an OOD set that is another dataset is read as this run's test split is.
   dataset: ml_collections.ConfigDict
   # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
-  # compile options (cpjax.train._jit_gamma_step); None for every other loss.
+  # compile options (cpjax.loss_steps.MetaSteps.gamma_step); None for every other loss.
   gamma_fn: Any = None
 
   def run(self, state: steps.TrainState, epoch: int, epoch_step: int = 0,
@@ -184,31 +185,6 @@ class ReportEvaluator:
     return out[:, 0], out[:, 1]
 
 
-@dataclasses.dataclass(frozen=True)
-class Evaluations:
-  """What is evaluated after an epoch: the report after the last epoch (its before-TS
-  numbers are the last evaluation), the split metrics every `every` epochs, else nothing."""
-  split_evaluator: SplitEvaluator
-  report_evaluator: ReportEvaluator
-  every: int  # eval_every_epochs.
-  num_epochs: int  # The epochs the run trains (Run.num_epochs).
-
-  def run(self, state: steps.TrainState, epoch: int,
-          writer: metric_writers.MetricWriter | None = None, step: int = 0,
-          logits: dict[str, np.ndarray] | None = None) -> dict[str, float]:
-    """The metrics.jsonl numbers of 0-indexed `epoch` ({} when nothing is due). `logits`:
-    the last epoch's `SplitEvaluator.logits`, if computed. With `writer`, the calibration
-    figures (and the report's after-TS metrics and temperature) go to it at global `step`."""
-    if epoch + 1 == self.num_epochs:
-      results = self.report_evaluator.run(state, epoch + 1, logits=logits)
-      if writer is not None:
-        _write_report_summaries(writer, step, results)
-      return report_record(results)
-    if run_context.due(epoch, self.every, self.num_epochs):
-      return self.split_evaluator.run(state, writer, step)
-    return {}
-
-
 def _records_report(metrics_path: str, epoch: int) -> bool:
   """Whether metrics.jsonl's record of 0-indexed `epoch` holds the report's numbers
   (`report_record`: its "calibrator" key), not only the epoch's training numbers written
@@ -232,7 +208,7 @@ def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
   writer.write_images(step, {tag: figures.rgb(fig)[None] for tag, fig in images.items()})
 
 
-def _write_report_summaries(writer: metric_writers.MetricWriter, step: int,
+def write_report_summaries(writer: metric_writers.MetricWriter, step: int,
                             results: dict[str, Any]) -> None:
   """The final report in TensorBoard: after-TS metrics, the temperature (fitted on val) and
   the reliability images before and after temperature scaling."""

@@ -1,17 +1,16 @@
-"""What one run's loop shares: the `Run` built at start-up (cpjax.train, cpjax.epoch_loop), the
-error a diverged run stops with, where its last good checkpoint is, and the periodic-action
-rule (also cpjax.evaluation's, whose evaluators get their own parts, not the Run)."""
+"""What one run's loop shares: the `Run` of parts built at start-up (cpjax.train), the error a
+diverged run stops with, where its last good checkpoint is, and the periodic-action rule
+(also cpjax.evaluation's). Only cpjax.train's epoch reads the Run: the parts below it get the
+values and config sections they use."""
 
 import dataclasses
 from typing import Any
 
 import jax
-import ml_collections
 
-from cpjax import steps
+from cpjax import loss_steps
 from cpjax.data import readers, splits
 from cpjax.runtime import checkpointing
-from cpjax.selection import bookkeeping
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -20,9 +19,11 @@ class NonFiniteLossError(FloatingPointError):
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """What one run's loop shares, built once by `_setup` (frozen: nothing changes it after;
-  cpjax.train adds `epoch_steps` by `dataclasses.replace` once)."""
-  config: ml_collections.ConfigDict
+  """A run's parts built once at start-up, none of which changes while it trains: no config
+  (each part was built from the sections it uses) and no train state (its buffers are donated
+  by the first step: `cpjax.train._setup` returns the restored state beside the Run). Built in
+  two steps: `_setup` the restored parts, then `cpjax.train` the loop's (selector, train step,
+  evaluators, writers), which `evaluate_only` does not need."""
   workdir: str
   mesh: jax.sharding.Mesh
   model: Any
@@ -31,21 +32,27 @@ class Run:
   splits: dict[str, splits.Split]  # Host copies: labels, ids, images (none when streamed).
   readers: dict[str, readers.HostReader]  # The same splits as batches on the mesh.
   eval_fn: Any  # jitted (state, batch) -> logits
-  state: steps.TrainState  # As restored (or initialised).
-  selection: bookkeeping.SelectionState  # Host copy, as restored.
-  start_epoch: int
-  partial: dict[str, Any] | None = None  # Steps of `start_epoch` already trained (preempted).
-  # Steps of each epoch the run trains (cpjax.train._epoch_steps); () before it knows them.
-  epoch_steps: tuple[int, ...] = ()
+  # The train step of the loss and what it needs besides (cpjax.loss_steps.for_loss).
+  loss_steps: loss_steps.PlainSteps | loss_steps.MetaSteps
+  # Metadata of every checkpoint: the config (as JSON) and a folder dataset's file digests
+  # (cpjax.data.fingerprint), which a resume checks.
+  checkpoint_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   compilation_cache: str | None = None  # The persistent cache's directory; None: off.
-  # {split: digest} of a folder dataset's files, saved in every checkpoint's metadata
-  # (cpjax.data.fingerprint); None for other datasets.
-  data_digests: dict[str, str] | None = None
+  # The loop's parts (cpjax.train adds them once the selector knows the epochs' sizes).
+  selector: Any = None  # selection.selector.Selector: each epoch's rows.
+  train_fn: Any = None  # jitted (state, batch, learning_rate, loss_hparams), state donated.
+  epoch_steps: tuple[int, ...] = ()  # Steps of each epoch the run trains.
+  split_evaluator: Any = None  # evaluation.SplitEvaluator: val/test metrics.
+  report: Any = None  # evaluation.ReportEvaluator: the final report.
+  writer: Any = None  # TensorBoard and the log.
+  epoch_writer: Any = None  # The epoch records: TensorBoard and metrics.jsonl.
+  epoch_log: Any = None  # run_logging.EpochLog: metrics.jsonl.
+  progress: Any = None  # run_logging progress report (steps/s, ETA).
 
   @property
   def num_epochs(self) -> int:
     """Epochs the run trains: config.num_epochs, fewer where budget_steps runs out first."""
-    return len(self.epoch_steps) if self.epoch_steps else self.config.num_epochs
+    return len(self.epoch_steps)
 
   @property
   def total_steps(self) -> int:

@@ -82,7 +82,7 @@ def partial_tree(dataset: ml_collections.ConfigDict, batch_size: int,
 
 def partial_from_checkpoint(saved: dict[str, Any], epoch_step: int, batch_size: int
                             ) -> dict[str, Any] | None:
-  """The trained part of an epoch (steps, totals, outputs: cpjax.epoch_loop.EpochPlan.done)
+  """The trained part of an epoch (steps, totals, outputs: the `done` of cpjax.train._train_epoch)
   from a checkpoint's "partial" subtree and its `epoch_step`; None at an epoch boundary."""
   if not epoch_step:
     return None

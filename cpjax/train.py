@@ -1,10 +1,11 @@
 """The training loop: `train_and_evaluate` and `evaluate_only`.
 
 `train_and_evaluate(config, workdir)` validates the config, restores the latest
-checkpoint in `workdir` if there is one, and runs one loop over epochs: choose
-the epoch's rows (cpjax.selection), train them with the jitted train step
-(cpjax.epoch_loop, cpjax.steps), log train metrics every `log_every_steps`, evaluate and
-checkpoint when `run_context.due`, and write the calibration report after the last epoch
+checkpoint in `workdir` if there is one, and runs one loop over epochs, each of them one
+function read top to bottom (`_train_epoch`): choose the epoch's rows (cpjax.selection), train
+them with the jitted train step (cpjax.epoch_loop, cpjax.steps; the loss's step and batches
+from cpjax.loss_steps), log train metrics every `log_every_steps`, evaluate and checkpoint
+when `run_context.due`, and write the calibration report after the last epoch
 (cpjax.evaluation), once that epoch's training numbers are in metrics.jsonl and its checkpoint
 has committed: a report that fails, or is killed, loses no training and no record, a signal
 stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
@@ -30,6 +31,7 @@ from cpjax import (
   config_validation,
   epoch_loop,
   evaluation,
+  loss_steps,
   models,
   optim,
   preflight,
@@ -37,8 +39,7 @@ from cpjax import (
   run_state,
   steps,
 )
-from cpjax.calibration import gamma_net, losses
-from cpjax.data import fingerprint, input_pipeline, sources, specs
+from cpjax.data import fingerprint, input_pipeline, sources, specs, splits
 
 # Run and the two errors are part of this module's interface (users catch the errors).
 from cpjax.epoch_loop import StalledTrainingError  # noqa: F401
@@ -81,72 +82,128 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         cache_stats: compilation_cache.CacheStats) -> dict[str, Any]:
-  run = _setup(config, workdir)
+  """Builds the run's parts, then trains its epochs (`_train_epoch`) from the restored one."""
+  run, state, selection_state, start_epoch, done = _setup(config, workdir)
   chooser = _create_selector(config, run)
-  train_fn = _jit_train_step(config, run.model, run.tx, chooser.weighted)
-  # The one change to the Run after _setup (only the selector knows the epochs' sizes).
-  run = dataclasses.replace(run, epoch_steps=_epoch_steps(
-      [chooser.steps_in_epoch(e) for e in range(config.num_epochs)], config.budget_steps))
+  epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
+                             config.budget_steps)
   report = _report_evaluator(config, run)
-  evaluations = evaluation.Evaluations(report.split_evaluator, report,
-                                       config.eval_every_epochs, run.num_epochs)
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
-  epoch_log.keep_epochs_before(run.start_epoch)
-  epoch_writer = run_logging.create_epoch_writer(writer, epoch_log)  # TensorBoard + jsonl.
-  progress = run_logging.create_progress_reporter(run.total_steps, writer,
-                                                  config.log_every_steps)
-  if run.start_epoch == 0 and run.partial is None:
+  epoch_log.keep_epochs_before(start_epoch)
+  run = dataclasses.replace(  # The loop's parts: the one change to the Run after _setup.
+      run, selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx,
+                                                      chooser.weighted),
+      epoch_steps=epoch_steps, split_evaluator=report.split_evaluator, report=report,
+      writer=writer, epoch_writer=run_logging.create_epoch_writer(writer, epoch_log),
+      epoch_log=epoch_log, progress=run_logging.create_progress_reporter(
+          sum(epoch_steps), writer, config.log_every_steps))
+  if start_epoch == 0 and done is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
-  state, selection_state, record = run.state, run.selection, {}
+  record = {}
   with preemption.PreemptionGuard() as guard:
-    hooks = epoch_loop.LoopHooks(writer, progress, guard)
     try:
-      _finish_report(run, evaluations, (writer, epoch_writer), epoch_log, guard)
-      for epoch in range(run.start_epoch, run.num_epochs):
-        start = time.time()
-        rows, weights, selection_state, timings = chooser.rows_for_epoch(epoch, state,
-                                                                         selection_state)
-        plan = epoch_loop.EpochPlan(epoch, rows, selection_state,
-                                    run.partial if epoch == run.start_epoch else None, weights)
-        train_start = time.perf_counter()
-        with progress.timed("train", wait_jax_async_dispatch=False):
-          result = epoch_loop.train_epoch(run, train_fn, state, plan, hooks)
-        state = result.state
-        if result.partial is not None:  # Preempted mid-epoch: save its steps, then stop.
-          step = epoch_loop.save_checkpoint(run, state, selection_state, epoch, result.partial,
-                                            result.epoch_step)
-          epoch_loop.stop_preempted(run, step, epoch, result.epoch_step, guard.signal_name)
-        timings["training_seconds"] = time.perf_counter() - train_start
-        selection_state, selection_record = chooser.after_epoch(
-            epoch, selection_state, result.order, result.per_example, timings, workdir)
-        record = {**result.record, **selection_record}
-        last, logits = epoch + 1 == run.num_epochs, None
-        global_step = int(jax.device_get(state.step))
-        if last:  # Committed before the report: a report that fails loses no training.
-          logits = report.split_evaluator.logits(state)  # Non-finite: stops, nothing saved.
-          # The epoch's training numbers first: a kill during the report loses none of them
-          # (before the commit below, the rerun redoes the epoch and drops this record).
-          epoch_log.write({**record, "epoch": epoch, "epoch_seconds": time.time() - start})
-          step = epoch_loop.save_checkpoint(run, state, selection_state, epochs_done=epoch + 1)
-          run.checkpointer.wait_until_finished()
-        stop_at_once = (guard.stopping_at_once(_REPORT_STOP.format(step=step), step) if last
-                        else contextlib.nullcontext())
-        with stop_at_once:  # The report: a signal stops it at once (the checkpoint is saved).
-          record.update(evaluations.run(state, epoch, writer, global_step, logits))
-        record.update(epoch=epoch, epoch_seconds=time.time() - start)
-        epoch_writer.write_scalars(global_step, record)
-        if epoch == run.start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
+      _finish_report(run, state, start_epoch, done, guard)
+      for epoch in range(start_epoch, run.num_epochs):
+        state, selection_state, record = _train_epoch(
+            config, run, guard, epoch, state, selection_state,
+            done if epoch == start_epoch else None, first=epoch == start_epoch)
+        if epoch == start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
-        if not last and (run_context.due(epoch, config.checkpoint_every_epochs,
-                                         run.num_epochs) or result.stop_requested):
-          step = epoch_loop.save_checkpoint(run, state, selection_state, epochs_done=epoch + 1)
-        if result.stop_requested and epoch + 1 < run.num_epochs:
-          epoch_loop.stop_preempted(run, step, epoch + 1, 0, guard.signal_name)
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
       writer.flush()
   return record
+
+
+def _train_epoch(config: ml_collections.ConfigDict, run: Run,
+                 guard: preemption.PreemptionGuard, epoch: int, state: steps.TrainState,
+                 selection_state: Any, done: dict[str, Any] | None, first: bool = False
+                 ) -> tuple[steps.TrainState, Any, dict[str, Any]]:
+  """One epoch, top to bottom: choose its rows, train its steps (their metrics folded and
+  logged every log_every_steps), fold the epoch's record, evaluate when due, write the
+  record, save when due, and after the last epoch write the report. A preemption request
+  saves the steps trained (the epoch's, or a whole epoch) and stops, through one save and
+  one stop. `done`: the epoch's steps trained before a preemption (None: none); `first`:
+  the process's first epoch (its first step compiles)."""
+  start, last = time.time(), epoch + 1 == run.num_epochs
+  rows, weights, selection_state, timings = run.selector.rows_for_epoch(epoch, state,
+                                                                        selection_state)
+  order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
+  order, done = order[:run.epoch_steps[epoch]], done or epoch_loop.NOTHING_DONE
+  first_step = int(jax.device_get(state.step)) - done["steps"]  # The epoch's first step.
+  learning_rates = epoch_loop.learning_rates(config.optimizer, epoch, first_step, len(order),
+                                             run.total_steps, config.num_epochs)
+  hparams, train_start = epoch_loop.loss_hparams(config.loss, epoch), time.perf_counter()
+  batches = run.loss_steps.batches(  # The loss's batches (FL_gamma's add their own).
+      run.readers["train"].train_batches(order[done["steps"]:], epoch=epoch, row_weights=(
+          _row_weights(rows, weights, len(run.splits["train"])))),
+      first_step + done["steps"], len(order) - done["steps"])
+  # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
+  # read-ahead. The transfer guard covers the step loop but its logging points.
+  with run.progress.timed("train", wait_jax_async_dispatch=False), \
+      contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
+    state, totals, outputs, trained, stopped = epoch_loop.train_steps(
+        run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
+        epoch=epoch, log_every=config.log_every_steps, writer=run.writer,
+        progress=run.progress, guard=guard, checkpointer=run.checkpointer,
+        last_step=run.total_steps, compile_step=done["steps"] if first else -1)
+  outputs, complete = epoch_loop.host_outputs(outputs, done["outputs"]), trained == len(order)
+  if complete:
+    record = epoch_loop.epoch_record(totals, epoch, len(order), first_step, run.checkpointer,
+                                     config.loss.name, learning_rates[0], hparams)
+    timings["training_seconds"] = time.perf_counter() - train_start
+    selection_state, selection_record = run.selector.after_epoch(
+        epoch, selection_state, order, outputs, timings, run.workdir)
+    record = {**record, **selection_record, "epoch": epoch}
+    if last:  # Its training numbers first: a report that fails or is killed loses none.
+      logits = run.split_evaluator.logits(state)  # Non-finite: stops, nothing saved.
+      run.epoch_log.write({**record, "epoch_seconds": time.time() - start})
+    else:
+      if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
+        record.update(run.split_evaluator.run(state, run.writer, first_step + len(order)))
+      record["epoch_seconds"] = time.time() - start
+      run.epoch_writer.write_scalars(first_step + len(order), record)
+    partial = run_state.empty_partial(config.dataset, config.batch_size)
+  else:  # Stopped mid-epoch: its sums and outputs go into the checkpoint.
+    epoch_loop.raise_if_bad(totals, epoch, first_step, run.checkpointer)
+    partial = run_state.partial_tree(config.dataset, config.batch_size,
+                                     jax.device_get(totals), outputs)
+  if stopped or last or run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs):
+    step = epoch_loop.save_checkpoint(run.checkpointer, run.mesh, run.checkpoint_meta, state,
+                                      selection_state, partial, epoch + complete,
+                                      0 if complete else trained)
+  if stopped and not (last and complete):  # The one preemption stop (after the last epoch:
+    # the report's, at once).
+    epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
+                              0 if complete else trained, guard.signal_name)
+  if last:
+    run.checkpointer.wait_until_finished()  # Committed before the report.
+    with guard.stopping_at_once(_REPORT_STOP.format(step=step), step):
+      record.update(_report_numbers(run.report, run.writer, state, epoch, step, logits))
+    record["epoch_seconds"] = time.time() - start
+    run.epoch_writer.write_scalars(step, record)
+  return state, selection_state, record
+
+
+def _report_numbers(report: evaluation.ReportEvaluator, writer, state: steps.TrainState,
+                    epoch: int, step: int, logits: dict[str, np.ndarray] | None = None
+                    ) -> dict[str, Any]:
+  """The final report of `state` after 0-indexed `epoch` (written to workdir/report and to
+  TensorBoard's `writer` at global `step`): its numbers for metrics.jsonl."""
+  results = report.run(state, epoch + 1, logits=logits)
+  evaluation.write_report_summaries(writer, step, results)
+  return evaluation.report_record(results)
+
+
+def _row_weights(rows: np.ndarray, weights: np.ndarray | None, num_rows: int
+                 ) -> np.ndarray | None:
+  """The epoch's loss weights indexed by training row (None when its policy has none)."""
+  if weights is None:
+    return None
+  row_weights = np.ones(num_rows, np.float32)
+  row_weights[rows] = weights
+  return row_weights
 
 
 # A signal during the final report stops the run at once: its checkpoint has committed.
@@ -154,27 +211,26 @@ _REPORT_STOP = ("stopped during the final report; the last checkpoint (global st
                 "is saved, and rerunning the same command writes the report.")
 
 
-def _finish_report(run: Run, evaluations: evaluation.Evaluations, writers: tuple[Any, Any],
-                   epoch_log: run_logging.EpochLog, guard: preemption.PreemptionGuard) -> None:
+def _finish_report(run: Run, state: steps.TrainState, start_epoch: int,
+                   done: dict[str, Any] | None, guard: preemption.PreemptionGuard) -> None:
   """Writes the report of a run whose training is complete but whose report is missing,
   incomplete or of another checkpoint (a report that failed, or was killed, after the last
-  checkpoint was saved), and its numbers into the last epoch's metrics.jsonl record.
-  `writers`: (TensorBoard's, the epoch records' = TensorBoard's and metrics.jsonl)."""
-  if run.start_epoch < run.num_epochs or run.partial is not None:
+  checkpoint was saved), and its numbers into the last epoch's metrics.jsonl record."""
+  if start_epoch < run.num_epochs or done is not None:
     return
-  step = int(jax.device_get(run.state.step))
-  if evaluations.report_evaluator.describes(step):
+  step = int(jax.device_get(state.step))
+  if run.report.describes(step):
     return
   logging.warning("Training is complete (checkpoint %d) but report/ or metrics.jsonl does not "
                   "hold its report; writing the report now.", step)
-  epoch = run.start_epoch - 1
+  epoch = start_epoch - 1
   with guard.stopping_at_once(_REPORT_STOP.format(step=step), step):
-    numbers = evaluations.run(run.state, epoch, writers[0], step)
-  saved = epoch_log.record(epoch)
+    numbers = _report_numbers(run.report, run.writer, state, epoch, step)
+  saved = run.epoch_log.record(epoch)
   if saved is None and jax.process_index() == 0:
     logging.warning("metrics.jsonl has no record of epoch %d (lost by an earlier version of "
                     "cpjax); writing the report's numbers alone for it.", epoch)
-  writers[1].write_scalars(step, {**(saved or {}), **numbers, "epoch": epoch})
+  run.epoch_writer.write_scalars(step, {**(saved or {}), **numbers, "epoch": epoch})
 
 
 def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -191,12 +247,12 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
                             "first or point --workdir at a trained run")
   _check_before_work(config, workdir, "evaluate")
   with workdir_lock.WorkdirLock(workdir):
-    run = _setup(config, workdir)
-    if run.start_epoch == 0 and run.partial is None:
+    run, state, _, start_epoch, done = _setup(config, workdir)
+    if start_epoch == 0 and done is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
-    return _report_evaluator(config, run).run(run.state, run.start_epoch,
-                                              run.partial["steps"] if run.partial else 0)
+    return _report_evaluator(config, run).run(state, start_epoch,
+                                              done["steps"] if done else 0)
 
 
 def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
@@ -212,8 +268,15 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
   return (*natural[:last], budget - (int(cumulative[last - 1]) if last else 0))
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
-  """Builds the model and state, restores the latest checkpoint, reads the data."""
+def _setup(config: ml_collections.ConfigDict, workdir: str
+           ) -> tuple[Run, steps.TrainState, Any, int, dict[str, Any] | None]:
+  """Builds the model and state, restores the latest checkpoint, reads the data.
+
+  Returns:
+    (the Run's restored parts, the train state, the selection state (host copy), the epoch
+    to start at, the steps of it trained before a preemption (None: none)). The state is
+    returned beside the Run, not in it: the first step donates its buffers.
+  """
   # Before anything compiles (jit of the initial state is the first).
   cache_dir = compilation_cache.configure(config.compilation_cache_dir,
                                           config.compilation_cache_min_seconds)
@@ -221,9 +284,10 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes, config.model.dtype)
   tx = optim.create_optimizer(config.optimizer)
+  kind = loss_steps.for_loss(config.loss, config.meta, data.num_classes)
   initial = run_state.checkpoint_tree(
       steps.create_train_state(jax.random.PRNGKey(config.seed), model, tx, data.image_shape,
-                               mesh, _meta_parts(config)),
+                               mesh, kind.extra_state),
       bookkeeping.initial_state_of(config.dataset, config.selection),
       run_state.empty_partial(config.dataset, config.batch_size), mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
@@ -235,12 +299,15 @@ def _setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
-  return Run(config, workdir, mesh, model, tx, checkpointer, data_splits, data_readers,
-             eval_fn, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
-             meta.get("epoch", 0),
-             run_state.partial_from_checkpoint(saved["partial"], meta.get("epoch_step", 0),
-                                               config.batch_size),
-             compilation_cache=cache_dir, data_digests=data_digests)
+  checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True)}
+  if data_digests is not None:  # A folder's files: a resume checks they are unchanged.
+    checkpoint_meta["data_digests"] = data_digests
+  run = Run(workdir, mesh, model, tx, checkpointer, data_splits, data_readers, eval_fn,
+            kind.with_data(data_readers, config.seed, config.batch_size), checkpoint_meta,
+            compilation_cache=cache_dir)
+  return (run, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
+          meta.get("epoch", 0), run_state.partial_from_checkpoint(
+              saved["partial"], meta.get("epoch_step", 0), config.batch_size))
 
 
 def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:
@@ -265,10 +332,11 @@ def _report_evaluator(config: ml_collections.ConfigDict,
       {name: run.splits[name].labels for name in evaluation.SPLITS},
       specs.DATASETS[config.dataset.name].num_classes, config.evaluation.num_bins,
       config.eval_batch_size, functools.partial(run_context.last_good, run.checkpointer))
+  gamma_step = run.loss_steps.gamma_step(run.model, steps.step_spec(config.dataset))
   return evaluation.ReportEvaluator(
       split_evaluator, config.evaluation, run.workdir,
       f"{config.dataset.name}, {config.model.name}, {config.loss.name}", run.splits["test"],
-      config.dataset, _jit_gamma_step(config, run.model))
+      config.dataset, gamma_step and _jit_inference(config, gamma_step))
 
 
 def _record_dataset(dataset: ml_collections.ConfigDict, workdir: str) -> None:
@@ -330,47 +398,27 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
 
 
 def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool):
-  """The train step with the config's model, optimizer, loss and score bound; jitted once.
-  `weighted`: batches carry loss weights (the selector's). FL_gamma losses train with the
-  bilevel `steps.meta_train_step` instead."""
-  score_fn = scores.forward_score(config.selection.score, config.selection)
-  meta = _meta_parts(config)
-  spec = steps.step_spec(config.dataset, config.loss, weighted)
-  if meta is None:
-    step = functools.partial(steps.train_step, model=model, tx=tx,
-                             loss_fn=losses.get_loss(config.loss), score_fn=score_fn, spec=spec)
-  else:
-    step = functools.partial(steps.meta_train_step, model=model, gamma_net=meta[0], tx=tx,
-                             meta_tx=meta[1],
-                             objective=gamma_net.create_meta_objective(config.loss, config.meta),
-                             score_fn=score_fn, spec=spec,
-                             leak_meta_gradient=config.meta.leak_meta_gradient)
+  """The train step of the config's loss (cpjax.loss_steps: FL_gamma's is the bilevel
+  `steps.meta_train_step`) with its model, optimizer and score bound; jitted once, the state
+  donated. `weighted`: batches carry loss weights (the selector's)."""
+  kind = loss_steps.for_loss(config.loss, config.meta,
+                             specs.DATASETS[config.dataset.name].num_classes)
+  step = kind.build_train_step(model, tx,
+                               scores.forward_score(config.selection.score, config.selection),
+                               steps.step_spec(config.dataset, config.loss, weighted))
   return jax.jit(step, donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train",
                                                                     config.xla_cpu_options))
 
 
-def _meta_parts(config: ml_collections.ConfigDict):
-  """run_state.meta_parts of the config's sections: (gamma-Net, its optimizer) or None."""
-  return run_state.meta_parts(config.loss, config.meta,
-                              specs.DATASETS[config.dataset.name].num_classes)
-
-
 def _jit_eval_step(config: ml_collections.ConfigDict, model):
   """The eval step (float32 logits) of the config's model; jitted once."""
-  return jax.jit(functools.partial(steps.eval_step, model=model,
-                                   spec=steps.step_spec(config.dataset)),
-                 compiler_options=compiler_options.compiler_options("inference",
-                                                                    config.xla_cpu_options))
+  return _jit_inference(config, functools.partial(steps.eval_step, model=model,
+                                                  spec=steps.step_spec(config.dataset)))
 
 
-def _jit_gamma_step(config: ml_collections.ConfigDict, model):
-  """An FL_gamma run's test gammas step ((state, batch) -> [B, 2] gamma and correct, eval
-  mode, the eval step's XLA options), jitted once; None for every other loss."""
-  meta = _meta_parts(config)
-  if meta is None:
-    return None
-  return jax.jit(functools.partial(steps.gamma_step, model=model, gamma_net=meta[0],
-                                   spec=steps.step_spec(config.dataset)),
-                 compiler_options=compiler_options.compiler_options("inference",
-                                                                    config.xla_cpu_options))
+def _jit_inference(config: ml_collections.ConfigDict, step):
+  """An eval-mode `step` jitted once with the inference XLA options (the eval step's, and
+  an FL_gamma run's test gammas step)."""
+  return jax.jit(step, compiler_options=compiler_options.compiler_options(
+      "inference", config.xla_cpu_options))

@@ -71,30 +71,6 @@ def test_a_non_finite_logit_stops_the_run_naming_the_last_good_checkpoint():
       "enable gradient clipping.")
 
 
-class _Recorder:
-  """An evaluator that records its calls."""
-
-  def __init__(self, result):
-    self.calls, self.result = [], result
-
-  def run(self, *args, **kwargs):
-    self.calls.append((args, kwargs))
-    return self.result
-
-
-def test_the_report_follows_the_last_epoch_and_the_split_metrics_every_n(monkeypatch):
-  monkeypatch.setattr(evaluation, "report_record", lambda results: {"record_of": results})
-  split_evaluator, report_evaluator = _Recorder({"val_ece": 0.1}), _Recorder("built")
-  evaluations = evaluation.Evaluations(split_evaluator, report_evaluator, every=2,
-                                       num_epochs=5)
-  state, logits = State(np.int32(0)), {"val": None, "test": None}
-  records = [evaluations.run(state, epoch, logits=logits if epoch == 4 else None)
-             for epoch in range(5)]
-  assert records == [{}, {"val_ece": 0.1}, {}, {"val_ece": 0.1}, {"record_of": "built"}]
-  assert len(split_evaluator.calls) == 2
-  assert report_evaluator.calls == [((state, 5), {"logits": logits})]
-
-
 @pytest.mark.parametrize("finite", [True, False])
 def test_report_intervals_equal_the_generic_bootstrap(finite):
   """The report's intervals (per-row statistics, classwise ECE from resample counts) against

@@ -204,9 +204,9 @@ def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_
     train.train_and_evaluate(diverging, workdir)
   named = int(re.search(r"last good checkpoint is step (\d+) in", str(info.value)).group(1))
   assert checkpointing.Checkpointer(workdir, 1).latest_step() == named
-  run = train._setup(diverging, workdir)  # Restores the newest checkpoint.
-  assert int(run.state.step) == named
-  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(run.state.params))
+  state = train._setup(diverging, workdir)[1]  # Restores the newest checkpoint.
+  assert int(state.step) == named
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.params))
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for line in f:
       record = json.loads(line)

@@ -80,6 +80,8 @@ RANKS = {
     "steps": 2,
     # 3: the checkpointed tree of a run (train state, selection state, partial epoch).
     "run_state": 3,
+    # 4: which train step a loss trains with (FL_gamma's bilevel step and its extra batches).
+    "loss_steps": 4,
     # 4: selection: scores, policies, bookkeeping, score files, score sources, the selector.
     "selection": 4,
     "selection.api": 4,

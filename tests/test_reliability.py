@@ -136,16 +136,14 @@ def test_a_run_that_learns_nothing_stops_with_a_clear_message(tmp_path):
     (-np.inf, np.inf, np.inf, 5, False),  # A resumed epoch's unknown extremes.
 ])
 def test_stall_rule_by_hand(loss_min, loss_max, grad_max, steps, stalls, tmp_path):
-  run = train.Run(tiny_config(), str(tmp_path), None, None, None,
-                  train.checkpointing.Checkpointer(str(tmp_path), 1), {}, {}, None, None,
-                  None, 0)
+  checkpointer = train.checkpointing.Checkpointer(str(tmp_path), 1)
   totals = {"loss_min": np.float32(loss_min), "loss_max": np.float32(loss_max),
             "grad_norm_max": np.float32(grad_max)}
   if stalls:
     with pytest.raises(epoch_loop.StalledTrainingError):
-      epoch_loop._raise_if_stalled(run, totals, 3, steps)
+      epoch_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
   else:
-    epoch_loop._raise_if_stalled(run, totals, 3, steps)
+    epoch_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
 
 
 # Start-up checks (cpjax.preflight): every failure is found before anything is written.

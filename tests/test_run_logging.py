@@ -7,7 +7,7 @@ import logging
 import math
 import os
 
-from clu import metric_writers
+from clu import metric_writers, periodic_actions
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +69,50 @@ class _Recorder(metric_writers.MetricWriter):
   def write_hparams(self, *a, **k): ...
   def flush(self): ...
   def close(self): ...
+
+
+class _Scalars(metric_writers.MetricWriter):
+  """A writer that keeps every scalar written to it, in order."""
+
+  def __init__(self):
+    self.written = []
+
+  def write_scalars(self, step, scalars):
+    self.written.append((step, dict(scalars)))
+
+  def write_summaries(self, step, values, metadata=None): ...
+  def write_images(self, step, images): ...
+  def write_videos(self, step, videos): ...
+  def write_audios(self, step, audios, *, sample_rate): ...
+  def write_texts(self, step, texts): ...
+  def write_histograms(self, step, arrays, num_buckets=None): ...
+  def write_hparams(self, hparams): ...
+  def flush(self): ...
+  def close(self): ...
+
+
+def test_the_progress_report_called_at_its_steps_only_reports_as_clus_called_every_step():
+  """The loop calls the progress report at the run's first step, every `every_steps`-th global
+  step and the last one (a run of 23 steps from a resume at step 2, every 5): the same
+  steps/s at the same steps as clu's ReportProgress called after every step, on the same
+  clock (each step 0.5 s, so 2 steps/s). clu's own, called that way, refuses."""
+  every_step, at_its_steps = _Scalars(), _Scalars()
+  reference = periodic_actions.ReportProgress(num_train_steps=25, writer=every_step,
+                                              every_steps=5, every_secs=None)
+  for step in range(3, 26):
+    reference(step, t=step * 0.5)
+  sparse = run_logging.create_progress_reporter(25, at_its_steps, 5)
+  for step in range(3, 26):
+    if step == 3 or step % 5 == 0 or step == 25:
+      sparse(step, t=step * 0.5)
+  rates = [(step, s["steps_per_sec"]) for step, s in at_its_steps.written if "steps_per_sec" in s]
+  assert rates == [(step, s["steps_per_sec"]) for step, s in every_step.written
+                   if "steps_per_sec" in s]
+  assert rates == [(5, 2.0), (10, 2.0), (15, 2.0), (20, 2.0), (25, 2.0)]
+  clus = periodic_actions.ReportProgress(num_train_steps=25, every_steps=5, every_secs=None)
+  clus(3, t=1.5)
+  with pytest.raises(ValueError, match="called after every step"):
+    clus(5, t=2.5)
 
 
 def test_an_epoch_record_reaches_jsonl_with_its_keys_and_tensorboard_tagged(tmp_path):

@@ -42,8 +42,8 @@ def host_reads(monkeypatch):
         inside.pop()
     return context
 
-  monkeypatch.setattr(epoch_loop, "_step_guard", scoped(epoch_loop._step_guard, True))  # pylint: disable=protected-access
-  monkeypatch.setattr(epoch_loop, "_host_point", scoped(epoch_loop._host_point, False))  # pylint: disable=protected-access
+  monkeypatch.setattr(epoch_loop, "step_guard", scoped(epoch_loop.step_guard, True))
+  monkeypatch.setattr(epoch_loop, "host_point", scoped(epoch_loop.host_point, False))
   value, copy = jax_array.ArrayImpl._value, jax_array.ArrayImpl.copy_to_host_async  # pylint: disable=protected-access
 
   def note(kind, arr):

@@ -228,8 +228,20 @@ def flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | 
   return flat
 
 
+class _ProgressAtItsSteps(periodic_actions.ReportProgress):
+  """clu's ReportProgress called only at the steps where it acts (the first step, which
+  starts its clock, and every `every_steps`-th global step), not after every step: the same
+  reports, without a Python call in every step of the loop."""
+
+  def _init_and_check(self, step: int, t: float):
+    if self._previous_step is None:
+      self._previous_step, self._previous_time = step, t
+    self._last_step = step
+
+
 def create_progress_reporter(num_train_steps: int, writer: metric_writers.MetricWriter,
                              every_steps: int) -> periodic_actions.ReportProgress:
-  """clu's progress report (steps/s, ETA) to the writer every `every_steps` steps."""
-  return periodic_actions.ReportProgress(num_train_steps=num_train_steps, writer=writer,
-                                         every_steps=every_steps, every_secs=None)
+  """clu's progress report (steps/s, ETA) to the writer every `every_steps` steps; the loop
+  calls it at the run's first step and at every multiple of `every_steps` only."""
+  return _ProgressAtItsSteps(num_train_steps=num_train_steps, writer=writer,
+                             every_steps=every_steps, every_secs=None)
