@@ -49,10 +49,15 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
   Returns:
     (state, totals: the epoch's sums on device, outputs: per-example outputs stacked per
     logging window on device, steps: the epoch's steps trained, stopped: a preemption was
-    requested). A non-finite loss at a logging point raises NonFiniteLossError.
+    requested). A non-finite loss raises NonFiniteLossError at the logging point after its
+    window's (or at the loop's end).
   """
   totals = None if done["totals"] is None else jax.device_put(done["totals"])
   outputs, window, i, stopped = [], [], done["steps"] - 1, False
+  # A logging point logs the previous point's window, whose copy to the host it started then:
+  # it never waits for the device to finish the steps just dispatched (a wait would drain the
+  # device's queue at every point). The same records, one window later in wall time.
+  pending = None
   for i, batch in enumerate(batches, start=done["steps"]):
     if i == compile_step:
       state, batch_metrics, per_example = _first_step(train_fn, state, batch, learning_rates[i],
@@ -66,8 +71,9 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
       totals, stacked, window_outputs = _fold_window(totals, window)
       outputs.append(window_outputs)
       with host_point():
-        _log_train_window(writer, stacked, first_step + i + 1, learning_rates[i],
-                          (epoch, first_step, checkpointer))
+        _log_train_window(writer, pending)
+        pending = (_copy_to_host_async(stacked), first_step + i + 1, learning_rates[i],
+                   (epoch, first_step, checkpointer))
       window = []
     if ((first_step + i + 1) % log_every == 0 or first_step + i + 1 == last_step) \
         and i != compile_step:
@@ -75,10 +81,19 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
     if guard.should_stop(first_step + i + 1):
       stopped = True
       break
+  with host_point():
+    _log_train_window(writer, pending)
   if window:  # The steps after the last logging point.
     totals, _, window_outputs = _fold_window(totals, window)
     outputs.append(window_outputs)
   return state, totals, outputs, i + 1, stopped
+
+
+def _copy_to_host_async(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`tree`, its copy to the host started (read later without a wait on the transfer)."""
+  for leaf in jax.tree.leaves(tree):
+    leaf.copy_to_host_async()
+  return tree
 
 
 def _first_step(train_fn, state, batch, learning_rate, loss_hparams):
@@ -189,11 +204,14 @@ def learning_rates(optimizer: ml_collections.ConfigDict, epoch: int, epoch_start
   return [rate(epoch_start_step + i) for i in range(num_steps)]
 
 
-def _log_train_window(writer, stacked: dict[str, jax.Array], step: int,
-                      learning_rate: np.float32, where: tuple[int, int, Any]) -> None:
-  """Writes the train metrics of the steps up to global `step` (as flax and big_vision
-  log them) and stops the run if one of their losses was not finite (`where`: the epoch, its
-  first global step and the checkpointer, for `raise_if_bad`'s message)."""
+def _log_train_window(writer, pending: tuple | None) -> None:
+  """Writes a logging window's train metrics, `pending` = (its stacked metrics, the global
+  step it ends at, its learning rate, where), as flax and big_vision log them, and stops the
+  run if one of its losses was not finite (`where`: the epoch, its first global step and the
+  checkpointer, for `raise_if_bad`'s message). None: nothing to log yet."""
+  if pending is None:
+    return
+  stacked, step, learning_rate, where = pending
   stacked = jax.device_get(stacked)  # [steps] per metric: one transfer each.
   raise_if_bad({"first_bad_step": np.min(stacked["first_bad_step"])}, *where)
   count = _sum(stacked["count"])
