@@ -382,7 +382,7 @@ def test_classwise_ece_of_resamples_hand_worked():
   # Rows (0, 1): class 0: top bin .9 (event) |1 - .9|, bottom bin .3 (event) |1 - .3|; class 1:
   # bottom .1 |0 - .1|, top .7 |0 - .7|: (.1 + .7 + .1 + .7) / 2 / 2 = 0.4.
   probs, labels = np.array([[0.9, 0.1], [0.3, 0.7]]), np.array([0, 0])
-  values = metrics.classwise_ece_of_resamples(probs, labels, 2, 2, np.array([[2, 0], [1, 1]]))
+  values = bootstrap.classwise_ece_of_resamples(probs, labels, 2, 2, np.array([[2, 0], [1, 1]]))
   np.testing.assert_allclose(values, [0.1, 0.4], atol=1e-15)
 
 
@@ -396,5 +396,5 @@ def test_classwise_ece_of_resamples_equals_the_resampled_rows(n, k):
   rows = rng.integers(0, n, (9, n))
   counts = np.stack([np.bincount(r, minlength=n) for r in rows])
   expected = [metrics.classwise_ece(probs[r], labels[r], k, 15) for r in rows]
-  np.testing.assert_allclose(metrics.classwise_ece_of_resamples(probs, labels, k, 15, counts),
+  np.testing.assert_allclose(bootstrap.classwise_ece_of_resamples(probs, labels, k, 15, counts),
                              expected, rtol=0, atol=1e-13)

@@ -7,12 +7,19 @@ the metric recomputed on each, and by default the basic (pivotal) interval
 [2 t - q_hi, 2 t - q_lo] around the full-data value t, with "mid" 2 t - q_50.
 The percentile interval [q_lo, q_hi] is the alternative. The seed is explicit
 and recorded with the result.
+
+`resampled_values` computes the report's metrics over resamples without copying the [N, K]
+probabilities per resample: per-row statistics gathered per resample (bit for bit the metric
+of the resampled rows) and classwise ECE from each resample's row counts.
 """
 
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
+import scipy.sparse
+
+from cpjax.calibration import metrics
 
 KINDS = ("basic", "percentile")
 
@@ -86,3 +93,79 @@ def _check(level: float, kind: str) -> None:
     raise ValueError(f"kind={kind!r}; valid choices: {', '.join(KINDS)}")
   if not 0 < level < 1:
     raise ValueError(f"level={level} must be in (0, 1)")
+
+
+def row_statistics(probs: np.ndarray, logits: np.ndarray, labels: np.ndarray
+                    ) -> dict[str, np.ndarray]:
+  """[N] per row: what every TABLE_METRICS column but classwise ECE is a function of."""
+  confidence, correct = metrics.top_label(probs, labels)
+  confidence32, correct32 = metrics.top_label(metrics.softmax_float32(logits), labels)
+  return {"confidence": confidence, "correct": correct, "confidence32": confidence32,
+          "correct32": correct32, "label_log_prob": metrics.label_log_probs(logits, labels),
+          "brier": metrics.brier_terms(probs, labels)}
+
+
+# name -> f(row statistics of a resample, num_bins): the metric of the resampled rows, bit for
+# bit (cpjax.calibration.report's columns).
+FROM_ROW_STATISTICS = {
+    "accuracy": lambda s, m: float(np.mean(s["correct"])),
+    "ece": lambda s, m: metrics.ece_from_confidences(s["confidence"], s["correct"], m),
+    "ece_left_closed": lambda s, m: metrics.seed_ece_from_confidences(s["confidence32"],
+                                                                      s["correct32"], m),
+    "adaptive_ece": lambda s, m: metrics.adaptive_ece_from_confidences(s["confidence"],
+                                                                       s["correct"], m),
+    "nll": lambda s, m: float(-np.mean(s["label_log_prob"])),
+    "brier": lambda s, m: float(np.mean(s["brier"])),
+    "aurc": lambda s, m: metrics.aurc_from_confidences(s["confidence"], s["correct"]),
+    "e_aurc": lambda s, m: metrics.e_aurc_from_confidences(s["confidence"], s["correct"]),
+}
+
+
+def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples
+                     ) -> dict[str, np.ndarray]:
+  """[B] values of each named metric, over the resamples' [chunk, N] row blocks."""
+  statistics = row_statistics(probs, logits, labels)
+  values = {name: [] for name in names}
+  for rows in resamples:
+    for name in names:
+      if name == "classwise_ece":
+        counts = np.stack([np.bincount(r, minlength=len(labels)) for r in rows])
+        values[name].extend(classwise_ece_of_resamples(probs, labels, num_classes,
+                                                       num_bins, counts))
+      else:
+        values[name].extend(FROM_ROW_STATISTICS[name](
+            {k: v[r] for k, v in statistics.items()}, num_bins) for r in rows)
+  return {name: np.asarray(v) for name, v in values.items()}
+
+
+def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classes: int,
+                               num_bins: int, counts: np.ndarray) -> np.ndarray:
+  """[B]: `metrics.classwise_ece` of B bootstrap resamples, each given by `counts` [B, N] (how often
+  it draws each row), without copying the [N, K] probabilities per resample.
+
+  Resample b's sums per (bin m, class k) are sum_i counts_bi x_ik over the entries (i, k)
+  in bin m, x = 1, p_ik or 1[y_i = k]. At most M - 1 of a row's probabilities exceed 1 / M,
+  so nearly every entry is in the lowest bin: the other entries (and those in no bin, p = 0)
+  are summed as a sparse product, and the lowest bin's sums are the class totals
+  (counts @ probs, the label counts) less theirs. Per (m, k), |B| |acc - conf| is
+  |sum of events - sum of p|. Equal to `metrics.classwise_ece` of the resampled rows up to float64
+  rounding (the sums are taken in another order). Finite probabilities only.
+  """
+  probs, counts = np.asarray(probs, np.float64), np.asarray(counts, np.float64)
+  edges = metrics.equal_width_edges(num_bins)
+  index = metrics.bin_index(probs, edges, "right_closed")  # -1: p = 0, in no bin.
+  rows, classes = np.nonzero(index != 0)
+  slot = np.where(index[rows, classes] < 0, num_bins, index[rows, classes])  # M: no bin.
+  columns = (slot - 1) * num_classes + classes  # Bins 1..M-1, then "no bin".
+  event = np.asarray(labels)[rows] == classes
+  shape = (len(probs), num_bins * num_classes)
+  sums = [counts @ scipy.sparse.csr_matrix((value, (rows, columns)), shape=shape)
+          for value in (np.ones(len(rows)), probs[rows, classes], event.astype(np.float64))]
+  label_counts = np.stack([np.bincount(labels, c, num_classes) for c in counts])
+  totals = (np.broadcast_to(counts.sum(1, keepdims=True), label_counts.shape),
+            counts @ probs, label_counts)  # [B, K] each: count, confidence, event sums.
+  by_bin = [np.asarray(s).reshape(len(counts), num_bins, num_classes) for s in sums]
+  lowest = [t - s.sum(1) for t, s in zip(totals, by_bin)]  # Bin 0: the rest.
+  confidence = np.concatenate([lowest[1][:, None], by_bin[1][:, :-1]], 1)  # [B, M, K]
+  events = np.concatenate([lowest[2][:, None], by_bin[2][:, :-1]], 1)
+  return np.abs(events - confidence).sum((1, 2)) / counts.sum(1) / num_classes

@@ -17,7 +17,6 @@ smooth ECE).
 from typing import NamedTuple
 
 import numpy as np
-import scipy.sparse
 import scipy.special
 import scipy.stats
 
@@ -229,38 +228,6 @@ def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
                         np.bincount(flat, probs[inside], size),
                         np.bincount(flat, events[inside], size), float(len(probs)))
   return _weighted_gap(stats) / num_classes
-
-
-def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classes: int,
-                               num_bins: int, counts: np.ndarray) -> np.ndarray:
-  """[B]: `classwise_ece` of B bootstrap resamples, each given by `counts` [B, N] (how often
-  it draws each row), without copying the [N, K] probabilities per resample.
-
-  Resample b's sums per (bin m, class k) are sum_i counts_bi x_ik over the entries (i, k)
-  in bin m, x = 1, p_ik or 1[y_i = k]. At most M - 1 of a row's probabilities exceed 1 / M,
-  so nearly every entry is in the lowest bin: the other entries (and those in no bin, p = 0)
-  are summed as a sparse product, and the lowest bin's sums are the class totals
-  (counts @ probs, the label counts) less theirs. Per (m, k), |B| |acc - conf| is
-  |sum of events - sum of p|. Equal to `classwise_ece` of the resampled rows up to float64
-  rounding (the sums are taken in another order). Finite probabilities only.
-  """
-  probs, counts = np.asarray(probs, np.float64), np.asarray(counts, np.float64)
-  index = bin_index(probs, equal_width_edges(num_bins), "right_closed")  # -1: p = 0.
-  rows, classes = np.nonzero(index != 0)
-  slot = np.where(index[rows, classes] < 0, num_bins, index[rows, classes])  # M: no bin.
-  columns = (slot - 1) * num_classes + classes  # Bins 1..M-1, then "no bin".
-  event = np.asarray(labels)[rows] == classes
-  shape = (len(probs), num_bins * num_classes)
-  sums = [counts @ scipy.sparse.csr_matrix((value, (rows, columns)), shape=shape)
-          for value in (np.ones(len(rows)), probs[rows, classes], event.astype(np.float64))]
-  label_counts = np.stack([np.bincount(labels, c, num_classes) for c in counts])
-  totals = (np.broadcast_to(counts.sum(1, keepdims=True), label_counts.shape),
-            counts @ probs, label_counts)  # [B, K] each: count, confidence, event sums.
-  by_bin = [np.asarray(s).reshape(len(counts), num_bins, num_classes) for s in sums]
-  lowest = [t - s.sum(1) for t, s in zip(totals, by_bin)]  # Bin 0: the rest.
-  confidence = np.concatenate([lowest[1][:, None], by_bin[1][:, :-1]], 1)  # [B, M, K]
-  events = np.concatenate([lowest[2][:, None], by_bin[2][:, :-1]], 1)
-  return np.abs(events - confidence).sum((1, 2)) / counts.sum(1) / num_classes
 
 
 class ReliabilityBins(NamedTuple):

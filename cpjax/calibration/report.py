@@ -79,8 +79,8 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
 
   The resamples never copy the [N, K] probabilities (at ImageNet's K that copy was the
   report's cost): each metric but classwise ECE is a function of per-row statistics
-  (`_row_statistics`), gathered per resample, bit for bit the metric of the resampled rows;
-  classwise ECE is summed from each resample's row counts (`metrics.
+  (`bootstrap.row_statistics`), gathered per resample, bit for bit the metric of the resampled rows;
+  classwise ECE is summed from each resample's row counts (`bootstrap.
   classwise_ece_of_resamples`, equal up to float64 rounding). Non-finite probabilities take
   the generic `bootstrap.bootstrap_interval` (a resample without the bad rows is finite).
   """
@@ -93,54 +93,12 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
     return {name: bootstrap.bootstrap_interval(
         functions[name], (probs, logits, labels), num_resamples=num_resamples,
         **settings)._asdict() for name in names}
-  values = _resampled_values(probs, logits, labels, num_classes, config.num_bins, names,
-                             bootstrap.resampled_rows(len(labels), num_resamples,
+  values = bootstrap.resampled_values(probs, logits, labels, num_classes, config.num_bins,
+                                      names, bootstrap.resampled_rows(len(labels), num_resamples,
                                                       config.bootstrap_seed))
   return {name: bootstrap.interval_from_values(functions[name](probs, logits, labels),
                                                values[name], **settings)._asdict()
           for name in names}
-
-
-def _row_statistics(probs: np.ndarray, logits: np.ndarray, labels: np.ndarray
-                    ) -> dict[str, np.ndarray]:
-  """[N] per row: what every TABLE_METRICS column but classwise ECE is a function of."""
-  confidence, correct = metrics.top_label(probs, labels)
-  confidence32, correct32 = metrics.top_label(metrics.softmax_float32(logits), labels)
-  return {"confidence": confidence, "correct": correct, "confidence32": confidence32,
-          "correct32": correct32, "label_log_prob": metrics.label_log_probs(logits, labels),
-          "brier": metrics.brier_terms(probs, labels)}
-
-
-# name -> f(row statistics of a resample, num_bins): the metric, as `_metric_functions` has it.
-_FROM_ROW_STATISTICS = {
-    "accuracy": lambda s, m: float(np.mean(s["correct"])),
-    "ece": lambda s, m: metrics.ece_from_confidences(s["confidence"], s["correct"], m),
-    "ece_left_closed": lambda s, m: metrics.seed_ece_from_confidences(s["confidence32"],
-                                                                      s["correct32"], m),
-    "adaptive_ece": lambda s, m: metrics.adaptive_ece_from_confidences(s["confidence"],
-                                                                       s["correct"], m),
-    "nll": lambda s, m: float(-np.mean(s["label_log_prob"])),
-    "brier": lambda s, m: float(np.mean(s["brier"])),
-    "aurc": lambda s, m: metrics.aurc_from_confidences(s["confidence"], s["correct"]),
-    "e_aurc": lambda s, m: metrics.e_aurc_from_confidences(s["confidence"], s["correct"]),
-}
-
-
-def _resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples
-                      ) -> dict[str, np.ndarray]:
-  """[B] values of each named metric, over the resamples' [chunk, N] row blocks."""
-  statistics = _row_statistics(probs, logits, labels)
-  values = {name: [] for name in names}
-  for rows in resamples:
-    for name in names:
-      if name == "classwise_ece":
-        counts = np.stack([np.bincount(r, minlength=len(labels)) for r in rows])
-        values[name].extend(metrics.classwise_ece_of_resamples(probs, labels, num_classes,
-                                                               num_bins, counts))
-      else:
-        values[name].extend(_FROM_ROW_STATISTICS[name](
-            {k: v[r] for k, v in statistics.items()}, num_bins) for r in rows)
-  return {name: np.asarray(v) for name, v in values.items()}
 
 
 def _ood(test_logits, ood_logits, temperature_value) -> tuple[dict, dict]:
