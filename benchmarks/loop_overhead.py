@@ -65,8 +65,9 @@ def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
   if weights is not None:
     row_weights = np.ones(len(reader), np.float32)
     row_weights[rows] = weights
-  batches = loss_steps.PlainSteps(config.loss).batches(
-      reader.train_batches(order, row_weights=row_weights, epoch=epoch), first_step, len(order))
+  batches = loss_steps.PlainSteps(config.loss).train_batches({"train": reader}, config.seed,
+                                                             config.batch_size)(
+      order, epoch=epoch, row_weights=row_weights, first_step=first_step)
   with epoch_loop.step_guard(config.step_transfer_guard):
     state, _, outputs, _, _ = epoch_loop.train_steps(
         train_fn, state, batches,
@@ -75,8 +76,19 @@ def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
         epoch_loop.loss_hparams(config.loss, epoch), epoch_loop.NOTHING_DONE,
         first_step=first_step, epoch=epoch, log_every=config.log_every_steps,
         writer=metric_writers.MultiWriter([]), progress=lambda step: None,
-        guard=preemption.PreemptionGuard(), checkpointer=None, last_step=-1)
+        checkpointer=_NoCheckpoints(), last_step=-1)
   return state, order, epoch_loop.host_outputs(outputs, None)
+
+
+class _NoCheckpoints:
+  """The trainer's checkpointer as the step loop meets it, without a checkpoint folder: the
+  same preemption check after every step (`Checkpointer.reached_preemption`), never set."""
+
+  def __init__(self):
+    self._preemption = preemption.PreemptionGuard()
+
+  def reached_preemption(self, step: int) -> bool:
+    return self._preemption.should_stop(step)
 
 
 def trainer_epoch(run, train_fn, state):

@@ -39,12 +39,14 @@ class StalledTrainingError(RuntimeError):
 
 def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list,
                 loss_hparams: dict[str, np.float32], done: dict[str, Any], *, first_step: int,
-                epoch: int, log_every: int, writer, progress, guard: preemption.PreemptionGuard,
-                checkpointer: checkpointing.Checkpointer, last_step: int, compile_step: int = -1):
+                epoch: int, log_every: int, writer, progress,
+                checkpointer: checkpointing.Checkpointer, last_step: int,
+                compile_step: int = -1):
   """Trains the epoch's steps done["steps"].. over `batches`, from global step `first_step`
   (the epoch's first) on; `learning_rates[i]`: step i's. The step at index `compile_step` is
   the process's first: its compile is timed and logged. `progress` is called there, at
   every multiple of `log_every` and at the run's `last_step` (where clu's report acts).
+  After each step, `checkpointer.reached_preemption` says whether to stop.
 
   Returns:
     (state, totals: the epoch's sums on device, outputs: per-example outputs stacked per
@@ -78,7 +80,7 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
     if ((first_step + i + 1) % log_every == 0 or first_step + i + 1 == last_step) \
         and i != compile_step:
       progress(first_step + i + 1)  # Steps/s and ETA, at the steps where it reports only.
-    if guard.should_stop(first_step + i + 1):
+    if checkpointer.reached_preemption(first_step + i + 1):
       stopped = True
       break
   with host_point():
@@ -135,12 +137,12 @@ def save_checkpoint(checkpointer: checkpointing.Checkpointer, mesh: jax.sharding
 
 
 def stop_preempted(checkpointer: checkpointing.Checkpointer, step: int, epoch: int,
-                   epoch_step: int, signal_name: str) -> NoReturn:
+                   epoch_step: int) -> NoReturn:
   """Waits for the checkpoint at global `step` to commit, logs one line, raises Preempted."""
   checkpointer.wait_until_finished()
-  message = (f"{signal_name}: saved a checkpoint at global step {step} (epoch {epoch}, step "
-             f"{epoch_step} of it) in {checkpointer.directory}; rerun the same command to "
-             "resume there.")
+  message = (f"{checkpointer.preemption_signal}: saved a checkpoint at global step {step} "
+             f"(epoch {epoch}, step {epoch_step} of it) in {checkpointer.directory}; rerun the "
+             "same command to resume there.")
   logging.warning(message)
   raise preemption.Preempted(message, step)
 
@@ -222,10 +224,18 @@ def _log_train_window(writer, pending: tuple | None) -> None:
       "train/grad_norm": float(np.mean(stacked["grad_norm"])),
       "train/param_norm": float(stacked["param_norm"][-1]),
   }
-  if "meta_loss" in stacked:  # FL_gamma: the meta-objective and gamma-Net's mean gamma.
-    scalars["train/meta_loss"] = float(np.mean(stacked["meta_loss"]))
-    scalars["train/gamma_mean"] = _sum(stacked["gamma_sum"]) / count
+  # A step's own metrics (FL_gamma's meta_loss and gamma_sum), by their names' rule.
+  for name in sorted(stacked.keys() - _STEP_METRICS):
+    if name.endswith("_sum"):  # A sum over the batch's examples: their mean.
+      scalars[f"train/{name.removesuffix('_sum')}_mean"] = _sum(stacked[name]) / count
+    else:  # A number per step: the window's mean.
+      scalars[f"train/{name}"] = float(np.mean(stacked[name]))
   writer.write_scalars(step, scalars)
+
+
+# The batch metrics every train step returns (steps.train_step); a step may add its own,
+# which `_log_train_window` logs by their names' rule.
+_STEP_METRICS = frozenset({*EPOCH_SUMS, "grad_norm", "param_norm"})
 
 
 def _sum(values: np.ndarray) -> float:

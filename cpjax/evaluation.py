@@ -1,10 +1,10 @@
-"""Evaluation of a run's state, by evaluators built once at start-up from the parts they use
-(cpjax.train builds them from the config and the data; none holds the whole config or the
-`run_context.Run`, so each can be built and tested alone):
+"""Evaluation of a run's state by one `Evaluator`, built once at start-up from the parts it
+uses (cpjax.train builds it from the config and the data; it holds neither the whole config
+nor the `run_context.Run`, so it can be built and tested alone). It answers two questions:
 
-  SplitEvaluator   accuracy, NLL and the ECE family of the validation and test splits;
-  ReportEvaluator  the final calibration report (cpjax.calibration.report), written to
-                   workdir/report.
+  Evaluator.run           accuracy, NLL and the ECE family of the validation and test splits;
+  Evaluator.write_report  the final calibration report (cpjax.calibration.report), written to
+                          workdir/report.
 
 Which is due after an epoch (the report after the last one, the split metrics every
 `eval_every_epochs`: `run_context.due`) is decided in cpjax.train's epoch.
@@ -37,18 +37,27 @@ REPORT_KEY = "calibrator"  # A key every `report_record` has: marks an epoch rec
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitEvaluator:
-  """Eval-mode logits and calibration metrics of the validation and test splits."""
+class Evaluator:
+  """Eval-mode logits of the validation and test splits: their calibration metrics after an
+  epoch (`run`), and the final calibration report (`write_report`)."""
   eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.train._jit_eval_step).
   mesh: jax.sharding.Mesh
   split_readers: Mapping[str, readers.HostReader]  # SPLITS as batches on the mesh.
   labels: Mapping[str, np.ndarray]  # SPLITS' labels, in row order.
   num_classes: int
-  num_bins: int  # evaluation.num_bins.
   batch_size: int  # eval_batch_size.
   # The sentence naming the last good checkpoint (run_context.last_good), for the error of a
   # diverged model: a callable, as the checkpoint it names changes while the run trains.
   last_good: Callable[[], str]
+  evaluation: ml_collections.ConfigDict  # config.evaluation: the report's settings.
+  workdir: str
+  title: str  # "dataset, model, loss": the report's title, before "after epoch N".
+  test: splits.Split  # Host copy: ids for test_logits.npz; images for ood=gaussian_noise.
+  # config.dataset: an OOD set that is another dataset is read as this run's test split is.
+  dataset: ml_collections.ConfigDict
+  # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
+  # compile options (cpjax.loss_steps.MetaSteps.gamma_step); None for every other loss.
+  gamma_fn: Any = None
 
   def run(self, state: steps.TrainState, writer: metric_writers.MetricWriter | None = None,
           step: int = 0) -> dict[str, float]:
@@ -57,10 +66,12 @@ class SplitEvaluator:
     results = {}
     for name in SPLITS:
       logits, labels = self.finite_logits(state, name), self.labels[name]
-      values = report.calibration_metrics(logits, labels, self.num_classes, self.num_bins)
+      values = report.calibration_metrics(logits, labels, self.num_classes,
+                                          self.evaluation.num_bins)
       results.update({f"{name}_{metric}": value for metric, value in values.items()})
       if writer is not None and name == "test":
-        bins = metrics.reliability_bins(metrics.softmax(logits), labels, self.num_bins)
+        bins = metrics.reliability_bins(metrics.softmax(logits), labels,
+                                        self.evaluation.num_bins)
         write_calibration_images(writer, step, {"before_ts": {
             k: np.asarray(v).tolist() for k, v in bins._asdict().items()}})
     return results
@@ -90,35 +101,19 @@ class SplitEvaluator:
                          self.batch_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReportEvaluator:
-  """The final calibration report of a state: built, and written to workdir/report."""
-  split_evaluator: SplitEvaluator  # The val/test logits and the eval pass of the OOD set.
-  evaluation: ml_collections.ConfigDict  # config.evaluation.
-  workdir: str
-  title: str  # "dataset, model, loss": the report's title, before "after epoch N".
-  test: splits.Split  # Host copy: ids for test_logits.npz; images for ood=gaussian_noise.
-  # config.dataset: an OOD set that is another dataset is read as this run's test split is.
-  dataset: ml_collections.ConfigDict
-  # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
-  # compile options (cpjax.loss_steps.MetaSteps.gamma_step); None for every other loss.
-  gamma_fn: Any = None
-
-  def run(self, state: steps.TrainState, epoch: int, epoch_step: int = 0,
-          logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+  def write_report(self, state: steps.TrainState, epoch: int, epoch_step: int = 0,
+                   logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
-    `epoch_step` steps of the next; `logits`: its `SplitEvaluator.logits` if already
+    `epoch_step` steps of the next; `logits`: its `logits` if already
     computed) and writes it to workdir/report, naming that checkpoint."""
     logging.info("Building the calibration report after epoch %d: temperature fit, metrics, "
                  "%d bootstrap resamples per interval.", epoch,
                  self.evaluation.bootstrap_resamples)
-    evaluator = self.split_evaluator
-    logits = logits or evaluator.logits(state)
+    logits = logits or self.logits(state)
     ood = self._ood_split()
     results = report.build_report(
-        (logits["val"], evaluator.labels["val"]), (logits["test"], evaluator.labels["test"]),
-        evaluator.num_classes, self.evaluation,
-        None if ood is None else evaluator.predict(state, ood))
+        (logits["val"], self.labels["val"]), (logits["test"], self.labels["test"]),
+        self.num_classes, self.evaluation, None if ood is None else self.predict(state, ood))
     results.update(title=f"{self.title}, after epoch {epoch}", epoch=epoch,
                    epoch_step=epoch_step, checkpoint_step=int(jax.device_get(state.step)))
     gamma = self._test_gammas(state)
@@ -159,7 +154,7 @@ class ReportEvaluator:
     report_dir = os.path.join(self.workdir, "report")
     logits_path = os.path.join(report_dir, "test_logits.npz")
     files.atomic_write(logits_path, lambda f: np.savez_compressed(
-        f, logits=test_logits.astype(np.float32), labels=self.split_evaluator.labels["test"],
+        f, logits=test_logits.astype(np.float32), labels=self.labels["test"],
         ids=self.test.ids))
     # results.json last of all: `describes` takes it as the mark of a complete report.
     paths = [*report.write_report(report_dir, results, gamma), logits_path]
@@ -180,8 +175,7 @@ class ReportEvaluator:
     None for other losses."""
     if self.gamma_fn is None:
       return None
-    evaluator = self.split_evaluator
-    out = evaluator.predict(state, evaluator.split_readers["test"], self.gamma_fn)
+    out = self.predict(state, self.split_readers["test"], self.gamma_fn)
     return out[:, 0], out[:, 1]
 
 

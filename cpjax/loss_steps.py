@@ -4,17 +4,16 @@ FL_gamma (meta-learned gamma, Wang & Golebiowski 2024) differs from every other 
 `for_loss` gives the run's `PlainSteps` (every loss but FL_gamma: `steps.train_step`, the
 training batches as the reader gives them) or `MetaSteps` (FL_gamma: gamma-Net and its
 optimizer in the train state, the bilevel `steps.meta_train_step`, each training batch joined
-by a meta-validation batch, and the report's test gammas). Both answer the same four
-questions, so the loop (cpjax.train) asks them without knowing which loss it trains:
+by a meta-validation batch, and the report's test gammas). Both answer the same questions,
+asked once at start-up (cpjax.train's set-up), so the epoch never meets either:
 
   extra_state       what `steps.create_train_state` adds to the train state (None: nothing);
   build_train_step  the train step with the model, optimizer, score and StepSpec bound;
-  with_data         itself, reading any batches of its own from the run's readers;
-  batches           the step loop's batches from the training reader's;
+  train_batches     the epoch's batches function (`TrainBatches`) over the run's readers;
   gamma_step        the report's per-example gamma step (None: no gamma in the report).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 import contextlib
 import dataclasses
 import functools
@@ -30,6 +29,10 @@ from cpjax.calibration import gamma_net as gamma_net_lib
 from cpjax.calibration import losses
 from cpjax.data import readers, splits
 
+# The epoch's batches: (row blocks [steps, B], *, epoch, row_weights [N] or None, first_step:
+# the global step of the first block) -> the step loop's batches.
+TrainBatches = Callable[..., Iterator[dict[str, Any]]]
+
 
 @dataclasses.dataclass(frozen=True)
 class PlainSteps:
@@ -42,17 +45,17 @@ class PlainSteps:
     return functools.partial(steps.train_step, model=model, tx=tx,
                              loss_fn=losses.get_loss(self.loss), score_fn=score_fn, spec=spec)
 
-  def with_data(self, data_readers: dict[str, readers.HostReader], seed: int,
-                batch_size: int) -> "PlainSteps":
-    """Itself: its batches are the training reader's alone."""
-    del data_readers, seed, batch_size
-    return self
+  def train_batches(self, data_readers: dict[str, readers.HostReader], seed: int,
+                    batch_size: int) -> TrainBatches:
+    """The training reader's batches themselves (nothing joins them)."""
+    del seed, batch_size
+    reader = data_readers["train"]
 
-  def batches(self, train_batches: Iterator[dict[str, Any]], first_step: int, num_steps: int
-              ) -> Iterator[dict[str, Any]]:
-    """The reader's training batches themselves (nothing joins them)."""
-    del first_step, num_steps
-    return train_batches
+    def batches(row_blocks: np.ndarray, *, epoch: int, row_weights: np.ndarray | None,
+                first_step: int) -> Iterator[dict[str, Any]]:
+      del first_step
+      return reader.train_batches(row_blocks, epoch=epoch, row_weights=row_weights)
+    return batches
 
   def gamma_step(self, model: nn.Module, spec: steps.StepSpec) -> None:
     del model, spec
@@ -64,16 +67,6 @@ class MetaSteps:
   extra_state: tuple[nn.Module, optax.GradientTransformation]  # (gamma-Net, its optimizer).
   objective: gamma_net_lib.MetaObjective  # The meta-loss of a meta-validation batch.
   leak_meta_gradient: bool  # config.meta.leak_meta_gradient (the reference code's quirk).
-  # Where the meta-validation batches come from (`with_data`, once the data is read).
-  meta_reader: readers.HostReader | None = None
-  seed: int = 0  # config.seed: the meta-validation walk's.
-  batch_size: int = 0  # config.batch_size.
-
-  def with_data(self, data_readers: dict[str, readers.HostReader], seed: int,
-                batch_size: int) -> "MetaSteps":
-    """A copy that reads its meta-validation batches from data_readers["meta_val"]."""
-    return dataclasses.replace(self, meta_reader=data_readers["meta_val"], seed=seed,
-                               batch_size=batch_size)
 
   def build_train_step(self, model: nn.Module, tx: optax.GradientTransformation,
                        score_fn: steps.ScoreFn, spec: steps.StepSpec):
@@ -82,25 +75,38 @@ class MetaSteps:
                              meta_tx=meta_tx, objective=self.objective, score_fn=score_fn,
                              spec=spec, leak_meta_gradient=self.leak_meta_gradient)
 
-  def batches(self, train_batches: Iterator[dict[str, Any]], first_step: int, num_steps: int
-              ) -> Iterator[dict[str, Any]]:
-    """Each training batch with the meta-validation batch of its global step (from
-    `first_step` on, `num_steps` of them) as "meta_image" and "meta_label": a reshuffling walk
-    over the meta-validation split, a function of the step, read ahead by a stream
-    reader like the training batches. Closing it closes both readers' read-ahead."""
-    if num_steps == 0:
-      return
-    rows = np.stack([splits.cycled_rows(self.seed, first_step + s, len(self.meta_reader),
-                                        self.batch_size) for s in range(num_steps)])
-    with contextlib.closing(train_batches), \
-        contextlib.closing(self.meta_reader.batches(rows)) as meta:
-      for batch, meta_batch in zip(train_batches, meta):
-        yield {**batch, "meta_image": meta_batch["image"], "meta_label": meta_batch["label"]}
+  def train_batches(self, data_readers: dict[str, readers.HostReader], seed: int,
+                    batch_size: int) -> TrainBatches:
+    """Each training batch joined by the meta-validation batch of its global step
+    (data_readers["meta_val"]; `seed`, `batch_size`: config's), `_joined`."""
+    reader, meta_reader = data_readers["train"], data_readers["meta_val"]
+
+    def batches(row_blocks: np.ndarray, *, epoch: int, row_weights: np.ndarray | None,
+                first_step: int) -> Iterator[dict[str, Any]]:
+      return _joined(reader.train_batches(row_blocks, epoch=epoch, row_weights=row_weights),
+                     meta_reader, seed, batch_size, first_step, len(row_blocks))
+    return batches
 
   def gamma_step(self, model: nn.Module, spec: steps.StepSpec):
     """(state, batch) -> [B, 2] (gamma, correct) of the test split (steps.gamma_step)."""
     return functools.partial(steps.gamma_step, model=model, gamma_net=self.extra_state[0],
                              spec=spec)
+
+
+def _joined(train_batches: Iterator[dict[str, Any]], meta_reader: readers.HostReader,
+            seed: int, batch_size: int, first_step: int, num_steps: int
+            ) -> Iterator[dict[str, Any]]:
+  """Each training batch with the meta-validation batch of its global step (from
+  `first_step` on, `num_steps` of them) as "meta_image" and "meta_label": a reshuffling walk
+  over the meta-validation split, a function of the step, read ahead by a stream reader like
+  the training batches. Closing it closes both readers' read-ahead."""
+  if num_steps == 0:
+    return
+  rows = np.stack([splits.cycled_rows(seed, first_step + s, len(meta_reader), batch_size)
+                   for s in range(num_steps)])
+  with contextlib.closing(train_batches), contextlib.closing(meta_reader.batches(rows)) as meta:
+    for batch, meta_batch in zip(train_batches, meta):
+      yield {**batch, "meta_image": meta_batch["image"], "meta_label": meta_batch["label"]}
 
 
 def for_loss(loss: ml_collections.ConfigDict, meta: ml_collections.ConfigDict,

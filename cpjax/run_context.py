@@ -23,7 +23,7 @@ class Run:
   (each part was built from the sections it uses) and no train state (its buffers are donated
   by the first step: `cpjax.train._setup` returns the restored state beside the Run). Built in
   two steps: `_setup` the restored parts, then `cpjax.train` the loop's (selector, train step,
-  evaluators, writers), which `evaluate_only` does not need."""
+  evaluator, writers), which `evaluate_only` does not need."""
   workdir: str
   mesh: jax.sharding.Mesh
   model: Any
@@ -32,8 +32,9 @@ class Run:
   splits: dict[str, splits.Split]  # Host copies: labels, ids, images (none when streamed).
   readers: dict[str, readers.HostReader]  # The same splits as batches on the mesh.
   eval_fn: Any  # jitted (state, batch) -> logits
-  # The train step of the loss and what it needs besides (cpjax.loss_steps.for_loss).
-  loss_steps: loss_steps.PlainSteps | loss_steps.MetaSteps
+  # The epoch's batches from the train reader (the loss's: FL_gamma's joined by meta-validation
+  # batches; cpjax.loss_steps).
+  train_batches: loss_steps.TrainBatches
   # Metadata of every checkpoint: the config (as JSON) and a folder dataset's file digests
   # (cpjax.data.fingerprint), which a resume checks.
   checkpoint_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -42,8 +43,7 @@ class Run:
   selector: Any = None  # selection.selector.Selector: each epoch's rows.
   train_fn: Any = None  # jitted (state, batch, learning_rate, loss_hparams), state donated.
   epoch_steps: tuple[int, ...] = ()  # Steps of each epoch the run trains.
-  split_evaluator: Any = None  # evaluation.SplitEvaluator: val/test metrics.
-  report: Any = None  # evaluation.ReportEvaluator: the final report.
+  evaluator: Any = None  # evaluation.Evaluator: val/test metrics and the final report.
   writer: Any = None  # TensorBoard and the log.
   epoch_writer: Any = None  # The epoch records: TensorBoard and metrics.jsonl.
   epoch_log: Any = None  # run_logging.EpochLog: metrics.jsonl.

@@ -48,7 +48,6 @@ from cpjax.runtime import (
   checkpointing,
   compilation_cache,
   compiler_options,
-  preemption,
   run_logging,
   sharding,
   workdir_lock,
@@ -87,26 +86,25 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   chooser = _create_selector(config, run)
   epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                              config.budget_steps)
-  report = _report_evaluator(config, run)
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(start_epoch)
   run = dataclasses.replace(  # The loop's parts: the one change to the Run after _setup.
       run, selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx,
                                                       chooser.weighted),
-      epoch_steps=epoch_steps, split_evaluator=report.split_evaluator, report=report,
-      writer=writer, epoch_writer=run_logging.create_epoch_writer(writer, epoch_log),
-      epoch_log=epoch_log, progress=run_logging.create_progress_reporter(
+      epoch_steps=epoch_steps, evaluator=_create_evaluator(config, run), writer=writer,
+      epoch_writer=run_logging.create_epoch_writer(writer, epoch_log), epoch_log=epoch_log,
+      progress=run_logging.create_progress_reporter(
           sum(epoch_steps), writer, config.log_every_steps))
   if start_epoch == 0 and done is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
   record = {}
-  with preemption.PreemptionGuard() as guard:
+  with run.checkpointer.handling_preemption():
     try:
-      _finish_report(run, state, start_epoch, done, guard)
+      _finish_report(run, state, start_epoch, done)
       for epoch in range(start_epoch, run.num_epochs):
         state, selection_state, record = _train_epoch(
-            config, run, guard, epoch, state, selection_state,
+            config, run, epoch, state, selection_state,
             done if epoch == start_epoch else None, first=epoch == start_epoch)
         if epoch == start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
@@ -116,10 +114,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   return record
 
 
-def _train_epoch(config: ml_collections.ConfigDict, run: Run,
-                 guard: preemption.PreemptionGuard, epoch: int, state: steps.TrainState,
-                 selection_state: Any, done: dict[str, Any] | None, first: bool = False
-                 ) -> tuple[steps.TrainState, Any, dict[str, Any]]:
+def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
+                 state: steps.TrainState, selection_state: Any, done: dict[str, Any] | None,
+                 first: bool = False) -> tuple[steps.TrainState, Any, dict[str, Any]]:
   """One epoch, top to bottom: choose its rows, train its steps (their metrics folded and
   logged every log_every_steps), fold the epoch's record, evaluate when due, write the
   record, save when due, and after the last epoch write the report. A preemption request
@@ -135,10 +132,9 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run,
   learning_rates = epoch_loop.learning_rates(config.optimizer, epoch, first_step, len(order),
                                              run.total_steps, config.num_epochs)
   hparams, train_start = epoch_loop.loss_hparams(config.loss, epoch), time.perf_counter()
-  batches = run.loss_steps.batches(  # The loss's batches (FL_gamma's add their own).
-      run.readers["train"].train_batches(order[done["steps"]:], epoch=epoch, row_weights=(
-          _row_weights(rows, weights, len(run.splits["train"])))),
-      first_step + done["steps"], len(order) - done["steps"])
+  batches = run.train_batches(  # The train reader's (FL_gamma's joined by their own).
+      order[done["steps"]:], epoch=epoch, first_step=first_step + done["steps"],
+      row_weights=_row_weights(rows, weights, len(run.splits["train"])))
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
   with run.progress.timed("train", wait_jax_async_dispatch=False), \
@@ -146,7 +142,7 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run,
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
         run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
         epoch=epoch, log_every=config.log_every_steps, writer=run.writer,
-        progress=run.progress, guard=guard, checkpointer=run.checkpointer,
+        progress=run.progress, checkpointer=run.checkpointer,
         last_step=run.total_steps, compile_step=done["steps"] if first else -1)
   outputs, complete = epoch_loop.host_outputs(outputs, done["outputs"]), trained == len(order)
   if complete:
@@ -157,11 +153,11 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run,
         epoch, selection_state, order, outputs, timings, run.workdir)
     record = {**record, **selection_record, "epoch": epoch}
     if last:  # Its training numbers first: a report that fails or is killed loses none.
-      logits = run.split_evaluator.logits(state)  # Non-finite: stops, nothing saved.
+      logits = run.evaluator.logits(state)  # Non-finite: stops, nothing saved.
       run.epoch_log.write({**record, "epoch_seconds": time.time() - start})
     else:
       if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
-        record.update(run.split_evaluator.run(state, run.writer, first_step + len(order)))
+        record.update(run.evaluator.run(state, run.writer, first_step + len(order)))
       record["epoch_seconds"] = time.time() - start
       run.epoch_writer.write_scalars(first_step + len(order), record)
     partial = run_state.empty_partial(config.dataset, config.batch_size)
@@ -176,22 +172,22 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run,
   if stopped and not (last and complete):  # The one preemption stop (after the last epoch:
     # the report's, at once).
     epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
-                              0 if complete else trained, guard.signal_name)
+                              0 if complete else trained)
   if last:
     run.checkpointer.wait_until_finished()  # Committed before the report.
-    with guard.stopping_at_once(_REPORT_STOP.format(step=step), step):
-      record.update(_report_numbers(run.report, run.writer, state, epoch, step, logits))
+    with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
+      record.update(_report_numbers(run.evaluator, run.writer, state, epoch, step, logits))
     record["epoch_seconds"] = time.time() - start
     run.epoch_writer.write_scalars(step, record)
   return state, selection_state, record
 
 
-def _report_numbers(report: evaluation.ReportEvaluator, writer, state: steps.TrainState,
+def _report_numbers(evaluator: evaluation.Evaluator, writer, state: steps.TrainState,
                     epoch: int, step: int, logits: dict[str, np.ndarray] | None = None
                     ) -> dict[str, Any]:
   """The final report of `state` after 0-indexed `epoch` (written to workdir/report and to
   TensorBoard's `writer` at global `step`): its numbers for metrics.jsonl."""
-  results = report.run(state, epoch + 1, logits=logits)
+  results = evaluator.write_report(state, epoch + 1, logits=logits)
   evaluation.write_report_summaries(writer, step, results)
   return evaluation.report_record(results)
 
@@ -212,20 +208,20 @@ _REPORT_STOP = ("stopped during the final report; the last checkpoint (global st
 
 
 def _finish_report(run: Run, state: steps.TrainState, start_epoch: int,
-                   done: dict[str, Any] | None, guard: preemption.PreemptionGuard) -> None:
+                   done: dict[str, Any] | None) -> None:
   """Writes the report of a run whose training is complete but whose report is missing,
   incomplete or of another checkpoint (a report that failed, or was killed, after the last
   checkpoint was saved), and its numbers into the last epoch's metrics.jsonl record."""
   if start_epoch < run.num_epochs or done is not None:
     return
   step = int(jax.device_get(state.step))
-  if run.report.describes(step):
+  if run.evaluator.describes(step):
     return
   logging.warning("Training is complete (checkpoint %d) but report/ or metrics.jsonl does not "
                   "hold its report; writing the report now.", step)
   epoch = start_epoch - 1
-  with guard.stopping_at_once(_REPORT_STOP.format(step=step), step):
-    numbers = _report_numbers(run.report, run.writer, state, epoch, step)
+  with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
+    numbers = _report_numbers(run.evaluator, run.writer, state, epoch, step)
   saved = run.epoch_log.record(epoch)
   if saved is None and jax.process_index() == 0:
     logging.warning("metrics.jsonl has no record of epoch %d (lost by an earlier version of "
@@ -251,8 +247,8 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     if start_epoch == 0 and done is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
-    return _report_evaluator(config, run).run(state, start_epoch,
-                                              done["steps"] if done else 0)
+    return _create_evaluator(config, run).write_report(state, start_epoch,
+                                                       done["steps"] if done else 0)
 
 
 def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
@@ -303,7 +299,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
   if data_digests is not None:  # A folder's files: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
   run = Run(workdir, mesh, model, tx, checkpointer, data_splits, data_readers, eval_fn,
-            kind.with_data(data_readers, config.seed, config.batch_size), checkpoint_meta,
+            kind.train_batches(data_readers, config.seed, config.batch_size), checkpoint_meta,
             compilation_cache=cache_dir)
   return (run, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
           meta.get("epoch", 0), run_state.partial_from_checkpoint(
@@ -322,19 +318,17 @@ def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Se
                            num_ids=data.num_train, num_bins=config.evaluation.num_bins)
 
 
-def _report_evaluator(config: ml_collections.ConfigDict,
-                      run: Run) -> evaluation.ReportEvaluator:
-  """The run's evaluators (its split evaluator inside the report's), built from the parts
-  they use: the eval step, the val/test data and the sentence naming the last good
-  checkpoint, not the Run."""
-  split_evaluator = evaluation.SplitEvaluator(
+def _create_evaluator(config: ml_collections.ConfigDict, run: Run) -> evaluation.Evaluator:
+  """The run's evaluator, built from the parts it uses: the eval step, the val/test data, the
+  sentence naming the last good checkpoint and (FL_gamma) the test gammas' step."""
+  num_classes = specs.DATASETS[config.dataset.name].num_classes
+  gamma_step = loss_steps.for_loss(config.loss, config.meta, num_classes).gamma_step(
+      run.model, steps.step_spec(config.dataset))
+  return evaluation.Evaluator(
       run.eval_fn, run.mesh, {name: run.readers[name] for name in evaluation.SPLITS},
-      {name: run.splits[name].labels for name in evaluation.SPLITS},
-      specs.DATASETS[config.dataset.name].num_classes, config.evaluation.num_bins,
-      config.eval_batch_size, functools.partial(run_context.last_good, run.checkpointer))
-  gamma_step = run.loss_steps.gamma_step(run.model, steps.step_spec(config.dataset))
-  return evaluation.ReportEvaluator(
-      split_evaluator, config.evaluation, run.workdir,
+      {name: run.splits[name].labels for name in evaluation.SPLITS}, num_classes,
+      config.eval_batch_size, functools.partial(run_context.last_good, run.checkpointer),
+      config.evaluation, run.workdir,
       f"{config.dataset.name}, {config.model.name}, {config.loss.name}", run.splits["test"],
       config.dataset, gamma_step and _jit_inference(config, gamma_step))
 

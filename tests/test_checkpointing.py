@@ -10,13 +10,15 @@ import json
 import logging
 import os
 import shutil
+import signal
+import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cpjax.runtime import checkpoint_integrity, checkpointing, orbax_layout, sharding
+from cpjax.runtime import checkpoint_integrity, checkpointing, orbax_layout, preemption, sharding
 from tests.helpers import run_processes
 
 # When orbax's restore of a damaged step fails, tensorstore reads still in flight finish
@@ -442,3 +444,25 @@ def test_two_processes_agree_process_0_moves_aside_and_the_step_is_redone(tmp_pa
     assert result == {"restored": 10, "equal": True, "saved": True, "again": [21, 21, True]}
   assert "moved it aside to" in results[0][1] and "Checkpoint 20" in results[1][1]
   assert len(_moved_aside(workdir, 20)) == 1
+
+
+def test_the_checkpointer_says_when_a_preemption_stops_the_run(tmp_path):
+  """Inside `handling_preemption` SIGTERM only requests a stop, which `reached_preemption`
+  reports after the step it arrives in (named by `preemption_signal`); `stopping_at_once`
+  raises Preempted with the given step at once; the signal handler is restored on exit."""
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), 2)
+  before = signal.getsignal(signal.SIGTERM)
+  try:
+    with checkpointer.handling_preemption():
+      assert not checkpointer.reached_preemption(3)
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.1)  # Delivered: the process is still here, only a stop is requested.
+      assert checkpointer.reached_preemption(4)
+      assert checkpointer.preemption_signal == "SIGTERM"
+      with pytest.raises(preemption.Preempted, match="SIGTERM: the report stopped") as raised:
+        with checkpointer.stopping_at_once("the report stopped", 9):
+          pass
+      assert raised.value.step == 9
+    assert signal.getsignal(signal.SIGTERM) is before
+  finally:
+    checkpointer.close()

@@ -6,6 +6,7 @@ import collections
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -33,12 +34,13 @@ def _logits(labels, ids):
   return 3.0 * jax.nn.one_hot(shifted, NUM_CLASSES) + 0.25 * (ids % 7)[:, None]
 
 
-def _evaluator(eval_fn) -> evaluation.SplitEvaluator:
+def _evaluator(eval_fn) -> evaluation.Evaluator:
   data = {"val": _split(50, 0), "test": _split(70, 1000)}
-  return evaluation.SplitEvaluator(
+  return evaluation.Evaluator(
       jax.jit(eval_fn), sharding.create_mesh(), data,
-      {name: split.labels for name, split in data.items()}, NUM_CLASSES, num_bins=15,
-      batch_size=16, last_good=lambda: LAST_GOOD)
+      {name: split.labels for name, split in data.items()}, NUM_CLASSES, batch_size=16,
+      last_good=lambda: LAST_GOOD, evaluation=ml_collections.ConfigDict({"num_bins": 15}),
+      workdir="", title="", test=data["test"], dataset=ml_collections.ConfigDict())
 
 
 def _fake_eval_step(state, batch):

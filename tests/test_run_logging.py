@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
+from cpjax import epoch_loop, steps
 from cpjax.runtime import run_logging, sharding
 from cpjax.selection import bookkeeping, sources
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
@@ -206,3 +207,32 @@ def test_a_scoring_pass_logs_its_start_and_its_duration(digits, caplog):
   lines = [r.getMessage() for r in caplog.records]
   assert "Scoring pass for epoch 3: 1257 training examples with the current model..." in lines
   assert any(line.startswith("Scoring pass for epoch 3 done in ") for line in lines), lines
+
+
+class _Scalars:
+  """A writer that keeps what write_scalars gets."""
+
+  def __init__(self):
+    self.written = []
+
+  def write_scalars(self, step, scalars):
+    self.written.append((step, scalars))
+
+
+def test_a_logging_window_logs_a_steps_own_metrics_by_their_names():
+  """Two steps, worked by hand: the standard metrics, and the ones a step adds (as FL_gamma's
+  step does): a `_sum` is a sum over examples, logged as their mean; any other, a number per
+  step, as the window's mean."""
+  no_bad = np.int32(steps.NO_BAD_STEP)
+  stacked = {"loss_sum": np.float32([2, 4]), "correct": np.float32([1, 3]),
+             "count": np.float32([4, 4]), "first_bad_step": np.int32([no_bad, no_bad]),
+             "grad_norm": np.float32([1, 3]), "param_norm": np.float32([5, 6]),
+             "gamma_sum": np.float32([2, 6]), "meta_loss": np.float32([0.5, 1.5])}
+  writer = _Scalars()
+  epoch_loop._log_train_window(writer, (stacked, 10, np.float32(0.25), (0, 8, None)))
+  assert writer.written == [(10, {
+      "train/loss": 0.75, "train/accuracy": 0.5, "train/learning_rate": 0.25,
+      "train/grad_norm": 2.0, "train/param_norm": 6.0, "train/gamma_mean": 1.0,
+      "train/meta_loss": 1.0})]
+  epoch_loop._log_train_window(writer, None)  # Nothing pending: nothing written.
+  assert len(writer.written) == 1

@@ -51,6 +51,13 @@ still leave the others waiting; that is beyond what this wrapper can detect.
 
 Read-only use (another run's checkpoints, `read_only=True`): damaged steps are
 skipped with a warning but left in place, and `save` is refused.
+
+Preemption. As orbax's CheckpointManager (`reached_preemption`), the checkpointer also says
+when a preemption request means "save and stop" (cpjax.runtime.preemption: SIGTERM or Ctrl-C
+in one process, JAX's preemption service across several), so the loop asks one object when
+to save and whether to stop: `handling_preemption` turns the signals into requests for the
+run's duration, `reached_preemption(step)` reads them after a step, and `stopping_at_once`
+covers work done after the last save (the report), which a signal ends where it is.
 """
 
 import contextlib
@@ -67,7 +74,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cpjax.runtime import checkpoint_integrity as integrity
-from cpjax.runtime import failures, orbax_layout
+from cpjax.runtime import failures, orbax_layout, preemption
 
 CORRUPT_DIR = "corrupt"  # Under checkpoints/: damaged steps, moved aside.
 _DAMAGE_NOTE = "CPJAX_DAMAGE.txt"
@@ -146,6 +153,7 @@ class Checkpointer:
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.read_only = read_only
     self._warned_unverified = False
+    self._preemption = preemption.PreemptionGuard()
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
                                              enable_async_checkpointing=False)
@@ -298,6 +306,26 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+  # Preemption: when a request means "save and stop" (cpjax.runtime.preemption).
+
+  def handling_preemption(self) -> preemption.PreemptionGuard:
+    """A context in which SIGTERM and Ctrl-C only request a stop (`reached_preemption`)."""
+    return self._preemption
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether the run must save and stop after global `step` (all processes agree)."""
+    return self._preemption.should_stop(step)
+
+  def stopping_at_once(self, message: str, step: int) -> contextlib.AbstractContextManager:
+    """A context in which a preemption signal raises `preemption.Preempted(message)` at once:
+    for work after the checkpoint at global `step` has committed, which a rerun redoes."""
+    return self._preemption.stopping_at_once(message, step)
+
+  @property
+  def preemption_signal(self) -> str:
+    """The name of the signal that requested the stop ("SIGTERM" if none did)."""
+    return self._preemption.signal_name
 
   # Restoring one step.
 
