@@ -65,6 +65,7 @@ def _direct(source, transform, rows: np.ndarray, epoch: int | None) -> np.ndarra
                    for row in rows])
 
 
+@pytest.mark.slow  # Worker processes.
 @pytest.mark.parametrize("read", ["folder", "records"])
 def test_batches_are_bit_identical_whatever_the_worker_kind_count_and_read_ahead(
     folder, tmp_path, read):
@@ -103,7 +104,9 @@ def test_a_folder_carve_out_pickles_its_own_paths_only(folder):
   """What a worker process receives: the validation carve-out of a folder, pickled, reads the
   same bytes under the same ids, labels and names (and a part taken of it too), and carries
   its own rows' paths, not the split's whole table."""
-  opened = sources.open_splits(_dataset(folder, val_size=6))
+  dataset = _dataset(folder, val_size=6)
+  sources.resolve(dataset)  # Registers the folder's facts, as config validation does.
+  opened = sources.open_splits(dataset)
   val, train = opened["val"], opened["train"]
   copy = pickle.loads(pickle.dumps(val))
   rows = np.arange(len(val))

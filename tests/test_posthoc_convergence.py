@@ -21,6 +21,9 @@ import threadpoolctl
 from cpjax import config_schema
 from cpjax.calibration import newton, parametric, posthoc, report
 
+# Every test here fits a map to convergence (seconds compiling and iterating): all `slow`.
+pytestmark = pytest.mark.slow
+
 
 def _generated(seed, n, k, scale=3.0, sharpen=2.0):
   """Generated logits z and labels drawn from softmax(z / sharpen): sharpen > 1 is an

@@ -188,6 +188,7 @@ def test_a_users_module_registers_a_policy_and_a_source_that_a_run_trains_with(t
   assert crops and all(c["size"] == [8, 8] and c["pid"] != main_pid for c in crops)
 
 
+@pytest.mark.slow  # main.py in a process of its own.
 def test_a_module_that_cannot_be_imported_is_named_before_anything_runs(tmp_path):
   _, env = _user_module(tmp_path)
   workdir = str(tmp_path / "run")
@@ -201,6 +202,7 @@ def test_a_module_that_cannot_be_imported_is_named_before_anything_runs(tmp_path
   assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
 
 
+@pytest.mark.slow  # main.py in a process of its own.
 def test_without_the_module_its_names_are_not_choices(tmp_path):
   """The same names without --config.import_modules: refused, with the valid choices."""
   _, env = _user_module(tmp_path)
