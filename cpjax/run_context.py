@@ -61,7 +61,7 @@ class Run:
 
 def last_good(checkpointer: checkpointing.Checkpointer) -> str:
   """Where the last good checkpoint is, for the message of a run that stops (the loop's and
-  the evaluators', which hold the checkpointer, not the Run)."""
+  the evaluator's, which hold the checkpointer, not the Run)."""
   step = checkpointer.latest_step()
   if step is None:
     return f"No checkpoint was saved yet in {checkpointer.directory}."

@@ -17,6 +17,10 @@ After the last checkpoint has committed there is no step to finish: during the f
 (`PreemptionGuard.stopping_at_once`) a signal raises Preempted where the run is, so the
 process exits within moments, well inside a scheduler's grace period; the rerun writes the
 report from that checkpoint. (Single process only; several processes finish the report.)
+
+The training loop meets the guard only through its checkpointer
+(`checkpointing.Checkpointer.handling_preemption`, `reached_preemption`, `stopping_at_once`),
+which owns one: saving and stopping for a preemption are asked of one object.
 """
 
 import contextlib
