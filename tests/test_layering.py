@@ -27,6 +27,7 @@ RANKS = {
     # 0: runtime: mesh, multi-host start-up, checkpoints, logs, files, XLA options.
     "runtime": 0,
     "runtime.checkpoint_integrity": 0,
+    "runtime.checkpoint_room": 0,
     "runtime.checkpointing": 0,
     "runtime.compilation_cache": 0,
     "runtime.compiler_options": 0,

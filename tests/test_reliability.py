@@ -24,7 +24,7 @@ from cpjax import epoch_loop, preflight, run_state, train
 from cpjax.calibration import report
 from cpjax.data import array_records, input_pipeline
 from cpjax.data.datasets import fashion_mnist_local
-from cpjax.runtime import checkpointing, sharding
+from cpjax.runtime import checkpoint_room, sharding
 from cpjax.selection import bookkeeping, score_files
 from tests import test_faults
 from tests.helpers import (
@@ -281,11 +281,11 @@ def test_no_room_for_a_checkpoint_fails_at_start_up(tmp_path, monkeypatch):
   params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(restored["train"].params))
   assert nbytes == by_hand and nbytes >= 4 * params  # float32 parameters at least.
   usage = shutil.disk_usage(str(tmp_path))
-  monkeypatch.setattr(checkpointing.shutil, "disk_usage",
+  monkeypatch.setattr(checkpoint_room.shutil, "disk_usage",
                       lambda path: usage._replace(free=2 * nbytes - 1))
   _fails_at_start_up(config, str(tmp_path / "w"), r"checkpoint folder .*/w/checkpoints has "
                      r"[\d.]+ MiB free, a checkpoint needs [\d.]+ MiB")
-  monkeypatch.setattr(checkpointing.shutil, "disk_usage",
+  monkeypatch.setattr(checkpoint_room.shutil, "disk_usage",
                       lambda path: usage._replace(free=2 * nbytes))
   preflight.check(config, str(tmp_path / "w"))  # Just enough.
 

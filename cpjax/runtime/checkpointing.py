@@ -63,8 +63,6 @@ covers work done after the last save (the report), which a signal ends where it 
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -76,6 +74,9 @@ import orbax.checkpoint as ocp
 from cpjax.runtime import checkpoint_integrity as integrity
 from cpjax.runtime import failures, orbax_layout, preemption
 
+# The save error and the room check live in checkpoint_room; callers reach them here too.
+from cpjax.runtime.checkpoint_room import ROOM_FACTOR, CheckpointSaveError, check_room, tree_bytes
+
 CORRUPT_DIR = "corrupt"  # Under checkpoints/: damaged steps, moved aside.
 _DAMAGE_NOTE = "CPJAX_DAMAGE.txt"
 ITEMS = ("state", "meta")  # The items of every checkpoint.
@@ -86,57 +87,12 @@ class CheckpointMismatchError(ValueError):
   """The checkpoint's arrays do not fit the current config's shapes."""
 
 
-class CheckpointSaveError(RuntimeError):
-  """orbax declined to write a checkpoint that was asked for."""
-
-
 def _agree(code: int) -> int:
   """The worst verdict over all processes (identity with one process)."""
   if jax.process_count() == 1:
     return code
   codes = multihost_utils.process_allgather(np.asarray([code], np.int32))
   return int(np.max(codes))
-
-
-# Free space asked for before a save, in checkpoints: orbax writes a new step in full before
-# the rotation deletes the oldest one, and the margin covers the step's metadata files.
-ROOM_FACTOR = 2
-
-
-def tree_bytes(tree: Any) -> int:
-  """Bytes of the arrays (or shape-dtype structs) of `tree`."""
-  return int(sum(np.prod(np.shape(leaf), dtype=np.int64) * np.dtype(leaf.dtype).itemsize
-                 for leaf in jax.tree.leaves(tree)))
-
-
-def _existing_parent(path: str) -> str:
-  """`path`, or its nearest parent that exists."""
-  path = os.path.abspath(path)
-  while not os.path.exists(path):
-    path = os.path.dirname(path)
-  return path
-
-
-def check_room(directory: str, needed_bytes: int) -> None:
-  """Raises CheckpointSaveError at once unless a checkpoint of `needed_bytes` can be written
-  in `directory` (or, if it does not exist yet, its nearest existing parent): a folder in
-  which a file can be created, on a file system with that much free space. Leaves nothing.
-  """
-  where = _existing_parent(directory)
-  try:
-    if not os.path.isdir(where):
-      raise NotADirectoryError(f"{where} is not a folder")
-    # A named file: an unnamed one (O_TMPFILE) is allowed in a folder that refuses new names.
-    tempfile.NamedTemporaryFile(dir=where, prefix=".cpjax-probe-").close()
-  except OSError as err:
-    raise CheckpointSaveError(
-        f"checkpoint folder {directory} is not writable ({type(err).__name__}: {err}); make "
-        "it writable or pass another --workdir") from err
-  free = shutil.disk_usage(where).free
-  if free < needed_bytes:
-    raise CheckpointSaveError(
-        f"checkpoint folder {directory} has {free / 2**20:.1f} MiB free, a checkpoint needs "
-        f"{needed_bytes / 2**20:.1f} MiB; free space there or pass another --workdir")
 
 
 class Checkpointer:
