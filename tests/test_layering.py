@@ -69,6 +69,7 @@ RANKS = {
     "calibration.newton": 1,
     "calibration.parametric": 1,
     "calibration.posthoc": 1,
+    "calibration.ranking": 1,
     "calibration.report": 1,
     "calibration.surrogates": 1,
     "calibration.temperature": 1,

@@ -8,7 +8,7 @@ import scipy.optimize
 import scipy.stats
 from sklearn import metrics as sk_metrics
 
-from cpjax.calibration import bootstrap, metrics
+from cpjax.calibration import bootstrap, metrics, ranking
 from cpjax.data import corruptions
 
 
@@ -138,12 +138,12 @@ def test_auroc_matches_sklearn_with_ties():
   inside = rng.integers(0, 5, 300).astype(float)  # Many ties.
   outside = rng.integers(1, 7, 200).astype(float)
   expected = sk_metrics.roc_auc_score(np.r_[np.zeros(300), np.ones(200)], np.r_[inside, outside])
-  assert metrics.auroc(inside, outside) == pytest.approx(expected, abs=1e-12)
+  assert ranking.auroc(inside, outside) == pytest.approx(expected, abs=1e-12)
 
 
 def test_ood_scores_by_hand():
   logits = np.array([[0.0, np.log(3.0)]])  # p = (1/4, 3/4)
-  scores = metrics.ood_scores(logits)
+  scores = ranking.ood_scores(logits)
   assert scores["entropy"][0] == pytest.approx(scipy.stats.entropy([0.25, 0.75]))
   assert scores["max_softmax"][0] == pytest.approx(-0.75)
   assert scores["max_logit"][0] == pytest.approx(-np.log(3.0))
@@ -324,12 +324,12 @@ def test_aurc_matches_a_loop_and_e_aurc_is_zero_for_a_perfect_ranking():
   conf = rng.uniform(0.5, 1, 500)  # Continuous: no ties.
   correct = (rng.uniform(size=500) < conf).astype(int)
   probs, labels = _two_class(conf, correct)
-  assert metrics.aurc(probs, labels) == pytest.approx(_aurc_by_loop(conf, correct), abs=1e-12)
+  assert ranking.aurc(probs, labels) == pytest.approx(_aurc_by_loop(conf, correct), abs=1e-12)
   oracle = np.where(correct == 1, 0.6 + 0.4 * conf, 0.5 + 0.09 * conf)  # Errors ranked last.
-  assert metrics.e_aurc(*_two_class(oracle, correct)) == pytest.approx(0.0, abs=1e-12)
-  assert metrics.e_aurc(probs, labels) > 0
+  assert ranking.e_aurc(*_two_class(oracle, correct)) == pytest.approx(0.0, abs=1e-12)
+  assert ranking.e_aurc(probs, labels) > 0
   expected_oracle = _aurc_by_loop(oracle, correct)
-  assert (metrics.aurc(probs, labels) - metrics.e_aurc(probs, labels)
+  assert (ranking.aurc(probs, labels) - ranking.e_aurc(probs, labels)
           == pytest.approx(expected_oracle, abs=1e-12))
 
 
@@ -342,18 +342,18 @@ def test_aurc_with_ties_is_the_mean_over_every_tie_breaking_order():
       errors = np.cumsum(1 - correct[list(perm)])
       values.append(np.mean(errors / np.arange(1, 7)))
   assert len(values) == 12  # 3! x 2! orders.
-  assert metrics.aurc(*_two_class(conf, correct)) == pytest.approx(np.mean(values), abs=1e-12)
+  assert ranking.aurc(*_two_class(conf, correct)) == pytest.approx(np.mean(values), abs=1e-12)
 
 
 def test_selective_risk_by_hand():
   conf = np.array([0.99, 0.95, 0.9, 0.8, 0.7, 0.65, 0.6, 0.58, 0.56, 0.55])
   correct = np.array([1, 1, 0, 1, 1, 1, 1, 1, 0, 0])
   probs, labels = _two_class(conf, correct)
-  assert metrics.selective_risk(probs, labels, 0.9) == pytest.approx(2 / 9)  # Top 9: 2 wrong.
-  assert metrics.selective_risk(probs, labels, 0.95) == pytest.approx(3 / 10)  # ceil(9.5) = 10.
-  assert metrics.selective_risk(probs, labels, 0.3) == pytest.approx(1 / 3)
+  assert ranking.selective_risk(probs, labels, 0.9) == pytest.approx(2 / 9)  # Top 9: 2 wrong.
+  assert ranking.selective_risk(probs, labels, 0.95) == pytest.approx(3 / 10)  # ceil(9.5) = 10.
+  assert ranking.selective_risk(probs, labels, 0.3) == pytest.approx(1 / 3)
   with pytest.raises(ValueError, match="coverage=0"):
-    metrics.selective_risk(probs, labels, 0.0)
+    ranking.selective_risk(probs, labels, 0.0)
 
 
 def test_fpr_at_95_tpr_matches_sklearn_roc_curve():
@@ -364,7 +364,7 @@ def test_fpr_at_95_tpr_matches_sklearn_roc_curve():
     fpr, tpr, _ = sk_metrics.roc_curve(np.r_[np.zeros(400), np.ones(300)], np.r_[inside, outside],
                                        drop_intermediate=False)
     expected = fpr[np.argmax(tpr >= 0.95)]
-    assert metrics.fpr_at_tpr(inside, outside, 0.95) == pytest.approx(expected, abs=1e-12)
+    assert ranking.fpr_at_tpr(inside, outside, 0.95) == pytest.approx(expected, abs=1e-12)
 
 
 def test_resampled_rows_are_the_sequential_draws_in_chunks():

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import scipy.sparse
 
-from cpjax.calibration import metrics
+from cpjax.calibration import metrics, ranking
 
 KINDS = ("basic", "percentile")
 
@@ -116,8 +116,8 @@ FROM_ROW_STATISTICS = {
                                                                        s["correct"], m),
     "nll": lambda s, m: float(-np.mean(s["label_log_prob"])),
     "brier": lambda s, m: float(np.mean(s["brier"])),
-    "aurc": lambda s, m: metrics.aurc_from_confidences(s["confidence"], s["correct"]),
-    "e_aurc": lambda s, m: metrics.e_aurc_from_confidences(s["confidence"], s["correct"]),
+    "aurc": lambda s, m: ranking.aurc_from_confidences(s["confidence"], s["correct"]),
+    "e_aurc": lambda s, m: ranking.e_aurc_from_confidences(s["confidence"], s["correct"]),
 }
 
 

@@ -1,8 +1,8 @@
 """Accuracy and calibration metrics: pure NumPy functions, float64 inside.
 
 Confidence metrics take probabilities `probs [N, K]` (rows of a softmax; use
-`softmax(logits / T)` for a temperature) and integer `labels [N]`; `nll` and
-the OOD scores take logits because logs of saturated probabilities underflow.
+`softmax(logits / T)` for a temperature) and integer `labels [N]`; `nll`
+takes logits because logs of saturated probabilities underflow.
 The one float32 path is `seed_ece`, which reproduces the ECE of Tata et al.
 2022's code from logits (see there). Every result is a fraction, not a percentage.
 All binned metrics share one binning core, `bin_statistics`, so ECE, MCE,
@@ -11,7 +11,8 @@ sample is in which bin. A non-finite probability (a diverged model) makes
 every calibration metric NaN, never a number computed from the finite rest.
 Definitions: docs/methods.md#evaluation-metrics (Guo et al. 2017; Mukhoti et
 al. 2020 for AdaECE, classwise ECE and S99; Błasiok & Nakkiran 2023 for the
-smooth ECE).
+smooth ECE). The ranking metrics (OOD detection, selective prediction) are in
+`ranking.py`.
 """
 
 from typing import NamedTuple
@@ -90,10 +91,10 @@ def bin_statistics(confidences: np.ndarray, correct: np.ndarray, edges: np.ndarr
   total = float(len(confidences)) if convention == "right_closed" else float(count.sum())
   stats = BinStatistics(edges, count, np.bincount(index, conf, num_bins),
                         np.bincount(index, correct[inside], num_bins), total)
-  return stats if _all_finite(confidences, correct) else _poisoned(stats)
+  return stats if all_finite(confidences, correct) else _poisoned(stats)
 
 
-def _all_finite(*arrays: np.ndarray) -> bool:
+def all_finite(*arrays: np.ndarray) -> bool:
   return all(bool(np.all(np.isfinite(a))) for a in arrays)
 
 
@@ -216,7 +217,7 @@ def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
   probs = np.asarray(probs, np.float64)
   if probs.shape[-1] != num_classes:
     raise ValueError(f"probs have {probs.shape[-1]} classes, num_classes={num_classes}")
-  if not _all_finite(probs):
+  if not all_finite(probs):
     return float("nan")
   edges = equal_width_edges(num_bins)
   index = bin_index(probs, edges, "right_closed")  # [N, K]
@@ -314,7 +315,7 @@ def s99(probs: np.ndarray, labels: np.ndarray, threshold: float = 0.99) -> tuple
   Mukhoti et al. 2020 App. H (docs/methods.md#s99: ">= 0.99").
   """
   conf, correct = top_label(probs, labels)
-  if not _all_finite(conf):
+  if not all_finite(conf):
     return float("nan"), float("nan")
   confident = conf >= threshold
   share = float(np.mean(confident))
@@ -360,7 +361,7 @@ def smooth_ece(probs: np.ndarray, labels: np.ndarray, resolution: int = 200) -> 
     The smooth ECE as a fraction; NaN if any probability is non-finite.
   """
   conf, correct = top_label(probs, labels)
-  if not _all_finite(np.asarray(probs)):
+  if not all_finite(np.asarray(probs)):
     return float("nan")
   centres = (np.arange(resolution) + 0.5) / resolution
   cell = np.minimum((conf * resolution).astype(int), resolution - 1)
@@ -374,101 +375,3 @@ def smooth_ece(probs: np.ndarray, labels: np.ndarray, resolution: int = 200) -> 
     mid = 0.5 * (low + high)
     low, high = (mid, high) if smece_at(mid) > mid else (low, mid)
   return smece_at(0.5 * (low + high))
-
-
-def ood_scores(logits: np.ndarray) -> dict[str, np.ndarray]:
-  """Per-sample out-of-distribution scores, higher = more likely OOD
-  (docs/methods.md#ood-detection).
-
-  entropy: -sum_k p_k log p_k; max_softmax: -max_k p_k (Hendrycks & Gimpel
-  2017); max_logit: -max_k z_k (Hendrycks et al. 2022); energy: the free
-  energy -logsumexp_k z_k (Liu et al. 2020).
-  """
-  logp = log_softmax(logits)
-  return {"entropy": -np.sum(np.exp(logp) * logp, axis=-1),
-          "max_softmax": -np.exp(logp.max(axis=-1)),
-          "max_logit": -np.asarray(logits, np.float64).max(axis=-1),
-          "energy": -scipy.special.logsumexp(np.asarray(logits, np.float64), axis=-1)}
-
-
-def auroc(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
-  """Area under the ROC curve for "out" = positive: P(s_out > s_in) + P(tie)/2.
-
-  The Mann-Whitney U statistic from average ranks (ties count 1/2).
-  """
-  ranks = scipy.stats.rankdata(np.concatenate([in_scores, out_scores]))
-  n_in, n_out = len(in_scores), len(out_scores)
-  u = ranks[n_in:].sum() - n_out * (n_out + 1) / 2
-  return float(u / (n_in * n_out))
-
-
-def _expected_cumulative_errors(confidences: np.ndarray, correct: np.ndarray) -> np.ndarray:
-  """[N]: expected errors among the i most confident samples (i = 1..N), ties in confidence
-  broken uniformly at random: within a tie group the errors accrue linearly."""
-  conf = np.asarray(confidences, np.float64)
-  errors = 1.0 - np.asarray(correct, np.float64)
-  order = np.argsort(-conf, kind="stable")
-  conf, errors = conf[order], errors[order]
-  cumulative = np.cumsum(errors)
-  _, start, size = np.unique(-conf, return_index=True, return_counts=True)
-  group = np.repeat(np.arange(len(start)), size)
-  before = np.concatenate([[0.0], cumulative])[start][group]  # Errors ahead of the group.
-  group_errors = (cumulative[start + size - 1] - np.concatenate([[0.0], cumulative])[start])
-  position = np.arange(len(conf)) - start[group] + 1  # 1..size within the group.
-  return before + group_errors[group] * position / size[group]
-
-
-def selective_risks(confidences: np.ndarray, correct: np.ndarray) -> np.ndarray:
-  """[N]: the risk (error rate) on the i most confident samples, i = 1..N, in expectation
-  over random tie-breaking: the risk-coverage curve at coverages i / N."""
-  return _expected_cumulative_errors(confidences, correct) / np.arange(1, len(confidences) + 1)
-
-
-def aurc(probs: np.ndarray, labels: np.ndarray) -> float:
-  """Area under the risk-coverage curve, mean_i risk(i / N), with the top-label confidence
-  as the selection score (Geifman, Uziel & El-Yaniv 2019, ICLR). NaN for non-finite probs."""
-  return aurc_from_confidences(*top_label(probs, labels))
-
-
-def aurc_from_confidences(confidences: np.ndarray, correct: np.ndarray) -> float:
-  """`aurc` from top-label confidences [N] and 0/1 correctness [N]."""
-  if not _all_finite(confidences):
-    return float("nan")
-  return float(np.mean(selective_risks(confidences, correct)))
-
-
-def e_aurc(probs: np.ndarray, labels: np.ndarray) -> float:
-  """Excess AURC: AURC less that of the oracle ranking (every error ranked last) at the
-  same accuracy (Geifman et al. 2019); 0 for a perfect ranking of errors."""
-  return e_aurc_from_confidences(*top_label(probs, labels))
-
-
-def e_aurc_from_confidences(confidences: np.ndarray, correct: np.ndarray) -> float:
-  """`e_aurc` from top-label confidences [N] and 0/1 correctness [N]."""
-  if not _all_finite(confidences):
-    return float("nan")
-  return (aurc_from_confidences(confidences, correct)
-          - float(np.mean(selective_risks(correct, correct))))
-
-
-def selective_risk(probs: np.ndarray, labels: np.ndarray, coverage: float) -> float:
-  """Error rate on the ceil(coverage N) most confident samples (ties broken at random, in
-  expectation); NaN for non-finite probs."""
-  if not 0 < coverage <= 1:
-    raise ValueError(f"coverage={coverage} must be in (0, 1]")
-  conf, correct = top_label(probs, labels)
-  if not _all_finite(conf):
-    return float("nan")
-  count = max(int(np.ceil(coverage * len(conf) - 1e-9)), 1)
-  return float(_expected_cumulative_errors(conf, correct)[count - 1] / count)
-
-
-def fpr_at_tpr(in_scores: np.ndarray, out_scores: np.ndarray, tpr: float = 0.95) -> float:
-  """False-positive rate at a true-positive rate of at least `tpr`, "out" = positive and a
-  higher score = more likely OOD: the threshold is the highest t with P(s_out >= t) >= tpr,
-  and the result is P(s_in >= t) (Liang et al. 2018, ICLR: FPR at 95 % TPR)."""
-  if not 0 < tpr <= 1:
-    raise ValueError(f"tpr={tpr} must be in (0, 1]")
-  out_sorted = np.sort(np.asarray(out_scores, np.float64))[::-1]
-  threshold = out_sorted[max(int(np.ceil(tpr * len(out_sorted) - 1e-9)), 1) - 1]
-  return float(np.mean(np.asarray(in_scores, np.float64) >= threshold))

@@ -18,7 +18,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cpjax.calibration import bootstrap, figures, metrics, posthoc, temperature
+from cpjax.calibration import bootstrap, figures, metrics, posthoc, ranking, temperature
 from cpjax.runtime import files
 
 EPOCH_METRICS = ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce")
@@ -49,10 +49,10 @@ def _metric_functions(num_classes: int, num_bins: int):
       "top5_accuracy": lambda p, z, y: metrics.top_k_accuracy(z, y, min(5, num_classes)),
       "s99_share": lambda p, z, y: metrics.s99(p, y)[0],
       "s99_accuracy": lambda p, z, y: metrics.s99(p, y)[1],
-      "aurc": lambda p, z, y: metrics.aurc(p, y),
-      "e_aurc": lambda p, z, y: metrics.e_aurc(p, y),
-      "selective_risk_90": lambda p, z, y: metrics.selective_risk(p, y, 0.9),
-      "selective_risk_95": lambda p, z, y: metrics.selective_risk(p, y, 0.95),
+      "aurc": lambda p, z, y: ranking.aurc(p, y),
+      "e_aurc": lambda p, z, y: ranking.e_aurc(p, y),
+      "selective_risk_90": lambda p, z, y: ranking.selective_risk(p, y, 0.9),
+      "selective_risk_95": lambda p, z, y: ranking.selective_risk(p, y, 0.95),
   }
 
 
@@ -103,10 +103,10 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
 
 def _ood(test_logits, ood_logits, temperature_value) -> tuple[dict, dict]:
   """AUROC and FPR at 95 % TPR of each OOD score, test set = negatives, OOD set = positives."""
-  inside = metrics.ood_scores(test_logits / temperature_value)
-  outside = metrics.ood_scores(ood_logits / temperature_value)
-  return ({name: metrics.auroc(inside[name], outside[name]) for name in inside},
-          {name: metrics.fpr_at_tpr(inside[name], outside[name], 0.95) for name in inside})
+  inside = ranking.ood_scores(test_logits / temperature_value)
+  outside = ranking.ood_scores(ood_logits / temperature_value)
+  return ({name: ranking.auroc(inside[name], outside[name]) for name in inside},
+          {name: ranking.fpr_at_tpr(inside[name], outside[name], 0.95) for name in inside})
 
 
 def _parameters_for_json(calibrator: posthoc.Calibrator) -> dict[str, Any]:
