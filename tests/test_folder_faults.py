@@ -19,7 +19,7 @@ import pytest
 
 from configs import default
 from cpjax import config_validation
-from cpjax.data import fingerprint, folder_source, sources
+from cpjax.data import fingerprint, folder_source, image_stats, sources
 from tests import helpers
 
 
@@ -245,7 +245,7 @@ def test_statistics_are_cached_outside_the_dataset_folder(data, tmp_path, monkey
   def not_again(*args, **kwargs):
     raise AssertionError("the statistics were computed again instead of read from the cache")
 
-  monkeypatch.setattr(sources, "channel_stats", not_again)
+  monkeypatch.setattr(image_stats, "channel_stats", not_again)
   again = sources.resolve(_dataset(data, image_size=12))
   assert (again.mean, again.std) == (first.mean, first.std)
 

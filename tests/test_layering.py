@@ -49,6 +49,7 @@ RANKS = {
     "data.datasets.fashion_mnist_local": 1,
     "data.decode_workers": 1,
     "data.fingerprint": 1,
+    "data.image_stats": 1,
     "data.folder_source": 1,
     "data.host_stage": 1,
     "data.input_pipeline": 1,
