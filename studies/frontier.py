@@ -519,8 +519,11 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
     ax.axhspan(mean - half, mean + half, color="grey", alpha=0.3,
                label=f"full data (90 % interval, {len(full['accuracy'])} seeds)")
   for i, policy in enumerate(POLICIES):
+    # An arm has a share of passes only beside full data's records (not with `--tiers B`
+    # alone before tier A has run): without one it has no place on either axis.
     names = sorted((a.name for a in arms if a.policy == policy and a.tier in ("A", "B")
-                    and a.name in summary), key=lambda n: summary[n]["passes_share"])
+                    and "passes_share" in summary.get(a.name, {})),
+                   key=lambda n: summary[n]["passes_share"])
     if not names:
       continue
     colour, style = long_schedule.STYLES[i]
@@ -559,8 +562,9 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
   bx.set_ylabel("vs full data, points (paired per seed, 90 % t interval)")
   ax.set_title("Fashion-MNIST, small_cnn, 20 epochs: accuracy vs training compute")
   bx.set_title("Paired difference from full data (same seeds)")
-  ax.legend(fontsize=8, loc="lower right")
-  bx.legend(fontsize=7, loc="upper left")
+  for axis, size, where in ((ax, 8, "lower right"), (bx, 7, "upper left")):
+    if axis.get_legend_handles_labels()[0]:  # Nothing to name before any comparable run.
+      axis.legend(fontsize=size, loc=where)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

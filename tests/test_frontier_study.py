@@ -244,3 +244,14 @@ def test_smallest_share_not_shown_worse_and_the_equivalent_arms():
   assert out["p"]["not_worse"] == {"arm": "p-45", "passes_share": pytest.approx(0.48)}
   assert out["p"]["equivalent"] == ["p-70"]
   assert out["q"] == {"not_worse": None, "equivalent": []}
+
+
+def test_the_figure_is_drawn_without_full_datas_records(tmp_path):
+  """A tier run before full data's (`--tiers B` on a fresh --out) has no share of passes: the
+  figure is still written, and the summary's table shows no share for it."""
+  arms = [frontier.Arm("full", "full", {}, "A"), frontier.Arm("p-30", "p", {}, "B", 30)]
+  results = {"p-30": _result([0.90, 0.91, 0.92], 34.0)}
+  summary = frontier.summarise(arms, results)
+  assert "passes_share" not in summary["p-30"] and "vs_full" not in summary["p-30"]
+  frontier.plot_frontier(arms, results, summary, str(tmp_path / "frontier.png"))
+  assert (tmp_path / "frontier.png").stat().st_size > 0
