@@ -402,11 +402,23 @@ def _merged(results: dict, names: list[str]) -> dict:
   return out
 
 
+def _outcome(v: dict, short: bool = False) -> str:
+  """What a verdict's test shows: lossless or not and, where the 90 % interval excludes 0,
+  on which side of full data the arm is (`short`: without the reasons, for the figure)."""
+  if v["low"] > 0:  # Better than full data is not equivalent to it: say which way it fails.
+    return "above full data" + ("" if short else ": its 90 % interval excludes 0 (better, so "
+                                                 "not equivalent)")
+  why = ("lossless" if v["lossless"] else "not lossless" if short or not v["equivalent"]
+         else "not lossless: mean below -0.1")
+  if v["high"] < 0:
+    why += ", below full data" if short else "; below full data: its 90 % interval excludes 0"
+  return why
+
+
 def _verdict_line(label: str, v: dict) -> str:
   seeds = ",".join(map(str, v["seeds"]))
   status = "" if v["complete"] else " (incomplete: more seeds to run)"
-  why = ("lossless" if v["lossless"] else
-         "not lossless: mean below -0.1" if v["equivalent"] else "not lossless")
+  why = _outcome(v)
   line = (f"- {label}: `{v['arm']}`, {100 * v['saving']:.0f} % fewer passes, seeds {seeds}: "
           f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] points vs full data, "
           f"{equivalence.describe(v)}; {why}{status}")
@@ -553,10 +565,10 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
              label=f"equivalence margin ±{100 * MARGIN:.1f}")
   if found:
     text = "\n".join(f"{v['arm']} (seeds {','.join(map(str, v['seeds']))}): "
-                     f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] vs full"
-                     + (", lossless" if v["lossless"] else ", not lossless")
+                     f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] vs full, "
+                     + _outcome(v, short=True)
                      for v in found.values())
-    bx.text(0.01, 0.01, text, transform=bx.transAxes, fontsize=7, va="bottom",
+    bx.text(0.01, 0.01, text, transform=bx.transAxes, fontsize=6, va="bottom",
             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
   ax.set_ylabel("test accuracy % (mean of seeds 0-2, 90 % t interval)")
   bx.set_ylabel("vs full data, points (paired per seed, 90 % t interval)")

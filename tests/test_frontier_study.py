@@ -255,3 +255,19 @@ def test_the_figure_is_drawn_without_full_datas_records(tmp_path):
   assert "passes_share" not in summary["p-30"] and "vs_full" not in summary["p-30"]
   frontier.plot_frontier(arms, results, summary, str(tmp_path / "frontier.png"))
   assert (tmp_path / "frontier.png").stat().st_size > 0
+
+
+def test_a_verdict_says_when_the_arm_is_above_or_below_full_data():
+  """The verdict line names the side of 0 that a 90 % interval excludes: an arm above full
+  data is better, not 'not lossless' alone; one below says so beside its test."""
+  base = {"arm": "a", "seeds": [3, 4, 5, 6, 7], "complete": True, "saving": 0.52, "n": 5,
+          "p": 0.98, "equivalent": False, "lossless": False}
+  above = frontier._verdict_line("noise", {**base, "mean": 0.008, "low": 0.004, "high": 0.012})
+  assert above.endswith("+0.80 [+0.40, +1.20] points vs full data, not shown equivalent at "
+                        "±0.2 (TOST p 0.980); above full data: its 90 % interval excludes 0 "
+                        "(better, so not equivalent)")
+  below = frontier._verdict_line("f", {**base, "mean": -0.0018, "low": -0.0031, "high": -0.0004})
+  assert below.endswith("not lossless; below full data: its 90 % interval excludes 0")
+  across = frontier._verdict_line("c", {**base, "mean": -0.0007, "low": -0.0015, "high": 0.0001,
+                                        "p": 0.013, "equivalent": True, "lossless": True})
+  assert across.endswith("equivalent at ±0.2 (TOST p 0.013); lossless")
