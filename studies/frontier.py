@@ -281,10 +281,13 @@ def summarise(arms: list[Arm], results: dict) -> dict:
 
 def frontier_answers(summary: dict) -> dict:
   """For each policy: the largest saving (1 - passes share) at which it is lossless on the
-  search seeds, or None."""
+  search seeds (all of 0-2: an arm short of them does not count yet), or None."""
   out = {}
   for name, row in summary.items():
     if row["tier"] not in ("A", "B") or "vs_full" not in row:
+      continue
+    out.setdefault(row["policy"], None)
+    if len(row["seeds"]) < len(SEARCH_SEEDS):
       continue
     best = out.get(row["policy"])
     saving = 1 - row["passes_share"]
@@ -297,12 +300,17 @@ def frontier_answers(summary: dict) -> dict:
 def smallest_not_worse(summary: dict) -> dict:
   """For each policy, over the search tiers (A, B; seeds 0-2): the arm with the smallest share
   of full data's passes that is *not shown worse* than full data (the 90 % t interval of the
-  paired difference reaches 0 or above), or None; and the arms shown equivalent by the TOST."""
+  paired difference reaches 0 or above), or None; and the arms shown equivalent by the TOST.
+  An arm short of seeds 0-2 is listed under `incomplete` (name, seeds run) and counts for
+  neither, so that a policy's answer never rests on a part of its seeds."""
   out = {}
   for name, row in summary.items():
     if row["tier"] not in ("A", "B") or "vs_full" not in row:
       continue
-    entry = out.setdefault(row["policy"], {"not_worse": None, "equivalent": []})
+    entry = out.setdefault(row["policy"], {"not_worse": None, "equivalent": [], "incomplete": []})
+    if len(row["seeds"]) < len(SEARCH_SEEDS):
+      entry["incomplete"].append((name, len(row["seeds"])))
+      continue
     vs = row["vs_full"]
     if np.isfinite(vs["high"]) and vs["high"] >= 0:
       best = entry["not_worse"]
@@ -493,9 +501,11 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
   for policy, entry in smallest_not_worse(summary).items():
     best = entry["not_worse"]
     where = (f"{100 * best['passes_share']:.1f} % of the passes ({best['arm']})" if best
-             else "worse than full data at every budget run")
+             else "worse than full data at every budget run on all of seeds 0-2")
     same = ", ".join(entry["equivalent"]) or "none"
-    lines.append(f"- {policy}: {where}; shown equivalent: {same}")
+    running = "".join(f"; not counted yet: {name} ({n} of {len(SEARCH_SEEDS)} seeds)"
+                      for name, n in entry["incomplete"])
+    lines.append(f"- {policy}: {where}; shown equivalent: {same}{running}")
   lines += ["", "## The chosen policy", "",
             (f"`{chosen.name}` (highest mean validation accuracy among tier A's arms at no more "
              "than half of full data's passes)." if chosen else

@@ -104,6 +104,12 @@ def test_summary_pairs_by_seed_and_finds_the_largest_lossless_saving():
   answers = frontier.frontier_answers(summary)
   assert answers["p"]["arm"] == "p-45" and answers["p"]["saving"] == pytest.approx(0.52)
   assert answers["q"] is None
+  # An arm on 2 of seeds 0-2 is lossless on them (interval ±0.06 points) but does not count yet.
+  arms.append(frontier.Arm("p-20", "p", {}, "B", 20))
+  results["p-20"] = _result(np.add(full[:2], [0.0001, -0.0001]), 25.0)
+  summary = frontier.summarise(arms, results)
+  assert summary["p-20"]["vs_full"]["lossless"]
+  assert frontier.frontier_answers(summary)["p"]["arm"] == "p-45"
 
 
 def _confirmation(differences, seeds=frontier.CONFIRM_SEEDS):
@@ -240,10 +246,12 @@ def test_smallest_share_not_shown_worse_and_the_equivalent_arms():
              "p-45": _result(np.add(full, [0.003, -0.004, -0.001]), 48.0),  # Not worse, wide.
              "p-70": _result(np.add(full, [0.0002, -0.0001, 0.0]), 72.0),  # Equivalent.
              "q-45": _result(np.add(full, [-0.010, -0.011, -0.009]), 48.0)}
+  arms.append(frontier.Arm("q-30", "q", {}, "B", 30))  # Two of its three seeds so far,
+  results["q-30"] = _result(np.add(full[:2], [0.0001, -0.0001]), 34.0)  # "equivalent" on them.
   out = frontier.smallest_not_worse(frontier.summarise(arms, results))
   assert out["p"]["not_worse"] == {"arm": "p-45", "passes_share": pytest.approx(0.48)}
   assert out["p"]["equivalent"] == ["p-70"]
-  assert out["q"] == {"not_worse": None, "equivalent": []}
+  assert out["q"] == {"not_worse": None, "equivalent": [], "incomplete": [("q-30", 2)]}
 
 
 def test_the_figure_is_drawn_without_full_datas_records(tmp_path):
