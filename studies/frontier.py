@@ -263,7 +263,7 @@ def summarise(arms: list[Arm], results: dict) -> dict:
       continue
     reference = results.get(references.get(arm.tier, "full"))
     row = {"policy": arm.policy, "tier": arm.tier, "budget": arm.budget,
-           "seeds": sorted(r["seed_index"]),
+           "seeds": sorted(r["seed_index"]), "planned_seeds": len(arm.seeds),
            "accuracy": float(np.mean(r["accuracy"])),
            "accuracy_sd": float(np.std(r["accuracy"], ddof=1)) if len(r["accuracy"]) > 1 else 0.0,
            "val_accuracy": float(np.mean(r["val_accuracy"])),
@@ -470,6 +470,17 @@ def _pts(value: float) -> str:
   return "—" if value is None or not np.isfinite(value) else f"{100 * value:+.2f}"
 
 
+def _lossless_cell(row: dict) -> str:
+  """The table's verdict: none before all of an arm's seeds have run (on 2 seeds the t
+  interval is too wide, or of no width when both differences agree)."""
+  vs = row.get("vs_full")
+  if not vs:
+    return "—"
+  if len(row["seeds"]) < row["planned_seeds"]:
+    return f"not yet ({len(row['seeds'])} of {row['planned_seeds']} seeds)"
+  return "yes" if vs["lossless"] else "no"
+
+
 def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
              results: dict | None = None) -> str:
   lines = ["# Accuracy-compute frontier (Fashion-MNIST, long schedule)", "",
@@ -489,7 +500,7 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
              f"{100 * row['val_accuracy']:.2f}",
              f"{_pts(vs['mean'])} [{_pts(vs['low'])}, {_pts(vs['high'])}]" if vs else "—",
              f"{vs['p']:.3f}" if vs and np.isfinite(vs["p"]) else "—",
-             ("yes" if vs["lossless"] else "no") if vs else "—"]
+             _lossless_cell(row)]
     lines.append("| " + " | ".join(cells) + " |")
   lines += ["", "## Largest lossless saving per policy (search seeds 0-2)", ""]
   for policy, best in frontier_answers(summary).items():
