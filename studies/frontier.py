@@ -287,7 +287,7 @@ def frontier_answers(summary: dict) -> dict:
     if row["tier"] not in ("A", "B") or "vs_full" not in row:
       continue
     out.setdefault(row["policy"], None)
-    if len(row["seeds"]) < len(SEARCH_SEEDS):
+    if len(row["seeds"]) < row["planned_seeds"]:
       continue
     best = out.get(row["policy"])
     saving = 1 - row["passes_share"]
@@ -308,7 +308,7 @@ def smallest_not_worse(summary: dict) -> dict:
     if row["tier"] not in ("A", "B") or "vs_full" not in row:
       continue
     entry = out.setdefault(row["policy"], {"not_worse": None, "equivalent": [], "incomplete": []})
-    if len(row["seeds"]) < len(SEARCH_SEEDS):
+    if len(row["seeds"]) < row["planned_seeds"]:
       entry["incomplete"].append((name, len(row["seeds"])))
       continue
     vs = row["vs_full"]
