@@ -111,8 +111,9 @@ def test_summary_pairs_by_seed_and_finds_the_largest_lossless_saving():
   assert summary["p-20"]["vs_full"]["lossless"]
   assert frontier.frontier_answers(summary)["p"]["arm"] == "p-45"
   table = frontier.markdown(summary, None, "cmd", {}).splitlines()
-  assert next(l for l in table if l.startswith("| p-20 |")).endswith("| not yet (2 of 3 seeds) |")
-  assert next(l for l in table if l.startswith("| p-45 |")).endswith("| yes |")
+  rows = {row.split("|")[1].strip(): row for row in table if row.startswith("| p-")}
+  assert rows["p-20"].endswith("| not yet (2 of 3 seeds) |")
+  assert rows["p-45"].endswith("| yes |")
 
 
 def _confirmation(differences, seeds=frontier.CONFIRM_SEEDS):

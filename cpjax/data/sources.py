@@ -133,7 +133,8 @@ def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   source = folder_source.FolderSource(train)
   size, channels = image_stats.size_and_channels(dataset, (), source, root)
   image_shape = (size, size, channels)
-  mean, std = image_stats.channel_statistics(dataset, source, image_shape, key=_folder_stats_key(root, train))
+  mean, std = image_stats.channel_statistics(dataset, source, image_shape,
+                                             key=_folder_stats_key(root, train))
   return specs.DatasetSpec("", image_shape, len(classes), len(train.paths), mean, std,
                            local=True, test_split="test" if "test" in present else "",
                            val_split="val" if "val" in present else "", host_stage=True,
@@ -159,8 +160,8 @@ def _describe_tfds(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   image_key, label_key = tfds_source.image_and_label_keys(info)
   roles = tfds_source.split_roles(info)
   train = tfds_source.TfdsSource(found, "train")
-  size, channels = image_stats.size_and_channels(dataset, tuple(info.features[image_key].shape), train,
-                                      f"{info.name}|{info.version}")
+  size, channels = image_stats.size_and_channels(
+      dataset, tuple(info.features[image_key].shape), train, f"{info.name}|{info.version}")
   mean, std = image_stats.channel_statistics(dataset, train, (size, size, channels),
                           key=f"{info.name}|{info.version}")
   return specs.DatasetSpec(info.name, (size, size, channels),
@@ -207,8 +208,10 @@ def _describe_records(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
     logging.warning("dataset.folder=%s is not read: the run reads %s, converted from %s.",
                     dataset.folder, directory, facts["source"])
   train = record_source.RecordSource(directory, "train")
-  size, channels = image_stats.size_and_channels(dataset, tuple(facts["shape"]), train, facts["stats_key"])
-  mean, std = image_stats.channel_statistics(dataset, train, (size, size, channels), key=facts["stats_key"])
+  size, channels = image_stats.size_and_channels(dataset, tuple(facts["shape"]), train,
+                                                 facts["stats_key"])
+  mean, std = image_stats.channel_statistics(dataset, train, (size, size, channels),
+                                             key=facts["stats_key"])
   roles = facts["splits"]
   return specs.DatasetSpec(facts["tfds_name"], (size, size, channels), len(facts["classes"]),
                            len(train), mean, std, local=dataset.name == "folder",
