@@ -536,21 +536,39 @@ def _mean_interval(values) -> tuple[float, float]:
                                 * v.std(ddof=1) / math.sqrt(len(v)))
 
 
+# How far below full data each panel reaches, in points. An arm far below (InfoBatch at
+# r = 0.95, about -10) would otherwise squash the arms near 0 that the figure is for: it is
+# marked at the panel's floor with its numbers instead.
+FIGURE_FLOOR = 3.0
+
+
 def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
                   found: dict | None = None) -> None:
+  """Writes `draw_frontier`'s figure to `path`."""
+  fig = draw_frontier(arms, results, summary, found)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def draw_frontier(arms: list[Arm], results: dict, summary: dict,
+                  found: dict | None = None) -> plt.Figure:
   """Left: test accuracy against the share of full data's passes, one line per policy (mean
   over seeds 0-2, bars: the 90 % t interval of that mean), full data as a band (its 90 %
   interval). Right: each arm's paired difference from full data on the same seeds with its
   90 % t interval (the TOST's interval) and the ±0.2-point equivalence margin; an arm whose
-  bar reaches 0 is not shown worse, one whose bar lies inside the margin is equivalent. The
-  chosen arm's later tiers (`verdicts`) as text, since they are paired on other seeds or
-  schedules."""
-  fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 6))
+  bar reaches 0 is not shown worse, one whose bar lies inside the margin is equivalent. Both
+  panels stop `FIGURE_FLOOR` points below full data; an arm below that is a marker at the
+  floor with its numbers. The chosen arm's later tiers (`verdicts`) as text under the panels,
+  since they are paired on other seeds or schedules."""
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 7.5))
   full = results.get("full")
+  acc_floor = None
   if full is not None:
     mean, half = _mean_interval(100 * np.asarray(full["accuracy"]))
+    acc_floor = mean - FIGURE_FLOOR
     ax.axhspan(mean - half, mean + half, color="grey", alpha=0.3,
                label=f"full data (90 % interval, {len(full['accuracy'])} seeds)")
+  below = []  # (axis, x, floor, text) of the arms under a panel's floor.
   for i, policy in enumerate(POLICIES):
     # An arm has a share of passes only beside full data's records (not with `--tiers B`
     # alone before tier A has run): without one it has no place on either axis.
@@ -564,8 +582,16 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
     acc = [_mean_interval(100 * np.asarray(results[n]["accuracy"])) for n in names]
     ax.errorbar(x, [m for m, _ in acc], yerr=[h for _, h in acc], fmt=style, color=colour,
                 marker="o", capsize=3, label=policy)
+    for xi, n, (m, h) in zip(x, names, acc):
+      if acc_floor is not None and m < acc_floor:
+        below.append((ax, xi, acc_floor, colour, f"{n}: {m:.1f} [{m - h:.1f}, {m + h:.1f}] %"))
     vs = [summary[n].get("vs_full") for n in names]
-    keep = [j for j, v in enumerate(vs) if v and np.isfinite(v["low"])]
+    keep = [j for j, v in enumerate(vs) if v and np.isfinite(v["low"])
+            and 100 * v["mean"] >= -FIGURE_FLOOR]
+    for j, v in enumerate(vs):
+      if v and np.isfinite(v["low"]) and j not in keep:
+        below.append((bx, x[j], -FIGURE_FLOOR, colour, f"{names[j]}: {_pts(v['mean'])} "
+                      f"[{_pts(v['low'])}, {_pts(v['high'])}]"))
     if keep:
       mid = np.array([100 * vs[j]["mean"] for j in keep])
       bx.errorbar(x[keep] + (i - len(POLICIES) / 2) * 0.25, mid,
@@ -584,23 +610,30 @@ def plot_frontier(arms: list[Arm], results: dict, summary: dict, path: str,
   bx.axhline(0, color="black", linewidth=1)
   bx.axhspan(-100 * MARGIN, 100 * MARGIN, color="green", alpha=0.08,
              label=f"equivalence margin ±{100 * MARGIN:.1f}")
+  if acc_floor is not None:
+    ax.set_ylim(bottom=acc_floor - 0.3)
+  bx.set_ylim(bottom=-FIGURE_FLOOR - 0.3)
+  for axis, xi, floor, colour, text in below:
+    axis.plot([xi], [floor - 0.15], marker="v", color=colour, markersize=8)
+    axis.annotate(f"{text} (below)", (xi, floor - 0.15), xytext=(8, -3),
+                  textcoords="offset points", fontsize=7, color=colour)
+  ax.set_ylabel("test accuracy % (mean of seeds 0-2, 90 % t interval)")
+  bx.set_ylabel("vs full data, points (paired per seed, 90 % t interval)")
+  ax.set_title("Fashion-MNIST, small_cnn, 20 epochs: accuracy vs training compute")
+  bx.set_title("Paired difference from full data (same seeds)")
+  for axis, size, where in ((ax, 8, "lower right"), (bx, 7, "lower right")):
+    if axis.get_legend_handles_labels()[0]:  # Nothing to name before any comparable run.
+      axis.legend(fontsize=size, loc=where)
+  fig.tight_layout()
   if found:
     text = "\n".join(f"{v['arm']} (seeds {','.join(map(str, v['seeds']))}): "
                      f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] vs full, "
                      + _outcome(v, short=True)
                      for v in found.values())
-    bx.text(0.01, 0.01, text, transform=bx.transAxes, fontsize=6, va="bottom",
-            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
-  ax.set_ylabel("test accuracy % (mean of seeds 0-2, 90 % t interval)")
-  bx.set_ylabel("vs full data, points (paired per seed, 90 % t interval)")
-  ax.set_title("Fashion-MNIST, small_cnn, 20 epochs: accuracy vs training compute")
-  bx.set_title("Paired difference from full data (same seeds)")
-  for axis, size, where in ((ax, 8, "lower right"), (bx, 7, "upper left")):
-    if axis.get_legend_handles_labels()[0]:  # Nothing to name before any comparable run.
-      axis.legend(fontsize=size, loc=where)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+    fig.subplots_adjust(bottom=0.2)
+    fig.text(ax.get_position().x0, 0.01, text, fontsize=8, va="bottom",
+             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
+  return fig
 
 
 def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str,

@@ -4,6 +4,7 @@ hand-worked cases and a second implementation (SciPy's one-sample t-tests)."""
 import json
 import math
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from scipy import stats
@@ -283,3 +284,26 @@ def test_a_verdict_says_when_the_arm_is_above_or_below_full_data():
   across = frontier._verdict_line("c", {**base, "mean": -0.0007, "low": -0.0015, "high": 0.0001,
                                         "p": 0.013, "equivalent": True, "lossless": True})
   assert across.endswith("equivalent at ±0.2 (TOST p 0.013); lossless")
+
+
+def test_the_figure_marks_an_arm_far_below_full_data_at_its_floor():
+  """An arm 10 points below full data would squash the arms near 0 that the figure is for: both
+  panels stop a few points below full data and name that arm at the edge, with its numbers
+  worked by hand: differences -10.0, -12.1, -7.9 have sd 2.1, so the 90 % t interval is
+  -10.0 -/+ 2.92 x 2.1 / sqrt(3) = [-13.54, -6.46]; accuracies 82, 80, 84 %: 82.0 [78.6, 85.4]."""
+  arms = [frontier.Arm("full", "full", {}, "A"),
+          frontier.Arm("infobatch-r95", "infobatch", {}, "B", 95),
+          frontier.Arm("topk_anneal-45", "topk_anneal", {}, "A", 45)]
+  results = {"full": _result([0.92, 0.921, 0.919], 100.0),
+             "infobatch-r95": _result([0.82, 0.80, 0.84], 41.6),
+             "topk_anneal-45": _result([0.919, 0.92, 0.918], 47.8)}
+  summary = frontier.summarise(arms, results)
+  fig = frontier.draw_frontier(arms, results, summary)
+  try:
+    accuracy, difference = fig.axes[:2]
+    assert accuracy.get_ylim()[0] > 85 and difference.get_ylim()[0] > -5
+    notes = {axis: [t.get_text() for t in axis.texts] for axis in (accuracy, difference)}
+    assert notes[difference] == ["infobatch-r95: -10.00 [-13.54, -6.46] (below)"]
+    assert notes[accuracy] == ["infobatch-r95: 82.0 [78.6, 85.4] % (below)"]
+  finally:
+    plt.close(fig)
