@@ -428,7 +428,7 @@ def _verdict_line(label: str, v: dict) -> str:
   status = "" if v["complete"] else " (incomplete: more seeds to run)"
   why = _outcome(v)
   line = (f"- {label}: `{v['arm']}`, {100 * v['saving']:.0f} % fewer passes, seeds {seeds}: "
-          f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] points vs full data, "
+          f"{_pts_interval(v)} points vs full data, "
           f"{equivalence.describe(v)}; {why}{status}")
   images = v.get("test_images")
   if images:
@@ -468,6 +468,10 @@ def verdict_lines(found: dict) -> list[str]:
 
 def _pts(value: float) -> str:
   return "—" if value is None or not np.isfinite(value) else f"{100 * value:+.2f}"
+
+def _pts_interval(v: dict) -> str:
+  """A difference `v` (mean, low, high as fractions) in points: '-0.07 [-0.15, +0.00]'."""
+  return f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}]"
 
 
 def _lossless_cell(row: dict) -> str:
@@ -568,7 +572,7 @@ def draw_frontier(arms: list[Arm], results: dict, summary: dict,
     acc_floor = mean - FIGURE_FLOOR
     ax.axhspan(mean - half, mean + half, color="grey", alpha=0.3,
                label=f"full data (90 % interval, {len(full['accuracy'])} seeds)")
-  below = []  # (axis, x, floor, text) of the arms under a panel's floor.
+  below = []  # (axis, x, floor, colour, text) of the arms under a panel's floor.
   for i, policy in enumerate(POLICIES):
     # An arm has a share of passes only beside full data's records (not with `--tiers B`
     # alone before tier A has run): without one it has no place on either axis.
@@ -586,12 +590,14 @@ def draw_frontier(arms: list[Arm], results: dict, summary: dict,
       if acc_floor is not None and m < acc_floor:
         below.append((ax, xi, acc_floor, colour, f"{n}: {m:.1f} [{m - h:.1f}, {m + h:.1f}] %"))
     vs = [summary[n].get("vs_full") for n in names]
-    keep = [j for j, v in enumerate(vs) if v and np.isfinite(v["low"])
-            and 100 * v["mean"] >= -FIGURE_FLOOR]
+    keep = []
     for j, v in enumerate(vs):
-      if v and np.isfinite(v["low"]) and j not in keep:
-        below.append((bx, x[j], -FIGURE_FLOOR, colour, f"{names[j]}: {_pts(v['mean'])} "
-                      f"[{_pts(v['low'])}, {_pts(v['high'])}]"))
+      if not v or not np.isfinite(v["low"]):
+        continue
+      if 100 * v["mean"] >= -FIGURE_FLOOR:
+        keep.append(j)
+      else:
+        below.append((bx, x[j], -FIGURE_FLOOR, colour, f"{names[j]}: {_pts_interval(v)}"))
     if keep:
       mid = np.array([100 * vs[j]["mean"] for j in keep])
       bx.errorbar(x[keep] + (i - len(POLICIES) / 2) * 0.25, mid,
@@ -627,7 +633,7 @@ def draw_frontier(arms: list[Arm], results: dict, summary: dict,
   fig.tight_layout()
   if found:
     text = "\n".join(f"{v['arm']} (seeds {','.join(map(str, v['seeds']))}): "
-                     f"{_pts(v['mean'])} [{_pts(v['low'])}, {_pts(v['high'])}] vs full, "
+                     f"{_pts_interval(v)} vs full, "
                      + _outcome(v, short=True)
                      for v in found.values())
     fig.subplots_adjust(bottom=0.2)
