@@ -1,11 +1,14 @@
 """What a run writes for TensorBoard and metrics.jsonl: tag families, flattened hparams, the
 calibration images and after-temperature-scaling scalars, the progress lines of the log."""
 
+import contextlib
+import errno
 import io
 import json
 import logging
 import math
 import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +19,9 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from cpjax import epoch_loop, steps
-from cpjax.runtime import metric_writers, run_logging, sharding
+from cpjax.runtime import failures, metric_writers, run_logging, sharding
 from cpjax.selection import bookkeeping, sources
-from tests import helpers
+from tests import helpers, test_failures
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
 
 pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
@@ -251,3 +254,28 @@ def test_a_logging_window_logs_a_steps_own_metrics_by_their_names():
       "train/meta_loss": 1.0})]
   epoch_loop._log_train_window(writer, None)  # Nothing pending: nothing written.
   assert len(writer.written) == 1
+
+
+def test_a_full_disk_under_the_events_names_the_event_file_once(tmp_path, capfd):
+  """A 64 KiB tmpfs as the workdir, filled by the events' own images: the write that fails
+  raises one OSError (ENOSPC) naming the event file, in the writer's caller (no background
+  thread's traceback on stderr), and the run's FATAL line names that folder to free, not
+  the checkpoints'."""
+  folder = str(tmp_path / "tiny")
+  test_failures._mount_tiny_tmpfs(folder, 64)  # pylint: disable=protected-access
+  try:
+    writer = metric_writers.TensorBoardWriter(folder)
+    noise = np.random.default_rng(0).integers(0, 256, size=(1, 64, 64, 3), dtype=np.uint8)
+    with pytest.raises(OSError) as info:
+      for step in range(100):  # 12 KiB of incompressible PNG each: full within a few.
+        writer.write_images(step, {"test/noise": noise})
+        writer.flush()
+    assert info.value.errno == errno.ENOSPC and info.value.filename == writer.path
+    assert "Traceback" not in capfd.readouterr().err
+    line = failures.line(info.value, str(tmp_path / "checkpoints"), 1)
+    assert f"make the folder {folder} writable (or free space there)" in line
+    with contextlib.suppress(OSError):  # Whatever is still buffered has no room either.
+      writer.close()
+    writer.close()  # The file was closed all the same: a second close does nothing.
+  finally:
+    subprocess.run(["umount", folder], check=False)

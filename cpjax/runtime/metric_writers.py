@@ -1,13 +1,13 @@
 """Metric writers without TensorFlow: TensorBoard event files, the log, several at once.
 
 clu's writers (`clu.metric_writers`, clu 0.0.12) import TensorFlow when imported, and GPU
-and TPU images leave TensorFlow out, so a run writes its TensorBoard events through
-TensorBoard's own event-file writer (`tensorboard.summary.writer.event_file_writer`, the
-one PyTorch's SummaryWriter uses; it writes from a background thread) and builds each
-summary as `tf.summary.scalar`, `tf.summary.image` and the HParams plugin do: the same tags,
-plugins and tensors, so TensorBoard and its event reader see what they saw before. The
-interface is clu's (`write_scalars`, `write_images`, `write_hparams`, `flush`, `close`), in
-the style of big_vision's metric writer: small, for what a run writes.
+and TPU images leave TensorFlow out, so a run writes its TensorBoard events with
+TensorBoard's own record framing and protos (`tensorboard.summary.writer.record_writer`,
+what its event-file writer and PyTorch's SummaryWriter use) and builds each summary as
+`tf.summary.scalar`, `tf.summary.image` and the HParams plugin do: the same tags, plugins and
+tensors, so TensorBoard and its event reader see what they saw before. The interface is
+clu's (`write_scalars`, `write_images`, `write_hparams`, `flush`, `close`), in the style of
+big_vision's metric writer: small, for what a run writes.
 
 `ProgressReport` is clu's `periodic_actions.ReportProgress` for cpjax's loop (it imports
 clu's writers too): steps/s, ETA and uptime at the steps where it reports.
@@ -17,7 +17,10 @@ import abc
 from collections.abc import Iterator, Mapping
 import contextlib
 import io
+import itertools
 import logging
+import os
+import socket
 import time
 from typing import Any
 
@@ -27,8 +30,10 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.image import metadata as image_metadata
 from tensorboard.plugins.scalar import metadata as scalar_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
+
+_FILE_NUMBERS = itertools.count()  # Two writers of one process in one second: two files.
 
 
 class MetricWriter(abc.ABC):
@@ -95,15 +100,40 @@ def image_summary(tag: str, images: np.ndarray) -> summary_pb2.Summary:
 
 
 class TensorBoardWriter(MetricWriter):
-  """TensorBoard event files in `logdir`, written in the background by TensorBoard's own
-  writer; an error it met (a full disk) is raised at the next write, flush or close."""
+  """A TensorBoard event file in `logdir` (`events.out.tfevents.*`, TFRecord-framed `Event`
+  protos through TensorBoard's RecordWriter), written in the caller's thread.
+
+  Written in the caller's thread, not a background one as TensorBoard's EventFileWriter
+  does: a failed write (a full disk) is then raised where it happens, once, as an OSError
+  naming the event file, instead of a thread's traceback on stderr and the error again at
+  the next call. A run writes a few events a logging window: the writes are buffered and
+  reach the disk at `flush` (each epoch) and `close`.
+  """
 
   def __init__(self, logdir: str):
-    self._events = EventFileWriter(logdir, max_queue_size=100, flush_secs=30)
+    os.makedirs(logdir, exist_ok=True)
+    self.path = os.path.join(logdir, "events.out.tfevents.%010d.%s.%d.%d.v2" % (
+        time.time(), socket.gethostname(), os.getpid(), next(_FILE_NUMBERS)))
+    with self._naming_the_file():
+      self._records = RecordWriter(open(self.path, "ab"))  # pylint: disable=consider-using-with
+    self._add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+    self.flush()
+
+  @contextlib.contextmanager
+  def _naming_the_file(self) -> Iterator[None]:
+    """An OSError inside (no space, a read-only folder) re-raised naming the event file."""
+    try:
+      yield
+    except OSError as err:
+      raise OSError(err.errno, f"writing TensorBoard events: {err.strerror or err}",
+                    self.path) from err
+
+  def _add_event(self, event: event_pb2.Event) -> None:
+    with self._naming_the_file():
+      self._records.write(event.SerializeToString())
 
   def _add(self, step: int, summary: summary_pb2.Summary) -> None:
-    self._events.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                           summary=summary))
+    self._add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     for tag, value in scalars.items():
@@ -117,10 +147,13 @@ class TensorBoardWriter(MetricWriter):
     self._add(0, hparams_summary.hparams_pb(dict(hparams)))
 
   def flush(self) -> None:
-    self._events.flush()
+    with self._naming_the_file():
+      self._records.flush()
 
   def close(self) -> None:
-    self._events.close()
+    if not self._records.closed:
+      with self._naming_the_file():
+        self._records.close()
 
 
 class MultiWriter(MetricWriter):
