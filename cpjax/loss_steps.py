@@ -5,7 +5,8 @@ FL_gamma (meta-learned gamma, Wang & Golebiowski 2024) differs from every other 
 training batches as the reader gives them) or `MetaSteps` (FL_gamma: gamma-Net and its
 optimizer in the train state, the bilevel `steps.meta_train_step`, each training batch joined
 by a meta-validation batch, and the report's test gammas). Both answer the same questions,
-asked once at start-up (cpjax.train's set-up), so the epoch never meets either:
+asked at start-up (cpjax.train's set-up builds one, kept in the Run), so the epoch never meets
+either:
 
   extra_state       what `steps.create_train_state` adds to the train state (None: nothing);
   build_train_step  the train step with the model, optimizer, score and StepSpec bound;
@@ -109,8 +110,12 @@ def _joined(train_batches: Iterator[dict[str, Any]], meta_reader: readers.HostRe
       yield {**batch, "meta_image": meta_batch["image"], "meta_label": meta_batch["label"]}
 
 
+# The steps of a run's loss: what `for_loss` gives.
+LossSteps = PlainSteps | MetaSteps
+
+
 def for_loss(loss: ml_collections.ConfigDict, meta: ml_collections.ConfigDict,
-             num_classes: int) -> PlainSteps | MetaSteps:
+             num_classes: int) -> LossSteps:
   """The steps of `loss` (config.loss): MetaSteps for FL_gamma (gamma-Net from `meta`,
   config.meta, on `num_classes`), else PlainSteps."""
   parts = run_state.meta_parts(loss, meta, num_classes)

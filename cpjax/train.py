@@ -5,14 +5,16 @@ checkpoint in `workdir` if there is one, and runs one loop over epochs, each of 
 function read top to bottom (`_train_epoch`): choose the epoch's rows (cpjax.selection), train
 them with the jitted train step (cpjax.epoch_loop, cpjax.steps; the loss's step and batches
 from cpjax.loss_steps), log train metrics every `log_every_steps`, evaluate and checkpoint
-when `run_context.due`, and write the calibration report after the last epoch
-(cpjax.evaluation), once that epoch's training numbers are in metrics.jsonl and its checkpoint
-has committed: a report that fails, or is killed, loses no training and no record, a signal
-stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
-(cpjax.preflight) run before the workdir is touched, and a folder dataset changed under its
-checkpoint is refused (cpjax.data.fingerprint); an epoch that learns nothing stops the run.
+when `run_context.due`. After the loop, once the last checkpoint has committed and the last
+epoch's record is in metrics.jsonl, `_write_report` writes the calibration report
+(cpjax.evaluation) and adds its numbers to that record, in a fresh run and in a rerun alike: a
+report that fails, or is killed, loses no training and no record, a signal stops it at once,
+and a rerun (or --mode=evaluate) writes it. Start-up checks (cpjax.preflight) run before the
+workdir is touched, and a folder dataset changed under its checkpoint is refused
+(cpjax.data.fingerprint); an epoch that learns nothing stops the run.
 """
 
+from collections.abc import Callable
 import contextlib
 import dataclasses
 import functools
@@ -23,6 +25,7 @@ import tempfile
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -48,12 +51,18 @@ from cpjax.runtime import (
   checkpointing,
   compilation_cache,
   compiler_options,
+  metric_writers,
   run_logging,
   sharding,
   workdir_lock,
 )
 from cpjax.selection import bookkeeping, scores, selector
 from cpjax.selection import sources as score_sources
+
+# The jitted train step: (state, batch, learning rate, loss hyper-parameters) -> (state, batch
+# metrics, per-example outputs); the state donated (cpjax.loss_steps builds it).
+TrainFn = Callable[[steps.TrainState, dict[str, Any], np.float32, dict[str, np.float32]],
+                   tuple[steps.TrainState, dict[str, jax.Array], dict[str, jax.Array]]]
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -79,118 +88,131 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return _train_and_evaluate(config, workdir, cache_stats)
 
 
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """The loop's parts, beside the Run: built by `_train_and_evaluate` once the selector knows
+  the epochs' sizes (`evaluate_only` needs none of them). None changes while the run trains."""
+  selector: selector.Selector  # Each epoch's rows.
+  train_fn: TrainFn  # jitted, the state donated.
+  epoch_steps: tuple[int, ...]  # Steps of each epoch the run trains.
+  evaluator: evaluation.Evaluator  # val/test metrics and the final report.
+  writer: metric_writers.MetricWriter  # TensorBoard and the log.
+  epoch_writer: metric_writers.MetricWriter  # The epoch records: TensorBoard and metrics.jsonl.
+  epoch_log: run_logging.EpochLog  # metrics.jsonl.
+  progress: metric_writers.ProgressReport  # Steps/s and ETA.
+
+  @property
+  def num_epochs(self) -> int:
+    """Epochs the run trains: config.num_epochs, fewer where budget_steps runs out first."""
+    return len(self.epoch_steps)
+
+  @property
+  def total_steps(self) -> int:
+    return sum(self.epoch_steps)
+
+
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         cache_stats: compilation_cache.CacheStats) -> dict[str, Any]:
-  """Builds the run's parts, then trains its epochs (`_train_epoch`) from the restored one."""
+  """Builds the run's parts, trains its epochs (`_train_epoch`) from the restored one, then
+  writes the report of the last checkpoint (`_write_report`)."""
   run, state, selection_state, start_epoch, done = _setup(config, workdir)
-  chooser = _create_selector(config, run)
-  epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
-                             config.budget_steps)
-  writer = run_logging.create_writer(workdir)
-  epoch_log = run_logging.EpochLog(workdir)
-  epoch_log.keep_epochs_before(start_epoch)
-  run = dataclasses.replace(  # The loop's parts: the one change to the Run after _setup.
-      run, selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx,
-                                                      chooser.weighted),
-      epoch_steps=epoch_steps, evaluator=_create_evaluator(config, run), writer=writer,
-      epoch_writer=run_logging.create_epoch_writer(writer, epoch_log), epoch_log=epoch_log,
-      progress=run_logging.create_progress_reporter(
-          sum(epoch_steps), writer, config.log_every_steps))
+  loop = _create_loop(config, run)
+  loop.epoch_log.keep_epochs_before(start_epoch)
   if start_epoch == 0 and done is None:
-    writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
+    loop.writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
     run_logging.log_parameter_overview(config.model.name, state.params)
   record = {}
   with run.checkpointer.handling_preemption():
     try:
-      _finish_report(run, state, start_epoch, done)
-      for epoch in range(start_epoch, run.num_epochs):
+      for epoch in range(start_epoch, loop.num_epochs):
         state, selection_state, record = _train_epoch(
-            config, run, epoch, state, selection_state,
+            config, run, loop, epoch, state, selection_state,
             done if epoch == start_epoch else None, first=epoch == start_epoch)
         if epoch == start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
+      if start_epoch < loop.num_epochs or done is None:  # Not inside an epoch past the end.
+        run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
+        record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record)
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      writer.flush()
+      loop.writer.flush()
   return record
 
 
-def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
-                 state: steps.TrainState, selection_state: Any, done: dict[str, Any] | None,
-                 first: bool = False) -> tuple[steps.TrainState, Any, dict[str, Any]]:
+def _create_loop(config: ml_collections.ConfigDict, run: Run) -> Loop:
+  """The loop's parts: the selector, the train step, each epoch's steps, the evaluator and the
+  writers."""
+  chooser = _create_selector(config, run)
+  epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
+                             config.budget_steps)
+  writer = run_logging.create_writer(run.workdir)
+  epoch_log = run_logging.EpochLog(run.workdir)
+  return Loop(
+      selector=chooser, train_fn=_jit_train_step(config, run, chooser.weighted),
+      epoch_steps=epoch_steps, evaluator=_create_evaluator(config, run), writer=writer,
+      epoch_writer=run_logging.create_epoch_writer(writer, epoch_log), epoch_log=epoch_log,
+      progress=run_logging.create_progress_reporter(
+          sum(epoch_steps), writer, config.log_every_steps))
+
+
+def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch: int,
+                 state: steps.TrainState, selection_state: bookkeeping.SelectionState,
+                 done: dict[str, Any] | None, first: bool = False
+                 ) -> tuple[steps.TrainState, bookkeeping.SelectionState, dict[str, Any]]:
   """One epoch, top to bottom: choose its rows, train its steps (their metrics folded and
   logged every log_every_steps), fold the epoch's record, evaluate when due, write the
-  record, save when due, and after the last epoch write the report. A preemption request
-  saves the steps trained (the epoch's, or a whole epoch) and stops, through one save and
-  one stop. `done`: the epoch's steps trained before a preemption (None: none); `first`:
-  the process's first epoch (its first step compiles)."""
-  start, last = time.time(), epoch + 1 == run.num_epochs
-  rows, weights, selection_state, timings = run.selector.rows_for_epoch(epoch, state,
-                                                                        selection_state)
+  record and save when due. A preemption request saves the steps trained (the epoch's, or a
+  whole epoch) and stops, through one save and one stop. `done`: the epoch's steps trained
+  before a preemption (None: none); `first`: the process's first epoch (its first step
+  compiles)."""
+  start = time.time()
+  rows, weights, selection_state, timings = loop.selector.rows_for_epoch(epoch, state,
+                                                                         selection_state)
   order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
-  order, done = order[:run.epoch_steps[epoch]], done or epoch_loop.NOTHING_DONE
+  order, done = order[:loop.epoch_steps[epoch]], done or epoch_loop.NOTHING_DONE
   first_step = int(jax.device_get(state.step)) - done["steps"]  # The epoch's first step.
   learning_rates = epoch_loop.learning_rates(config.optimizer, epoch, first_step, len(order),
-                                             run.total_steps, config.num_epochs)
+                                             loop.total_steps, config.num_epochs)
   hparams, train_start = epoch_loop.loss_hparams(config.loss, epoch), time.perf_counter()
   batches = run.train_batches(  # The train reader's (FL_gamma's joined by their own).
       order[done["steps"]:], epoch=epoch, first_step=first_step + done["steps"],
       row_weights=_row_weights(rows, weights, len(run.splits["train"])))
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
-  with run.progress.timed("train"), \
+  with loop.progress.timed("train"), \
       contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
-        run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
-        epoch=epoch, log_every=config.log_every_steps, writer=run.writer,
-        progress=run.progress, checkpointer=run.checkpointer,
-        last_step=run.total_steps, compile_step=done["steps"] if first else -1)
+        loop.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
+        epoch=epoch, log_every=config.log_every_steps, writer=loop.writer,
+        progress=loop.progress, checkpointer=run.checkpointer,
+        last_step=loop.total_steps, compile_step=done["steps"] if first else -1)
   outputs, complete = epoch_loop.host_outputs(outputs, done["outputs"]), trained == len(order)
+  record = {}
   if complete:
     record = epoch_loop.epoch_record(totals, epoch, len(order), first_step, run.checkpointer,
                                      config.loss.name, learning_rates[0], hparams)
     timings["training_seconds"] = time.perf_counter() - train_start
-    selection_state, selection_record = run.selector.after_epoch(
+    selection_state, selection_record = loop.selector.after_epoch(
         epoch, selection_state, order, outputs, timings, run.workdir)
     record = {**record, **selection_record, "epoch": epoch}
-    if last:  # Its training numbers first: a report that fails or is killed loses none.
-      logits = run.evaluator.logits(state)  # Non-finite: stops, nothing saved.
-      run.epoch_log.write({**record, "epoch_seconds": time.time() - start})
-    else:
-      if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
-        record.update(run.evaluator.run(state, run.writer, first_step + len(order)))
-      record["epoch_seconds"] = time.time() - start
-      run.epoch_writer.write_scalars(first_step + len(order), record)
+    if run_context.due(epoch, config.eval_every_epochs, loop.num_epochs):
+      # A non-finite logit stops the run here, before the state is saved.
+      record.update(loop.evaluator.run(state, loop.writer, first_step + len(order)))
+    record["epoch_seconds"] = time.time() - start
+    loop.epoch_writer.write_scalars(first_step + len(order), record)
     partial = run_state.empty_partial(config.dataset, config.batch_size)
   else:  # Stopped mid-epoch: its sums and outputs go into the checkpoint.
     epoch_loop.raise_if_bad(totals, epoch, first_step, run.checkpointer)
     partial = run_state.partial_tree(config.dataset, config.batch_size,
                                      jax.device_get(totals), outputs)
-  if stopped or last or run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs):
+  if stopped or run_context.due(epoch, config.checkpoint_every_epochs, loop.num_epochs):
     step = epoch_loop.save_checkpoint(run.checkpointer, run.mesh, run.checkpoint_meta, state,
                                       selection_state, partial, epoch + complete,
                                       0 if complete else trained)
-  if stopped and not (last and complete):  # The one preemption stop (after the last epoch:
-    # the report's, at once).
+  if stopped:  # The one preemption stop.
     epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
                               0 if complete else trained)
-  if last:
-    run.checkpointer.wait_until_finished()  # Committed before the report.
-    with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
-      record.update(_report_numbers(run.evaluator, run.writer, state, epoch, step, logits))
-    record["epoch_seconds"] = time.time() - start
-    run.epoch_writer.write_scalars(step, record)
   return state, selection_state, record
-
-
-def _report_numbers(evaluator: evaluation.Evaluator, writer, state: steps.TrainState,
-                    epoch: int, step: int, logits: dict[str, np.ndarray] | None = None
-                    ) -> dict[str, Any]:
-  """The final report of `state` after 0-indexed `epoch` (written to workdir/report and to
-  TensorBoard's `writer` at global `step`): its numbers for metrics.jsonl."""
-  results = evaluator.write_report(state, epoch + 1, logits=logits)
-  evaluation.write_report_summaries(writer, step, results)
-  return evaluation.report_record(results)
 
 
 def _row_weights(rows: np.ndarray, weights: np.ndarray | None, num_rows: int
@@ -208,26 +230,31 @@ _REPORT_STOP = ("stopped during the final report; the last checkpoint (global st
                 "is saved, and rerunning the same command writes the report.")
 
 
-def _finish_report(run: Run, state: steps.TrainState, start_epoch: int,
-                   done: dict[str, Any] | None) -> None:
-  """Writes the report of a run whose training is complete but whose report is missing,
-  incomplete or of another checkpoint (a report that failed, or was killed, after the last
-  checkpoint was saved), and its numbers into the last epoch's metrics.jsonl record."""
-  if start_epoch < run.num_epochs or done is not None:
-    return
+def _write_report(run: Run, loop: Loop, state: steps.TrainState, epochs: int,
+                  record: dict[str, Any]) -> dict[str, Any]:
+  """Writes the calibration report of the last checkpoint (`state`, after `epochs` complete
+  epochs, committed) to workdir/report and TensorBoard, and its numbers into the last epoch's
+  metrics.jsonl record, unless both already hold it: after the loop, of a fresh run and of a
+  rerun alike (whose report failed, or was killed, after that checkpoint was saved). A signal
+  stops it at once. `record`: the last epoch's record if this process trained it ({}: read
+  from metrics.jsonl). Returns the record with the report's numbers."""
   step = int(jax.device_get(state.step))
-  if run.evaluator.describes(step):
-    return
-  logging.warning("Training is complete (checkpoint %d) but report/ or metrics.jsonl does not "
-                  "hold its report; writing the report now.", step)
-  epoch = start_epoch - 1
+  if loop.evaluator.describes(step):
+    return record
+  epoch = epochs - 1
+  if not record:
+    logging.warning("Training is complete (checkpoint %d) but report/ or metrics.jsonl does "
+                    "not hold its report; writing the report now.", step)
+    record = loop.epoch_log.record(epoch)
+    if record is None and jax.process_index() == 0:
+      logging.warning("metrics.jsonl has no record of epoch %d (lost by an earlier version "
+                      "of cpjax); writing the report's numbers alone for it.", epoch)
   with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
-    numbers = _report_numbers(run.evaluator, run.writer, state, epoch, step)
-  saved = run.epoch_log.record(epoch)
-  if saved is None and jax.process_index() == 0:
-    logging.warning("metrics.jsonl has no record of epoch %d (lost by an earlier version of "
-                    "cpjax); writing the report's numbers alone for it.", epoch)
-  run.epoch_writer.write_scalars(step, {**(saved or {}), **numbers, "epoch": epoch})
+    results = loop.evaluator.write_report(state, epochs)
+    evaluation.write_report_summaries(loop.writer, step, results)
+    record = {**(record or {}), **evaluation.report_record(results), "epoch": epoch}
+  loop.epoch_writer.write_scalars(step, record)
+  return record
 
 
 def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -299,9 +326,10 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
   checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True)}
   if data_digests is not None:  # A folder's files: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
-  run = Run(workdir, mesh, model, tx, checkpointer, data_splits, data_readers, eval_fn,
-            kind.train_batches(data_readers, config.seed, config.batch_size), checkpoint_meta,
-            compilation_cache=cache_dir)
+  run = Run(workdir=workdir, mesh=mesh, model=model, tx=tx, checkpointer=checkpointer,
+            splits=data_splits, readers=data_readers, eval_fn=eval_fn, loss_kind=kind,
+            train_batches=kind.train_batches(data_readers, config.seed, config.batch_size),
+            checkpoint_meta=checkpoint_meta, compilation_cache=cache_dir)
   return (run, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
           meta.get("epoch", 0), run_state.partial_from_checkpoint(
               saved["partial"], meta.get("epoch_step", 0), config.batch_size))
@@ -323,8 +351,7 @@ def _create_evaluator(config: ml_collections.ConfigDict, run: Run) -> evaluation
   """The run's evaluator, built from the parts it uses: the eval step, the val/test data, the
   sentence naming the last good checkpoint and (FL_gamma) the test gammas' step."""
   num_classes = specs.DATASETS[config.dataset.name].num_classes
-  gamma_step = loss_steps.for_loss(config.loss, config.meta, num_classes).gamma_step(
-      run.model, steps.step_spec(config.dataset))
+  gamma_step = run.loss_kind.gamma_step(run.model, steps.step_spec(config.dataset))
   return evaluation.Evaluator(
       run.eval_fn, run.mesh, {name: run.readers[name] for name in evaluation.SPLITS},
       {name: run.splits[name].labels for name in evaluation.SPLITS}, num_classes,
@@ -392,21 +419,19 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
   return saved, meta
 
 
-def _jit_train_step(config: ml_collections.ConfigDict, model, tx, weighted: bool):
-  """The train step of the config's loss (cpjax.loss_steps: FL_gamma's is the bilevel
-  `steps.meta_train_step`) with its model, optimizer and score bound; jitted once, the state
-  donated. `weighted`: batches carry loss weights (the selector's)."""
-  kind = loss_steps.for_loss(config.loss, config.meta,
-                             specs.DATASETS[config.dataset.name].num_classes)
-  step = kind.build_train_step(model, tx,
-                               scores.forward_score(config.selection.score, config.selection),
-                               steps.step_spec(config.dataset, config.loss, weighted))
+def _jit_train_step(config: ml_collections.ConfigDict, run: Run, weighted: bool) -> TrainFn:
+  """The train step of the run's loss (`run.loss_kind`, cpjax.loss_steps: FL_gamma's is the
+  bilevel `steps.meta_train_step`) with its model, optimizer and score bound; jitted once, the
+  state donated. `weighted`: batches carry loss weights (the selector's)."""
+  step = run.loss_kind.build_train_step(
+      run.model, run.tx, scores.forward_score(config.selection.score, config.selection),
+      steps.step_spec(config.dataset, config.loss, weighted))
   return jax.jit(step, donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train",
                                                                     config.xla_cpu_options))
 
 
-def _jit_eval_step(config: ml_collections.ConfigDict, model):
+def _jit_eval_step(config: ml_collections.ConfigDict, model: nn.Module) -> run_context.EvalFn:
   """The eval step (float32 logits) of the config's model; jitted once."""
   return _jit_inference(config, functools.partial(steps.eval_step, model=model,
                                                   spec=steps.step_spec(config.dataset)))
