@@ -139,10 +139,61 @@ def _conjugate_gradients(hvp, rhs, precondition, tol, max_steps):
   return x, steps
 
 
+def _newton_direction(objective, key: str, unravel, x, grad, inputs, weights, strength, gtol,
+                      cg_steps: int, budget):
+  """The Newton step d at `x` (H d = -g by CG preconditioned by H's damped diagonal, to the
+  forcing term's tolerance, at most min(`cg_steps`, `budget`) iterations), its CG iterations,
+  max |g_i| / max(1, H_ii) and the largest first-order change of a fit row's probability
+  along d (the module docstring's convergence tests)."""
+  _, exact_hvp = jax.linearize(jax.grad(objective), x)
+  diagonal, _ = ravel_pytree(hessian_diagonal(key, unravel(x), inputs, weights, strength))
+  damping = DAMPING * jnp.max(diagonal)
+  diagonal = diagonal + damping
+
+  def hvp(v):
+    return exact_hvp(v) + damping * v
+  norm = jnp.linalg.norm(grad)
+  inverse_diagonal = 1.0 / jnp.maximum(diagonal, 1e-30)
+  # Eisenstat & Walker's forcing term, but no tighter than the gradient tolerance needs.
+  tol = jnp.maximum(jnp.minimum(0.5, jnp.sqrt(norm)) * norm, 0.1 * gtol)
+  step, cg = _conjugate_gradients(hvp, -grad, lambda r: inverse_diagonal * r, tol,
+                                  jnp.minimum(cg_steps, budget))
+  scaled = jnp.max(jnp.abs(grad) / jnp.maximum(1.0, diagonal))
+  change = _probability_change(key, unravel(x), unravel(step), inputs, weights)
+  return step, cg, scaled, change
+
+
+def _line_search(value_and_grad, x, value, grad, step):
+  """Halves t from 1 until f(x + t step) meets Armijo's decrease or the slope test (module
+  docstring): (the point accepted, its value and gradient, halvings, whether it moved). The
+  value and gradient at the accepted point are the next Newton step's, not computed again."""
+  slope = jnp.vdot(grad, step)
+
+  def rejected(carry):
+    _, _, _, i, accepted = carry
+    return ~accepted & (i < LINE_SEARCH_HALVINGS)
+
+  def halve(carry):
+    t, _, _, i, _ = carry
+    t = jnp.where(i > 0, 0.5 * t, t)
+    new_x = x + t * step
+    new_value, new_grad = value_and_grad(new_x)
+    accepted = ((new_value <= value + ARMIJO * t * slope)
+                | (jnp.vdot(new_grad, step) <= -SLOPE_DECREASE * slope))
+    return t, new_x, (new_value, new_grad), i + jnp.where(accepted, 0, 1), accepted
+  _, new_x, (new_value, new_grad), halvings, accepted = jax.lax.while_loop(
+      rejected, halve, (jnp.ones((), x.dtype), x, (value, grad), 0, False))
+  moved = accepted & (slope < 0.0)
+  return (jnp.where(moved, new_x, x), jnp.where(moved, new_value, value),
+          jnp.where(moved, new_grad, grad), halvings, moved)
+
+
 @functools.partial(jax.jit, static_argnames=("key", "newton_steps", "cg_steps", "max_evaluations"))
 def _newton(key, x0, inputs, labels, weights, strength, gtol, xtol, *, newton_steps,
             cg_steps, max_evaluations):
-  """The jitted fit (module docstring) from the flat parameters x0."""
+  """The jitted fit (module docstring) from the flat parameters x0: Newton steps
+  (`_newton_direction`, `_line_search`) until converged, stalled or out of steps or
+  evaluations."""
   _, unravel = ravel_pytree(parametric.identity_params(key, inputs.shape[-1]))
   unravel = functools.partial(_unravel_as, unravel, x0.dtype)
 
@@ -150,54 +201,15 @@ def _newton(key, x0, inputs, labels, weights, strength, gtol, xtol, *, newton_st
     return parametric.objective(key, unravel(x), inputs, labels, weights, strength)
   value_and_grad = jax.value_and_grad(objective)
 
-  def newton_step(x, grad, budget):
-    _, exact_hvp = jax.linearize(jax.grad(objective), x)
-    diagonal, _ = ravel_pytree(hessian_diagonal(key, unravel(x), inputs, weights, strength))
-    damping = DAMPING * jnp.max(diagonal)
-    diagonal = diagonal + damping
-
-    def hvp(v):
-      return exact_hvp(v) + damping * v
-    norm = jnp.linalg.norm(grad)
-    inverse_diagonal = 1.0 / jnp.maximum(diagonal, 1e-30)
-    # Eisenstat & Walker's forcing term, but no tighter than the gradient tolerance needs.
-    tol = jnp.maximum(jnp.minimum(0.5, jnp.sqrt(norm)) * norm, 0.1 * gtol)
-    step, cg = _conjugate_gradients(hvp, -grad, lambda r: inverse_diagonal * r, tol,
-                                    jnp.minimum(cg_steps, budget))
-    scaled = jnp.max(jnp.abs(grad) / jnp.maximum(1.0, diagonal))
-    change = _probability_change(key, unravel(x), unravel(step), inputs, weights)
-    return step, cg, scaled, change
-
-  def line_search(x, value, grad, step):
-    """(the point accepted, its value and gradient, halvings, whether it moved): the value
-    and gradient at the accepted point are the next Newton step's, not computed again."""
-    slope = jnp.vdot(grad, step)
-
-    def rejected(carry):
-      _, _, _, i, accepted = carry
-      return ~accepted & (i < LINE_SEARCH_HALVINGS)
-
-    def halve(carry):
-      t, _, _, i, _ = carry
-      t = jnp.where(i > 0, 0.5 * t, t)
-      new_x = x + t * step
-      new_value, new_grad = value_and_grad(new_x)
-      accepted = ((new_value <= value + ARMIJO * t * slope)
-                  | (jnp.vdot(new_grad, step) <= -SLOPE_DECREASE * slope))
-      return t, new_x, (new_value, new_grad), i + jnp.where(accepted, 0, 1), accepted
-    _, new_x, (new_value, new_grad), halvings, accepted = jax.lax.while_loop(
-        rejected, halve, (jnp.ones((), x.dtype), x, (value, grad), 0, False))
-    moved = accepted & (slope < 0.0)
-    return (jnp.where(moved, new_x, x), jnp.where(moved, new_value, value),
-            jnp.where(moved, new_grad, grad), halvings, moved)
-
   def body(carry):
     x, value, grad, i, evaluations, _, _, _, _ = carry
-    step, cg, scaled, change = newton_step(x, grad, max_evaluations - evaluations)
+    step, cg, scaled, change = _newton_direction(objective, key, unravel, x, grad, inputs,
+                                                 weights, strength, gtol, cg_steps,
+                                                 max_evaluations - evaluations)
     converged = (scaled <= gtol) & (change <= xtol)
     x, value, grad, halvings, moved = jax.lax.cond(  # A converged fit stays where it is.
         converged, lambda: (x, value, grad, -1, False),
-        lambda: line_search(x, value, grad, step))
+        lambda: _line_search(value_and_grad, x, value, grad, step))
     # Evaluations: the Hessian's diagonal, CG's products, the line search's (value and
     # gradient at each point tried).
     return (x, value, grad, i + 1, evaluations + 1 + cg + halvings + 1, converged,
