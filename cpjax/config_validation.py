@@ -24,6 +24,7 @@ from cpjax.calibration import losses
 from cpjax.data import readers, specs, splits
 from cpjax.data import sources as data_sources
 from cpjax.selection import policies, scores
+from cpjax.selection import sources as score_sources
 
 
 class ConfigError(ValueError):
@@ -68,10 +69,6 @@ def import_modules(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"invalid config:\n  config.import_modules: {problem}")
 
 
-# Readers of a source dataset: auto and stream read its converted records when
-# dataset.stream_dir is set, else (auto, host) the source itself.
-SOURCE_READERS = ("auto", "host", "stream")
-
 
 def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   """A source dataset (folder, tfds:NAME): its facts read and registered (data_sources
@@ -81,10 +78,13 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
     return [f"config.dataset.folder={dataset.folder!r} is read only with "
             "dataset.name='folder'"] if dataset.folder else []
   problems = []
-  if dataset.reader not in SOURCE_READERS:
+  # Readers of a source dataset: auto and stream read its converted records when
+  # dataset.stream_dir is set, else (auto, host) the source itself.
+  source_readers = [r.name for r in readers.READERS.entries() if r.reads_sources]
+  if dataset.reader not in source_readers:
     problems.append(f"config.dataset.reader={dataset.reader!r}: a {dataset.name} dataset is "
                     "read by the host stage (decode and crop on the host); valid: "
-                    f"{', '.join(SOURCE_READERS)} (stream: its converted records in "
+                    f"{', '.join(source_readers)} (stream: its converted records in "
                     "dataset.stream_dir)")
   elif dataset.reader == "stream" and not dataset.stream_dir:
     problems.append(f"config.dataset.reader='stream' reads a {dataset.name} dataset's "
@@ -149,7 +149,8 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   selection, problems = config.selection, []
   target, scoring = selection.target_workdir, selection.scoring
   reducible = selection.score == scores.REDUCIBLE_LOSS
-  scores_with_target = scoring in ("target", "target_recorded")
+  reads = score_sources.SOURCES[scoring].target  # What it reads of the target run.
+  scores_with_target = bool(reads)
   if scores_with_target and not target:
     problems.append(f"config.selection.scoring={scoring!r} needs config.selection.target_workdir")
   if target and not (scores_with_target or reducible):
@@ -161,7 +162,7 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   if target and selection.method not in targeted:
     problems.append(f"config.selection.target_workdir is set but selection.method="
                     f"{selection.method!r} uses no target scores; use {' or '.join(targeted)}")
-  restores_target = scoring == "target" or reducible  # Target_recorded reads score files.
+  restores_target = reads == "model" or reducible  # Target_recorded reads score files.
   if target and restores_target and not os.path.isdir(os.path.join(target, "checkpoints")):
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
@@ -190,7 +191,7 @@ def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
     problems.append("config.selection.score='reducible_loss' needs "
                     "config.selection.target_workdir: the --workdir of a cpjax run (ideally "
                     "trained on held-out data) whose losses are the irreducible losses")
-  own_losses = ("train_pass", "fresh")
+  own_losses = [s.name for s in score_sources.SOURCES.entries() if s.own_model]
   if selection.scoring not in own_losses:
     problems.append(f"config.selection.scoring={selection.scoring!r} does not work with "
                     "selection.score='reducible_loss' (the current model's losses come from "

@@ -141,13 +141,6 @@ class PreprocessReader(readers.HostReader):
     return self._global(rows, images, None if masks is None else masks[s],
                         None if row_weights is None else row_weights[rows])
 
-  def _global(self, rows, local_images, mask, weights) -> dict[str, jax.Array]:
-    local = sharding.process_rows(self.mesh, len(rows))
-    host = {"image": local_images, "label": self.split.labels[rows[local]],
-            "id": self.split.ids[rows[local]],
-            **readers.mask_and_weight(local, mask, weights)}
-    return sharding.to_global(self.mesh, host, len(rows))
-
 
 def _stacked(futures: list[concurrent.futures.Future],
              transform: preprocess.Transform) -> np.ndarray:

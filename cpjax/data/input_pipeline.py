@@ -244,10 +244,7 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
   copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
   kind = readers.choose(dataset.reader, num_bytes, dataset.device_memory_mb, copies)
   _log_reader(kind, dataset, num_bytes)
-  if kind == "device":
-    return split_by_name, {name: readers.DeviceReader(split, mesh)
-                           for name, split in split_by_name.items()}
-  return split_by_name, {name: readers.HostReader(split, mesh, dataset.prefetch_depth)
+  return split_by_name, {name: readers.READERS[kind].create(split, mesh, dataset)
                          for name, split in split_by_name.items()}
 
 

@@ -20,6 +20,9 @@
           176 MiB; on CPU, where every device is host memory, all copies together);
           else host.
 
+Each `dataset.reader` choice is a `ReaderKind` entry of the registry `READERS`
+(cpjax.registry); the in-memory ones (host, device) build their reader of a split.
+
 Every reader gives the same batch dict (image, label, id, mask, and weight when
 given), bit for bit, so the steps cannot tell them apart. `batch` builds one
 batch; `batches` a sequence of them (close the generator when leaving it early).
@@ -36,7 +39,7 @@ reader builds its batches on the devices, by a gather dispatched asynchronously:
 none.
 """
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 import dataclasses
 import functools
 import logging
@@ -49,10 +52,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from cpjax import registry
 from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 
-READERS = ("auto", "host", "device", "stream")
 DEFAULT_PREFETCH_DEPTH = 2  # Global batches put on the devices ahead of the step.
 
 
@@ -104,6 +107,15 @@ class HostReader:
     for s, rows in enumerate(row_blocks):
       yield self.batch(rows, None if masks is None else masks[s],
                        None if row_weights is None else row_weights[rows])
+
+  def _global(self, rows: np.ndarray, local_images: np.ndarray, mask: np.ndarray | None,
+              weights: np.ndarray | None) -> dict[str, jax.Array]:
+    """The global batch of `rows` from this process's images of its part of them: the readers
+    that read a batch's images themselves (stream, preprocess) give them here."""
+    local = sharding.process_rows(self.mesh, len(rows))
+    host = {"image": local_images, "label": self.split.labels[rows[local]],
+            "id": self.split.ids[rows[local]], **mask_and_weight(local, mask, weights)}
+    return sharding.to_global(self.mesh, host, len(rows))
 
 
 def _checked_depth(depth: int) -> int:
@@ -309,13 +321,6 @@ class StreamReader(HostReader):
       yield self._global(row_blocks[s], images, None if masks is None else masks[s],
                          None if row_weights is None else row_weights[row_blocks[s]])
 
-  def _global(self, rows, local_images, mask, weights) -> dict[str, jax.Array]:
-    """The global batch of `rows` from this process's images of its part of them."""
-    local = sharding.process_rows(self.mesh, len(rows))
-    host = {"image": local_images, "label": self.split.labels[rows[local]],
-            "id": self.split.ids[rows[local]], **mask_and_weight(local, mask, weights)}
-    return sharding.to_global(self.mesh, host, len(rows))
-
 
 def split_bytes(split_by_name: Mapping[str, splits.Split]) -> int:
   """Bytes of images, labels and ids of every split: what the device reader puts on a device."""
@@ -336,6 +341,32 @@ def streams(dataset: ml_collections.ConfigDict) -> bool:
   return dataset.reader == "stream" or (
       dataset.reader == "auto" and bool(dataset.stream_dir)
       and train_bytes(dataset) > dataset.host_memory_mb * 2**20)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderKind:
+  """A `dataset.reader` choice (the module docstring)."""
+  name: str
+  doc: str
+  # (a split in host memory, the mesh, config.dataset) -> its reader; None where the reader
+  # is not built from an in-memory split (auto chooses one; stream reads array_record files:
+  # cpjax.data.array_records.stream_reader).
+  create: Callable[[splits.Split, jax.sharding.Mesh, ml_collections.ConfigDict],
+                   HostReader] | None = None
+  reads_sources: bool = False  # A choice for a source dataset (folder, tfds:NAME) too.
+  settings: tuple[registry.Setting, ...] = ()  # Its fields are config.dataset's own.
+
+
+READERS: registry.Registry[ReaderKind] = registry.Registry("data reader", "dataset")
+READERS.register(ReaderKind("auto", "stream, device or host by the data's size",
+                            reads_sources=True))
+READERS.register(ReaderKind(
+    "host", "the split in host memory",
+    lambda split, mesh, dataset: HostReader(split, mesh, dataset.prefetch_depth),
+    reads_sources=True))
+READERS.register(ReaderKind("device", "the split on every device",
+                            lambda split, mesh, dataset: DeviceReader(split, mesh)))
+READERS.register(ReaderKind("stream", "the split's array_record files", reads_sources=True))
 
 
 def choose(name: str, num_bytes: int, budget_mb: float, copies: int = 1) -> str:

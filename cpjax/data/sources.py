@@ -17,9 +17,11 @@ A source kind is one `SourceKind` entry of the registry `KINDS` (cpjax.registry)
 the dataset name it opens ("folder") or by the prefix of those it opens ("tfds:" opens
 tfds:NAME; `is_source_name`, `kind_of`): `describe` reads a dataset config's facts
 (classes, split sizes, output image shape, channel statistics) into a specs.DatasetSpec,
-and `open` gives its splits as sources. A user's module registers its own kind the same
-way (docs/extending.md#add-a-dataset-source). `resolve` runs `describe` once at start-up (config
-validation) and registers the facts under the dataset's name; `open_splits` applies the
+and `open` gives its splits as sources. The records kind is an entry too, named by no
+dataset (`named` False): it opens a folder or tfds:NAME dataset's conversion in its place. A
+user's module registers its own kind the same way (docs/extending.md#add-a-dataset-source).
+`resolve` runs `describe` once at start-up (config validation) and registers the facts under
+the dataset's name; `open_splits` applies the
 run's carve-outs (validation, test, meta-validation, holdout, train_examples:
 cpjax.data.splits) to the opened splits.
 
@@ -93,6 +95,9 @@ class SourceKind:
   open: Callable[[ml_collections.ConfigDict, specs.DatasetSpec], dict[str, DataSource]]
   doc: str = ""  # One line: what it opens (the dataset name's valid choices show it).
   settings: tuple[registry.Setting, ...] = ()  # None: kinds read config.dataset's fields.
+  # Opened by a dataset name (or prefix). False: not a dataset name, read in a named kind's
+  # place (records: a source dataset's conversion, when dataset.stream_dir is set).
+  named: bool = True
 
   def __post_init__(self):
     head, _, tail = self.name.partition(":")
@@ -234,21 +239,25 @@ KINDS.register(SourceKind("folder", _describe_folder, _open_folder,
                           "with dataset.folder=DIR"))
 KINDS.register(SourceKind("tfds:", _describe_tfds, _open_tfds,
                           "any tfds image-classification dataset"))
-# A folder or tfds:NAME dataset's converted records, read in the source's place.
-RECORDS = SourceKind("records", _describe_records, _open_records,
-                     "a source dataset's converted records (dataset.stream_dir)")
+# A folder or tfds:NAME dataset's converted records, read in the source's place
+# (`reads_records`).
+KINDS.register(SourceKind("records", _describe_records, _open_records,
+                          "a source dataset's converted records (dataset.stream_dir)",
+                          named=False))
 
 
 def kind_of(name: str) -> SourceKind | None:
   """The source kind that opens dataset `name`: the kind registered under `name`, else the
   one registered under its prefix "PREFIX:" (with a non-empty rest); None for another name
-  (a built-in dataset's)."""
+  (a built-in dataset's, or that of a kind named by no dataset: records)."""
   if not isinstance(name, str):
     return None
-  if name in KINDS and not name.endswith(":"):
-    return KINDS[name]
   prefix, colon, rest = name.partition(":")
-  return KINDS.get(prefix + colon) if colon and rest else None
+  if colon:
+    kind = KINDS.get(prefix + colon) if rest else None
+  else:
+    kind = KINDS.get(name)
+  return kind if kind is not None and kind.named else None
 
 
 def is_source_name(name: str) -> bool:
@@ -264,7 +273,7 @@ def reads_records(dataset: ml_collections.ConfigDict) -> bool:
 
 
 def _kind(dataset: ml_collections.ConfigDict) -> SourceKind | None:
-  return RECORDS if reads_records(dataset) else kind_of(dataset.name)
+  return KINDS["records"] if reads_records(dataset) else kind_of(dataset.name)
 
 
 def write_records(dataset: ml_collections.ConfigDict, directory: str, num_shards: int = 4
@@ -361,8 +370,9 @@ def name_problem(name) -> str | None:
   opens ("folder", "tfds:NAME")."""
   if name in specs.BUILTIN or is_source_name(name):
     return None
+  named = [kind for kind in KINDS.entries() if kind.named]
   kinds = " or ".join(f"{kind.pattern} ({kind.doc})" if kind.doc else kind.pattern
-                      for kind in KINDS.entries())
-  names = [*specs.BUILTIN, *(kind.name for kind in KINDS.entries())]
+                      for kind in named)
+  names = [*specs.BUILTIN, *(kind.name for kind in named)]
   return (f"got {name!r}; {registry.did_you_mean(name, names)}valid choices: "
           f"{', '.join(sorted(specs.BUILTIN))}, {kinds}")

@@ -11,6 +11,8 @@
                    config), once (`rescore_every=0`) or every R epochs.
   target_recorded  the target run's recorded train-pass scores of the same epoch.
 
+Each is a `Scoring` entry of the registry `SOURCES` (cpjax.registry): its function builds the
+source from the run's parts (`create_source`), and it says what it reads of a target run.
 Each source has one job, `refresh(epoch, train_state, state) -> state`: update
 the score buffer of the selection state if a pass is due. `learns_from_training`
 says whether the loop writes the train pass's own scores into the buffer;
@@ -22,6 +24,8 @@ buffer with the current model's losses, and `WithIrreducibleLoss` adds, once, th
 target run's losses of the same rows (the selector subtracts them).
 """
 
+from collections.abc import Callable
+import dataclasses
 import functools
 import json
 import logging
@@ -33,12 +37,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from cpjax import models, run_state, steps
+from cpjax import models, registry, run_state, steps
 from cpjax.data import readers, specs, splits
 from cpjax.runtime import checkpointing, compiler_options
 from cpjax.selection import bookkeeping, score_files, scores
-
-SOURCES = ("train_pass", "fresh", "target", "target_recorded")
 
 
 class ScoreSource(Protocol):
@@ -186,7 +188,7 @@ def check_target(selection: ml_collections.ConfigDict,
     ValueError: the target run did not train on the same train/validation split (a model
       target may differ in meta_val_size: a gamma-Net run can score a cross-entropy run).
   """
-  recorded = selection.scoring == "target_recorded"
+  recorded = SOURCES[selection.scoring].target == "scores"
   if recorded:
     first = score_files.score_path(selection.target_workdir, selection.warmup_epochs)
     if not os.path.exists(first):
@@ -259,7 +261,8 @@ def create_source(selection: ml_collections.ConfigDict,
       fresh pass (a target's model and dataset come from the target run's saved config).
     xla_cpu_options: config.xla_cpu_options, the scoring passes' XLA options.
   """
-  source = _scoring_source(selection, split, mesh, model_name, dataset, xla_cpu_options)
+  source = SOURCES[selection.scoring].create(selection, split, mesh, model_name, dataset,
+                                             xla_cpu_options)
   if selection.score != scores.REDUCIBLE_LOSS:
     return source
   # Built now, run at the first selected epoch: start-up only reads the target's config.
@@ -267,22 +270,60 @@ def create_source(selection: ml_collections.ConfigDict,
   return WithIrreducibleLoss(source, loss_fn, split, mesh, selection.score_batch_size, target)
 
 
-def _scoring_source(selection: ml_collections.ConfigDict,
-                    split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
-                    model_name: str, dataset: ml_collections.ConfigDict,
-                    xla_cpu_options: str) -> ScoreSource:
-  """The source of `selection.scoring` alone (create_source's arguments)."""
-  if selection.scoring == "train_pass":
-    return TrainPass()
-  if selection.scoring == "target_recorded":
-    return TargetRecorded(selection.target_workdir, split.ids)
-  pass_args = (split, mesh, selection.score_batch_size, selection.rescore_every)
-  if selection.scoring == "fresh":
-    score_fn = _jit_score_step(model_name, dataset, selection.score_dtype,
-                               scores.forward_score(selection.score, selection), xla_cpu_options)
-    return ScoringPass(score_fn, *pass_args)
+# A score source's builder: (selection, training split, mesh, model_name, dataset,
+# xla_cpu_options) -> the source (`create_source`'s arguments).
+Create = Callable[[ml_collections.ConfigDict, splits.Split | readers.HostReader,
+                   jax.sharding.Mesh, str, ml_collections.ConfigDict, str], ScoreSource]
+
+
+def _train_pass(selection, split, mesh, model_name, dataset, xla_cpu_options) -> TrainPass:
+  del selection, split, mesh, model_name, dataset, xla_cpu_options
+  return TrainPass()
+
+
+def _fresh(selection, split, mesh, model_name, dataset, xla_cpu_options) -> ScoringPass:
+  """Scoring passes of the current model, `model_name` for `dataset`."""
+  score_fn = _jit_score_step(model_name, dataset, selection.score_dtype,
+                             scores.forward_score(selection.score, selection), xla_cpu_options)
+  return ScoringPass(score_fn, split, mesh, selection.score_batch_size, selection.rescore_every)
+
+
+def _target(selection, split, mesh, model_name, dataset, xla_cpu_options) -> ScoringPass:
+  """Scoring passes of the target run's model (its model and dataset are its own)."""
+  del model_name, dataset
   score_fn, target = _target_scorer(selection, selection.score, mesh, xla_cpu_options)
-  return ScoringPass(score_fn, *pass_args, target=target)
+  return ScoringPass(score_fn, split, mesh, selection.score_batch_size, selection.rescore_every,
+                     target=target)
+
+
+def _target_recorded(selection, split, mesh, model_name, dataset, xla_cpu_options
+                     ) -> TargetRecorded:
+  del mesh, model_name, dataset, xla_cpu_options
+  return TargetRecorded(selection.target_workdir, split.ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+  """A `selection.scoring` choice: where a selected epoch's scores come from."""
+  name: str
+  create: Create
+  doc: str
+  # What it reads of the target run (selection.target_workdir): "" nothing, "model" its
+  # latest checkpoint, "scores" its recorded train-pass scores.
+  target: str = ""
+  own_model: bool = False  # It scores with this run's current model.
+  settings: tuple[registry.Setting, ...] = ()  # Its fields are config.selection's own.
+
+
+SOURCES: registry.Registry[Scoring] = registry.Registry("score source", "selection")
+SOURCES.register(Scoring("train_pass", _train_pass, "the train step's own forward pass",
+                         own_model=True))
+SOURCES.register(Scoring("fresh", _fresh, "an eval-mode pass of the current model every "
+                         "rescore_every epochs", own_model=True))
+SOURCES.register(Scoring("target", _target, "an eval-mode pass of the target run's latest "
+                         "checkpoint", target="model"))
+SOURCES.register(Scoring("target_recorded", _target_recorded, "the target run's recorded "
+                         "train-pass scores of the same epoch", target="scores"))
 
 
 def _target_scorer(selection: ml_collections.ConfigDict, score_name: str,
