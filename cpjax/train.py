@@ -135,7 +135,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record)
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      loop.writer.flush()
+      loop.writer.close()  # Flushed, and the event file closed.
   return record
 
 

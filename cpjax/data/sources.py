@@ -312,9 +312,7 @@ def resolve(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   kind = _kind(dataset)
   if kind is None:
     return specs.DATASETS[dataset.name]
-  spec = kind.describe(dataset)
-  specs.register(dataset.name, spec)
-  return spec
+  return specs.register(dataset.name, kind.describe(dataset))
 
 
 def open_splits(dataset: ml_collections.ConfigDict) -> dict[str, DataSource]:

@@ -1,7 +1,8 @@
 """Static facts about each dataset cpjax knows, known before any data is read.
 
-The registry `DATASETS` is what config validation, the steps (normalisation
-statistics) and the readers consult; nothing here reads files or imports tfds.
+The registry `DATASETS` (a cpjax.registry.Registry of `DatasetSpec` entries) is what config
+validation, the steps (normalisation statistics) and the readers consult; nothing here reads
+files or imports tfds.
 
 Built-in datasets are listed here. A dataset opened by a source kind (cpjax.data.sources
 .KINDS: a folder of images, `folder`; any tfds image-classification dataset, `tfds:NAME`;
@@ -11,6 +12,8 @@ dataset's name, after which every layer reads them from `DATASETS` as it reads a
 """
 
 import dataclasses
+
+from cpjax import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,27 +32,30 @@ class DatasetSpec:
   # variable-size or encoded sources (folder, tfds:NAME).
   host_stage: bool = False
   classes: tuple[str, ...] = ()  # Class names in label order, where the dataset has them.
+  # Its entry in DATASETS: the dataset's name (config.dataset.name; a source kind's `describe`
+  # leaves it "": `register` sets it), a one-line doc and no settings of its own.
+  name: str = ""
+  doc: str = ""
+  settings: tuple[registry.Setting, ...] = ()
 
 
-class _Registry(dict):
-  """DATASETS: a dict whose missing entry names the datasets it knows."""
-
-  def __missing__(self, name: str):
-    raise KeyError(f"dataset {name!r} is not known; known: {', '.join(self)} (a source "
-                   "dataset, such as folder or tfds:NAME, is known once cpjax.data.sources"
-                   ".resolve(config.dataset) has registered it; config validation does that)")
+DATASETS: registry.Registry[DatasetSpec] = registry.Registry(
+    "dataset", "dataset", hint="or a source dataset (folder, tfds:NAME) once cpjax.data.sources"
+    ".resolve(config.dataset) has registered it (config validation does that)")
 
 
-def register(name: str, spec: DatasetSpec) -> None:
+def register(name: str, spec: DatasetSpec) -> DatasetSpec:
   """Records the facts of source dataset `name` (replacing any earlier ones: a process that
-  opens another folder under the same name reads the new folder's facts); a built-in
-  dataset's facts are fixed."""
+  opens another folder under the same name reads the new folder's facts) and returns them as
+  registered; a built-in dataset's facts are fixed."""
   if name in BUILTIN:
     raise ValueError(f"{name!r} is a built-in dataset: its facts are fixed, not registered")
-  DATASETS[name] = spec
+  if name in DATASETS:
+    DATASETS.unregister(name)
+  return DATASETS.register(dataclasses.replace(spec, name=name))
 
 
-DATASETS = _Registry({
+_BUILTIN_SPECS = {
     # Mean/std of the 1,437 training images (`python -m cpjax.data.input_pipeline digits`).
     "digits": DatasetSpec("digits", (8, 8, 1), 10, 1437, (0.3054,), (0.3762,), local=True),
     "fashion_mnist": DatasetSpec("fashion_mnist_local", (28, 28, 1), 10, 60000,
@@ -65,5 +71,7 @@ DATASETS = _Registry({
                             (0.2673, 0.2564, 0.2762), local=False),
     "svhn": DatasetSpec("svhn_cropped", (32, 32, 3), 10, 73257, (0.4377, 0.4438, 0.4728),
                         (0.1980, 0.2010, 0.1970), local=False),
-})
+}
+for _name, _spec in _BUILTIN_SPECS.items():
+  DATASETS.register(dataclasses.replace(_spec, name=_name))
 BUILTIN = tuple(DATASETS)  # The built-in names (config choices besides source names).
