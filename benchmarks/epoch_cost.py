@@ -79,8 +79,10 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
   train_reader = (readers.DeviceReader if reader == "device" else readers.HostReader)(split, mesh)
   sel = bookkeeping.initial_state(len(split))
   # The loop's Run, without checkpoints or evaluation (the selector needs neither).
-  run = train.Run("", mesh, model, tx, None, {"train": split}, {"train": train_reader}, None,
-                  loss_steps.for_loss(config.loss, config.meta, spec.num_classes))
+  run = train.Run(workdir="", mesh=mesh, model=model, tx=tx, checkpointer=None,
+                  splits={"train": split}, readers={"train": train_reader}, eval_fn=None,
+                  loss_kind=loss_steps.for_loss(config.loss, config.meta, spec.num_classes),
+                  train_batches=None)  # The selector reads neither the steps nor the batches.
   chooser = train._create_selector(config, run)  # pylint: disable=protected-access
   result = {}
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.

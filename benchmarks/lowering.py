@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from benchmarks import throughput
 from configs import default
-from cpjax import models, optim, run_state, steps, train
+from cpjax import loss_steps, models, optim, run_state, steps, train
 from cpjax.data import specs
 from cpjax.runtime import sharding
 from cpjax.selection import policies, scores, sources
@@ -96,8 +96,9 @@ def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size:
         config.model.name, config.dataset, dtype, score_fn, config.xla_cpu_options)
     return Step(fn, (state, batch))
   learning_rate = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(mesh))
-  fn = train._jit_train_step(config, model, tx,  # pylint: disable=protected-access
-                             policies.weights_loss(config.selection.method))
+  fn = train._jit_train_step(  # pylint: disable=protected-access
+      config, model, tx, policies.weights_loss(config.selection.method),
+      loss_steps.for_loss(config.loss, config.meta, data.num_classes))
   return Step(fn, (state, batch, learning_rate, {}))
 
 

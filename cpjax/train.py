@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+import optax
 
 from cpjax import (
   config_validation,
@@ -148,7 +149,8 @@ def _create_loop(config: ml_collections.ConfigDict, run: Run) -> Loop:
   writer = run_logging.create_writer(run.workdir)
   epoch_log = run_logging.EpochLog(run.workdir)
   return Loop(
-      selector=chooser, train_fn=_jit_train_step(config, run, chooser.weighted),
+      selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx, chooser.weighted,
+                                                     run.loss_kind),
       epoch_steps=epoch_steps, evaluator=_create_evaluator(config, run), writer=writer,
       epoch_writer=run_logging.create_epoch_writer(writer, epoch_log), epoch_log=epoch_log,
       progress=run_logging.create_progress_reporter(
@@ -209,7 +211,8 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
     step = epoch_loop.save_checkpoint(run.checkpointer, run.mesh, run.checkpoint_meta, state,
                                       selection_state, partial, epoch + complete,
                                       0 if complete else trained)
-  if stopped:  # The one preemption stop.
+  if stopped and epoch + complete < loop.num_epochs:  # The one preemption stop (after the
+    # run's last step nothing is left to resume: the report after the loop answers it).
     epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
                               0 if complete else trained)
   return state, selection_state, record
@@ -419,12 +422,14 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
   return saved, meta
 
 
-def _jit_train_step(config: ml_collections.ConfigDict, run: Run, weighted: bool) -> TrainFn:
-  """The train step of the run's loss (`run.loss_kind`, cpjax.loss_steps: FL_gamma's is the
+def _jit_train_step(config: ml_collections.ConfigDict, model: nn.Module,
+                    tx: optax.GradientTransformation, weighted: bool,
+                    loss_kind: loss_steps.LossSteps) -> TrainFn:
+  """The train step of the run's loss (`loss_kind`, cpjax.loss_steps: FL_gamma's is the
   bilevel `steps.meta_train_step`) with its model, optimizer and score bound; jitted once, the
   state donated. `weighted`: batches carry loss weights (the selector's)."""
-  step = run.loss_kind.build_train_step(
-      run.model, run.tx, scores.forward_score(config.selection.score, config.selection),
+  step = loss_kind.build_train_step(
+      model, tx, scores.forward_score(config.selection.score, config.selection),
       steps.step_spec(config.dataset, config.loss, weighted))
   return jax.jit(step, donate_argnums=0,
                  compiler_options=compiler_options.compiler_options("train",
