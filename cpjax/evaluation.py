@@ -6,8 +6,9 @@ nor the `run_context.Run`, so it can be built and tested alone). It answers two 
   Evaluator.write_report  the final calibration report (cpjax.calibration.report), written to
                           workdir/report.
 
-Which is due after an epoch (the report after the last one, the split metrics every
-`eval_every_epochs`: `run_context.due`) is decided in cpjax.train's epoch.
+The split metrics are due every `eval_every_epochs` and after the last epoch
+(`run_context.due`, decided in cpjax.train's epoch); the report is written after the loop
+(cpjax.train._write_report).
 
 Each takes the train state when called and returns its numbers (as big_vision's evaluators,
 `run(state) -> metrics`); TensorBoard images go to a writer passed in. A non-finite logit
@@ -189,28 +190,33 @@ def _records_report(metrics_path: str, epoch: int) -> bool:
 
 
 def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
-                             reliability: dict[str, dict[str, list]]) -> None:
-  """The test split's reliability diagram of each scaling in `reliability` (before_ts, and
-  after_ts in the final report) and its confidence histogram, as TensorBoard images
-  (process 0 only: the others' writers only log)."""
+                             reliability: dict[str, dict[str, list]],
+                             histogram: bool = True) -> None:
+  """The test split's reliability diagram of each scaling in `reliability` (before_ts; after_ts
+  and calibrated in the final report) and, with `histogram`, its confidence histogram, as
+  TensorBoard images (process 0 only: the others' writers only log)."""
   if jax.process_index() != 0:
     return
   images = {f"test/reliability_{tag}": figures.reliability_figure(
       bins, f"test, {tag.replace('_', ' ')}, step {step}") for tag, bins in reliability.items()}
-  images["test/confidence_histogram"] = figures.histogram_figure(reliability)
+  if histogram:
+    images["test/confidence_histogram"] = figures.histogram_figure(reliability)
   writer.write_images(step, {tag: figures.rgb(fig)[None] for tag, fig in images.items()})
 
 
 def write_report_summaries(writer: metric_writers.MetricWriter, step: int,
                             results: dict[str, Any]) -> None:
-  """The final report in TensorBoard: after-TS metrics, the temperature (fitted on val) and
-  the reliability images before and after temperature scaling."""
+  """The final report in TensorBoard, at the last epoch's global `step`: after-TS metrics, the
+  temperature (fitted on val) and the reliability images after temperature scaling and after
+  the chosen post-hoc map. The before-TS image and the confidence histogram are the last
+  epoch's evaluation's (`Evaluator.run`, at the same step): not written twice."""
   scalars = {f"{split}/after_ts/{name}": value
              for split, by_tag in results["metrics"].items()
              for name, value in by_tag["after_ts"].items()}
   scalars["val/temperature"] = results["temperature"]["temperature"]
   writer.write_scalars(step, scalars)
-  write_calibration_images(writer, step, results["reliability"])
+  scaled = {tag: bins for tag, bins in results["reliability"].items() if tag != "before_ts"}
+  write_calibration_images(writer, step, scaled, histogram=False)
 
 
 def report_record(results: dict[str, Any]) -> dict[str, Any]:
