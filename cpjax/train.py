@@ -131,7 +131,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             done if epoch == start_epoch else None, first=epoch == start_epoch)
         if epoch == start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
-      if start_epoch < loop.num_epochs or done is None:  # Not inside an epoch past the end.
+      # Else a partly trained epoch past the run's end (num_epochs lowered): no report.
+      if start_epoch < loop.num_epochs or done is None:
         run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
         record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record)
     finally:  # Also on errors: the last good checkpoint must finish writing.
