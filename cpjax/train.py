@@ -256,8 +256,12 @@ def _write_report(run: Run, loop: Loop, state: steps.TrainState, epochs: int,
   with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
     results = loop.evaluator.write_report(state, epochs)
     evaluation.write_report_summaries(loop.writer, step, results)
-    record = {**(record or {}), **evaluation.report_record(results), "epoch": epoch}
-  loop.epoch_writer.write_scalars(step, record)
+    numbers = evaluation.report_record(results)
+  record = record or {}
+  # TensorBoard holds the epoch's record at this step (its epoch wrote it): the rest only.
+  loop.writer.write_scalars(step, {k: v for k, v in numbers.items() if k not in record})
+  record = {**record, **numbers, "epoch": epoch}
+  loop.epoch_log.write(record)  # Last: metrics.jsonl's record marks the report complete.
   return record
 
 
