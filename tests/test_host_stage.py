@@ -353,3 +353,44 @@ def test_the_host_stage_imports_without_tensorflow():
                        capture_output=True, text=True, env=helpers.subprocess_env(devices=1),
                        timeout=120)
   assert out.returncode == 0 and "IMPORTED" in out.stdout, out.stderr[-2000:]
+
+
+def _small_shm_command(command: list[str], kib: int) -> list[str]:
+  """`command` run in a mount namespace of its own whose /dev/shm is a `kib` KiB tmpfs (the
+  machine's /dev/shm untouched); skips the test where namespaces or mounts are not allowed."""
+  probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                          f"mount -t tmpfs -o size={kib}k tmpfs /dev/shm"],
+                         capture_output=True, text=True)
+  if probe.returncode != 0:
+    pytest.skip(f"cannot mount a small /dev/shm in a mount namespace here (needs root or "
+                f"CAP_SYS_ADMIN): {probe.stderr.strip()}")
+  return ["unshare", "-m", "sh", "-c",
+          f'mount -t tmpfs -o size={kib}k tmpfs /dev/shm && exec "$@"', "sh", *command]
+
+
+@pytest.mark.slow  # A main.py process.
+def test_a_full_dev_shm_ends_the_run_with_the_host_stages_line_and_nothing_after(
+    folder, tmp_path):
+  """main.py on a folder with a 64 KiB /dev/shm (a container's default is 64 MB; here the
+  first ring of 64 x 64 crops, 2 x 96 KiB, does not fit): exit 1, no traceback, one FATAL
+  line, the host stage's own (what it needs, --shm-size, worker_kind=thread), not a full
+  checkpoint folder; and it is the last line: no "leaked semaphore / shared_memory" notice
+  of multiprocessing's resource tracker after it."""
+  workdir = str(tmp_path / "run")
+  command = helpers.main_command(
+      workdir, "--config.dataset.name=folder", f"--config.dataset.folder={folder}",
+      "--config.dataset.image_size=64", "--config.dataset.val_size=6",
+      "--config.dataset.crop_padding=0", "--config.dataset.worker_kind=process",
+      "--config.dataset.num_workers=2", "--config.batch_size=8", "--config.eval_batch_size=8",
+      "--config.num_epochs=1", "--config.evaluation.ood=")
+  result = subprocess.run(_small_shm_command(command, 64), cwd=REPO, capture_output=True,
+                          text=True, env=helpers.subprocess_env(), timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  fatal = [line for line in lines if line.startswith("FATAL")]
+  assert len(fatal) == 1 and lines[-1] == fatal[0], result.stderr[-3000:]
+  assert fatal[0].startswith("FATAL the host stage's worker processes need "), fatal[0]
+  assert "--shm-size" in fatal[0] and "worker_kind=thread" in fatal[0], fatal[0]
+  assert "writable" not in fatal[0], fatal[0]
+  assert fatal[0].endswith("so it starts from the beginning"), fatal[0]
+  assert "Traceback" not in result.stderr and "leaked" not in result.stderr
