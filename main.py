@@ -96,19 +96,20 @@ def main(argv):
 
 def _exit_on_failure(err: Exception) -> None:
   """Ends the process with one FATAL line if `err` is an operational failure (a failed
-  checkpoint write, a full or read-only folder, a lost process or decoding worker); returns
-  for a bug."""
+  checkpoint write, a full or read-only folder, a lost process, an error that names its own
+  way out: a dead decoding worker, a full /dev/shm, a damaged image); returns for a bug."""
   checkpoint_dir = os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints")
   if isinstance(err, checkpointing.CheckpointSaveError):
     line = str(err)
-  elif isinstance(err, decode_workers.WorkerDiedError):
-    line = f"{err}; {failures.resume_advice(checkpoint_dir)}"
   elif failures.cause(err, jax.process_count()) != failures.OTHER:
     line = failures.line(err, checkpoint_dir, jax.process_count())
   else:
     return
   if failures.is_lost_peer(err, jax.process_count()):
     distributed.await_lost_process()  # The liveness watch names the lost process and exits.
+  # os._exit skips the interpreter's clean-up: the decoding workers' queues and shared
+  # memory are released first, or the resource tracker reports them after the FATAL line.
+  decode_workers.close_all()
   print(f"FATAL {line}", file=sys.stderr, flush=True)
   # After a failed write orbax's background threads may never end, and a normal exit waits
   # for them (the process would hang, holding its allocation): end it now. The workdir

@@ -145,8 +145,8 @@ def test_file_and_class_names_that_are_not_utf8_work_as_paths_and_show_escaped(t
     assert data == expected[os.fsencode(train.path(int(row))).split(b"/train/", 1)[1]]
   listing = sources.identity(dataset).listing["train"]
   assert sorted(os.fsencode(path) for path, *_ in listing) == sorted(expected)
-  fingerprint.write_listing(str(tmp_path / "listing.json.gz"), {"train": listing})
-  assert fingerprint.read_listing(str(tmp_path / "listing.json.gz")) == {"train": listing}
+  fingerprint.write_listings(str(tmp_path / "listing.json.gz"), [{"train": listing}])
+  assert fingerprint.read_listings(str(tmp_path / "listing.json.gz")) == [{"train": listing}]
 
 
 def _cut_short(path) -> bytes:
@@ -369,10 +369,10 @@ def test_a_checkpoint_of_the_earlier_digests_resumes_and_still_sees_a_change(dat
 def _resumed(data: str, workdir: str, meta) -> dict:
   """check_resume at a (re)start in `workdir` with checkpoint metadata `meta` (None: no
   checkpoint), as train._setup calls it."""
-  known = fingerprint.read_listing(os.path.join(workdir, fingerprint.LISTING_FILE))
+  listings = fingerprint.saved_listings(workdir)
   folder_source.listing.cache_clear()
-  identity = sources.identity(_dataset(data, image_size=12), known)
-  return fingerprint.check_resume(identity, known, meta, workdir)
+  identity = sources.identity(_dataset(data, image_size=12), listings[0] if listings else None)
+  return fingerprint.check_resume(identity, listings, meta, workdir)
 
 
 def test_a_file_the_run_found_damaged_may_be_replaced_and_nothing_else(data, tmp_path,
@@ -380,7 +380,8 @@ def test_a_file_the_run_found_damaged_may_be_replaced_and_nothing_else(data, tmp
   """The run stops on b/img1.png (its example id: its row in the sorted listing), noted in
   the workdir. Replaced by other bytes, the resume goes on (a warning names it), again at a
   second resume from the same checkpoint; a change to another file is still refused,
-  naming that one only. Once a checkpoint of the new files is read back, the note is gone."""
+  naming that one only. Once a checkpoint has trained on the replacement, a further change
+  of that file is refused too: the note covers the damaged bytes only."""
   workdir = str(tmp_path / "run")
   os.makedirs(workdir)
   saved = _resumed(data, workdir, None)
@@ -398,18 +399,21 @@ def test_a_file_the_run_found_damaged_may_be_replaced_and_nothing_else(data, tmp
     for _ in range(2):
       now = _resumed(data, workdir, meta)
   assert now != saved
-  assert sum(f"train/{os.path.join('b', 'img1.png')}" in r.getMessage()
-             and "found damaged" in r.getMessage() for r in caplog.records) == 2
-  _flip(os.path.join(data, "train", "c", "img0.png"), 40)
+  assert sum(r.getMessage().startswith(f"train/{os.path.join('b', 'img1.png')} changed since "
+                                       "checkpoint 40") and "found damaged" in r.getMessage()
+             for r in caplog.records) == 2
+  other = os.path.join(data, "train", "c", "img0.png")
+  _flip(other, os.path.getsize(other) // 2)  # Past the header: it still lists.
   with pytest.raises(fingerprint.DatasetChangedError) as raised:
     _resumed(data, workdir, meta)
-  assert f"train/: 1 changed (size or content): {os.path.join('c', 'img0.png')})" \
+  assert f"(train/: 1 changed (size or content): {os.path.join('c', 'img0.png')})" \
       in str(raised.value)
-  _flip(os.path.join(data, "train", "c", "img0.png"), 40)  # Put back.
-  assert _resumed(data, workdir, {"data_digests": now, "step": 50}) == now
-  assert not os.path.exists(os.path.join(workdir, fingerprint.DAMAGED_FILE))
-  with pytest.raises(fingerprint.DatasetChangedError):  # The note is used up.
-    _resumed(data, workdir, meta)
+  _flip(other, os.path.getsize(other) // 2)  # Put back.
+  _save_png(damaged, 12, 12, seed=78)  # Changed again after checkpoint 50 trained on 77's.
+  with pytest.raises(fingerprint.DatasetChangedError) as raised:
+    _resumed(data, workdir, {"data_digests": now, "step": 50})
+  assert f"(train/: 1 changed (size or content): {os.path.join('b', 'img1.png')})" \
+      in str(raised.value)
 
 
 # ---------------------------------------------------------------- the dataset folder untouched
