@@ -13,8 +13,8 @@ what it needs unless the command line or the config file sets it (logged): e.g.
 is read), so the policies, datasets, models... it registers are choices like cpjax's own
 (docs/extending.md).
 An operational failure (a full or read-only folder, a failed checkpoint write, a lost
-process) ends in one FATAL line naming the cause, the way out and the last good
-checkpoint, and status 1 (cpjax/runtime/failures.py).
+process, a damaged image, a full /dev/shm) ends in one FATAL line naming the cause, the way
+out and the last good checkpoint, and status 1 (cpjax/runtime/failures.py).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
@@ -83,8 +83,8 @@ def main(argv):
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
-  # One line per problem, no traceback: start-up checks, a dataset folder changed under
-  # its checkpoint.
+  # One line per problem, no traceback: start-up checks, a dataset folder (or its records)
+  # changed under its checkpoint.
   except (preflight.StartupCheckError, fingerprint.DatasetChangedError) as err:
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)

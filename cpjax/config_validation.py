@@ -102,7 +102,9 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   try:
     data_sources.resolve(dataset)
   except (OSError, ValueError, RuntimeError) as err:
-    return [f"config.dataset.name={dataset.name!r}: {' '.join(str(err).split())}"]
+    text, field = " ".join(str(err).split()), f"dataset.name={dataset.name!r}"
+    # An error that names the field itself (tfds's "no such dataset") is not prefixed twice.
+    return [f"config.{text}" if text.startswith(field) else f"config.{field}: {text}"]
   channels = specs.DATASETS[dataset.name].image_shape[-1]
   if dataset.mean and len(dataset.mean) != channels:
     return [f"config.dataset.mean={dataset.mean} must hold {channels} numbers (channels)"]

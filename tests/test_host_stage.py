@@ -227,6 +227,58 @@ def test_kill_9_of_the_main_process_leaves_no_workers_and_no_shared_memory(folde
   assert not shm, f"shared memory left: {shm}"
 
 
+_EXIT_MID_PASS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+from configs import default
+from cpjax.data import decode_workers, host_stage, preprocess, sources
+from cpjax.runtime import sharding
+
+dataset = default.get_config().dataset
+dataset.update({{"name": "folder", "folder": {folder!r}, "image_size": 32, "val_size": 4,
+                "mean": (0.5,) * 3, "std": (0.25,) * 3}})
+spec = sources.resolve(dataset)
+source = sources.open_splits(dataset)["train"]
+reader = host_stage.PreprocessReader(source, preprocess.from_config(dataset, spec.image_shape, 0),
+                                     sharding.create_mesh(), 2)
+batches = reader.batches(np.tile(np.arange(len(source)), 40).reshape(-1, 16), epoch=0)
+next(batches)  # Mid-pass: the ring's slots and the reader's context in /dev/shm.
+print("SEGMENTS " + " ".join(sorted(decode_workers._SEGMENTS)), flush=True)
+if {kill_worker}:
+  os.kill(decode_workers.shared_pool(2).pids[0], 9)
+  try:
+    for _ in batches:
+      pass
+  except decode_workers.WorkerDiedError:
+    print("DIED", flush=True)
+decode_workers.close_all()  # What main.py does before its FATAL line and os._exit.
+print("FATAL the last word", file=sys.stderr, flush=True)
+os._exit(1)
+"""
+
+
+@pytest.mark.slow  # A process of its own.
+@pytest.mark.parametrize("kill_worker", [False, True])
+def test_close_all_leaves_the_resource_tracker_nothing_to_report(folder, kill_worker):
+  """A process that ends with os._exit (as main.py after a FATAL line) mid-pass (a disk
+  full while a pass is in flight), or after a worker died: `close_all` first, and nothing
+  follows its last line (no "leaked semaphore / shared_memory" notice), no segment is left
+  in /dev/shm."""
+  result = subprocess.run(
+      [sys.executable, "-c", _EXIT_MID_PASS.format(repo=REPO, folder=folder,
+                                                   kill_worker=kill_worker)],
+      capture_output=True, text=True, env=helpers.subprocess_env(devices=1), timeout=120)
+  assert result.returncode == 1, result.stderr[-3000:]
+  (segments,) = [line.split()[1:] for line in result.stdout.splitlines()
+                 if line.startswith("SEGMENTS")]
+  assert len(segments) >= 2  # The context and the slots: what there was to release.
+  assert ("DIED" in result.stdout) == kill_worker, result.stdout
+  assert result.stderr.strip().splitlines()[-1] == "FATAL the last word", result.stderr[-3000:]
+  assert "leaked" not in result.stderr, result.stderr[-3000:]
+  assert not [name for name in segments if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
+
+
 _WORKER_MODULES = """
 import jax  # A main script that imports JAX, as main.py does (and much more).
 import os, sys
