@@ -31,9 +31,13 @@ A digest of each split goes into every checkpoint's metadata (`digests`), the li
 into `workdir/LISTING_FILE` (to name what changed); a resume whose digests differ from its
 checkpoint's is refused (`check_unchanged`), naming the first differences, with one
 exception, the recovery from a damaged image: a run that stops on a file (or record) that
-cannot be read or decoded notes its example in `workdir/DAMAGED_FILE` (`noting_damage`), and
-a resume whose only differences are noted files, changed in place (same names), goes on with
-a warning naming them: the run never trained on the damaged bytes. Checkpoints of earlier
+cannot be read or decoded notes it in `workdir/DAMAGED_FILE` (`noting_damage`: its name and
+the digest of the bytes the run listed), and a resume whose only differences are noted files
+changed in place (same names), from a checkpoint that holds the noted bytes, goes on with a
+warning naming them: the run never trained on the damaged bytes. Until a checkpoint of the
+new bytes exists the listing file keeps the checkpoint's listing beside the new one, so a
+second resume from that checkpoint accepts the replacement again, while a later change of
+the file (a checkpoint has trained on its replacement) is refused. Checkpoints of earlier
 versions hold digests of names, sizes and modification times (no "sampled:" prefix): they
 are compared by that rule.
 
@@ -57,8 +61,8 @@ from cpjax.data import preprocess
 from cpjax.data.folder_source import printable
 from cpjax.runtime import files
 
-LISTING_FILE = "dataset_listing.json.gz"  # In the workdir: the listing of the checkpoint's rows.
-DAMAGED_FILE = "damaged_examples.json"  # In the workdir: the examples a run stopped on.
+LISTING_FILE = "dataset_listing.json.gz"  # In the workdir: the rows' listings (`saved_listings`).
+DAMAGED_FILE = "damaged_examples.json"  # In the workdir: the files a run stopped on.
 SHOWN = 5  # Differences named per kind in the error.
 BLOCK = 4096  # Bytes of each sampled block of a file.
 SCHEME = "sampled"  # Prefix of this version's digests (an earlier version's have none).
@@ -217,7 +221,6 @@ def changes(old: Sequence[Entry], new: Sequence[Entry],
   found = {"removed": sorted(set(before) - set(after)), "added": sorted(set(after) - set(before)),
            changed: sorted(p for p in set(before) & set(after) if before[p] != after[p])}
   return {kind: names for kind, names in found.items() if names}
-
 
 
 def _named(found: Mapping[str, Sequence[str]]) -> str:
