@@ -111,7 +111,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           logging.info("%s", cache_stats.summary(run.compilation_cache))
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      writer.flush()
+      writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
