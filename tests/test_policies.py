@@ -16,7 +16,7 @@ import scipy.optimize
 
 from cpjax import config_validation
 from cpjax.runtime import sharding
-from cpjax.selection import policies, subsets
+from cpjax.selection import policies, scores, subsets
 from tests.helpers import tiny_config
 
 
@@ -559,3 +559,17 @@ def test_infobatch_without_its_rescaling_prunes_alike_with_unit_weights():
   with pytest.raises(ValueError, match="config.selection.infobatch_rescale: must be True or "
                                        "False, got 0"):
     config_validation.validate(config)
+
+
+def test_the_scores_declared_nonnegative_are_never_negative():
+  """importance takes only these: on random and near-one-hot logits each is >= 0 up to
+  rounding (entropy's +1e-6 inside the log can make a one-hot's -4e-7); margin is not."""
+  rng = np.random.default_rng(10)
+  logits = jnp.asarray(np.concatenate([rng.normal(size=(200, 10)),
+                                       30 * np.eye(10)[rng.integers(0, 10, 50)]]), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 10, 250))
+  declared = [s for s in scores.SCORES.entries() if s.nonnegative]
+  assert {s.name for s in declared} == {"entropy", "least_confidence", "loss", "el2n"}
+  for score in declared:
+    assert float(jnp.min(score.fn(logits, labels))) >= -1e-6, score.name
+  assert float(jnp.min(scores.margin(logits, labels))) < 0

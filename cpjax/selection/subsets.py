@@ -302,7 +302,7 @@ def capped_proportional(values: np.ndarray, total: float, cap: float) -> np.ndar
 
   With cap 1 these are the inclusion probabilities of a design proportional to size with an
   expected sample size `total` (Sarndal, Swensson & Wretman 1992, "Model Assisted Survey
-  Sampling", sec. 3.6.2): an example whose c v_i would exceed 1 is taken for sure. Found by
+  Sampling"): an example whose c v_i would exceed 1 is taken for sure. Found by
   capping the values that exceed `cap` and rescaling the rest, until none does; c only grows
   from one round to the next, so a value once capped stays at or above the cap.
 
