@@ -23,8 +23,8 @@ import logging as std_logging
 import os
 import sys
 
-# TF (imported by clu's writers, used for nothing numeric here) is chatty: its INFO lines and
-# the oneDNN notice it prints at import would precede every message of a run.
+# TensorFlow is optional and never imported for training; where it is installed and something
+# imports it (building a tfds catalog dataset), its INFO lines and oneDNN notice are quieted.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 

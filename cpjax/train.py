@@ -100,6 +100,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           sum(epoch_steps), writer, config.log_every_steps))
   if start_epoch == 0 and done is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
+    run_logging.log_parameter_overview(config.model.name, state.params)
   record = {}
   with run.checkpointer.handling_preemption():
     try:
@@ -112,7 +113,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           logging.info("%s", cache_stats.summary(run.compilation_cache))
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      writer.flush()
+      writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
@@ -139,7 +140,7 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
       row_weights=_row_weights(rows, weights, len(run.splits["train"])))
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
-  with run.progress.timed("train", wait_jax_async_dispatch=False), \
+  with run.progress.timed("train"), \
       contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
         run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
