@@ -195,13 +195,19 @@ def _decoding_workers(pid: int) -> list[int]:
   """The host-stage worker processes among `pid`'s children (not the resource tracker)."""
   children = []
   for task in os.listdir(f"/proc/{pid}/task"):
-    with open(f"/proc/{pid}/task/{task}/children") as f:
-      children += [int(c) for c in f.read().split()]
+    try:  # A thread may end between the listing and the read.
+      with open(f"/proc/{pid}/task/{task}/children") as f:
+        children += [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+      pass
   found = []
   for child in children:
-    with open(f"/proc/{child}/cmdline", "rb") as f:
-      if b"spawn_main" in f.read():
-        found.append(child)
+    try:
+      with open(f"/proc/{child}/cmdline", "rb") as f:
+        if b"spawn_main" in f.read():
+          found.append(child)
+    except FileNotFoundError:
+      pass
   return found
 
 
