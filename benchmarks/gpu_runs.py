@@ -96,8 +96,8 @@ class Sizes:
 
 TINY = Sizes(
     budget_seconds=0.0, max_seeds=2, classes=10, train_images=40, source_size=(64, 48),
-    default_job=(("model.name", "tiny"), ("num_epochs", 2), ("batch_size", 64),
-                 ("evaluation.bootstrap_resamples", 100), ("evaluation.calibrator_resamples", 20)),
+    default_job=(("model.name", "tiny"), ("num_epochs", 2), ("evaluation.bootstrap_resamples", 100),
+                 ("evaluation.calibrator_resamples", 20)),
     # 512 of the 54,000 images in batches of 32 (16 steps an epoch), 200 validation images,
     # 8 epochs (the arms' kept fractions follow, by the study's own rule: 23 % and 37 %, 53 %
     # and 61 % of full data's passes), evaluated after the last.
