@@ -402,8 +402,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
           ("(c) report seconds", part.get("report_seconds", math.nan), REPORT_TARGET, "<=")]
   out = []
   for name, value, bound, sense in rows:
-    met = None if not np.isfinite(value) else (value <= bound if sense == "<=" else
-                                               value >= bound)
+    met = None if not np.isfinite(value) else bool(value <= bound if sense == "<=" else
+                                                    value >= bound)
     out.append({"target": name, "value": value, "bound": f"{sense} {bound:g}", "met": met})
   return out
 
@@ -453,8 +453,12 @@ def markdown(results: dict[str, Any]) -> str:
 def _default_lines(row: dict[str, Any]) -> list[str]:
   return ["### (a) The default job", "",
           *_table(["command", "exit status", "seconds", "test accuracy"],
-                  [[f"`{row['command'].split(' --workdir')[0]}`", str(row["exit_status"]),
+                  [[f"`{_without_workdir(row['command'])}`", str(row["exit_status"]),
                     _fmt(row["seconds"]), _fmt(row.get("test_accuracy"), 4)]]), ""]
+
+
+def _without_workdir(command: str) -> str:
+  return " ".join(w for w in command.split() if not w.startswith("--workdir="))
 
 
 def _fashion_lines(part: dict[str, Any], tiny: bool) -> list[str]:

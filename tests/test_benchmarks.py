@@ -399,3 +399,50 @@ def test_gpu_runs_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
       "wall_seconds_ratio"][0]
   assert results["targets"][2]["value"] == part["trainer_over_bare"]
   assert results["targets"][3]["value"] == part["report_seconds"]
+
+
+def test_bare_step_smoke(tmp_path):
+  out = tmp_path / "bare.json"
+  result = subprocess.run([sys.executable, "-m", "benchmarks.bare_step", "--model=tiny",
+                           "--image-size=16", "--batch-size=8", "--classes=10", "--tiny",
+                           f"--json={out}"], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  row = json.loads(out.read_text())
+  assert row["images_per_s"] > 0 and row["first_call_seconds"] > 0
+  assert (row["model"], row["image_size"], row["batch"], row["classes"]) == ("tiny", 16, 8, 10)
+  windows = row["window_images_per_s"]  # The row's rate is their median.
+  assert len(windows) == 2 and min(windows) <= row["images_per_s"] <= max(windows)
+  assert "images/s" in result.stdout
+
+
+def test_carry_pins_requirements_versions_and_names_groups():
+  """The carried wheels are requirements.txt's pinned versions wherever it pins them."""
+  from benchmarks import carry  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(REPO, "requirements.txt")) as f:
+    pins = dict(line.split("#")[0].strip().split("==") for line in f
+                if "==" in line.split("#")[0])
+  pinned = dict(r.split("==") for r in carry.pinned(tuple(carry.GROUPS)))
+  shared = set(pins) & set(pinned)
+  assert {"ml-collections", "clu", "tensorflow-datasets", "grain", "array-record",
+          "scikit-learn", "matplotlib", "opencv-python-headless"} <= shared
+  assert all(pinned[name] == pins[name] for name in shared), shared
+  with pytest.raises(SystemExit, match="unknown group 'tfds'.*training, digits, report"):
+    carry.parse_groups("training,tfds")
+
+
+def test_carry_check_names_what_a_machine_lacks(tmp_path):
+  """--check in a process where grain and clu cannot be imported: it names them, their group
+  and the command that brings them, and exits 1."""
+  site = tmp_path / "site"
+  site.mkdir()
+  (site / "sitecustomize.py").write_text(_BLOCKER.replace(
+      '("tensorflow", "tensorflow_datasets", "clu")', '("grain", "clu")'))
+  env = subprocess_env(PYTHONPATH=os.pathsep.join([str(site), REPO]))
+  result = subprocess.run([sys.executable, "-m", "benchmarks.carry", "--check"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stdout + result.stderr
+  training = next(line for line in result.stdout.splitlines() if line.startswith("training"))
+  assert training.split("missing: ")[1] == "clu, grain"
+  assert "report    all importable" in result.stdout
+  assert "--groups=training" in result.stdout and "is blocked" in result.stdout
