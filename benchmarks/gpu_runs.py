@@ -355,11 +355,13 @@ def bare_step_rate(sizes: Sizes, root: str) -> dict[str, Any]:
 MACHINE_PROBE = """
 import importlib.metadata, json, os, platform, time
 import jax
-def version(name):
-  try:
-    return importlib.metadata.version(name)
-  except importlib.metadata.PackageNotFoundError:
-    return None
+def version(*names):
+  for name in names:
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return None
 cpu = platform.processor()
 if os.path.exists("/proc/cpuinfo"):
   with open("/proc/cpuinfo") as f:
@@ -367,8 +369,9 @@ if os.path.exists("/proc/cpuinfo"):
 print(json.dumps({"backend": jax.default_backend(), "card": jax.devices()[0].device_kind,
                   "devices": jax.device_count(), "cpu": cpu, "cores": os.cpu_count(),
                   "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+                  "tensorflow": version("tensorflow", "tensorflow-cpu"),
                   **{n: version(n) for n in ("jax", "jaxlib", "flax", "optax",
-                     "orbax-checkpoint", "tensorflow-datasets", "torch", "tensorflow")}}))
+                     "orbax-checkpoint", "tensorflow-datasets", "torch")}}))
 """
 
 
@@ -416,11 +419,13 @@ def _fmt(value: Any, digits: int = 1) -> str:
   return str(value)
 
 
-def _interval(triple, digits: int = 2) -> str:
+def _interval(triple, digits: int = 2, sign: str = "+") -> str:
+  """'mean [low, high]' (`sign` "+": signed, a difference; "": a ratio)."""
   mean, low, high = triple
   if not np.isfinite(low):
     return _fmt(mean, digits)
-  return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+  form = f"{sign}.{digits}f"
+  return f"{mean:{form}} [{low:{form}}, {high:{form}}]"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -476,15 +481,16 @@ def _fashion_lines(part: dict[str, Any], tiny: bool) -> list[str]:
                     _fmt(m["training_seconds"]), _fmt(m["scoring_seconds"], 2),
                     _fmt(m["selection_seconds"], 2), _fmt(m["eval_seconds"]),
                     _fmt(m["report_seconds"]),
-                    f"{m['passes']:.4g} ({m['passes'] / means[FULL]['passes']:.3f})"
+                    f"{m['passes']:,.0f} ({m['passes'] / means[FULL]['passes']:.3f})"
                     if np.isfinite(m["passes"]) else "-", _fmt(m["test_accuracy"], 4)]
                    for name, m in means.items()])
   lines += ["", "Paired with full data, same seeds (mean [90 % t interval]):", ""]
   lines += _table(["arm", "seeds", "test accuracy, points", "wall-clock ratio",
                    "training-seconds ratio", "example-pass ratio"],
                   [[f"`{name}`", ",".join(map(str, p["seeds"])),
-                    _interval(p["accuracy_points"]), _interval(p["wall_seconds_ratio"], 3),
-                    _interval(p["training_seconds_ratio"], 3), _interval(p["passes_ratio"], 3)]
+                    _interval(p["accuracy_points"]), _interval(p["wall_seconds_ratio"], 3, ""),
+                    _interval(p["training_seconds_ratio"], 3, ""),
+                    _interval(p["passes_ratio"], 3, "")]
                    for name, p in part["paired"].items()])
   failed = [r for r in part["runs"] if r["exit_status"] != 0]
   lines += [""] + [f"- failed: {r['arm']} seed {r['seed']}, status {r['exit_status']}"
