@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from benchmarks import feeds, xla_cpu_variants
-from tests import helpers
+from tests import helpers, test_without_tensorflow
 from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow  # Each smoke run is a process that compiles and runs steps.
@@ -332,13 +332,15 @@ def _test_accuracy(workdir) -> float:
 def test_gpu_runs_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
   """`benchmarks.gpu_runs --tiny` end to end on a CPU: every run is main.py's (workdir,
   checkpoints, metrics.jsonl, report), and the table's numbers are the workdirs' and the hand
-  counts': Fashion-MNIST's 8-epoch tiny schedule is 16 steps of 32 an epoch on 512 images;
+  counts' (TensorFlow absent throughout): Fashion-MNIST's 8-epoch tiny schedule is 16 steps of 32 an epoch on 512 images;
   topk_anneal-45 keeps round(0.23 x 512) = 118 images (4 steps) in epochs 1-5 and all in the
   last 2, topk_anneal-55 round(0.37 x 512) = 189 (6 steps); a step is 3 passes of 32."""
   helpers.require_fashion_mnist()
   out, runs = tmp_path / "out", tmp_path / "runs"
+  # TensorFlow absent, as on the GPU machine (its carried wheels bring tfds and clu).
   result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_runs", "--tiny", f"--out={out}",
-                           f"--workdir-root={runs}"], cwd=REPO, env=subprocess_env(),
+                           f"--workdir-root={runs}"], cwd=REPO,
+                          env=test_without_tensorflow.without_tensorflow_env(),
                           capture_output=True, text=True, timeout=1500)
   assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
   results = json.loads((out / "gpu_runs_cpu_tiny.json").read_text())
