@@ -331,8 +331,9 @@ def _test_accuracy(workdir) -> float:
 
 def test_gpu_runs_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
   """`benchmarks.gpu_runs --tiny` end to end on a CPU: every run is main.py's (workdir,
-  checkpoints, metrics.jsonl, report), and the table's numbers are the workdirs' and the hand
-  counts' (TensorFlow absent throughout): Fashion-MNIST's 8-epoch tiny schedule is 16 steps of 32 an epoch on 512 images;
+  checkpoints, metrics.jsonl, report; TensorFlow absent throughout), and the table's numbers
+  are the workdirs' and the hand counts': Fashion-MNIST's 8-epoch tiny schedule is 16 steps
+  of 32 an epoch on 512 images;
   topk_anneal-45 keeps round(0.23 x 512) = 118 images (4 steps) in epochs 1-5 and all in the
   last 2, topk_anneal-55 round(0.37 x 512) = 189 (6 steps); a step is 3 passes of 32."""
   helpers.require_fashion_mnist()
