@@ -10,8 +10,9 @@ epoch's record is in metrics.jsonl, `_write_report` writes the calibration repor
 (cpjax.evaluation) and adds its numbers to that record, in a fresh run and in a rerun alike: a
 report that fails, or is killed, loses no training and no record, a signal stops it at once,
 and a rerun (or --mode=evaluate) writes it. Start-up checks (cpjax.preflight) run before the
-workdir is touched, and a folder dataset changed under its checkpoint is refused
-(cpjax.data.fingerprint); an epoch that learns nothing stops the run.
+workdir is touched, and a folder dataset (or its converted records) changed under its
+checkpoint is refused (cpjax.data.fingerprint), unless the change is the replacement of a
+file the run stopped on as damaged; an epoch that learns nothing stops the run.
 """
 
 from collections.abc import Callable
@@ -84,7 +85,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     The last epoch's metrics record.
   """
   _check_before_work(config, workdir)
-  with workdir_lock.WorkdirLock(workdir), \
+  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir), \
       contextlib.closing(compilation_cache.CacheStats()) as cache_stats:
     return _train_and_evaluate(config, workdir, cache_stats)
 
@@ -122,22 +123,22 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if start_epoch == 0 and done is None:
     loop.writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
     run_logging.log_parameter_overview(config.model.name, state.params)
-  record = {}
+  record, save_seconds = {}, None
   with run.checkpointer.handling_preemption():
     try:
       for epoch in range(start_epoch, loop.num_epochs):
-        state, selection_state, record = _train_epoch(
+        state, selection_state, record, save_seconds = _train_epoch(
             config, run, loop, epoch, state, selection_state,
             done if epoch == start_epoch else None, first=epoch == start_epoch)
         if epoch == start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
       # Else a partly trained epoch past the run's end (num_epochs lowered): no report.
       if start_epoch < loop.num_epochs or done is None:
-        run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
-        record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record)
+        record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record,
+                               save_seconds)
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      loop.writer.close()  # Flushed, and the event file closed.
+      loop.writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
@@ -161,13 +162,15 @@ def _create_loop(config: ml_collections.ConfigDict, run: Run) -> Loop:
 def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch: int,
                  state: steps.TrainState, selection_state: bookkeeping.SelectionState,
                  done: dict[str, Any] | None, first: bool = False
-                 ) -> tuple[steps.TrainState, bookkeeping.SelectionState, dict[str, Any]]:
+                 ) -> tuple[steps.TrainState, bookkeeping.SelectionState, dict[str, Any],
+                            float | None]:
   """One epoch, top to bottom: choose its rows, train its steps (their metrics folded and
   logged every log_every_steps), fold the epoch's record, evaluate when due, write the
   record and save when due. A preemption request saves the steps trained (the epoch's, or a
   whole epoch) and stops, through one save and one stop. `done`: the epoch's steps trained
   before a preemption (None: none); `first`: the process's first epoch (its first step
-  compiles)."""
+  compiles). Returns the state, the selection state, the epoch's record and the seconds of
+  its checkpoint's save (None: no save), whose commit only the report waits for."""
   start = time.time()
   rows, weights, selection_state, timings = loop.selector.rows_for_epoch(epoch, state,
                                                                          selection_state)
@@ -180,12 +183,13 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
   batches = run.train_batches(  # The train reader's (FL_gamma's joined by their own).
       order[done["steps"]:], epoch=epoch, first_step=first_step + done["steps"],
       row_weights=_row_weights(rows, weights, len(run.splits["train"])))
+  waiting = epoch_loop.InputWait(batches)  # The seconds the loop blocks on its next batch.
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
   with loop.progress.timed("train"), \
       contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
-        loop.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
+        loop.train_fn, state, waiting, learning_rates, hparams, done, first_step=first_step,
         epoch=epoch, log_every=config.log_every_steps, writer=loop.writer,
         progress=loop.progress, checkpointer=run.checkpointer,
         last_step=loop.total_steps, compile_step=done["steps"] if first else -1)
@@ -197,10 +201,13 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
     timings["training_seconds"] = time.perf_counter() - train_start
     selection_state, selection_record = loop.selector.after_epoch(
         epoch, selection_state, order, outputs, timings, run.workdir)
-    record = {**record, **selection_record, "epoch": epoch}
+    record = {**record, **selection_record, "epoch": epoch,
+              "input_wait_seconds": waiting.seconds}
     if run_context.due(epoch, config.eval_every_epochs, loop.num_epochs):
       # A non-finite logit stops the run here, before the state is saved.
-      record.update(loop.evaluator.run(state, loop.writer, first_step + len(order)))
+      numbers, record["eval_seconds"] = _timed(loop.evaluator.run, state, loop.writer,
+                                               first_step + len(order))
+      record.update(numbers)
     record["epoch_seconds"] = time.time() - start
     loop.epoch_writer.write_scalars(first_step + len(order), record)
     partial = run_state.empty_partial(config.dataset, config.batch_size)
@@ -208,15 +215,32 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
     epoch_loop.raise_if_bad(totals, epoch, first_step, run.checkpointer)
     partial = run_state.partial_tree(config.dataset, config.batch_size,
                                      jax.device_get(totals), outputs)
+  save_seconds = None  # The save's own seconds (its commit is waited for after the loop).
   if stopped or run_context.due(epoch, config.checkpoint_every_epochs, loop.num_epochs):
-    step = epoch_loop.save_checkpoint(run.checkpointer, run.mesh, run.checkpoint_meta, state,
-                                      selection_state, partial, epoch + complete,
-                                      0 if complete else trained)
+    step, save_seconds = _timed(epoch_loop.save_checkpoint, run.checkpointer, run.mesh,
+                                run.checkpoint_meta, state, selection_state, partial,
+                                epoch + complete, 0 if complete else trained)
   if stopped and epoch + complete < loop.num_epochs:  # The one preemption stop (after the
     # run's last step nothing is left to resume: the report after the loop answers it).
     epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
                               0 if complete else trained)
-  return state, selection_state, record
+  return state, selection_state, record, save_seconds
+
+
+def peak_device_memory() -> dict[str, int]:
+  """{"perf/peak_device_memory_bytes": the most bytes any local device has held at once in
+  this process (its allocator's peak)} where the backend counts them (GPU, TPU); {} where
+  it does not (CPU: `memory_stats()` is None)."""
+  peaks = [(device.memory_stats() or {}).get("peak_bytes_in_use")
+           for device in jax.local_devices()]
+  peaks = [int(p) for p in peaks if p is not None]
+  return {"perf/peak_device_memory_bytes": max(peaks)} if peaks else {}
+
+
+def _timed(fn, *args) -> tuple[Any, float]:
+  """`fn(*args)` and the seconds it took."""
+  start = time.perf_counter()
+  return fn(*args), time.perf_counter() - start
 
 
 def _row_weights(rows: np.ndarray, weights: np.ndarray | None, num_rows: int
@@ -235,13 +259,16 @@ _REPORT_STOP = ("stopped during the final report; the last checkpoint (global st
 
 
 def _write_report(run: Run, loop: Loop, state: steps.TrainState, epochs: int,
-                  record: dict[str, Any]) -> dict[str, Any]:
+                  record: dict[str, Any], save_seconds: float | None) -> dict[str, Any]:
   """Writes the calibration report of the last checkpoint (`state`, after `epochs` complete
-  epochs, committed) to workdir/report and TensorBoard, and its numbers into the last epoch's
-  metrics.jsonl record, unless both already hold it: after the loop, of a fresh run and of a
-  rerun alike (whose report failed, or was killed, after that checkpoint was saved). A signal
-  stops it at once. `record`: the last epoch's record if this process trained it ({}: read
-  from metrics.jsonl). Returns the record with the report's numbers."""
+  epochs) to workdir/report and TensorBoard, once that checkpoint has committed, and its
+  numbers into the last epoch's metrics.jsonl record, unless both already hold it: after the
+  loop, of a fresh run and of a rerun alike (whose report failed, or was killed, after that
+  checkpoint was saved). A signal stops it at once. `record`: the last epoch's record if this
+  process trained it ({}: read from metrics.jsonl); `save_seconds`: its checkpoint's save, if
+  this process saved it. Returns the record with the report's numbers and times."""
+  commit_start = time.perf_counter()
+  run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
   step = int(jax.device_get(state.step))
   if loop.evaluator.describes(step):
     return record
@@ -253,14 +280,23 @@ def _write_report(run: Run, loop: Loop, state: steps.TrainState, epochs: int,
     if record is None and jax.process_index() == 0:
       logging.warning("metrics.jsonl has no record of epoch %d (lost by an earlier version "
                       "of cpjax); writing the report's numbers alone for it.", epoch)
+  # The save and the wait for its commit (where this process saved it).
+  times = {} if save_seconds is None else {
+      "checkpoint_seconds": save_seconds + time.perf_counter() - commit_start}
+  report_start = time.perf_counter()
   with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
     results = loop.evaluator.write_report(state, epochs)
     evaluation.write_report_summaries(loop.writer, step, results)
     numbers = evaluation.report_record(results)
+  times["report_seconds"] = time.perf_counter() - report_start
+  numbers.update(times)
+  numbers.update(peak_device_memory())
   record = record or {}
   # TensorBoard holds the epoch's record at this step (its epoch wrote it): the rest only.
   loop.writer.write_scalars(step, {k: v for k, v in numbers.items() if k not in record})
-  record = {**record, **numbers, "epoch": epoch}
+  # The last epoch's seconds take in its checkpoint's and its report's.
+  record = {**record, **numbers, "epoch": epoch,
+            "epoch_seconds": record.get("epoch_seconds", 0.0) + sum(times.values())}
   loop.epoch_log.write(record)  # Last: metrics.jsonl's record marks the report complete.
   return record
 
@@ -278,7 +314,7 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
                             "first or point --workdir at a trained run")
   _check_before_work(config, workdir, "evaluate")
-  with workdir_lock.WorkdirLock(workdir):
+  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir):
     run, state, _, start_epoch, done = _setup(config, workdir)
     if start_epoch == 0 and done is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
@@ -324,15 +360,16 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
       run_state.empty_partial(config.dataset, config.batch_size), mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   # Before the restore: files added or deleted would show as a shape mismatch instead.
-  data_digests = fingerprint.check_resume(sources.file_listing(config.dataset),
-                                          checkpointer.latest_meta(), workdir,
-                                          config.dataset.folder)
+  listings = fingerprint.saved_listings(workdir)
+  data_digests = fingerprint.check_resume(
+      sources.identity(config.dataset, listings[0] if listings else None), listings,
+      checkpointer.latest_meta(), workdir)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
   checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True)}
-  if data_digests is not None:  # A folder's files: a resume checks they are unchanged.
+  if data_digests is not None:  # A folder's rows: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
   run = Run(workdir=workdir, mesh=mesh, model=model, tx=tx, checkpointer=checkpointer,
             splits=data_splits, readers=data_readers, eval_fn=eval_fn, loss_kind=kind,
