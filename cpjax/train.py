@@ -118,10 +118,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """Builds the run's parts, trains its epochs (`_train_epoch`) from the restored one, then
   writes the report of the last checkpoint (`_write_report`)."""
   run, state, selection_state, start_epoch, done = _setup(config, workdir)
-  loop = _create_loop(config, run)
-  loop.epoch_log.keep_epochs_before(start_epoch)
+  writer = run_logging.create_writer(workdir)
+  epoch_log = run_logging.EpochLog(workdir)
+  epoch_log.keep_epochs_before(start_epoch)
+  loop = _create_loop(config, run, writer, epoch_log)
   if start_epoch == 0 and done is None:
-    loop.writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
+    writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
     run_logging.log_parameter_overview(config.model.name, state.params)
   record, save_seconds = {}, None
   with run.checkpointer.handling_preemption():
@@ -138,18 +140,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                save_seconds)
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      loop.writer.close()  # The event file: its last events written, the file closed.
+      writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
-def _create_loop(config: ml_collections.ConfigDict, run: Run) -> Loop:
-  """The loop's parts: the selector, the train step, each epoch's steps, the evaluator and the
-  writers."""
+def _create_loop(config: ml_collections.ConfigDict, run: Run,
+                 writer: metric_writers.MetricWriter, epoch_log: run_logging.EpochLog) -> Loop:
+  """The loop's parts: the selector, the train step, each epoch's steps, the evaluator, and
+  the run's `writer` (TensorBoard, the log) and `epoch_log` (metrics.jsonl) with the writers
+  built on them."""
   chooser = _create_selector(config, run)
   epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                              config.budget_steps)
-  writer = run_logging.create_writer(run.workdir)
-  epoch_log = run_logging.EpochLog(run.workdir)
   return Loop(
       selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx, chooser.weighted,
                                                      run.loss_kind),
