@@ -422,3 +422,65 @@ def test_two_level_bootstrap_reduces_to_each_level():
   low, high = frontier.seed_and_image_interval(arms, fulls, seeds)
   assert (low, high) == pytest.approx((0.5 - 1.645 * 0.5 / math.sqrt(40),
                                        0.5 + 1.645 * 0.5 / math.sqrt(40)), abs=0.03)
+
+
+def _readme_budget_table() -> str:
+  with open("README.md", encoding="utf-8") as f:
+    text = f.read()
+  return text.split("## Which selection to use")[1].split("## Which calibration to use")[0]
+
+
+def _interval(v: dict) -> str:
+  return f"{100 * v['mean']:+.2f} [{100 * v['low']:+.2f}, {100 * v['high']:+.2f}]"
+
+
+def _bracket(pair) -> str:
+  return f"[{100 * pair[0]:+.2f}, {100 * pair[1]:+.2f}]"
+
+
+def test_readme_budget_table_states_the_frontier_summary():
+  """Every number of the README's budget table as studies/results/frontier.json (the
+  committed summary, generated from the records) has it, in the table's own formats."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  summary, found, runs = out["summary"], out["verdicts"], out["runs"]
+  table = _readme_budget_table()
+  expected = []
+  for name in ("topk_anneal-45", "topk_entropy-30", "topk_anneal-55", "infobatch-r50"):
+    row = summary[name]
+    expected.append(f"{100 * row['passes_share']:.1f} % "
+                    f"({100 * row['passes_share_with_evaluation']:.1f} %)")
+    if name != "topk_anneal-45":  # Its row gives the later tiers' verdicts (below).
+      expected += [f"{_interval(row['vs_full'])} (seeds 0-2)",
+                   f"TOST p {row['vs_full']['p']:.3f}"]
+    kept = row["kept"]
+    share = (f"{100 * kept['kept'][0]:.1f} % kept" if kept["kept"]
+             else f"≈ {100 * kept['mean_from_passes']:.1f} % kept on average")
+    expected.append(f"{share} in epochs {kept['epochs'][0]}-{kept['epochs'][1]}")
+  expected.append(f"selection.fraction={summary['topk_anneal-45']['kept']['kept'][0]}")
+  expected.append(f"selection.fraction={summary['topk_anneal-55']['kept']['kept'][0]}")
+  for key in ("untouched", "replicate", "pooled"):
+    expected += [_interval(found[key]), f"TOST p {found[key]['p']:.3f}"]
+  for key in ("untouched", "pooled"):
+    both = found[key]["test_images"]["seeds_and_images"]
+    expected.append(f"with the test images {_bracket(both)}")
+  chosen = summary["topk_anneal-45@confirm"]["time"]
+  assert chosen["even_seeds"] == [3, 4, 5] and chosen["wall_seeds"] == [3, 4, 5, 7]
+  (machine,) = chosen["machines"]
+  expected += [f"{chosen['even_wall_ratio']:.2f} (seeds 3-5",
+               f"{chosen['wall_ratio']:.2f} with seed 7", f"`{machine}`"]
+  for name in ("topk_entropy-30", "infobatch-r50"):
+    time = summary[name]["time"]
+    assert time["even_seeds"] == time["wall_seeds"] == [2]
+    expected.append(f"{time['wall_ratio']:.2f} (seed 2, the one pair of whole runs")
+  assert summary["topk_anneal-55"]["time"]["wall_seeds"] == []  # "not measured beside ..."
+  noisy = found["noisy"]
+  arm, full = runs["noisy_topk_anneal-45@confirm"], runs["noisy_full@confirm"]
+  per_seed = [f"{100 * (a - b):+.2f}" for a, b in zip(arm["accuracy"], full["accuracy"])]
+  expected += [_interval(noisy), ", ".join(per_seed[:-1]) + f" and {per_seed[-1]}",
+               f"{100 * noisy['reference_accuracy']:.2f} %",
+               f"{100 * (noisy['earlier_reference']['accuracy'] - noisy['reference_accuracy']):.2f}"
+               " points below", f"{100 * noisy['earlier_reference']['accuracy']:.2f} %",
+               f"{summary['full']['evaluation_passes']:,.0f} a run"]
+  missing = [e for e in expected if e not in table]
+  assert not missing, f"the README's budget table lacks {missing}"
