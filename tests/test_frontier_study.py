@@ -427,7 +427,8 @@ def test_two_level_bootstrap_reduces_to_each_level():
 def _readme_budget_table() -> str:
   with open("README.md", encoding="utf-8") as f:
     text = f.read()
-  return text.split("## Which selection to use")[1].split("## Which calibration to use")[0]
+  section = text.split("## Which selection to use")[1].split("## Which calibration to use")[0]
+  return " ".join(section.split())  # Wrapped lines read as one.
 
 
 def _interval(v: dict) -> str:
@@ -484,3 +485,38 @@ def test_readme_budget_table_states_the_frontier_summary():
                f"{summary['full']['evaluation_passes']:,.0f} a run"]
   missing = [e for e in expected if e not in table]
   assert not missing, f"the README's budget table lacks {missing}"
+
+
+def test_docs_studies_state_the_frontier_summary_and_the_power():
+  """docs/studies.md's frontier numbers added beside the seed intervals, as the committed
+  summary has them: kept shares, passes with evaluation, the two-level intervals, tier C's
+  wall-clock ratios, tier D's reference, and the TOST's power at the stated spread."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  with open("docs/studies.md", encoding="utf-8") as f:
+    text = " ".join(f.read().split("## How much compute can be skipped")[1].split())
+  summary, found = out["summary"], out["verdicts"]
+  expected = []
+  for budget in frontier.BUDGETS:
+    row = summary[f"topk_anneal-{budget}"]
+    expected += [f"{100 * row['kept']['kept'][0]:.1f} % in epochs 1-17, then 2 on all data",
+                 f"{100 * row['passes_share']:.1f} % "
+                 f"({100 * row['passes_share_with_evaluation']:.1f} %)"]
+  for ratio in (85, 95, 70, 50):
+    row = summary[f"infobatch-r{ratio}"]
+    expected.append(f"≈ {100 * row['kept']['mean_from_passes']:.1f} % (mean) in epochs 1-16")
+  expected += [f"the interval is {_bracket(found['untouched']['test_images']['seeds_and_images'])}",
+               f"interval is {_bracket(found['pooled']['test_images']['seeds_and_images'])}",
+               f"saving is {100 * found['untouched']['saving_with_evaluation']:.1f} %"]
+  time = summary["topk_anneal-45@confirm"]["time"]
+  ratios = [time["pairs"][str(s)]["wall"] for s in time["even_seeds"]]
+  expected += [f"took {time['even_wall_ratio']:.2f} of",
+               "(" + ", ".join(f"{r:.3f}" for r in ratios[:-1]) + f" and {ratios[-1]:.3f};",
+               f"the mean is {time['wall_ratio']:.2f}"]
+  noisy, earlier = found["noisy"], found["noisy"]["earlier_reference"]["accuracy"]
+  expected.append(f"{100 * (earlier - noisy['reference_accuracy']):.2f} points below the "
+                  f"long-schedule study's noisy full-data runs ({100 * earlier:.2f} %")
+  expected += [f"pass that test only {100 * equivalence.tost_power(0.0012, 3):.0f} % of the time",
+               f"5 seeds {100 * equivalence.tost_power(0.0012, 5):.0f} % of the time"]
+  missing = [e for e in expected if e not in text]
+  assert not missing, f"docs/studies.md lacks {missing}"
