@@ -555,22 +555,15 @@ def costs(r: dict, reference: dict) -> dict:
   return out
 
 
-def _whole(r: dict) -> list[int]:
-  """The runs whose wall clock covers the whole run: at least their training + scoring +
-  selection seconds, which are summed over sittings, while a resumed run's wall clock is its
-  last sitting's alone (a resume whose last sitting was the longer part is not told apart)."""
-  return [i for i, (w, c) in enumerate(zip(r["wall_seconds"], r["compute_seconds"])) if w >= c]
-
-
 def _even(r: dict, i: int) -> bool:
   return r["compute_seconds"][i] <= EVEN_PACE * r["steady_seconds"][i]
 
 
 def run_times(r: dict) -> dict:
   """The machines an arm's runs trained on, and mean seconds over its runs with a whole wall
-  clock (`_whole`): wall clock, training, scoring + selection, and the rest of the wall clock
-  (evaluation, compiling, data loading and the report)."""
-  keep = _whole(r)
+  clock (`long_schedule.whole_runs`): wall clock, training, scoring + selection, and the rest
+  of the wall clock (evaluation, compiling, data loading and the report)."""
+  keep = long_schedule.whole_runs(r)
   mean = {key: float(np.mean([r[key][i] for i in keep])) if keep else math.nan
           for key in ("wall_seconds", "training_seconds", "scoring_seconds",
                       "selection_seconds", "compute_seconds")}
@@ -584,15 +577,15 @@ def run_times(r: dict) -> dict:
 def time_pairs(r: dict, reference: dict) -> dict:
   """Per seed both ran, where both trained on the same machine (None where not: processors
   differ in speed): the arm's wall clock over full data's (None where either wall clock is a
-  last sitting's, `_whole`), its training + scoring + selection seconds over full data's, and
-  whether both ran at an even pace (EVEN_PACE)."""
+  last sitting's, `long_schedule.whole_runs`), its training + scoring + selection seconds over
+  full data's, and whether both ran at an even pace (EVEN_PACE)."""
   out = {}
   for seed in sorted(set(r["seed_index"]) & set(reference["seed_index"])):
     i, j = r["seed_index"][seed], reference["seed_index"][seed]
     if r["machine"][i] != reference["machine"][j]:
       out[seed] = None
       continue
-    whole = i in _whole(r) and j in _whole(reference)
+    whole = i in long_schedule.whole_runs(r) and j in long_schedule.whole_runs(reference)
     out[seed] = {"machine": r["machine"][i],
                  "wall": r["wall_seconds"][i] / reference["wall_seconds"][j] if whole else None,
                  "compute": r["compute_seconds"][i] / reference["compute_seconds"][j],
