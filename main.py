@@ -13,8 +13,8 @@ what it needs unless the command line or the config file sets it (logged): e.g.
 is read), so the policies, datasets, models... it registers are choices like cpjax's own
 (docs/extending.md).
 An operational failure (a full or read-only folder, a failed checkpoint write, a lost
-process) ends in one FATAL line naming the cause, the way out and the last good
-checkpoint, and status 1 (cpjax/runtime/failures.py).
+process, a damaged image, a full /dev/shm) ends in one FATAL line naming the cause, the way
+out and the last good checkpoint, and status 1 (cpjax/runtime/failures.py).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
@@ -23,8 +23,8 @@ import logging as std_logging
 import os
 import sys
 
-# TF (imported by clu's writers, used for nothing numeric here) is chatty: its INFO lines and
-# the oneDNN notice it prints at import would precede every message of a run.
+# TensorFlow is optional and never imported for training; where it is installed and something
+# imports it (building a tfds catalog dataset), its INFO lines and oneDNN notice are quieted.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
@@ -83,8 +83,8 @@ def main(argv):
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
-  # One line per problem, no traceback: start-up checks, a dataset folder changed under
-  # its checkpoint.
+  # One line per problem, no traceback: start-up checks, a dataset folder (or its records)
+  # changed under its checkpoint.
   except (preflight.StartupCheckError, fingerprint.DatasetChangedError) as err:
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)
@@ -96,19 +96,20 @@ def main(argv):
 
 def _exit_on_failure(err: Exception) -> None:
   """Ends the process with one FATAL line if `err` is an operational failure (a failed
-  checkpoint write, a full or read-only folder, a lost process or decoding worker); returns
-  for a bug."""
+  checkpoint write, a full or read-only folder, a lost process, an error that names its own
+  way out: a dead decoding worker, a full /dev/shm, a damaged image); returns for a bug."""
   checkpoint_dir = os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints")
   if isinstance(err, checkpointing.CheckpointSaveError):
     line = str(err)
-  elif isinstance(err, decode_workers.WorkerDiedError):
-    line = f"{err}; {failures.resume_advice(checkpoint_dir)}"
   elif failures.cause(err, jax.process_count()) != failures.OTHER:
     line = failures.line(err, checkpoint_dir, jax.process_count())
   else:
     return
   if failures.is_lost_peer(err, jax.process_count()):
     distributed.await_lost_process()  # The liveness watch names the lost process and exits.
+  # os._exit skips the interpreter's clean-up: the decoding workers' queues and shared
+  # memory are released first, or the resource tracker reports them after the FATAL line.
+  decode_workers.close_all()
   print(f"FATAL {line}", file=sys.stderr, flush=True)
   # After a failed write orbax's background threads may never end, and a normal exit waits
   # for them (the process would hang, holding its allocation): end it now. The workdir

@@ -37,7 +37,6 @@ worker count.
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import os
 import statistics
 import tempfile
@@ -48,6 +47,7 @@ import numpy as np
 from PIL import Image
 
 from benchmarks import feeds, throughput
+from cpjax.data import tensorflow_optional
 from cpjax.runtime import sharding
 
 try:  # The DataLoader rows; without torch they are skipped with a note.
@@ -55,8 +55,8 @@ try:  # The DataLoader rows; without torch they are skipped with a note.
   TORCH_MISSING = ""
 except ImportError as import_error:
   torch_peers, TORCH_MISSING = None, f"torch/torchvision not importable ({import_error})"
-TF_MISSING = ("" if importlib.util.find_spec("tensorflow") is not None
-              else "TensorFlow is not installed")
+TF_MISSING = ("" if tensorflow_optional.installed()
+              else tensorflow_optional.missing_message("the tf.data row"))
 
 
 def write_images(folder: str, count: int) -> list[str]:

@@ -26,7 +26,6 @@ import pstats
 import statistics
 import time
 
-from clu import metric_writers
 import jax
 import numpy as np
 
@@ -34,7 +33,7 @@ from benchmarks import throughput
 from configs import test as test_config
 from cpjax import epoch_loop, loss_steps, models, optim, steps, train
 from cpjax.data import readers, specs, splits
-from cpjax.runtime import preemption, sharding
+from cpjax.runtime import metric_writers, preemption, sharding
 from cpjax.selection import policies
 
 

@@ -21,7 +21,6 @@ import logging
 import os
 from typing import Any
 
-from clu import metric_writers
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
@@ -30,7 +29,7 @@ import numpy as np
 from cpjax import run_context, steps
 from cpjax.calibration import figures, metrics, report
 from cpjax.data import corruptions, input_pipeline, readers, splits
-from cpjax.runtime import files, run_logging
+from cpjax.runtime import files, metric_writers, run_logging
 
 SPLITS = ("val", "test")  # The splits evaluated, in this order.
 REPORT_KEY = "calibrator"  # A key every `report_record` has: marks an epoch record complete.

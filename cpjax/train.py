@@ -9,8 +9,10 @@ when `run_context.due`, and write the calibration report after the last epoch
 (cpjax.evaluation), once that epoch's training numbers are in metrics.jsonl and its checkpoint
 has committed: a report that fails, or is killed, loses no training and no record, a signal
 stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
-(cpjax.preflight) run before the workdir is touched, and a folder dataset changed under its
-checkpoint is refused (cpjax.data.fingerprint); an epoch that learns nothing stops the run.
+(cpjax.preflight) run before the workdir is touched, and a folder dataset (or its converted
+records) changed under its checkpoint is refused (cpjax.data.fingerprint), unless the change
+is the replacement of a file the run stopped on as damaged; an epoch that learns nothing
+stops the run.
 """
 
 import contextlib
@@ -74,7 +76,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     The last epoch's metrics record.
   """
   _check_before_work(config, workdir)
-  with workdir_lock.WorkdirLock(workdir), \
+  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir), \
       contextlib.closing(compilation_cache.CacheStats()) as cache_stats:
     return _train_and_evaluate(config, workdir, cache_stats)
 
@@ -98,6 +100,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           sum(epoch_steps), writer, config.log_every_steps))
   if start_epoch == 0 and done is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
+    run_logging.log_parameter_overview(config.model.name, state.params)
   record = {}
   with run.checkpointer.handling_preemption():
     try:
@@ -110,7 +113,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           logging.info("%s", cache_stats.summary(run.compilation_cache))
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      writer.flush()
+      writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
@@ -137,7 +140,7 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
       row_weights=_row_weights(rows, weights, len(run.splits["train"])))
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
-  with run.progress.timed("train", wait_jax_async_dispatch=False), \
+  with run.progress.timed("train"), \
       contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
         run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
@@ -242,7 +245,7 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
                             "first or point --workdir at a trained run")
   _check_before_work(config, workdir, "evaluate")
-  with workdir_lock.WorkdirLock(workdir):
+  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir):
     run, state, _, start_epoch, done = _setup(config, workdir)
     if start_epoch == 0 and done is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
@@ -288,15 +291,16 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
       run_state.empty_partial(config.dataset, config.batch_size), mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   # Before the restore: files added or deleted would show as a shape mismatch instead.
-  data_digests = fingerprint.check_resume(sources.file_listing(config.dataset),
-                                          checkpointer.latest_meta(), workdir,
-                                          config.dataset.folder)
+  listings = fingerprint.saved_listings(workdir)
+  data_digests = fingerprint.check_resume(
+      sources.identity(config.dataset, listings[0] if listings else None), listings,
+      checkpointer.latest_meta(), workdir)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
   checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True)}
-  if data_digests is not None:  # A folder's files: a resume checks they are unchanged.
+  if data_digests is not None:  # A folder's rows: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
   run = Run(workdir, mesh, model, tx, checkpointer, data_splits, data_readers, eval_fn,
             kind.train_batches(data_readers, config.seed, config.batch_size), checkpoint_meta,

@@ -1,5 +1,6 @@
 """Shared test helpers: configs, running main.py as a user would, the real-data guard."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -107,6 +108,22 @@ def require_fashion_mnist() -> str:
   if os.environ.get(REQUIRE_REAL_DATA) == "1":
     pytest.fail(FASHION_MNIST_MISSING, pytrace=False)
   pytest.skip(FASHION_MNIST_MISSING)
+
+
+REQUIRE_TENSORFLOW = "CPJAX_REQUIRE_TENSORFLOW"  # "1" (CI): TensorFlow missing fails.
+TENSORFLOW_MISSING = ("TensorFlow is not installed (optional: `pip install -r "
+                      "requirements-tf.txt`, as the README's test command does)")
+
+
+def require_tensorflow() -> None:
+  """For a test that needs TensorFlow (a tfds dataset of encoded images to build, TensorFlow's
+  own summaries or crop decode as the reference): skipped, saying how to install it, where it
+  is absent; with CPJAX_REQUIRE_TENSORFLOW=1 (as CI sets) it fails instead."""
+  if importlib.util.find_spec("tensorflow") is not None:
+    return
+  if os.environ.get(REQUIRE_TENSORFLOW) == "1":
+    pytest.fail(TENSORFLOW_MISSING, pytrace=False)
+  pytest.skip(TENSORFLOW_MISSING)
 
 
 def free_port() -> int:

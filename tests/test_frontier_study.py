@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from cpjax import config_validation
-from studies import equivalence, frontier, grid
+from studies import equivalence, frontier, grid, long_schedule
 
 
 def test_tost_by_hand():
@@ -149,7 +149,7 @@ def test_arms_option_names_an_unknown_arm_and_the_near_ones():
       "topk_anneal-70", "noisy_topk_anneal-45@confirm"]
   assert frontier.parse_arms("", base) == []
   with pytest.raises(SystemExit, match=r"unknown arm 'topk_anneal-50'; did you mean "
-                                       r".*topk_anneal-55.*valid arms: full,"):
+                                       r"topk_anneal-p50 or topk_anneal-70\? valid arms: full,"):
     frontier.parse_arms("topk_anneal-50", base)
 
 
@@ -520,3 +520,188 @@ def test_docs_studies_state_the_frontier_summary_and_the_power():
                f"5 seeds {100 * equivalence.tost_power(0.0012, 5):.0f} % of the time"]
   missing = [e for e in expected if e not in text]
   assert not missing, f"docs/studies.md lacks {missing}"
+
+
+# Tiers A' (A2 in code) and G, declared before their runs.
+
+
+def test_tier_a2_arms_are_valid_configs_at_no_more_than_half_the_passes():
+  """Passes by hand (20 epochs, epoch 0 on all 54,000 rows in 422 steps of 128; full data
+  20 x 422 steps). Top-k with the finish at 41 % kept: 3 full epochs and 17 of
+  ceil(22,140 / 128) = 173 steps, (3 x 422 + 17 x 173) / 8,440 = 49.85 %; at 41.01 % kept
+  (22,145 rows, 174 steps) it would be 50.05 %. Importance at 46.73 % (k = 25,234 in
+  expectation): its 19 selected epochs' total size has sd at most sqrt(19 k (1 - k/N)) =
+  505.4, so each epoch bounded at ceil(k + 4 x 505.4 / 19) + 127 = 25,468 rows, 199 steps:
+  (422 + 19 x 199) / 8,440 = 49.80 %; at 46.74 % the bound is 200 steps, 50.02 %."""
+  base = frontier.base_config()
+  arms = frontier.a2_arms()
+  assert [a.name for a in arms] == ["importance-m50", "importance-m20", "topk_anneal-p50",
+                                    "infobatch_norescale-r95"]
+  assert all(a.tier == "A2" and a.seeds == (0, 1, 2) for a in arms)
+  assert frontier.TOPK_P50_FRACTION == frontier.anneal_fraction_at_most(0.5, base) == 0.41
+  assert frontier.IMPORTANCE_FRACTION == frontier.importance_fraction_at_most(0.5, base) == 0.4673
+  share = frontier.planned_share
+  topk = [a for a in arms if a.policy == "topk_anneal"][0]
+  config = grid.apply(base, topk.overrides)
+  assert share(config, base, frontier.anneal_sizes(0.41, base)) == pytest.approx(
+      (3 * 422 + 17 * 173) / 8440, abs=1e-12)
+  assert share(config, base, frontier.anneal_sizes(0.4101, base)) > 0.5
+  importance = grid.apply(base, arms[0].overrides)
+  assert share(importance, base, frontier.importance_sizes(0.4673, base)) == pytest.approx(
+      (422 + 19 * 199) / 8440, abs=1e-12)
+  assert share(importance, base, frontier.importance_sizes(0.4674, base)) == pytest.approx(
+      (422 + 19 * 200) / 8440, abs=1e-12)
+  for arm in arms + frontier.g_arms(arms[1]):
+    config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 13)))
+  assert arms[3].overrides["selection.infobatch_rescale"] is False
+  assert {arms[0].overrides["selection.mix"], arms[1].overrides["selection.mix"]} == {0.5, 0.2}
+
+
+def test_importance_arms_stay_under_half_the_passes_in_simulated_runs():
+  """2,000 simulated runs of the importance arm, each selected epoch's size drawn as
+  Binomial(N, k/N) (equal inclusion probabilities: the largest variance a sum of
+  independent Bernoulli(pi_i) with sum pi_i = k can have), their passes counted by the
+  study's own `example_passes`: none exceeds half of full data's, and their mean is the
+  expectation, (422 + 19 E[ceil(|S| / 128)]) / 8,440, about 49.5 %."""
+  base = frontier.base_config()
+  config = grid.apply(base, frontier.a2_arms()[0].overrides)
+  k = round(frontier.IMPORTANCE_FRACTION * 54000)
+  rng = np.random.default_rng(0)
+  shares = []
+  for _ in range(2000):
+    sizes = [54000] + rng.binomial(54000, k / 54000, 19).tolist()
+    records = [{"epoch": e, "selected_k": s} for e, s in enumerate(sizes)]
+    shares.append(long_schedule.example_passes(config, records)[-1] / (3 * 128 * 20 * 422))
+  assert max(shares) <= 0.5
+  assert np.mean(shares) == pytest.approx((422 + 19 * (k / 128 + 0.5)) / 8440, abs=5e-4)
+
+
+def test_tiers_parse_with_a_digit_and_name_an_unknown_one():
+  assert frontier.parse_tiers("ACFDBE") == ["A", "C", "F", "D", "B", "E"]
+  assert frontier.parse_tiers("A2G") == ["A2", "G"]
+  assert frontier.parse_tiers("".join(frontier.TIERS)) == list(frontier.TIERS)
+  with pytest.raises(SystemExit, match=r"unknown tier 'A3' in 'A3'; valid tiers: A, C, F, D, "
+                                       r"B, E, A2, G \(A2 is tier A'\)"):
+    frontier.parse_tiers("A3")
+  with pytest.raises(SystemExit, match="unknown tier 'a'"):
+    frontier.parse_tiers("a")
+
+
+def _with_machine(result, wall, loop, machine="cpu x"):
+  n = len(result["accuracy"])
+  return {**result, "wall_seconds": [wall] * n, "compute_seconds": [loop] * n,
+          "machine": [machine] * n}
+
+
+def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
+  """Tier A' chooses by validation accuracy among its arms at half the passes or fewer (not
+  among tier A's); tier G pairs the choice with full data on seeds 13-22: the TOST on 10
+  differences (SciPy's one-sided t-tests), and per seed the seconds ratios, the geometric
+  mean over the pairs run on one machine."""
+  full = frontier.Arm("full", "full", {}, "A")
+  a2 = frontier.a2_arms()
+  arms = [full, frontier.Arm("t-45", "t", {}, "A", 45), *a2]
+  results = {"full": _result([0.92] * 3, 100.0), "t-45": _result([0.90] * 3, 48.0, [0.99] * 3),
+             "importance-m50": _result([0.92] * 3, 49.5, val=[0.929] * 3),
+             "importance-m20": _result([0.92] * 3, 49.5, val=[0.931] * 3),  # Chosen,
+             "topk_anneal-p50": _result([0.92] * 3, 49.8, val=[0.930] * 3),
+             "infobatch_norescale-r95": _result([0.92] * 3, 50.5, val=[0.95] * 3)}  # not: >50 %.
+  assert frontier.choose(arms, results).name == "t-45"  # Tier A's choice is its own.
+  chosen = frontier.choose(arms, results, "A2")
+  assert chosen.name == "importance-m20" and chosen.overrides["selection.mix"] == 0.2
+  g = frontier.g_arms(chosen)
+  assert [a.name for a in g] == ["full@confirm_g", "importance-m20@confirm_g"]
+  assert all(a.seeds == tuple(range(13, 23)) and a.tier == "G" for a in g)
+  d = [0.0004, -0.0006, 0.0002, -0.0003, 0.0001, 0.0005, -0.0002, 0.0, -0.0004, 0.0003]
+  base_acc = 0.92 + 0.001 * np.arange(10) / 10
+  results["full@confirm_g"] = _with_machine(_result(base_acc, 100.0, seeds=range(13, 23)),
+                                            1000.0, 800.0)
+  arm = _with_machine(_result(base_acc + d, 49.5, seeds=range(13, 23)), 600.0, 400.0)
+  arm["machine"][9] = "gpu y"  # Seed 22's pair ran on two machines: out of the mean.
+  arm["wall_seconds"][0] = 250.0  # Seed 13: wall ratio 0.25.
+  results["importance-m20@confirm_g"] = arm
+  summary = frontier.summarise(arms + g, results)
+  found = frontier.g_verdict(summary, chosen, results)
+  lower = stats.ttest_1samp(np.array(d) + equivalence.MARGIN, 0.0, alternative="greater").pvalue
+  upper = stats.ttest_1samp(np.array(d) - equivalence.MARGIN, 0.0, alternative="less").pvalue
+  assert found["p"] == pytest.approx(max(lower, upper), rel=1e-9)
+  assert found["complete"] and found["lossless"] and found["met"]
+  assert found["saving"] == pytest.approx(0.505) and found["seeds"] == list(range(13, 23))
+  seconds = found["seconds"]
+  assert seconds["per_seed"][13] == {"wall": 0.25, "loop": 0.5, "machine": "cpu x",
+                                     "full_machine": "cpu x", "same_machine": True}
+  assert not seconds["per_seed"][22]["same_machine"] and seconds["same_machine_seeds"] == 9
+  # Nine pairs: one at 0.25, eight at 0.6: (0.25 x 0.6^8)^(1/9).
+  assert seconds["wall_geomean"] == pytest.approx((0.25 * 0.6 ** 8) ** (1 / 9), rel=1e-12)
+  assert seconds["loop_geomean"] == pytest.approx(0.5, rel=1e-12)
+  second = frontier.second_search(summary, arms + g, results)
+  assert second["chosen_a2"] == "importance-m20"
+  text = frontier.markdown(summary, None, "cmd", {}, results, second)
+  assert "Chosen: `importance-m20`" in text
+  assert "**Lossless at half the passes or fewer: met.**" in text
+  assert "seed 22: 0.60 (0.50) [gpu y vs cpu x]" in text
+  # Seeds 13-17 only: not complete, so not met, whatever the differences.
+  for name in ("full@confirm_g", "importance-m20@confirm_g"):
+    results[name]["seed_index"] = {s: i for s, i in results[name]["seed_index"].items() if s < 18}
+  partial = frontier.g_verdict(frontier.summarise(arms + g, results), chosen, results)
+  assert not partial["complete"] and not partial["met"]
+
+
+def test_the_summary_has_no_tier_a2_section_before_its_runs():
+  """Without a tier-A' record the summary is the earlier tiers' alone (the committed one
+  regenerates byte for byte); with one, its section says that tier G has not run."""
+  arms = [frontier.Arm("full", "full", {}, "A"), *frontier.a2_arms()]
+  results = {"full": _result([0.92] * 3, 100.0)}
+  summary = frontier.summarise(arms, results)
+  assert frontier.second_search(summary, arms, results) == {}
+  assert "Tier A'" not in frontier.markdown(summary, None, "cmd", {}, results, {})
+  results["topk_anneal-p50"] = _result([0.921] * 2, 49.8)  # Two seeds so far.
+  summary = frontier.summarise(arms, results)
+  second = frontier.second_search(summary, arms, results)
+  assert second == {"chosen_a2": None, "verdict_g": {}}
+  text = frontier.markdown(summary, None, "cmd", {}, results, second)
+  assert "Not chosen yet: tier A' has not finished." in text
+  assert text.rstrip().endswith("Not answered yet: tier G has not run.")
+
+
+def test_tiers_a2_and_g_run_from_their_records_alone(tmp_path, monkeypatch):
+  """`--tiers A2G --summarise-only` with generated records for tier A' (seeds 0-2) and tier
+  G (seeds 13-22): full data's seeds 0-2 come from the long-schedule study's records, the
+  choice is made, tier G's arms are the choice's, and the summary, its JSON and the figure
+  carry both tiers; nothing trains."""
+  def no_training(*args):
+    raise AssertionError(f"trained {args[1:]}")
+  monkeypatch.setattr(frontier.grid.train, "train_and_evaluate", no_training)
+  records = tmp_path / "records"
+  rng = np.random.default_rng(0)
+  full_passes = 20 * 422 * 3 * 128
+  def save(name, seeds, val, accuracy, share):
+    for seed in seeds:
+      correct = (rng.random(10000) < accuracy).astype(np.int8)
+      long_schedule.save_record(long_schedule.record_path(str(records), name, seed), {
+          "accuracy": float(correct.mean()), "val_accuracy": val, "ece": 0.01,
+          "passes": share * full_passes, "wall_seconds": 1000.0 * share,
+          "compute_seconds": 900.0 * share, "machine": "test cpu",
+          "correct": correct.tolist(), "confidence": [0.9] * 10000})
+  for name, val in (("importance-m50", 0.928), ("importance-m20", 0.931),
+                    ("topk_anneal-p50", 0.929), ("infobatch_norescale-r95", 0.80)):
+    save(name, (0, 1, 2), val, 0.92, 0.495)
+  save("full@confirm_g", frontier.G_SEEDS, 0.93, 0.92, 1.0)
+  save("importance-m20@confirm_g", frontier.G_SEEDS, 0.93, 0.92, 0.495)
+  monkeypatch.setattr("sys.argv", ["frontier", f"--out={tmp_path}", "--summarise-only",
+                                   f"--records={records}", "--tiers=A2G"])
+  frontier.main()
+  with open(tmp_path / "summary.json") as f:
+    out = json.load(f)
+  assert out["chosen_a2"] == "importance-m20" and out["chosen"] is None
+  g = out["verdict_g"]
+  assert g["arm"] == "importance-m20@confirm_g" and g["seeds"] == list(frontier.G_SEEDS)
+  assert g["complete"] and g["saving"] == pytest.approx(0.505)
+  assert g["seconds"]["wall_geomean"] == pytest.approx(0.495)
+  assert g["test_images"]["pooled"][0] < g["mean"] < g["test_images"]["pooled"][1]
+  assert set(out["summary"]) == {"full", "importance-m50", "importance-m20", "topk_anneal-p50",
+                                 "infobatch_norescale-r95", "full@confirm_g",
+                                 "importance-m20@confirm_g"}
+  text = (tmp_path / "summary.md").read_text()
+  assert "## Tier A': unbiased designs" in text and "## Tier G:" in text
+  assert (tmp_path / "frontier.png").stat().st_size > 0

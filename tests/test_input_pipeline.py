@@ -10,8 +10,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cpjax.data import input_pipeline, splits
+from cpjax.data import input_pipeline, splits, tensorflow_optional
 from cpjax.data.datasets import fashion_mnist_local
+from tests import helpers
 from tests.helpers import tiny_config
 
 
@@ -107,6 +108,7 @@ def test_download_offline_fails_after_few_attempts_naming_the_dataset(tmp_path, 
   """download=True without network: a DataNotFoundError after 1 + DOWNLOAD_RETRIES attempts
   to reach the host, not tfds's own 11 with backoff (about 3.5 minutes offline). No packet
   leaves the machine: every name lookup fails here, as it does offline."""
+  helpers.require_tensorflow()  # tfds builds CIFAR with it (else one line: the test below).
   lookups = []
 
   def offline(host, *args, **kwargs):
@@ -118,6 +120,26 @@ def test_download_offline_fails_after_few_attempts_naming_the_dataset(tmp_path, 
     input_pipeline.get_datasets(dataset_config(name="cifar10", data_dir=str(tmp_path),
                                                val_size=5000, download=True))
   assert 1 <= len(lookups) <= 1 + input_pipeline.DOWNLOAD_RETRIES, lookups
+
+
+def test_without_tensorflow_a_catalog_dataset_stops_in_one_line_saying_what_to_install(
+    tmp_path, monkeypatch):
+  """TensorFlow absent (as `tensorflow_optional.installed` says): preparing CIFAR-10, or
+  reading one prepared in tfds's default tfrecord format, stops before any download or read
+  with one line naming the dataset and the requirements file."""
+  import tensorflow_datasets as tfds
+  monkeypatch.setattr(tensorflow_optional, "installed", lambda: False)
+  with pytest.raises(input_pipeline.DataNotFoundError) as preparing:
+    input_pipeline.get_datasets(dataset_config(name="cifar10", data_dir=str(tmp_path),
+                                               val_size=5000, download=True))
+  assert "preparing tfds dataset 'cifar10'" in str(preparing.value)
+  assert "requirements-tf.txt" in str(preparing.value) and "\n" not in str(preparing.value)
+  with mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", return_value=True), \
+       pytest.raises(input_pipeline.DataNotFoundError) as reading:
+    input_pipeline.get_datasets(dataset_config(name="cifar10", data_dir=str(tmp_path),
+                                               val_size=5000))
+  assert "reading tfds dataset 'cifar10'" in str(reading.value)
+  assert "(tfrecord files) needs TensorFlow" in str(reading.value)
 
 
 def _mock_cifar(self, split, **unused):
@@ -136,6 +158,7 @@ def _mock_cifar(self, split, **unused):
 def test_cifar_builder_path_on_tfds_mock_data(tmp_path):
   """tfds's own cifar10 builder read through our pipeline, on MOCK data
   (tfds.testing.mock_data): this checks code paths only."""
+  helpers.require_tensorflow()  # tfds reads tfrecord datasets (its mock too) with it.
   import tensorflow_datasets as tfds
   with tfds.testing.mock_data(as_dataset_fn=_mock_cifar), \
        mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", return_value=True):

@@ -26,6 +26,7 @@ RANKS = {
     "registry": 0,
     # 0: runtime: mesh, multi-host start-up, checkpoints, logs, files, XLA options.
     "runtime": 0,
+    "runtime.advised": 0,
     "runtime.checkpoint_integrity": 0,
     "runtime.checkpoint_room": 0,
     "runtime.checkpointing": 0,
@@ -34,6 +35,7 @@ RANKS = {
     "runtime.distributed": 0,
     "runtime.failures": 0,
     "runtime.files": 0,
+    "runtime.metric_writers": 0,
     "runtime.orbax_layout": 0,
     "runtime.preemption": 0,
     "runtime.run_logging": 0,
@@ -59,6 +61,7 @@ RANKS = {
     "data.sources": 1,
     "data.specs": 1,
     "data.splits": 1,
+    "data.tensorflow_optional": 1,
     "data.tfds_source": 1,
     "calibration": 1,
     "calibration.binning": 1,

@@ -22,14 +22,16 @@ DISTRIBUTION_OF = {
     "ml_collections": "ml-collections", "numpy": "numpy", "optax": "optax",
     "orbax": "orbax-checkpoint", "PIL": "pillow", "scipy": "scipy", "sklearn": "scikit-learn",
     "tensorflow": "tensorflow-cpu", "tensorflow_datasets": "tensorflow-datasets",
-    "threadpoolctl": "threadpoolctl",
+    "tensorboard": "tensorboard", "threadpoolctl": "threadpoolctl",
     "yaml": "pyyaml",
 }
 # Declared but not imported by cpjax, each with the reason it must be installed.
 NOT_IMPORTED = {
     "importlib-resources": "tensorflow-datasets imports it for its built-in builders",
-    "tensorboard": "the `tensorboard` command that reads a run's event files",
 }
+# Imported only where an optional feature needs it: declared as the pyproject extra named
+# here and pinned in the requirements file named here, not in the dependencies.
+OPTIONAL = {"tensorflow": ("tf", "requirements-tf.txt")}
 
 
 def _normalized(name: str) -> str:
@@ -84,15 +86,31 @@ def test_distribution_table_agrees_with_the_installed_metadata():
       assert _normalized(distribution) in {_normalized(d) for d in installed[module]}, module
 
 
+def _extras() -> dict[str, set[str]]:
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    extras = tomllib.load(f)["project"].get("optional-dependencies", {})
+  return {name: {_normalized(re.match(r"[A-Za-z0-9._-]+", d).group(0)) for d in deps}
+          for name, deps in extras.items()}
+
+
+def test_optional_imports_are_declared_as_their_extra_and_pinned_in_their_file():
+  for module, (extra, requirements) in OPTIONAL.items():
+    distribution = _normalized(DISTRIBUTION_OF[module])
+    assert distribution in _extras()[extra] and distribution not in _declared(), module
+    assert re.search(rf"^{DISTRIBUTION_OF[module]}==", (ROOT / requirements).read_text(),
+                     re.M), module
+
+
 def test_pyproject_declares_every_imported_distribution():
   needed = {_normalized(DISTRIBUTION_OF[m]): files for m, files in _package_imports().items()
-            if m in DISTRIBUTION_OF}
+            if m in DISTRIBUTION_OF and m not in OPTIONAL}
   missing = {d: sorted(f) for d, f in needed.items() if d not in _declared()}
   assert not missing, f"imported but not in pyproject.toml's dependencies: {missing}"
 
 
 def test_pyproject_declares_nothing_unaccounted_for():
-  imported = {_normalized(DISTRIBUTION_OF[m]) for m in _package_imports() if m in DISTRIBUTION_OF}
+  imported = {_normalized(DISTRIBUTION_OF[m]) for m in _package_imports()
+              if m in DISTRIBUTION_OF and m not in OPTIONAL}
   extra = _declared() - imported - {_normalized(d) for d in NOT_IMPORTED}
   assert not extra, f"declared, neither imported nor listed in NOT_IMPORTED: {sorted(extra)}"
 

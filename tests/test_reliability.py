@@ -26,7 +26,7 @@ from cpjax.data import array_records, input_pipeline
 from cpjax.data.datasets import fashion_mnist_local
 from cpjax.runtime import checkpoint_room, sharding
 from cpjax.selection import bookkeeping, score_files
-from tests import test_faults
+from tests import helpers, test_faults
 from tests.helpers import (
   REPO,
   SELECTED_FLAGS,
@@ -231,6 +231,7 @@ def test_a_manual_archive_for_the_run_does_not_let_a_missing_ood_set_through(tmp
   download_and_prepare is replaced, by the error an offline machine gets. The OOD set is
   prepared with its own builder, given the run's manual_dir (a folder may hold several
   archives), exactly once."""
+  helpers.require_tensorflow()  # SVHN is prepared (here: tried) only where TF is installed.
   manual = str(tmp_path / "manual")
   os.makedirs(manual)
   real_builder, attempts = input_pipeline._builder, []  # pylint: disable=protected-access

@@ -1,13 +1,15 @@
 """What a run writes for TensorBoard and metrics.jsonl: tag families, flattened hparams, the
 calibration images and after-temperature-scaling scalars, the progress lines of the log."""
 
+import contextlib
+import errno
 import io
 import json
 import logging
 import math
 import os
+import subprocess
 
-from clu import metric_writers, periodic_actions
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +19,9 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from cpjax import epoch_loop, steps
-from cpjax.runtime import run_logging, sharding
+from cpjax.runtime import failures, metric_writers, run_logging, sharding
 from cpjax.selection import bookkeeping, sources
+from tests import helpers, test_failures
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
 
 pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
@@ -61,59 +64,74 @@ class _Recorder(metric_writers.MetricWriter):
   def write_scalars(self, step, scalars):
     self.scalars.append((step, dict(scalars)))
 
-  def write_summaries(self, *a, **k): ...
-  def write_images(self, *a, **k): ...
-  def write_videos(self, *a, **k): ...
-  def write_audios(self, *a, **k): ...
-  def write_texts(self, *a, **k): ...
-  def write_histograms(self, *a, **k): ...
-  def write_hparams(self, *a, **k): ...
-  def flush(self): ...
-  def close(self): ...
+
+def test_the_progress_report_gives_steps_per_second_since_its_last_report(caplog):
+  """A run of 25 steps resumed at step 3, reporting every 5: the first call starts the clock;
+  a call at a step that is not due (13) reports nothing; each report's rate is the steps
+  since the previous report over the seconds since it, worked by hand on this clock."""
+  written = _Scalars()
+  report = run_logging.create_progress_reporter(25, written, 5)
+  calls = [(3, 0.0), (5, 1.0), (10, 2.0), (13, 3.0), (15, 4.5), (25, 14.5)]
+  with caplog.at_level(logging.INFO):
+    reported = [report(step, t=t) for step, t in calls]
+  assert reported == [False, True, True, False, True, True]
+  rates = [(step, s["steps_per_sec"]) for step, s in written.written]
+  assert rates == [(5, 2.0), (10, 5.0), (15, 2.0), (25, 1.0)]  # 2/1, 5/1, 5/2.5, 10/10.
+  assert all(s["uptime"] >= 0 for _, s in written.written)
+  # ETA at step 5: 20 steps left at 2 steps/s.
+  assert "Progress: 2.0 steps/s, 20.0% (5/25), ETA: 0m10s" in caplog.text
 
 
-class _Scalars(metric_writers.MetricWriter):
-  """A writer that keeps every scalar written to it, in order."""
+def test_tensorboard_events_are_written_without_tensorflow_and_read_back(tmp_path):
+  """Scalars, an image and the hparams through the TensorFlow-free writer, read back by
+  TensorBoard's own event reader: the values, the PNG's pixels and the HParams entry."""
+  writer = metric_writers.TensorBoardWriter(str(tmp_path))
+  image = np.random.default_rng(0).integers(0, 256, size=(1, 7, 5, 3), dtype=np.uint8)
+  writer.write_scalars(3, {"val/ece": 0.125, "perf/steps": 7})
+  writer.write_scalars(6, {"val/ece": 0.0625})
+  writer.write_images(6, {"test/diagram": image})
+  writer.write_hparams({"optimizer.learning_rate": 0.05, "model.name": "tiny"})
+  writer.close()
+  events = _events(str(tmp_path))
+  assert set(events.Tags()["tensors"]) == {"val/ece", "perf/steps", "test/diagram",
+                                           "_hparams_/session_start_info"}
+  value = lambda e: float(tensor_util.make_ndarray(e.tensor_proto))
+  assert [(e.step, value(e)) for e in events.Tensors("val/ece")] == [(3, 0.125), (6, 0.0625)]
+  assert events.SummaryMetadata("val/ece").plugin_data.plugin_name == "scalars"
+  (shown,) = events.Tensors("test/diagram")
+  assert events.SummaryMetadata("test/diagram").plugin_data.plugin_name == "images"
+  assert list(shown.tensor_proto.string_val[:2]) == [b"5", b"7"]  # Width, height.
+  np.testing.assert_array_equal(_image(shown), image[0])
+  content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+  hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+  assert hparams["optimizer.learning_rate"].number_value == pytest.approx(0.05)
+  assert hparams["model.name"].string_value == "tiny"
 
-  def __init__(self):
-    self.written = []
 
-  def write_scalars(self, step, scalars):
-    self.written.append((step, dict(scalars)))
-
-  def write_summaries(self, step, values, metadata=None): ...
-  def write_images(self, step, images): ...
-  def write_videos(self, step, videos): ...
-  def write_audios(self, step, audios, *, sample_rate): ...
-  def write_texts(self, step, texts): ...
-  def write_histograms(self, step, arrays, num_buckets=None): ...
-  def write_hparams(self, hparams): ...
-  def flush(self): ...
-  def close(self): ...
-
-
-def test_the_progress_report_called_at_its_steps_only_reports_as_clus_called_every_step():
-  """The loop calls the progress report at the run's first step, every `every_steps`-th global
-  step and the last one (a run of 23 steps from a resume at step 2, every 5): the same
-  steps/s at the same steps as clu's ReportProgress called after every step, on the same
-  clock (each step 0.5 s, so 2 steps/s). clu's own, called that way, refuses."""
-  every_step, at_its_steps = _Scalars(), _Scalars()
-  reference = periodic_actions.ReportProgress(num_train_steps=25, writer=every_step,
-                                              every_steps=5, every_secs=None)
-  for step in range(3, 26):
-    reference(step, t=step * 0.5)
-  sparse = run_logging.create_progress_reporter(25, at_its_steps, 5)
-  for step in range(3, 26):
-    if step == 3 or step % 5 == 0 or step == 25:
-      sparse(step, t=step * 0.5)
-  rates = [(step, s["steps_per_sec"]) for step, s in at_its_steps.written if "steps_per_sec" in s]
-  assert rates == [(step, s["steps_per_sec"]) for step, s in every_step.written
-                   if "steps_per_sec" in s]
-  assert rates == [(5, 2.0), (10, 2.0), (15, 2.0), (20, 2.0), (25, 2.0)]
-  clus = periodic_actions.ReportProgress(num_train_steps=25, every_steps=5, every_secs=None)
-  clus(3, t=1.5)
-  with pytest.raises(ValueError, match="called after every step"):
-    clus(5, t=2.5)
+def test_the_events_match_tensorflows_own_summaries(tmp_path):
+  """The same scalar and image written by tf.summary (TensorFlow installed: the optional
+  part CI installs) and by cpjax's writer: the same tags, plugins, dtypes and values."""
+  helpers.require_tensorflow()  # tf.summary is the reference.
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel  (optional)
+  image = np.random.default_rng(1).integers(0, 256, size=(1, 4, 6, 3), dtype=np.uint8)
+  with tf.summary.create_file_writer(str(tmp_path / "tf")).as_default():
+    tf.summary.scalar("val/ece", 0.25, step=2)
+    tf.summary.image("test/diagram", image, step=2, max_outputs=1)
+  ours = metric_writers.TensorBoardWriter(str(tmp_path / "ours"))
+  ours.write_scalars(2, {"val/ece": 0.25})
+  ours.write_images(2, {"test/diagram": image})
+  ours.close()
+  theirs, mine = _events(str(tmp_path / "tf")), _events(str(tmp_path / "ours"))
+  assert set(theirs.Tags()["tensors"]) == set(mine.Tags()["tensors"])
+  for tag in ("val/ece", "test/diagram"):
+    assert (theirs.SummaryMetadata(tag).plugin_data.plugin_name
+            == mine.SummaryMetadata(tag).plugin_data.plugin_name), tag
+    (a,), (b,) = theirs.Tensors(tag), mine.Tensors(tag)
+    assert a.step == b.step and a.tensor_proto.dtype == b.tensor_proto.dtype, tag
+  assert (tensor_util.make_ndarray(theirs.Tensors("val/ece")[0].tensor_proto)
+          == tensor_util.make_ndarray(mine.Tensors("val/ece")[0].tensor_proto))
+  np.testing.assert_array_equal(_image(theirs.Tensors("test/diagram")[0]),
+                                _image(mine.Tensors("test/diagram")[0]))
 
 
 def test_an_epoch_record_reaches_jsonl_with_its_keys_and_tensorboard_tagged(tmp_path):
@@ -236,3 +254,28 @@ def test_a_logging_window_logs_a_steps_own_metrics_by_their_names():
       "train/meta_loss": 1.0})]
   epoch_loop._log_train_window(writer, None)  # Nothing pending: nothing written.
   assert len(writer.written) == 1
+
+
+def test_a_full_disk_under_the_events_names_the_event_file_once(tmp_path, capfd):
+  """A 64 KiB tmpfs as the workdir, filled by the events' own images: the write that fails
+  raises one OSError (ENOSPC) naming the event file, in the writer's caller (no background
+  thread's traceback on stderr), and the run's FATAL line names that folder to free, not
+  the checkpoints'."""
+  folder = str(tmp_path / "tiny")
+  test_failures._mount_tiny_tmpfs(folder, 64)  # pylint: disable=protected-access
+  try:
+    writer = metric_writers.TensorBoardWriter(folder)
+    noise = np.random.default_rng(0).integers(0, 256, size=(1, 64, 64, 3), dtype=np.uint8)
+    with pytest.raises(OSError) as info:
+      for step in range(100):  # 12 KiB of incompressible PNG each: full within a few.
+        writer.write_images(step, {"test/noise": noise})
+        writer.flush()
+    assert info.value.errno == errno.ENOSPC and info.value.filename == writer.path
+    assert "Traceback" not in capfd.readouterr().err
+    line = failures.line(info.value, str(tmp_path / "checkpoints"), 1)
+    assert f"make the folder {folder} writable (or free space there)" in line
+    with contextlib.suppress(OSError):  # Whatever is still buffered has no room either.
+      writer.close()
+    writer.close()  # The file was closed all the same: a second close does nothing.
+  finally:
+    subprocess.run(["umount", folder], check=False)

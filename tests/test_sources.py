@@ -22,6 +22,7 @@ from configs import default
 from cpjax import config_validation, steps
 from cpjax.data import folder_source, host_stage, preprocess, record_source, sources, specs, splits
 from cpjax.runtime import sharding
+from tests import helpers
 from tests.helpers import tiny_config
 
 
@@ -95,6 +96,7 @@ def test_grey_and_cmyk_jpegs_decode_close_to_their_generated_colours(tmp_path):
 def test_training_crops_of_grey_and_cmyk_jpegs_keep_their_generated_colours(tmp_path):
   """The training transform with `tf_crop_decode` (TF for RGB/grey JPEGs, PIL for CMYK) gives flat
   colours back within JPEG's few levels, with three channels."""
+  helpers.require_tensorflow()  # tf_crop_decode decodes with TensorFlow.
   _save(np.full((40, 30, 1), 90, np.uint8), str(tmp_path / "grey.jpg"), "JPEG", quality=95)
   transform = preprocess.Transform(size=16, channels=3, flip=True, seed=1, tf_crop_decode=True)
   for example_id in range(4):
@@ -113,6 +115,7 @@ def test_a_tf_decoded_training_crop_is_close_to_pil_on_the_whole_decode(tmp_path
   example_rng, then resizes it alone; the host stage decodes only the window (TF). Same box,
   same flip, so the pixels agree within 1.5 levels on average (the two libjpeg builds'
   rounding, about 1 level here), at most 6 anywhere."""
+  helpers.require_tensorflow()  # tf_crop_decode decodes with TensorFlow.
   yy, xx = np.mgrid[0:150, 0:200]
   smooth = np.stack([xx, yy + 50, (xx + yy) // 2], -1).astype(np.uint8)
   _save(smooth, str(tmp_path / "smooth.jpg"), "JPEG", quality=95)
@@ -334,6 +337,7 @@ def test_damage_past_the_header_is_named_when_the_file_is_read(folder):
 
 def test_a_truncated_jpeg_is_named_with_tf_crop_decoding_too(tmp_path):
   """TF rejects the damaged scan, PIL then names the file: every crop, none silently kept."""
+  helpers.require_tensorflow()  # tf_crop_decode decodes with TensorFlow.
   _save(np.random.default_rng(4).integers(0, 256, (200, 200, 3), np.uint8),
         str(tmp_path / "half.jpg"), "JPEG")
   data = _read(tmp_path / "half.jpg")
@@ -384,6 +388,7 @@ def generated_examples(split: str) -> list[tuple[np.ndarray, int]]:
 @pytest.fixture(name="tfds_dir", scope="module")
 def _tfds_dir(tmp_path_factory):
   """A prepared generated tfds dataset (array_record) in a fresh data_dir."""
+  helpers.require_tensorflow()  # tfds encodes the generated images with it.
   data_dir = str(tmp_path_factory.mktemp("tfds"))
   tfds.builder("cpjax_generated_images", data_dir=data_dir,
                file_format="array_record").download_and_prepare()
@@ -485,6 +490,9 @@ def test_a_misspelled_tfds_name_keeps_tfds_suggestion(tmp_path):
   assert "tfds knows no such dataset (DatasetNotFoundError: Dataset mnsit not found.)" in message
   assert "did you mean --config.dataset.name=tfds:mnist?" in message
   assert "abstract_reasoning" not in message  # Not tfds's list of every dataset.
+  # The field and its value are named once, not once by the check and again by the error.
+  assert message.count("dataset.name='tfds:mnsit'") == 1, message
+  assert "config.dataset.name='tfds:mnsit': tfds knows no such dataset" in message
 
 
 # ---------------------------------------------------------------- selection over such data

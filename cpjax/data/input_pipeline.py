@@ -26,6 +26,7 @@ from cpjax.data import (
   sources,
   specs,
   splits,
+  tensorflow_optional,
 )
 from cpjax.data.splits import Split
 
@@ -47,11 +48,20 @@ def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
     return builder
   builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
   if builder.is_prepared():
+    _check_readable(builder)
     return builder
   if config.download or config.manual_dir:
     _download_and_prepare(builder, config.manual_dir or None)
     return builder
   raise _not_prepared(spec, builder)
+
+
+def _check_readable(builder) -> None:
+  """Raises DataNotFoundError (one line: what to install) for a prepared tfds dataset stored
+  as tfrecord files where TensorFlow, which alone reads them, is not installed."""
+  if builder.info.file_format.value != "array_record" and not tensorflow_optional.installed():
+    raise DataNotFoundError(tensorflow_optional.missing_message(
+        f"reading tfds dataset {builder.name!r} in {builder.data_dir!r} (tfrecord files)"))
 
 
 def _prepare_local(builder, manual_dir: str | None) -> None:
@@ -124,6 +134,9 @@ def _download_retries(retries: int):
 
 def _download_and_prepare(builder, manual_dir: str | None) -> None:
   """download_and_prepare with few retries; a failure names the dataset and the ways out."""
+  if not tensorflow_optional.installed():  # tfds encodes the catalog's images with it.
+    raise DataNotFoundError(tensorflow_optional.missing_message(
+        f"preparing tfds dataset {builder.name!r} in {builder.data_dir!r}"))
   logging.info("Preparing tfds dataset %r in %s (downloading unless manual_dir has it).",
                builder.name, builder.data_dir)
   try:

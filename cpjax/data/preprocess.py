@@ -54,6 +54,8 @@ import numpy as np
 from PIL import Image
 
 from cpjax import registry
+from cpjax.data import tensorflow_optional
+from cpjax.runtime.advised import AdvisedError
 
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
 
@@ -77,8 +79,11 @@ RESIZE_ENGINES = ("opencv", "pil")
 AREA_FROM = 2.0
 
 
-class BadImageError(ValueError):
-  """An example's bytes are not an image PIL can decode; the message names the example."""
+class BadImageError(AdvisedError, ValueError):
+  """An example's bytes are not an image PIL can decode (or cannot be read); the message
+  names the example and, raised by the host stage, the way out. `entry`: (split, example
+  id) where the source names it (cpjax.data.fingerprint notes it), else None."""
+  entry: tuple[str, int] | None = None
 
 
 def example_rng(seed: int, epoch: int, example_id: int) -> np.random.Generator:
@@ -215,6 +220,12 @@ class Transform:
   # 2-core machine it was slower than PIL's whole decode (benchmarks/RESULTS.md).
   tf_crop_decode: bool = False
   resize: str = "opencv"  # A RESIZE_ENGINES name: how the crop box becomes size x size.
+
+  def __post_init__(self):
+    if self.tf_crop_decode and not tensorflow_optional.installed():
+      raise ValueError(tensorflow_optional.missing_message(
+          "Transform(tf_crop_decode=True) (TensorFlow's crop-window JPEG decode)") +
+          "; or leave tf_crop_decode off: PIL decodes")
 
   def __call__(self, data: bytes, example_id: int, epoch: int | None,
                where: str = "image") -> np.ndarray:

@@ -23,7 +23,7 @@ import re
 import numpy as np
 import tensorflow_datasets as tfds
 
-from cpjax.data import preprocess
+from cpjax.data import preprocess, tensorflow_optional
 from cpjax.runtime import files
 
 
@@ -49,6 +49,9 @@ def builder(name: str, data_dir: str, download: bool, manual_dir: str):
   except Exception as err:  # pylint: disable=broad-except  DatasetNotFoundError and kin.
     raise TfdsSourceError(not_found_message(name, err)) from err
   if not found.is_prepared() and (download or manual_dir):
+    if not tensorflow_optional.installed():  # tfds encodes the images with it.
+      raise TfdsSourceError(tensorflow_optional.missing_message(
+          f"preparing tfds dataset {name!r} in {found.data_dir!r}"))
     found = tfds.builder(name, data_dir=data_dir or None, file_format="array_record")
     found.download_and_prepare(
         download_config=tfds.download.DownloadConfig(manual_dir=manual_dir or None))
@@ -132,6 +135,9 @@ def split_labels(found, split: str) -> np.ndarray:
 class TfdsSource:
   """Rows of a tfds split, read by index as encoded image bytes."""
   encoded = True
+  # The way out of an example that cannot be read or decoded (added to the host stage's error).
+  on_damage = ("the prepared tfds dataset is damaged: prepare it again (tfds.builder(...)"
+               ".download_and_prepare(), file_format='array_record')")
 
   def __init__(self, found, split: str, rows: np.ndarray | None = None):
     self._builder, self._split = found, split

@@ -1,9 +1,9 @@
-"""Where a run's metrics go: clu writers (TensorBoard + console) and metrics.jsonl.
+"""Where a run's metrics go: TensorBoard events, the log and metrics.jsonl.
 
 Only process 0 writes. Training metrics of every `log_every_steps` window go to
-the clu writer (TensorBoard and the log); one record per completed epoch goes
-through `create_epoch_writer`, a clu MultiWriter of that writer and `EpochLog`
-(metrics.jsonl, itself a clu MetricWriter). On resume, records of epochs after the
+the writer (TensorBoard and the log, `runtime.metric_writers`: no TensorFlow); one record
+per completed epoch goes through `create_epoch_writer`, a MultiWriter of that writer and
+`EpochLog` (metrics.jsonl, itself a MetricWriter). On resume, records of epochs after the
 restored checkpoint (written before a crash, then redone) are dropped, so the
 file never holds duplicates; see EpochLog for damaged files and NaN.
 
@@ -18,17 +18,17 @@ import logging
 import os
 from typing import Any
 
-from clu import metric_writers, periodic_actions
+from clu import parameter_overview
 import jax
 import numpy as np
 
-from cpjax.runtime import files
+from cpjax.runtime import files, metric_writers
 
 
 class EpochLog(metric_writers.MetricWriter):
   """One JSON record per epoch in `workdir/metrics.jsonl` (process 0 writes).
 
-  As a clu MetricWriter, `write_scalars(step, record)` writes the epoch record (it must
+  As a MetricWriter, `write_scalars(step, record)` writes the epoch record (it must
   hold "epoch"; the step is not stored: the record's keys are the file's); every other
   kind of summary is not for this file and is ignored.
 
@@ -74,27 +74,6 @@ class EpochLog(metric_writers.MetricWriter):
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     del step  # The record carries its epoch.
     self.write(dict(scalars))
-
-  def write_summaries(self, step, values, metadata=None):
-    del step, values, metadata
-
-  def write_images(self, step, images):
-    del step, images
-
-  def write_videos(self, step, videos):
-    del step, videos
-
-  def write_audios(self, step, audios, *, sample_rate):
-    del step, audios, sample_rate
-
-  def write_texts(self, step, texts):
-    del step, texts
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    del step, arrays, num_buckets
-
-  def write_hparams(self, hparams):
-    del hparams
 
   def flush(self):
     pass  # Every write is complete when it returns.
@@ -162,7 +141,7 @@ def _finite_number(value: Any) -> bool:
 
 
 class TaggedWriter(metric_writers.MetricWriter):
-  """A clu writer that puts every scalar under its tag family (`tensorboard_tag`) and
+  """A writer that puts every scalar under its tag family (`tensorboard_tag`) and
   leaves out what is not a finite number (lists, NaN: metrics.jsonl keeps those)."""
 
   def __init__(self, writer: metric_writers.MetricWriter):
@@ -173,23 +152,8 @@ class TaggedWriter(metric_writers.MetricWriter):
     if tagged:
       self._writer.write_scalars(step, tagged)
 
-  def write_summaries(self, step, values, metadata=None):
-    self._writer.write_summaries(step, values, metadata)
-
   def write_images(self, step, images):
     self._writer.write_images(step, images)
-
-  def write_videos(self, step, videos):
-    self._writer.write_videos(step, videos)
-
-  def write_audios(self, step, audios, *, sample_rate):
-    self._writer.write_audios(step, audios, sample_rate=sample_rate)
-
-  def write_texts(self, step, texts):
-    self._writer.write_texts(step, texts)
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    self._writer.write_histograms(step, arrays, num_buckets)
 
   def write_hparams(self, hparams):
     self._writer.write_hparams(hparams)
@@ -202,7 +166,7 @@ class TaggedWriter(metric_writers.MetricWriter):
 
 
 def create_writer(workdir: str) -> metric_writers.MetricWriter:
-  """clu's default writer (TensorBoard events + logging; logging only on processes > 0),
+  """The default writer (TensorBoard events + logging; logging only on processes > 0),
   every scalar under its tag family."""
   return TaggedWriter(metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0))
@@ -228,20 +192,16 @@ def flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | 
   return flat
 
 
-class _ProgressAtItsSteps(periodic_actions.ReportProgress):
-  """clu's ReportProgress called only at the steps where it acts (the first step, which
-  starts its clock, and every `every_steps`-th global step), not after every step: the same
-  reports, without a Python call in every step of the loop."""
-
-  def _init_and_check(self, step: int, t: float):
-    if self._previous_step is None:
-      self._previous_step, self._previous_time = step, t
-    self._last_step = step
-
-
 def create_progress_reporter(num_train_steps: int, writer: metric_writers.MetricWriter,
-                             every_steps: int) -> periodic_actions.ReportProgress:
-  """clu's progress report (steps/s, ETA) to the writer every `every_steps` steps; the loop
+                             every_steps: int) -> metric_writers.ProgressReport:
+  """The progress report (steps/s, ETA) to the writer every `every_steps` steps; the loop
   calls it at the run's first step and at every multiple of `every_steps` only."""
-  return _ProgressAtItsSteps(num_train_steps=num_train_steps, writer=writer,
-                             every_steps=every_steps, every_secs=None)
+  return metric_writers.ProgressReport(num_train_steps, writer, every_steps)
+
+
+def log_parameter_overview(model_name: str, params: Any) -> None:
+  """Logs the model's parameters, a row per array (name, shape, size) and their total, as
+  flax's examples do at start-up (clu's parameter_overview; process 0 only)."""
+  if jax.process_index() == 0:
+    logging.info("Model %s:\n%s", model_name,
+                 parameter_overview.get_parameter_overview(params, include_stats=False))
