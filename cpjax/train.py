@@ -138,12 +138,13 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
   batches = run.train_batches(  # The train reader's (FL_gamma's joined by their own).
       order[done["steps"]:], epoch=epoch, first_step=first_step + done["steps"],
       row_weights=_row_weights(rows, weights, len(run.splits["train"])))
+  waiting = epoch_loop.InputWait(batches)  # The seconds the loop blocks on its next batch.
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
   with run.progress.timed("train"), \
       contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
-        run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
+        run.train_fn, state, waiting, learning_rates, hparams, done, first_step=first_step,
         epoch=epoch, log_every=config.log_every_steps, writer=run.writer,
         progress=run.progress, checkpointer=run.checkpointer,
         last_step=run.total_steps, compile_step=done["steps"] if first else -1)
@@ -154,13 +155,17 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
     timings["training_seconds"] = time.perf_counter() - train_start
     selection_state, selection_record = run.selector.after_epoch(
         epoch, selection_state, order, outputs, timings, run.workdir)
-    record = {**record, **selection_record, "epoch": epoch}
+    record = {**record, **selection_record, "epoch": epoch,
+              "input_wait_seconds": waiting.seconds}
     if last:  # Its training numbers first: a report that fails or is killed loses none.
-      logits = run.evaluator.logits(state)  # Non-finite: stops, nothing saved.
+      # Non-finite logits stop the run here, nothing saved.
+      logits, record["eval_seconds"] = _timed(run.evaluator.logits, state)
       run.epoch_log.write({**record, "epoch_seconds": time.time() - start})
     else:
       if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
-        record.update(run.evaluator.run(state, run.writer, first_step + len(order)))
+        numbers, record["eval_seconds"] = _timed(run.evaluator.run, state, run.writer,
+                                                 first_step + len(order))
+        record.update(numbers)
       record["epoch_seconds"] = time.time() - start
       run.epoch_writer.write_scalars(first_step + len(order), record)
     partial = run_state.empty_partial(config.dataset, config.batch_size)
@@ -169,6 +174,7 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
     partial = run_state.partial_tree(config.dataset, config.batch_size,
                                      jax.device_get(totals), outputs)
   if stopped or last or run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs):
+    save_start = time.perf_counter()
     step = epoch_loop.save_checkpoint(run.checkpointer, run.mesh, run.checkpoint_meta, state,
                                       selection_state, partial, epoch + complete,
                                       0 if complete else trained)
@@ -177,12 +183,41 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
     epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
                               0 if complete else trained)
   if last:
-    run.checkpointer.wait_until_finished()  # Committed before the report.
-    with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
-      record.update(_report_numbers(run.evaluator, run.writer, state, epoch, step, logits))
+    record.update(_finish_run(run, state, epoch, step, logits, save_start))
     record["epoch_seconds"] = time.time() - start
     run.epoch_writer.write_scalars(step, record)
   return state, selection_state, record
+
+
+def _finish_run(run: Run, state: steps.TrainState, epoch: int, step: int,
+                logits: dict[str, np.ndarray], save_start: float) -> dict[str, Any]:
+  """The end of the last epoch, its checkpoint at global `step` saved from `save_start`
+  (perf_counter) on: waits for that checkpoint to commit, writes the report, and returns
+  the report's numbers, the seconds of both (`checkpoint_seconds`: the save and its commit;
+  `report_seconds`) and the devices' peak memory where the backend counts it."""
+  run.checkpointer.wait_until_finished()  # Committed before the report.
+  numbers = {"checkpoint_seconds": time.perf_counter() - save_start}
+  report_start = time.perf_counter()
+  with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
+    numbers.update(_report_numbers(run.evaluator, run.writer, state, epoch, step, logits))
+  return {**numbers, "report_seconds": time.perf_counter() - report_start,
+          **peak_device_memory()}
+
+
+def peak_device_memory() -> dict[str, int]:
+  """{"perf/peak_device_memory_bytes": the most bytes any local device has held at once in
+  this process (its allocator's peak)} where the backend counts them (GPU, TPU); {} where
+  it does not (CPU: `memory_stats()` is None)."""
+  peaks = [(device.memory_stats() or {}).get("peak_bytes_in_use")
+           for device in jax.local_devices()]
+  peaks = [int(p) for p in peaks if p is not None]
+  return {"perf/peak_device_memory_bytes": max(peaks)} if peaks else {}
+
+
+def _timed(fn, *args) -> tuple[Any, float]:
+  """`fn(*args)` and the seconds it took."""
+  start = time.perf_counter()
+  return fn(*args), time.perf_counter() - start
 
 
 def _report_numbers(evaluator: evaluation.Evaluator, writer, state: steps.TrainState,
