@@ -840,8 +840,8 @@ def time_pairs(r: dict, reference: dict) -> dict:
 
 def mean_ratios(pairs: dict) -> dict:
   """Means over `time_pairs`: the wall-clock ratio over the same-machine pairs with whole wall
-  clocks and over those of them at an even pace (with their seeds), and the ratio of
-  training + scoring + selection seconds over every same-machine pair."""
+  clocks and over those of them at an even pace, and the ratio of training + scoring +
+  selection seconds over the same-machine pairs at an even pace (each with its seeds)."""
   same = {s: p for s, p in pairs.items() if p is not None}
   wall = {s: p["wall"] for s, p in same.items() if p["wall"] is not None}
   even = {s: v for s, v in wall.items() if same[s]["even"]}
@@ -849,7 +849,8 @@ def mean_ratios(pairs: dict) -> dict:
     return float(np.mean(list(values))) if values else math.nan
   return {"wall_ratio": mean(wall.values()), "wall_seeds": sorted(wall),
           "even_wall_ratio": mean(even.values()), "even_seeds": sorted(even),
-          "compute_ratio": mean([p["compute"] for p in same.values()])}
+          "compute_ratio": mean([p["compute"] for p in same.values() if p["even"]]),
+          "compute_seeds": sorted(s for s, p in same.items() if p["even"])}
 
 
 def kept_schedule(arm: Arm, base) -> dict:
@@ -1014,6 +1015,13 @@ def _seconds(value: float) -> str:
   return "—" if not np.isfinite(value) else f"{value:.0f}"
 
 
+def _mean_with_seeds(value: float, seeds: list) -> str:
+  """'0.52 (seeds 3,4,5)', or '—' over no seed."""
+  if not seeds:
+    return "—"
+  return f"{value:.2f} (seed{'s' * (len(seeds) > 1)} {','.join(map(str, seeds))})"
+
+
 def _ratio_cells(t: dict) -> list[str]:
   """Per seed: the wall-clock ratio, or why there is none; the means (`mean_ratios`)."""
   per_seed = []
@@ -1025,10 +1033,8 @@ def _ratio_cells(t: dict) -> list[str]:
     return ["—"] * 4
   return ["; ".join(per_seed),
           f"{t['wall_ratio']:.2f}" if t["wall_seeds"] else "—",
-          (f"{t['even_wall_ratio']:.2f} (seed{'s' * (len(t['even_seeds']) > 1)} "
-           f"{','.join(map(str, t['even_seeds']))})"
-           if t["even_seeds"] else "—"),
-          f"{t['compute_ratio']:.2f}" if np.isfinite(t["compute_ratio"]) else "—"]
+          _mean_with_seeds(t["even_wall_ratio"], t["even_seeds"]),
+          _mean_with_seeds(t["compute_ratio"], t["compute_seeds"])]
 
 
 def time_lines(summary: dict) -> list[str]:
@@ -1041,7 +1047,8 @@ def time_lines(summary: dict) -> list[str]:
   label = {m: f"M{i + 1}" for i, m in enumerate(machines)}
   lines = ["", "## Time", "",
            "Seconds as each run's record holds them, means over its runs with a whole wall "
-           "clock. Wall: the run's process, start to report (`studies.grid.run_cell`); "
+           "clock. Wall: the run's `train.train_and_evaluate`, start to report "
+           "(`studies.grid.run_cell`); "
            "training and scoring + selection: the loop's phase seconds, summed over sittings; "
            "rest: wall minus those (evaluation, compiling, data loading, the report). A "
            "resumed run's wall clock is its last sitting's alone: a run whose wall clock is "
@@ -1050,10 +1057,17 @@ def time_lines(summary: dict) -> list[str]:
            "arm's over full data's of the same tier and seed, only where both trained on the "
            "same machine (as recorded); uneven: either run's phase seconds more than "
            f"{100 * (EVEN_PACE - 1):.0f} % above its steady seconds (its epochs at their "
-           "lower-quartile speed), i.e. slowed by other work. Some sittings shared the "
-           "machine with other work, so only ratios of one seed on one machine compare.", "",
+           "lower-quartile speed), i.e. slowed by other work; phase seconds / full's: the mean "
+           "over the pairs at an even pace. Some sittings shared the machine with other work, "
+           "so only ratios of one seed on one machine compare. A machine string names a kind "
+           "of machine, not a sitting, and this kind's speed varied between sittings: full "
+           "data's seeds 0-2 (tiers A and B's reference) are the long-schedule study's runs, "
+           "from other sittings than this study's own tier-A and tier-B arms, so those ratios "
+           "compare sittings as much as policies; tiers C to F ran each seed's arm beside its "
+           "full-data run (seed by seed).", "",
            "| arm | machines | whole runs | wall s | training s | scoring + selection s | rest s "
-           "| wall / full's, per seed | mean | at an even pace | phase seconds / full's |",
+           "| wall / full's, per seed | mean | at an even pace | phase seconds / full's, even "
+           "pace |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, t in rows.items():
     cells = [name, ", ".join(label[m] for m in t["machines"]),

@@ -356,7 +356,8 @@ def test_wall_clock_is_paired_per_seed_on_one_machine_and_whole_runs_only():
   means = frontier.mean_ratios(pairs)
   assert means["wall_ratio"] == pytest.approx(0.4) and means["wall_seeds"] == [3, 6]
   assert means["even_wall_ratio"] == 0.5 and means["even_seeds"] == [3]
-  assert means["compute_ratio"] == pytest.approx((220 / 470 + 0.5 + 280 / 960) / 3)
+  assert means["compute_ratio"] == pytest.approx((220 / 470 + 0.5) / 2)  # Even pace only.
+  assert means["compute_seeds"] == [3, 4]
   times = frontier.run_times(arm)  # Seed 4 left out: its wall clock is one sitting's.
   assert times["whole_seeds"] == [3, 5, 6] and times["wall"] == pytest.approx(790 / 3)
   assert times["rest"] == pytest.approx((30 + 30 + 20) / 3)
