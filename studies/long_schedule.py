@@ -606,7 +606,8 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
            "at the lower quartile of a run's epochs' seconds per step, plus scoring and "
            "selection: measured seconds move with whatever else shares the machine); 'with "
            "target' adds the target run's whole cost to the arm. Wall s: the mean wall clock "
-           "of the run's process (training, scoring, evaluation, compiling, the report) over "
+           "of the run's `train.train_and_evaluate` (training, scoring, evaluation, "
+           "compiling, the report; `studies.grid.run_cell`) over "
            "the runs whose wall clock covers the whole run (at least their phase seconds: a "
            "resumed run's covers its last sitting alone), with their number.", ""]
   lines += status(all_arms, summary, results) + answers(all_arms, summary)
