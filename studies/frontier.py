@@ -98,7 +98,7 @@ from scipy import stats  # noqa: E402
 from cpjax import registry  # noqa: E402
 from cpjax.data import splits  # noqa: E402
 from cpjax.runtime import preemption  # noqa: E402
-from cpjax.selection import policies  # noqa: E402
+from cpjax.selection import policies, subsets  # noqa: E402
 from studies import equivalence, grid, long_schedule  # noqa: E402
 
 RECORDS = "studies/results/frontier_runs"
@@ -416,6 +416,7 @@ def summarise(arms: list[Arm], results: dict) -> dict:
            "passes": float(np.mean(r["passes"]))}
     if reference is not None:
       row["passes_share"] = row["passes"] / float(np.mean(reference["passes"]))
+      row.update(costs(r, reference))
       if reference is not r:
         seeds, d = paired_differences(r, reference)
         test = tost(d)
@@ -503,7 +504,32 @@ def test_image_intervals(results: dict, arm: str, reference: str, seeds) -> dict
   per_seed = {int(s): [float(a["accuracy"][a["seed_index"][s]]
                              - r["accuracy"][r["seed_index"][s]]),
                        *interval(a, r, [s], "accuracy")] for s in seeds}
-  return {"pooled": list(interval(a, r, list(seeds), "accuracy")), "per_seed": per_seed}
+  return {"pooled": list(interval(a, r, list(seeds), "accuracy")), "per_seed": per_seed,
+          "seeds_and_images": seed_and_image_interval(a, r, list(seeds))}
+
+
+# The two-level bootstrap's resamples: at 1,000 its interval's ends moved by about 0.01 points
+# between generator seeds, at 4,000 by about half that.
+TWO_LEVEL_RESAMPLES = 4000
+
+
+def seed_and_image_interval(arm: dict, reference: dict, seeds: list, rng_seed: int = 0
+                            ) -> list[float]:
+  """A two-level paired bootstrap of the seed-mean difference in test accuracy: each of
+  TWO_LEVEL_RESAMPLES resamples draws the test images with replacement (the same images
+  for both runs of a seed and for every seed) and then the seeds with replacement, so that its
+  90 % percentile interval holds both the seeds' spread and the test set's own sampling (the
+  seed interval holds the first, `test_image_intervals`' pooled interval the second)."""
+  d = np.array([np.asarray(arm["correct"][arm["seed_index"][s]], np.float64)
+                - np.asarray(reference["correct"][reference["seed_index"][s]], np.float64)
+                for s in seeds])  # [seeds, images]
+  rng = np.random.default_rng(rng_seed)
+  means = np.empty(TWO_LEVEL_RESAMPLES)
+  for b in range(len(means)):
+    per_seed = d[:, rng.integers(0, d.shape[1], d.shape[1])].mean(1)
+    means[b] = per_seed[rng.integers(0, len(seeds), len(seeds))].mean()
+  tail = (1 - long_schedule.CONFIDENCE) / 2
+  return [float(q) for q in np.quantile(means, [tail, 1 - tail])]
 
 
 def verdicts(summary: dict, chosen: Arm | None, results: dict | None = None) -> dict:
@@ -522,13 +548,16 @@ def verdicts(summary: dict, chosen: Arm | None, results: dict | None = None) -> 
       continue
     vs = row["vs_full"]
     out[key] = {"arm": name, "seeds": vs["seeds"], "complete": tuple(vs["seeds"]) == seeds,
-                "saving": 1 - row["passes_share"], **vs}
+                "saving": 1 - row["passes_share"],
+                "saving_with_evaluation": 1 - row.get("passes_share_with_evaluation", math.nan),
+                **vs}
   test = pooled_test(results or {}, [(f"{chosen.name}@confirm", "full@confirm"),
                                      (f"{chosen.name}@replicate", "full@replicate")])
   if test is not None and "untouched" in out and "replicate" in out:
     out["pooled"] = {"arm": f"{chosen.name}@confirm + @replicate", **test,
                      "complete": tuple(test["seeds"]) == CONFIRM_SEEDS + REPLICATE_SEEDS,
-                     "saving": out["untouched"]["saving"], "lossless": lossless(test)}
+                     "saving": out["untouched"]["saving"], "lossless": lossless(test),
+                     "saving_with_evaluation": out["untouched"]["saving_with_evaluation"]}
   for key in ("untouched", "replicate", "pooled"):
     if key in out:
       v = out[key]
@@ -571,20 +600,42 @@ def _outcome(v: dict, short: bool = False) -> str:
   return why
 
 
+def _saving_text(v: dict) -> str:
+  """'52 % fewer passes', and with evaluation's passes counted where the records tell them."""
+  text = f"{100 * v['saving']:.0f} % fewer passes"
+  with_evaluation = v.get("saving_with_evaluation", math.nan)
+  if np.isfinite(with_evaluation):
+    text += f" ({100 * with_evaluation:.1f} % fewer with evaluation's passes counted)"
+  return text
+
+
+def _images_text(images: dict) -> str:
+  """The test images' intervals of a verdict: of the mean with the seeds fixed, with the seeds
+  resampled too (`seed_and_image_interval`), and of each seed's difference."""
+  low, high = images["pooled"]
+  both = images.get("seeds_and_images")
+  per_seed = "; ".join(f"seed {s}: {_pts(d)} [{_pts(lo)}, {_pts(hi)}]"
+                       for s, (d, lo, hi) in images["per_seed"].items())
+  return (f". Over test images (paired bootstrap, 90 %): mean [{_pts(low)}, {_pts(high)}]"
+          + (f"; seeds and test images resampled together (two-level bootstrap, 90 %): "
+             f"[{_pts(both[0])}, {_pts(both[1])}]" if both else "") + f"; {per_seed}")
+
+
 def _verdict_line(label: str, v: dict) -> str:
   seeds = ",".join(map(str, v["seeds"]))
   status = "" if v["complete"] else " (incomplete: more seeds to run)"
   why = _outcome(v)
-  line = (f"- {label}: `{v['arm']}`, {100 * v['saving']:.0f} % fewer passes, seeds {seeds}: "
+  line = (f"- {label}: `{v['arm']}`, {_saving_text(v)}, seeds {seeds}: "
           f"{_pts_interval(v)} points vs full data, "
           f"{equivalence.describe(v)}; {why}{status}")
-  images = v.get("test_images")
-  if images:
-    low, high = images["pooled"]
-    per_seed = "; ".join(f"seed {s}: {_pts(d)} [{_pts(lo)}, {_pts(hi)}]"
-                         for s, (d, lo, hi) in images["per_seed"].items())
-    line += (f". Over test images (paired bootstrap, 90 %): mean [{_pts(low)}, {_pts(high)}]; "
-             f"{per_seed}")
+  if v.get("test_images"):
+    line += _images_text(v["test_images"])
+  if v.get("earlier_reference"):
+    e = v["earlier_reference"]
+    line += (f". Its full-data reference here, {100 * v['reference_accuracy']:.2f} %, is "
+             f"{100 * (e['accuracy'] - v['reference_accuracy']):.2f} points below the "
+             f"long-schedule study's noisy full-data runs ({100 * e['accuracy']:.2f} %, seeds "
+             f"{','.join(map(str, e['seeds']))}, one noise draw for every seed)")
   return line
 
 
@@ -605,7 +656,10 @@ def verdict_lines(found: dict) -> list[str]:
   labels = {"untouched": "tier C, untouched seeds 3-7, clean labels (the test)",
             "replicate": "tier F, untouched seeds 8-12 (the replication)",
             "pooled": "tiers C and F pooled, seeds 3-12",
-            "noisy": "20 % label noise, one noise draw per seed",
+            "noisy": "20 % label noise, one noise draw per seed (exploratory: the tier asked "
+                     "whether the policy is equivalent to full data; a side of full data read "
+                     "from its runs was not declared before them, and only a declared tier can "
+                     "confirm it)",
             "epochs_30": "30-epoch schedule (search seeds), vs full data on 30 epochs"}
   return lines + [_verdict_line(labels[k], found[k]) for k in labels if k in found]
 
@@ -706,6 +760,152 @@ def second_lines(summary: dict, second: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Costs beside the passes: evaluation's passes, the kept share, wall-clock.
+
+# The validation images each evaluation passes beside the test images: the base config's
+# dataset.val_size (a test checks it); a record holds only its test images' correctness.
+VAL_IMAGES = 6000
+# A run at an even pace: its training + scoring + selection seconds within 5 % of its steady
+# seconds (long_schedule.steady_seconds: its epochs at their lower-quartile speed per step),
+# i.e. no part of it much slowed by other work on the machine.
+EVEN_PACE = 1.05
+# What a run's record holds of its time (long_schedule._run_row, grid.run_cell).
+TIME_KEYS = ("machine", "wall_seconds", "compute_seconds", "steady_seconds", "training_seconds",
+             "scoring_seconds", "selection_seconds")
+
+
+def evaluation_passes(r: dict) -> float | None:
+  """Mean forward passes of an arm's evaluations: each evaluated epoch (its curve's, the last
+  one's being the report's) passes the validation and the test images once. None without
+  curves."""
+  if "curve_epoch" not in r or "correct" not in r:
+    return None
+  return float(np.mean([len(e) * (VAL_IMAGES + len(c))
+                        for e, c in zip(r["curve_epoch"], r["correct"])]))
+
+
+def costs(r: dict, reference: dict) -> dict:
+  """An arm's costs beside its training and scoring passes, from what its records hold: its
+  evaluation's passes and its share of full data's passes with them counted; its seconds
+  (`run_times`) and its time over full data's, paired per seed (`time_pairs`)."""
+  out = {}
+  evaluated = evaluation_passes(r), evaluation_passes(reference)
+  if None not in evaluated:
+    out["evaluation_passes"] = evaluated[0]
+    out["passes_share_with_evaluation"] = float(
+        (np.mean(r["passes"]) + evaluated[0]) / (np.mean(reference["passes"]) + evaluated[1]))
+  if all(key in run for key in TIME_KEYS for run in (r, reference)):
+    pairs = {} if reference is r else time_pairs(r, reference)
+    out["time"] = {**run_times(r), "pairs": pairs, **mean_ratios(pairs)}
+  return out
+
+
+def _even(r: dict, i: int) -> bool:
+  return r["compute_seconds"][i] <= EVEN_PACE * r["steady_seconds"][i]
+
+
+def run_times(r: dict) -> dict:
+  """The machines an arm's runs trained on, and mean seconds over its runs with a whole wall
+  clock (`long_schedule.whole_runs`): wall clock, training, scoring + selection, and the rest
+  of the wall clock (evaluation, compiling, data loading and the report)."""
+  keep = long_schedule.whole_runs(r)
+  mean = {key: float(np.mean([r[key][i] for i in keep])) if keep else math.nan
+          for key in ("wall_seconds", "training_seconds", "scoring_seconds",
+                      "selection_seconds", "compute_seconds")}
+  return {"machines": sorted(set(r["machine"])),
+          "whole_seeds": sorted(s for s, i in r["seed_index"].items() if i in keep),
+          "wall": mean["wall_seconds"], "training": mean["training_seconds"],
+          "scoring": mean["scoring_seconds"] + mean["selection_seconds"],
+          "rest": mean["wall_seconds"] - mean["compute_seconds"]}
+
+
+def time_pairs(r: dict, reference: dict) -> dict:
+  """Per seed both ran, where both trained on the same machine (None where not: processors
+  differ in speed): the arm's wall clock over full data's (None where either wall clock is a
+  last sitting's, `long_schedule.whole_runs`), its training + scoring + selection seconds over
+  full data's, and whether both ran at an even pace (EVEN_PACE)."""
+  out = {}
+  for seed in sorted(set(r["seed_index"]) & set(reference["seed_index"])):
+    i, j = r["seed_index"][seed], reference["seed_index"][seed]
+    if r["machine"][i] != reference["machine"][j]:
+      out[seed] = None
+      continue
+    whole = i in long_schedule.whole_runs(r) and j in long_schedule.whole_runs(reference)
+    out[seed] = {"machine": r["machine"][i],
+                 "wall": r["wall_seconds"][i] / reference["wall_seconds"][j] if whole else None,
+                 "compute": r["compute_seconds"][i] / reference["compute_seconds"][j],
+                 "even": _even(r, i) and _even(reference, j)}
+  return out
+
+
+def mean_ratios(pairs: dict) -> dict:
+  """Means over `time_pairs`: the wall-clock ratio over the same-machine pairs with whole wall
+  clocks and over those of them at an even pace, and the ratio of training + scoring +
+  selection seconds over the same-machine pairs at an even pace (each with its seeds)."""
+  same = {s: p for s, p in pairs.items() if p is not None}
+  wall = {s: p["wall"] for s, p in same.items() if p["wall"] is not None}
+  even = {s: v for s, v in wall.items() if same[s]["even"]}
+  def mean(values):
+    return float(np.mean(list(values))) if values else math.nan
+  return {"wall_ratio": mean(wall.values()), "wall_seeds": sorted(wall),
+          "even_wall_ratio": mean(even.values()), "even_seeds": sorted(even),
+          "compute_ratio": mean([p["compute"] for p in same.values() if p["even"]]),
+          "compute_seeds": sorted(s for s, p in same.items() if p["even"])}
+
+
+def kept_schedule(arm: Arm, base) -> dict:
+  """What an arm trains on, from its config: its selected epochs (0-indexed, first and last),
+  the kept fraction in the first and in the last of them (InfoBatch's follows the losses:
+  None) and the epochs on all data after them. {} for an arm that selects nothing."""
+  config = grid.apply(base, arm.overrides)
+  s = config.selection
+  if s.method == "full":
+    return {}
+  if s.method == "infobatch":
+    after = config.num_epochs - subsets.anneal_start(config.num_epochs, s.anneal_fraction)
+    kept = None
+  else:
+    after = s.final_full_epochs
+    kept = [s.fraction, s.fraction if s.fraction_end < 0 else s.fraction_end]
+  return {"epochs": [s.warmup_epochs, config.num_epochs - after - 1], "kept": kept,
+          "full_after": after}
+
+
+def mean_kept(schedule: dict, passes: float, full_passes: float) -> float:
+  """The mean kept share over the selected epochs that a run's passes imply: (passes - its
+  all-data epochs' passes) / (selected epochs x one all-data epoch's passes, full data's over
+  its epochs). Within a batch's rounding per epoch; a scoring pass would count as training."""
+  first, last = schedule["epochs"]
+  epochs, selected = last + 1 + schedule["full_after"], last - first + 1
+  per_epoch = full_passes / epochs
+  return float((passes - per_epoch * (epochs - selected)) / (selected * per_epoch))
+
+
+def add_kept(summary: dict, arms: list[Arm], base) -> None:
+  """Each summarised arm's `kept_schedule`, in its summary row; an arm whose kept share follows
+  the losses (InfoBatch) with the mean its passes imply (`mean_kept`)."""
+  for arm in arms:
+    row = summary.get(arm.name)
+    if row is None:
+      continue
+    row["kept"] = kept = kept_schedule(arm, base)
+    if kept and kept["kept"] is None and "passes_share" in row:
+      kept["mean_from_passes"] = mean_kept(kept, row["passes"],
+                                           row["passes"] / row["passes_share"])
+
+
+def earlier_noisy_full(records: str = LONG_RECORDS) -> dict | None:
+  """The long-schedule study's noisy full-data runs (one noise draw for every seed), beside
+  tier D's reference: their seeds and mean test accuracy; None without their records."""
+  paths = {s: long_schedule.record_path(records, "noisy_full", s) for s in SEARCH_SEEDS}
+  found = {s: long_schedule.load_record(p)["accuracy"] for s, p in paths.items()
+           if os.path.exists(p)}
+  if not found:
+    return None
+  return {"seeds": sorted(found), "accuracy": float(np.mean(list(found.values())))}
+
+
+# ---------------------------------------------------------------------------------------------
 # Outputs.
 
 
@@ -728,21 +928,56 @@ def _lossless_cell(row: dict) -> str:
   return "yes" if vs["lossless"] else "no"
 
 
+def _evaluation_sentence(summary: dict) -> str:
+  """What 'passes with evaluation' adds, with full data's evaluation passes where known."""
+  full = summary.get("full", {}).get("evaluation_passes")
+  per_run = (f" ({full:,.0f} in a 20-epoch run; a same-budget run, cut short, evaluates "
+             "fewer times)") if full else ""
+  return (" Passes with evaluation: the same with each evaluation's forward passes of the "
+          f"{VAL_IMAGES:,} validation and the test images counted{per_run}; the rule's "
+          "'half the passes' counts training and scoring alone. Kept per selected epoch: from "
+          "the arm's config (InfoBatch's follows the losses: the mean its passes imply); "
+          "epochs 0-indexed, epoch 0 on all data.")
+
+
+def _kept_cell(row: dict) -> str:
+  """'38.5 % in epochs 1-17, then 2 on all data', 'all data' (`kept_schedule`), or '—'."""
+  k = row.get("kept")
+  if k is None:
+    return "—"
+  if not k:
+    return "all data, fewer steps" if row["policy"] == "same_budget" else "all data"
+  if k["kept"] is None:
+    share = f"≈ {100 * k.get('mean_from_passes', math.nan):.1f} % (mean)"
+  elif k["kept"][0] == k["kept"][1]:
+    share = f"{100 * k['kept'][0]:.1f} %"
+  else:
+    share = f"{100 * k['kept'][0]:.1f} → {100 * k['kept'][1]:.1f} %"
+  then = f", then {k['full_after']} on all data" if k["full_after"] else ""
+  return f"{share} in epochs {k['epochs'][0]}-{k['epochs'][1]}{then}"
+
+
 def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
-             results: dict | None = None, second: dict | None = None) -> str:
+             results: dict | None = None, second: dict | None = None,
+             found: dict | None = None) -> str:
+  """The summary's markdown; `second`: tiers A' and G (`second_search`); `found`: the
+  verdicts (else computed from the summary)."""
   lines = ["# Accuracy-compute frontier (Fashion-MNIST, long schedule)", "",
            f"Command: `{command}`. Test accuracy in per cent; differences in points, paired "
            "per seed against full data of the same regime and schedule; [90 % t interval]; "
            f"TOST: two one-sided t-tests at a ±{100 * MARGIN:.1f}-point margin (p < {ALPHA}: "
            f"equivalent); lossless = equivalent and mean >= {100 * MIN_MEAN:+.1f} points. "
-           "Passes: example passes (forward 1, forward + backward 3) as a share of full "
-           "data's.", "",
-           "| arm | tier | seeds | passes | test acc | val acc | vs full | TOST p | lossless |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "Passes: example passes (forward 1, forward + backward 3, scoring included) as a "
+           "share of full data's." + _evaluation_sentence(summary), "",
+           "| arm | tier | seeds | passes | passes with evaluation | kept per selected epoch "
+           "| test acc | val acc | vs full | TOST p | lossless |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, row in summary.items():
     vs = row.get("vs_full")
     cells = [name, row["tier"], ",".join(map(str, row["seeds"])),
              f"{100 * row.get('passes_share', math.nan):.1f} %",
+             f"{100 * row.get('passes_share_with_evaluation', math.nan):.1f} %",
+             _kept_cell(row),
              f"{100 * row['accuracy']:.2f} ± {100 * row['accuracy_sd']:.2f}",
              f"{100 * row['val_accuracy']:.2f}",
              f"{_pts(vs['mean'])} [{_pts(vs['low'])}, {_pts(vs['high'])}]" if vs else "—",
@@ -768,11 +1003,79 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
             (f"`{chosen.name}` (highest mean validation accuracy among tier A's arms at no more "
              "than half of full data's passes)." if chosen else
              "Not chosen yet: tier A has not finished.")]
-  lines += verdict_lines(verdicts(summary, chosen, results))
+  lines += verdict_lines(found if found is not None else verdicts(summary, chosen, results))
   lines += second_lines(summary, second or {})
+  lines += time_lines(summary)
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
   return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float) -> str:
+  return "—" if not np.isfinite(value) else f"{value:.0f}"
+
+
+def _mean_with_seeds(value: float, seeds: list) -> str:
+  """'0.52 (seeds 3,4,5)', or '—' over no seed."""
+  if not seeds:
+    return "—"
+  return f"{value:.2f} (seed{'s' * (len(seeds) > 1)} {','.join(map(str, seeds))})"
+
+
+def _ratio_cells(t: dict) -> list[str]:
+  """Per seed: the wall-clock ratio, or why there is none; the means (`mean_ratios`)."""
+  per_seed = []
+  for seed, p in t["pairs"].items():
+    why = ("other machine" if p is None else "resumed" if p["wall"] is None
+           else f"{p['wall']:.2f}" + ("" if p["even"] else " (uneven)"))
+    per_seed.append(f"{seed}: {why}")
+  if not t["pairs"]:
+    return ["—"] * 4
+  return ["; ".join(per_seed),
+          f"{t['wall_ratio']:.2f}" if t["wall_seeds"] else "—",
+          _mean_with_seeds(t["even_wall_ratio"], t["even_seeds"]),
+          _mean_with_seeds(t["compute_ratio"], t["compute_seeds"])]
+
+
+def time_lines(summary: dict) -> list[str]:
+  """The wall-clock section: each arm's seconds (`run_times`) and its time over full data's
+  (`time_pairs`, `mean_ratios`), the machines named below the table."""
+  rows = {name: row["time"] for name, row in summary.items() if "time" in row}
+  if not rows:
+    return []
+  machines = list(dict.fromkeys(m for t in rows.values() for m in t["machines"]))
+  label = {m: f"M{i + 1}" for i, m in enumerate(machines)}
+  lines = ["", "## Time", "",
+           "Seconds as each run's record holds them, means over its runs with a whole wall "
+           "clock. Wall: the run's `train.train_and_evaluate`, start to report "
+           "(`studies.grid.run_cell`); "
+           "training and scoring + selection: the loop's phase seconds, summed over sittings; "
+           "rest: wall minus those (evaluation, compiling, data loading, the report). A "
+           "resumed run's wall clock is its last sitting's alone: a run whose wall clock is "
+           "below its phase seconds counts as resumed and is left out of the wall columns (a "
+           "resume whose last sitting was the longer part is not told apart). Ratios: the "
+           "arm's over full data's of the same tier and seed, only where both trained on the "
+           "same machine (as recorded); uneven: either run's phase seconds more than "
+           f"{100 * (EVEN_PACE - 1):.0f} % above its steady seconds (its epochs at their "
+           "lower-quartile speed), i.e. slowed by other work; phase seconds / full's: the mean "
+           "over the pairs at an even pace. Some sittings shared the machine with other work, "
+           "so only ratios of one seed on one machine compare. A machine string names a kind "
+           "of machine, not a sitting, and this kind's speed varied between sittings: full "
+           "data's seeds 0-2 (tiers A and B's reference) are the long-schedule study's runs, "
+           "from other sittings than this study's own tier-A and tier-B arms, so those ratios "
+           "compare sittings as much as policies; tiers C to F ran each seed's arm beside its "
+           "full-data run (seed by seed).", "",
+           "| arm | machines | whole runs | wall s | training s | scoring + selection s | rest s "
+           "| wall / full's, per seed | mean | at an even pace | phase seconds / full's, even "
+           "pace |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for name, t in rows.items():
+    cells = [name, ", ".join(label[m] for m in t["machines"]),
+             ",".join(map(str, t["whole_seeds"])) or "—",
+             *(_seconds(t[k]) for k in ("wall", "training", "scoring", "rest")),
+             *_ratio_cells(t)]
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines + ["", "Machines: " + "; ".join(f"{label[m]}: {m}" for m in machines) + "."]
 
 
 def _mean_interval(values) -> tuple[float, float]:
@@ -886,10 +1189,21 @@ def draw_frontier(arms: list[Arm], results: dict, summary: dict,
   return fig
 
 
+def note_earlier_reference(found: dict, summary: dict, earlier: dict | None) -> dict:
+  """Tier D's verdict with its full-data reference's mean accuracy beside the long-schedule
+  study's noisy full-data runs (`earlier_noisy_full`)."""
+  if earlier and "noisy" in found and "noisy_full@confirm" in summary:
+    found["noisy"].update(reference_accuracy=summary["noisy_full@confirm"]["accuracy"],
+                          earlier_reference=earlier)
+  return found
+
+
 def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str,
                   failures: dict) -> None:
   summary = summarise(arms, results)
-  found = verdicts(summary, chosen, results)
+  add_kept(summary, arms, base_config())
+  found = note_earlier_reference(verdicts(summary, chosen, results), summary,
+                                 earlier_noisy_full())
   second = second_search(summary, arms, results)  # Tiers A' and G; {} before their runs.
   slim = {name: {k: v for k, v in r.items() if k not in ("correct", "confidence")}
           for name, r in results.items()}
@@ -901,7 +1215,7 @@ def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str
                "runs": slim, "failures": failures}, f, indent=1,
               default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
   with open(os.path.join(out, "summary.md"), "w") as f:
-    f.write(markdown(summary, chosen, command, failures, results, second))
+    f.write(markdown(summary, chosen, command, failures, results, second, found))
   g = {"g": second["verdict_g"]} if second.get("verdict_g") else {}
   plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"), {**found, **g})
 

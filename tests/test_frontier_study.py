@@ -309,6 +309,220 @@ def test_the_figure_marks_an_arm_far_below_full_data_at_its_floor():
     plt.close(fig)
 
 
+@pytest.mark.parametrize("sd,n,difference", [(0.0012, 3, 0.0), (0.0012, 5, -0.001),
+                                             (0.002, 4, 0.0005)])
+def test_tost_power_against_a_simulation_of_the_tost(sd, n, difference):
+  """The closed-form power against the share of simulated samples that `tost` (SciPy's t
+  tails) finds equivalent: 20,000 samples, a standard error of at most 0.0035."""
+  rng = np.random.default_rng(n)
+  samples = rng.normal(difference, sd, size=(20_000, n))
+  passed = np.mean([equivalence.tost(d)["equivalent"] for d in samples])
+  assert equivalence.tost_power(sd, n, difference) == pytest.approx(passed, abs=0.015)
+
+
+def test_tost_power_limits_and_the_three_seed_case():
+  # A tiny spread passes whenever the true difference is inside the margin, never outside.
+  assert equivalence.tost_power(1e-6, 3, 0.0) == pytest.approx(1.0, abs=1e-6)
+  assert equivalence.tost_power(1e-6, 3, 0.003) == pytest.approx(0.0, abs=1e-6)
+  # At a true difference of 0 and a spread of 0.12 points, 3 seeds pass about 41 % of the time.
+  assert 0.39 < equivalence.tost_power(0.0012, 3) < 0.42
+  with pytest.raises(ValueError, match="n >= 2"):
+    equivalence.tost_power(0.001, 1)
+
+
+def _timed(wall, compute, steady, machine, seeds):
+  return {"seed_index": {s: i for i, s in enumerate(seeds)}, "wall_seconds": wall,
+          "compute_seconds": compute, "steady_seconds": steady, "machine": machine,
+          "training_seconds": [c - 1.0 for c in compute], "scoring_seconds": [0.5] * len(wall),
+          "selection_seconds": [0.5] * len(wall)}
+
+
+def test_wall_clock_is_paired_per_seed_on_one_machine_and_whole_runs_only():
+  """Seed 3: both whole, even pace: 250 / 500 = 0.5. Seed 4: the arm's wall clock (100 s) is
+  below its phase seconds (200 s), a resumed run's last sitting: no wall ratio, the phase
+  seconds' 200 / 400 still. Seed 5: another machine: nothing. Seed 6: full data slowed (its
+  phase seconds 30 % above its steady seconds): 300 / 1000 = 0.3, uneven."""
+  a, b = "cpu A, 2 cores", "cpu B, 2 cores"
+  arm = _timed([250, 100, 240, 300], [220, 200, 210, 280], [215, 198, 205, 275],
+               [a, a, b, a], (3, 4, 5, 6))
+  full = _timed([500, 450, 480, 1000], [470, 400, 450, 960], [465, 398, 445, 740],
+                [a, a, a, a], (3, 4, 5, 6))
+  pairs = frontier.time_pairs(arm, full)
+  assert pairs[5] is None
+  assert pairs[3] == {"machine": a, "wall": 0.5, "compute": pytest.approx(220 / 470),
+                      "even": True}
+  assert pairs[4]["wall"] is None and pairs[4]["compute"] == 0.5
+  assert pairs[6]["wall"] == 0.3 and not pairs[6]["even"]
+  means = frontier.mean_ratios(pairs)
+  assert means["wall_ratio"] == pytest.approx(0.4) and means["wall_seeds"] == [3, 6]
+  assert means["even_wall_ratio"] == 0.5 and means["even_seeds"] == [3]
+  assert means["compute_ratio"] == pytest.approx((220 / 470 + 0.5) / 2)  # Even pace only.
+  assert means["compute_seeds"] == [3, 4]
+  times = frontier.run_times(arm)  # Seed 4 left out: its wall clock is one sitting's.
+  assert times["whole_seeds"] == [3, 5, 6] and times["wall"] == pytest.approx(790 / 3)
+  assert times["rest"] == pytest.approx((30 + 30 + 20) / 3)
+  assert times["scoring"] == 1.0 and times["machines"] == [a, b]
+
+
+def test_evaluation_passes_and_the_share_with_them():
+  """20 epochs evaluated every 2nd: 10 evaluations of 6,000 validation and 10,000 test images
+  = 160,000 passes, added to both arms' training passes before their ratio."""
+  curve = list(range(2, 21, 2))
+  def run(passes):
+    return {**_result([0.9], passes), "curve_epoch": [curve], "correct": [[1] * 10_000]}
+  full, arm = run(3_240_960.0), run(0.4775 * 3_240_960)
+  assert frontier.evaluation_passes(full) == 160_000
+  share = frontier.costs(arm, full)["passes_share_with_evaluation"]
+  assert share == pytest.approx((0.4775 * 3_240_960 + 160_000) / (3_240_960 + 160_000))
+  assert frontier.evaluation_passes(_result([0.9], 1.0)) is None  # No curves: not counted.
+
+
+def test_validation_images_match_the_base_config():
+  from cpjax.data import splits
+  assert frontier.VAL_IMAGES == splits.carved_val_size(frontier.base_config().dataset)
+
+
+def test_kept_schedule_of_each_design_from_its_config():
+  """Top-k with the finish at 45 %: (19 x 0.45 - 2) / 17 = 0.3853 kept in epochs 1-17, then 2
+  on all data; rising from 20 to 70 %; InfoBatch (anneal 0.125 of 20 epochs: floor(17.5) = 17)
+  prunes in epochs 1-16, then 3 on all data; full data selects nothing."""
+  base = frontier.base_config()
+  arms = {a.name: a for a in frontier.search_arms(base)}
+  assert frontier.kept_schedule(arms["topk_anneal-45"], base) == {
+      "epochs": [1, 17], "kept": [0.3853, 0.3853], "full_after": 2}
+  assert frontier.kept_schedule(arms["topk_anneal-30"], base)["kept"][0] == 0.2176
+  assert frontier.kept_schedule(arms["topk_rising-45"], base)["kept"] == [0.2, 0.7]
+  assert frontier.kept_schedule(arms["topk_entropy-30"], base) == {
+      "epochs": [1, 19], "kept": [0.3, 0.3], "full_after": 0}
+  assert frontier.kept_schedule(arms["infobatch-r85"], base) == {
+      "epochs": [1, 16], "kept": None, "full_after": 3}
+  assert frontier.kept_schedule(arms["full"], base) == {}
+  # A mean of 30 % kept in epochs 1-16 of 20, 100 passes a full epoch: 4 x 100 + 16 x 30.
+  assert frontier.mean_kept({"epochs": [1, 16], "full_after": 3}, 880.0, 2000.0) == (
+      pytest.approx(0.3))
+
+
+def test_two_level_bootstrap_reduces_to_each_level():
+  """One seed: the test images' bootstrap alone (Binomial(2000, 0.1) / 2000, as above). Forty
+  seeds whose runs differ on every image or on none (the image draw changes nothing): the seed
+  bootstrap alone, the mean of 40 draws from 20 ones and 20 zeros: 0.5 +- 1.645 x 0.5 /
+  sqrt(40) = [0.37, 0.63]."""
+  n, k = 2000, 200
+  full = np.zeros(n, np.int8)
+  full[k::2] = 1
+  arm = full.copy()
+  arm[:k] = 1
+  one = {name: {"seed_index": {3: 0}, "correct": [c.tolist()]} for name, c in
+         (("arm", arm), ("full", full))}
+  half = 1.645 * math.sqrt(0.1 * 0.9 / n)
+  assert frontier.seed_and_image_interval(one["arm"], one["full"], [3]) == pytest.approx(
+      [0.1 - half, 0.1 + half], abs=0.003)
+  seeds = list(range(40))
+  arms = {"seed_index": {s: s for s in seeds}, "correct": [[1] * 50] * 20 + [[0] * 50] * 20}
+  fulls = {"seed_index": {s: s for s in seeds}, "correct": [[0] * 50] * 40}
+  low, high = frontier.seed_and_image_interval(arms, fulls, seeds)
+  assert (low, high) == pytest.approx((0.5 - 1.645 * 0.5 / math.sqrt(40),
+                                       0.5 + 1.645 * 0.5 / math.sqrt(40)), abs=0.03)
+
+
+def _readme_budget_table() -> str:
+  with open("README.md", encoding="utf-8") as f:
+    text = f.read()
+  section = text.split("## Which selection to use")[1].split("## Which calibration to use")[0]
+  return " ".join(section.split())  # Wrapped lines read as one.
+
+
+def _interval(v: dict) -> str:
+  return f"{100 * v['mean']:+.2f} [{100 * v['low']:+.2f}, {100 * v['high']:+.2f}]"
+
+
+def _bracket(pair) -> str:
+  return f"[{100 * pair[0]:+.2f}, {100 * pair[1]:+.2f}]"
+
+
+def test_readme_budget_table_states_the_frontier_summary():
+  """Every number of the README's budget table as studies/results/frontier.json (the
+  committed summary, generated from the records) has it, in the table's own formats."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  summary, found, runs = out["summary"], out["verdicts"], out["runs"]
+  table = _readme_budget_table()
+  expected = []
+  for name in ("topk_anneal-45", "topk_entropy-30", "topk_anneal-55", "infobatch-r50"):
+    row = summary[name]
+    expected.append(f"{100 * row['passes_share']:.1f} % "
+                    f"({100 * row['passes_share_with_evaluation']:.1f} %)")
+    if name != "topk_anneal-45":  # Its row gives the later tiers' verdicts (below).
+      expected += [f"{_interval(row['vs_full'])} (seeds 0-2)",
+                   f"TOST p {row['vs_full']['p']:.3f}"]
+    kept = row["kept"]
+    share = (f"{100 * kept['kept'][0]:.1f} % kept" if kept["kept"]
+             else f"≈ {100 * kept['mean_from_passes']:.1f} % kept on average")
+    expected.append(f"{share} in epochs {kept['epochs'][0]}-{kept['epochs'][1]}")
+  expected.append(f"selection.fraction={summary['topk_anneal-45']['kept']['kept'][0]}")
+  expected.append(f"selection.fraction={summary['topk_anneal-55']['kept']['kept'][0]}")
+  for key in ("untouched", "replicate", "pooled"):
+    expected += [_interval(found[key]), f"TOST p {found[key]['p']:.3f}"]
+  for key in ("untouched", "pooled"):
+    both = found[key]["test_images"]["seeds_and_images"]
+    expected.append(f"with the test images {_bracket(both)}")
+  chosen = summary["topk_anneal-45@confirm"]["time"]
+  assert chosen["even_seeds"] == [3, 4, 5] and chosen["wall_seeds"] == [3, 4, 5, 7]
+  (machine,) = chosen["machines"]
+  expected += [f"{chosen['even_wall_ratio']:.2f} (seeds 3-5",
+               f"{chosen['wall_ratio']:.2f} with seed 7", f"`{machine}`"]
+  for name in ("topk_entropy-30", "infobatch-r50"):
+    time = summary[name]["time"]
+    assert time["even_seeds"] == time["wall_seeds"] == [2]
+    expected.append(f"{time['wall_ratio']:.2f} (seed 2, the one pair of whole runs")
+  assert summary["topk_anneal-55"]["time"]["wall_seeds"] == []  # "not measured beside ..."
+  noisy = found["noisy"]
+  arm, full = runs["noisy_topk_anneal-45@confirm"], runs["noisy_full@confirm"]
+  per_seed = [f"{100 * (a - b):+.2f}" for a, b in zip(arm["accuracy"], full["accuracy"])]
+  expected += [_interval(noisy), ", ".join(per_seed[:-1]) + f" and {per_seed[-1]}",
+               f"{100 * noisy['reference_accuracy']:.2f} %",
+               f"{100 * (noisy['earlier_reference']['accuracy'] - noisy['reference_accuracy']):.2f}"
+               " points below", f"{100 * noisy['earlier_reference']['accuracy']:.2f} %",
+               f"{summary['full']['evaluation_passes']:,.0f} a run"]
+  missing = [e for e in expected if e not in table]
+  assert not missing, f"the README's budget table lacks {missing}"
+
+
+def test_docs_studies_state_the_frontier_summary_and_the_power():
+  """docs/studies.md's frontier numbers added beside the seed intervals, as the committed
+  summary has them: kept shares, passes with evaluation, the two-level intervals, tier C's
+  wall-clock ratios, tier D's reference, and the TOST's power at the stated spread."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  with open("docs/studies.md", encoding="utf-8") as f:
+    text = " ".join(f.read().split("## How much compute can be skipped")[1].split())
+  summary, found = out["summary"], out["verdicts"]
+  expected = []
+  for budget in frontier.BUDGETS:
+    row = summary[f"topk_anneal-{budget}"]
+    expected += [f"{100 * row['kept']['kept'][0]:.1f} % in epochs 1-17, then 2 on all data",
+                 f"{100 * row['passes_share']:.1f} % "
+                 f"({100 * row['passes_share_with_evaluation']:.1f} %)"]
+  for ratio in (85, 95, 70, 50):
+    row = summary[f"infobatch-r{ratio}"]
+    expected.append(f"≈ {100 * row['kept']['mean_from_passes']:.1f} % (mean) in epochs 1-16")
+  expected += [f"the interval is {_bracket(found['untouched']['test_images']['seeds_and_images'])}",
+               f"interval is {_bracket(found['pooled']['test_images']['seeds_and_images'])}",
+               f"saving is {100 * found['untouched']['saving_with_evaluation']:.1f} %"]
+  time = summary["topk_anneal-45@confirm"]["time"]
+  ratios = [time["pairs"][str(s)]["wall"] for s in time["even_seeds"]]
+  expected += [f"took {time['even_wall_ratio']:.2f} of",
+               "(" + ", ".join(f"{r:.3f}" for r in ratios[:-1]) + f" and {ratios[-1]:.3f};",
+               f"the mean is {time['wall_ratio']:.2f}"]
+  noisy, earlier = found["noisy"], found["noisy"]["earlier_reference"]["accuracy"]
+  expected.append(f"{100 * (earlier - noisy['reference_accuracy']):.2f} points below the "
+                  f"long-schedule study's noisy full-data runs ({100 * earlier:.2f} %")
+  expected += [f"pass that test only {100 * equivalence.tost_power(0.0012, 3):.0f} % of the time",
+               f"5 seeds {100 * equivalence.tost_power(0.0012, 5):.0f} % of the time"]
+  missing = [e for e in expected if e not in text]
+  assert not missing, f"docs/studies.md lacks {missing}"
+
+
 # Tiers A' (A2 in code) and G, declared before their runs.
 
 
