@@ -201,6 +201,7 @@ def test_boxes_and_flips_are_a_re_draw_from_seed_epoch_and_id(folder, epoch):
     assert (item.width, item.height, item.flip) == (width, height, flip)
 
 
+@pytest.mark.slow  # Seconds of compiling: the op for each of 8 devices and the host stage.
 @pytest.mark.parametrize("epoch", [2, None])
 def test_the_stand_in_gives_the_host_stages_pixels_within_one_level(folder, epoch):
   """With the host stage's reduced-scale JPEG decoding off (the device stage reads full-scale
