@@ -1,9 +1,11 @@
 """How far the device stage's pixels are from the host stage's, on the same boxes.
 
   python -m benchmarks.decode_difference --images=64 --out=diff.json
+  python -m benchmarks.decode_difference --images=32 --width=1000 --height=750
 
-Over a folder of generated 500 x 375 quality-90 JPEGs (benchmarks.feeds.write_folder: smooth
-random colour fields plus noise, not photographs), the host stage (dataset.decode=cpu:
+Over a folder of generated 500 x 375 (`--width`, `--height`) quality-90 JPEGs
+(benchmarks.feeds.write_folder: smooth random colour fields plus noise, not photographs), the
+host stage (dataset.decode=cpu:
 PIL's decode, at a reduced DCT scale where the box is 2x the output or more, then OpenCV's
 resize) against the device stage with each decoder that can run here, on the same rows and
 the same (seed, epoch, id) boxes and flips, at `--size` (224): the mean and the largest
@@ -74,12 +76,15 @@ def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--images", type=int, default=64)
   parser.add_argument("--size", type=int, default=224)
+  parser.add_argument("--width", type=int, default=500)
+  parser.add_argument("--height", type=int, default=375)
   parser.add_argument("--out", default="")
   args = parser.parse_args(argv)
   root = tempfile.mkdtemp(prefix="cpjax_decode_difference_")
   try:
-    feeds.write_folder(root, args.images)
+    feeds.write_folder(root, args.images, args.width, args.height)
     results = {"machine": throughput.machine(), "images": args.images, "size": args.size,
+               "source_size": [args.width, args.height],
                "rows": measure(root, args.size, args.images)}
   finally:
     shutil.rmtree(root, ignore_errors=True)
