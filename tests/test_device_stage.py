@@ -269,8 +269,15 @@ def test_each_device_decodes_and_holds_its_own_shard(folder):
   np.testing.assert_array_equal(np.asarray(batch["label"]), source.labels[blocks[0]])
   other = device_stage.DeviceStageReader(source, transform, mesh, device_stage.HostDecoder(),
                                          read_ahead=3, prefetch_depth=2)
-  np.testing.assert_array_equal(np.asarray(next(other.batches(blocks, epoch=4))["image"]),
-                                expected)
+  weights = np.linspace(0.5, 2.0, len(source)).astype(np.float32)  # One per split row.
+  (fed,) = list(other.train_batches(blocks, row_weights=weights, epoch=4))
+  np.testing.assert_array_equal(np.asarray(fed["image"]), expected)
+  np.testing.assert_array_equal(np.asarray(fed["weight"]), weights[blocks[0]])
+  mask = (np.arange(16) < 11).astype(np.float32)
+  single = other.batch(blocks[0], mask, weights[blocks[0]] * 3, epoch=4)  # Per batch row.
+  np.testing.assert_array_equal(np.asarray(single["image"]), expected)
+  np.testing.assert_array_equal(np.asarray(single["mask"]), mask)
+  np.testing.assert_array_equal(np.asarray(single["weight"]), weights[blocks[0]] * 3)
 
 
 # ---------------------------------------------------------------- bad files and fallbacks

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 import jax
@@ -128,15 +129,17 @@ class DeviceStageReader(readers.HostReader):
     self._threads: concurrent.futures.ThreadPoolExecutor | None = None
     self._devices: concurrent.futures.ThreadPoolExecutor | None = None
     self.decoded_on_host = 0  # Examples a GPU decoder left to PIL, over all passes.
+    self._count_lock = threading.Lock()  # The device threads add to it.
 
   @property
   def decoder_name(self) -> str:
     return self.decoder.name
 
   def batch(self, rows, mask=None, weights=None, epoch=None):
+    """The global batch of `rows` (weights: one per row of the batch, as HostReader.batch)."""
     blocks = np.asarray(rows)[None, :]
     masks = None if mask is None else np.asarray(mask)[None, :]
-    batches = self._batches(blocks, masks, weights, epoch, rows_weighted=False)
+    batches = self._batches(blocks, masks, weights, epoch, weights_by_row=False)
     try:
       return next(batches)
     finally:
@@ -157,7 +160,9 @@ class DeviceStageReader(readers.HostReader):
         lambda row: self._prepared(int(row), epoch), np.asarray(rows)))
     return np.asarray(self._shard(items, prepared, jax.local_devices()[0]))
 
-  def _batches(self, row_blocks, masks, row_weights, epoch, rows_weighted: bool = True):
+  def _batches(self, row_blocks, masks, row_weights, epoch, weights_by_row: bool = True):
+    """Each block's global batch; `row_weights` one per split row (`weights_by_row`), or the
+    block's own (`batch`)."""
     if len(row_blocks) == 0:
       return
     local = sharding.process_rows(self.mesh, row_blocks.shape[1])
@@ -168,10 +173,10 @@ class DeviceStageReader(readers.HostReader):
         pending.append(self._submit(rows[local], epoch))
         if len(pending) > self._read_ahead:
           yield self._global(row_blocks, masks, row_weights, s - self._read_ahead,
-                             pending.popleft(), rows_weighted)
+                             pending.popleft(), weights_by_row)
       first = len(row_blocks) - len(pending)
       for s in range(first, len(row_blocks)):
-        yield self._global(row_blocks, masks, row_weights, s, pending.popleft(), rows_weighted)
+        yield self._global(row_blocks, masks, row_weights, s, pending.popleft(), weights_by_row)
     finally:
       for futures in pending:
         for future in futures:
@@ -192,13 +197,13 @@ class DeviceStageReader(readers.HostReader):
     pool = self._threads_pool()
     return [pool.submit(self._prepared, int(row), epoch) for row in rows]
 
-  def _global(self, row_blocks, masks, row_weights, s: int, futures, rows_weighted: bool):
+  def _global(self, row_blocks, masks, row_weights, s: int, futures, weights_by_row: bool):
     """Block s's global batch: its examples (from `futures`) decoded and resized on their
     devices, labels, ids, mask and weight put beside them."""
     rows = row_blocks[s]
     local = sharding.process_rows(self.mesh, len(rows))
     items, prepared = zip(*[f.result() for f in futures]) if futures else ((), ())
-    weights = row_weights if row_weights is None or not rows_weighted else row_weights[rows]
+    weights = row_weights if row_weights is None or not weights_by_row else row_weights[rows]
     host = {"label": self.split.labels[rows[local]], "id": self.split.ids[rows[local]],
             **readers.mask_and_weight(local, None if masks is None else masks[s], weights)}
     out = sharding.to_global(self.mesh, host, len(rows))
@@ -228,7 +233,8 @@ class DeviceStageReader(readers.HostReader):
     """uint8 [n, S, S, C] on `device`: the examples decoded there and resized by the op."""
     t = self.transform
     decoded = self.decoder.decode(items, prepared, t.channels, device)
-    self.decoded_on_host += decoded.on_host
+    with self._count_lock:
+      self.decoded_on_host += decoded.on_host
     origins = np.asarray([(p.x0, p.y0, p.x0, p.y0) for p in decoded.placed], np.int32)
     boxes = np.asarray([item.box for item in items], np.int32).reshape(-1, 4) - origins
     widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
