@@ -13,8 +13,8 @@ what it needs unless the command line or the config file sets it (logged): e.g.
 is read), so the policies, datasets, models... it registers are choices like cpjax's own
 (docs/extending.md).
 An operational failure (a full or read-only folder, a failed checkpoint write, a lost
-process) ends in one FATAL line naming the cause, the way out and the last good
-checkpoint, and status 1 (cpjax/runtime/failures.py).
+process, a damaged image, a full /dev/shm) ends in one FATAL line naming the cause, the way
+out and the last good checkpoint, and status 1 (cpjax/runtime/failures.py).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
@@ -83,8 +83,8 @@ def main(argv):
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
-  # One line per problem, no traceback: start-up checks, a dataset folder changed under
-  # its checkpoint.
+  # One line per problem, no traceback: start-up checks, a dataset folder (or its records)
+  # changed under its checkpoint.
   except (preflight.StartupCheckError, fingerprint.DatasetChangedError) as err:
     print(f"FATAL {err}", file=sys.stderr)
     sys.exit(1)
@@ -96,19 +96,20 @@ def main(argv):
 
 def _exit_on_failure(err: Exception) -> None:
   """Ends the process with one FATAL line if `err` is an operational failure (a failed
-  checkpoint write, a full or read-only folder, a lost process or decoding worker); returns
-  for a bug."""
+  checkpoint write, a full or read-only folder, a lost process, an error that names its own
+  way out: a dead decoding worker, a full /dev/shm, a damaged image); returns for a bug."""
   checkpoint_dir = os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints")
   if isinstance(err, checkpointing.CheckpointSaveError):
     line = str(err)
-  elif isinstance(err, decode_workers.WorkerDiedError):
-    line = f"{err}; {failures.resume_advice(checkpoint_dir)}"
   elif failures.cause(err, jax.process_count()) != failures.OTHER:
     line = failures.line(err, checkpoint_dir, jax.process_count())
   else:
     return
   if failures.is_lost_peer(err, jax.process_count()):
     distributed.await_lost_process()  # The liveness watch names the lost process and exits.
+  # os._exit skips the interpreter's clean-up: the decoding workers' queues and shared
+  # memory are released first, or the resource tracker reports them after the FATAL line.
+  decode_workers.close_all()
   print(f"FATAL {line}", file=sys.stderr, flush=True)
   # After a failed write orbax's background threads may never end, and a normal exit waits
   # for them (the process would hang, holding its allocation): end it now. The workdir

@@ -137,12 +137,13 @@ def get_config() -> ml_collections.ConfigDict:
   # uniform_sorted, class_balanced, stratified, mixed, sampled, random (per epoch),
   # static_random, random_without_replacement, infobatch (needs score=loss,
   # scoring=train_pass, direction=hardest, which main.py sets unless given; fraction and
-  # count unused).
+  # count unused), importance (k = fraction * N examples in expectation, loss-weighted).
   config.selection.method = "full"
   config.selection.direction = "hardest"  # Scored policies: hardest (highest) or easiest first.
   # Each policy's and score's own settings (temperature for sampled, stratify_drop for
-  # stratified, prune_ratio for infobatch, ...), declared with their defaults and one-line
-  # docs beside the policy in cpjax/selection/policies.py (their table: docs/selection.md).
+  # stratified, prune_ratio for infobatch, mix for importance, ...), declared with their
+  # defaults and one-line docs beside the policy in cpjax/selection/policies.py (their
+  # table: docs/selection.md).
   config.selection.update(policies.POLICIES.defaults())
   config.selection.update(scores.SCORES.defaults())
   # Priority score (cpjax.selection.scores.SCORES); entropy = Tata et al. 2022's; reducible_loss
@@ -151,11 +152,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.selection.fraction = 0.1  # Share k/N of examples per selected epoch (unused by infobatch).
   config.selection.count = 0  # k as a count; > 0 overrides fraction (unused by infobatch).
   config.selection.warmup_epochs = 2  # All-data epochs before selection (Tata et al.: 10).
-  # Fixed-size methods: the last N epochs train on all data (InfoBatch's annealing; infobatch
-  # itself uses anneal_fraction).
+  # Fixed-size methods and importance: the last N epochs train on all data (InfoBatch's
+  # annealing; infobatch itself uses anneal_fraction).
   config.selection.final_full_epochs = 0
-  # Fixed-size methods: < 0 keeps `fraction` every selected epoch; >= 0 moves the kept fraction
-  # linearly from `fraction` (first selected epoch) to this (last selected epoch).
+  # Fixed-size methods and importance: < 0 keeps `fraction` every selected epoch; >= 0 moves
+  # the kept fraction linearly from `fraction` (first selected epoch) to this (last selected
+  # epoch).
   config.selection.fraction_end = -1.0
   # Where scores come from: train_pass (reference), fresh, target or target_recorded.
   config.selection.scoring = "train_pass"

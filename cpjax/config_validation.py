@@ -102,7 +102,9 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   try:
     data_sources.resolve(dataset)
   except (OSError, ValueError, RuntimeError) as err:
-    return [f"config.dataset.name={dataset.name!r}: {' '.join(str(err).split())}"]
+    text, field = " ".join(str(err).split()), f"dataset.name={dataset.name!r}"
+    # An error that names the field itself (tfds's "no such dataset") is not prefixed twice.
+    return [f"config.{text}" if text.startswith(field) else f"config.{field}: {text}"]
   channels = specs.DATASETS[dataset.name].image_shape[-1]
   if dataset.mean and len(dataset.mean) != channels:
     return [f"config.dataset.mean={dataset.mean} must hold {channels} numbers (channels)"]
@@ -165,7 +167,20 @@ def _selection_problems(config: ml_collections.ConfigDict) -> list[str]:
   if target and restores_target and not os.path.isdir(os.path.join(target, "checkpoints")):
     problems.append(f"config.selection.target_workdir={target!r} has no checkpoints/ folder "
                     "(it must be the --workdir of a finished cpjax run)")
-  return problems + _reducible_loss_problems(config) + _policy_schedule_problems(config)
+  return (problems + _reducible_loss_problems(config) + _policy_schedule_problems(config)
+          + _proportional_problems(selection))
+
+
+def _proportional_problems(selection: ml_collections.ConfigDict) -> list[str]:
+  """A policy that draws with probabilities proportional to the score needs a score that is
+  never negative (importance: a negative score would count as 0)."""
+  policy = policies.POLICIES[selection.method]
+  if not policy.proportional or scores.SCORES[selection.score].nonnegative:
+    return []
+  valid = [s.name for s in scores.SCORES.entries() if s.nonnegative]
+  return [f"config.selection.score={selection.score!r} can be negative, and method="
+          f"{selection.method!r} draws with probabilities proportional to the score; valid: "
+          f"{', '.join(valid)}"]
 
 
 def _policy_schedule_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -319,7 +334,7 @@ def size_warnings(config: ml_collections.ConfigDict) -> list[str]:
   if config.batch_size > num_rows:
     warnings.append(f"config.batch_size={config.batch_size} exceeds the {num_rows} training "
                     "examples: each epoch is one step whose batch repeats examples")
-  if policies.fixed_size(config.selection.method):
+  if policies.reads_k(config.selection.method):
     k = policies.subset_size(config.selection.fraction, config.selection.count, num_rows)
     if k < config.batch_size:
       warnings.append(f"the selected subset (k={k} from selection.fraction/count) is smaller "

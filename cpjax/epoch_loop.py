@@ -37,6 +37,29 @@ class StalledTrainingError(RuntimeError):
   """A whole epoch trained with a gradient exactly zero or a loss exactly constant."""
 
 
+class InputWait:
+  """Iterates `batches`, adding up in `seconds` the time each `next` blocked: how long the
+  step loop waited on its input. With asynchronous dispatch the loop runs ahead of the
+  device until the device's queue is full, so a loop fed faster than the device trains
+  waits little here and a loop starved by its reader waits about as long as the device
+  idles. The first batch's wait (a reader starting up) is counted too."""
+
+  def __init__(self, batches):
+    self._batches, self.seconds = batches, 0.0
+
+  def __iter__(self):
+    batches = iter(self._batches)
+    while True:
+      start = time.perf_counter()
+      try:
+        batch = next(batches)
+      except StopIteration:
+        return
+      finally:
+        self.seconds += time.perf_counter() - start
+      yield batch
+
+
 def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list,
                 loss_hparams: dict[str, np.float32], done: dict[str, Any], *, first_step: int,
                 epoch: int, log_every: int, writer, progress,

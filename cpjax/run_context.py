@@ -35,8 +35,8 @@ class Run:
   # The epoch's batches from the train reader (the loss's: FL_gamma's joined by meta-validation
   # batches; cpjax.loss_steps).
   train_batches: loss_steps.TrainBatches
-  # Metadata of every checkpoint: the config (as JSON) and a folder dataset's file digests
-  # (cpjax.data.fingerprint), which a resume checks.
+  # Metadata of every checkpoint: the config (as JSON) and a folder dataset's rows' digests
+  # (its files or its records: cpjax.data.fingerprint), which a resume checks.
   checkpoint_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   compilation_cache: str | None = None  # The persistent cache's directory; None: off.
   # The loop's parts (cpjax.train adds them once the selector knows the epochs' sizes).

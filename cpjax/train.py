@@ -9,8 +9,10 @@ when `run_context.due`, and write the calibration report after the last epoch
 (cpjax.evaluation), once that epoch's training numbers are in metrics.jsonl and its checkpoint
 has committed: a report that fails, or is killed, loses no training and no record, a signal
 stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
-(cpjax.preflight) run before the workdir is touched, and a folder dataset changed under its
-checkpoint is refused (cpjax.data.fingerprint); an epoch that learns nothing stops the run.
+(cpjax.preflight) run before the workdir is touched, and a folder dataset (or its converted
+records) changed under its checkpoint is refused (cpjax.data.fingerprint), unless the change
+is the replacement of a file the run stopped on as damaged; an epoch that learns nothing
+stops the run.
 """
 
 import contextlib
@@ -74,7 +76,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     The last epoch's metrics record.
   """
   _check_before_work(config, workdir)
-  with workdir_lock.WorkdirLock(workdir), \
+  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir), \
       contextlib.closing(compilation_cache.CacheStats()) as cache_stats:
     return _train_and_evaluate(config, workdir, cache_stats)
 
@@ -111,7 +113,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           logging.info("%s", cache_stats.summary(run.compilation_cache))
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
-      writer.flush()
+      writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
@@ -136,12 +138,13 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
   batches = run.train_batches(  # The train reader's (FL_gamma's joined by their own).
       order[done["steps"]:], epoch=epoch, first_step=first_step + done["steps"],
       row_weights=_row_weights(rows, weights, len(run.splits["train"])))
+  waiting = epoch_loop.InputWait(batches)  # The seconds the loop blocks on its next batch.
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
   with run.progress.timed("train"), \
       contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
-        run.train_fn, state, batches, learning_rates, hparams, done, first_step=first_step,
+        run.train_fn, state, waiting, learning_rates, hparams, done, first_step=first_step,
         epoch=epoch, log_every=config.log_every_steps, writer=run.writer,
         progress=run.progress, checkpointer=run.checkpointer,
         last_step=run.total_steps, compile_step=done["steps"] if first else -1)
@@ -152,13 +155,17 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
     timings["training_seconds"] = time.perf_counter() - train_start
     selection_state, selection_record = run.selector.after_epoch(
         epoch, selection_state, order, outputs, timings, run.workdir)
-    record = {**record, **selection_record, "epoch": epoch}
+    record = {**record, **selection_record, "epoch": epoch,
+              "input_wait_seconds": waiting.seconds}
     if last:  # Its training numbers first: a report that fails or is killed loses none.
-      logits = run.evaluator.logits(state)  # Non-finite: stops, nothing saved.
+      # Non-finite logits stop the run here, nothing saved.
+      logits, record["eval_seconds"] = _timed(run.evaluator.logits, state)
       run.epoch_log.write({**record, "epoch_seconds": time.time() - start})
     else:
       if run_context.due(epoch, config.eval_every_epochs, run.num_epochs):
-        record.update(run.evaluator.run(state, run.writer, first_step + len(order)))
+        numbers, record["eval_seconds"] = _timed(run.evaluator.run, state, run.writer,
+                                                 first_step + len(order))
+        record.update(numbers)
       record["epoch_seconds"] = time.time() - start
       run.epoch_writer.write_scalars(first_step + len(order), record)
     partial = run_state.empty_partial(config.dataset, config.batch_size)
@@ -167,6 +174,7 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
     partial = run_state.partial_tree(config.dataset, config.batch_size,
                                      jax.device_get(totals), outputs)
   if stopped or last or run_context.due(epoch, config.checkpoint_every_epochs, run.num_epochs):
+    save_start = time.perf_counter()
     step = epoch_loop.save_checkpoint(run.checkpointer, run.mesh, run.checkpoint_meta, state,
                                       selection_state, partial, epoch + complete,
                                       0 if complete else trained)
@@ -175,12 +183,41 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, epoch: int,
     epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
                               0 if complete else trained)
   if last:
-    run.checkpointer.wait_until_finished()  # Committed before the report.
-    with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
-      record.update(_report_numbers(run.evaluator, run.writer, state, epoch, step, logits))
+    record.update(_finish_run(run, state, epoch, step, logits, save_start))
     record["epoch_seconds"] = time.time() - start
     run.epoch_writer.write_scalars(step, record)
   return state, selection_state, record
+
+
+def _finish_run(run: Run, state: steps.TrainState, epoch: int, step: int,
+                logits: dict[str, np.ndarray], save_start: float) -> dict[str, Any]:
+  """The end of the last epoch, its checkpoint at global `step` saved from `save_start`
+  (perf_counter) on: waits for that checkpoint to commit, writes the report, and returns
+  the report's numbers, the seconds of both (`checkpoint_seconds`: the save and its commit;
+  `report_seconds`) and the devices' peak memory where the backend counts it."""
+  run.checkpointer.wait_until_finished()  # Committed before the report.
+  numbers = {"checkpoint_seconds": time.perf_counter() - save_start}
+  report_start = time.perf_counter()
+  with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
+    numbers.update(_report_numbers(run.evaluator, run.writer, state, epoch, step, logits))
+  return {**numbers, "report_seconds": time.perf_counter() - report_start,
+          **peak_device_memory()}
+
+
+def peak_device_memory() -> dict[str, int]:
+  """{"perf/peak_device_memory_bytes": the most bytes any local device has held at once in
+  this process (its allocator's peak)} where the backend counts them (GPU, TPU); {} where
+  it does not (CPU: `memory_stats()` is None)."""
+  peaks = [(device.memory_stats() or {}).get("peak_bytes_in_use")
+           for device in jax.local_devices()]
+  peaks = [int(p) for p in peaks if p is not None]
+  return {"perf/peak_device_memory_bytes": max(peaks)} if peaks else {}
+
+
+def _timed(fn, *args) -> tuple[Any, float]:
+  """`fn(*args)` and the seconds it took."""
+  start = time.perf_counter()
+  return fn(*args), time.perf_counter() - start
 
 
 def _report_numbers(evaluator: evaluation.Evaluator, writer, state: steps.TrainState,
@@ -243,7 +280,7 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
                             "first or point --workdir at a trained run")
   _check_before_work(config, workdir, "evaluate")
-  with workdir_lock.WorkdirLock(workdir):
+  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir):
     run, state, _, start_epoch, done = _setup(config, workdir)
     if start_epoch == 0 and done is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
@@ -289,16 +326,17 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
       run_state.empty_partial(config.dataset, config.batch_size), mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
   # Before the restore: files added or deleted would show as a shape mismatch instead.
-  data_digests = fingerprint.check_resume(sources.file_listing(config.dataset),
-                                          checkpointer.latest_meta(), workdir,
-                                          config.dataset.folder)
+  listings = fingerprint.saved_listings(workdir)
+  data_digests = fingerprint.check_resume(
+      sources.identity(config.dataset, listings[0] if listings else None), listings,
+      checkpointer.latest_meta(), workdir)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
   checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True),
                      **_decoder_meta(data_readers["train"], meta)}
-  if data_digests is not None:  # A folder's files: a resume checks they are unchanged.
+  if data_digests is not None:  # A folder's rows: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
   run = Run(workdir, mesh, model, tx, checkpointer, data_splits, data_readers, eval_fn,
             kind.train_batches(data_readers, config.seed, config.batch_size), checkpoint_meta,

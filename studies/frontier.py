@@ -41,6 +41,28 @@ Protocol (settings chosen on validation accuracy only):
           5 more untouched seeds (8-12), the same rule; reported alone and pooled with
           tier C (seeds 3-12), beside tier C's verdict, which stays as it was
 
+Declared before any of their runs: is an unbiased design lossless at half the passes?
+  tier A' (A2 in code)  four designs at no more than half of full data's passes, each
+          beside full data on seeds 0-2 (its records exist):
+            importance-m50, importance-m20  importance sampling (selection.method=
+                      importance) by the train pass's el2n, mix 0.5 and 0.2, normalised
+                      loss weights clipped at 10; kept fraction 0.4673 in expectation
+                      (IMPORTANCE_FRACTION: the largest whose passes stay at or below half
+                      even when its selected epochs hold 4 sd more than k in all)
+            topk_anneal-p50   top-k entropy with the last 2 epochs on all data at 0.41
+                      kept (TOPK_P50_FRACTION: the largest at or below half the passes,
+                      49.85 %)
+            infobatch_norescale-r95  InfoBatch at r = 0.95 without its loss weight
+                      (selection.infobatch_rescale=False): does the weight 1/(1 - r) = 20,
+                      rather than the pruning, cause its collapse at r = 0.95?
+  choice  the same rule as tier A's, applied to tier A' (`choose(..., tier="A2")`): the
+          highest mean validation accuracy among its arms at no more than half of full
+          data's passes
+  tier G  the tier-A' choice and full data on 10 new seeds (13-22); the same TOST at
+          ±0.2 points and -0.1 floor, the test images' paired bootstrap beside the seed
+          interval, and per seed the arm's wall-clock and loop seconds over full data's
+          (each pair's machine named)
+
 Lossless means: a two one-sided t-test (TOST) of equivalence at a margin of
 0.2 accuracy points passes at alpha = 0.05 on the paired per-seed differences
 (arm - full data, same seeds), i.e. the 90 % t interval of the mean difference
@@ -52,6 +74,8 @@ are read from its committed records. Every finished run leaves a small record
 in studies/results/frontier_runs/; rerunning the command continues the study:
 
   python -m studies.frontier --out=studies/out/frontier
+  python -m studies.frontier --out=studies/out/frontier --tiers A2    # tier A' alone
+  python -m studies.frontier --out=studies/out/frontier --tiers A2G   # then tier G
 """
 
 import argparse
@@ -60,6 +84,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import traceback
 
@@ -71,7 +96,9 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from cpjax import registry  # noqa: E402
+from cpjax.data import splits  # noqa: E402
 from cpjax.runtime import preemption  # noqa: E402
+from cpjax.selection import policies, subsets  # noqa: E402
 from studies import equivalence, grid, long_schedule  # noqa: E402
 
 RECORDS = "studies/results/frontier_runs"
@@ -87,6 +114,16 @@ tost, lossless = equivalence.tost, equivalence.lossless
 ANNEAL_EPOCHS = 2
 NOISE = 0.2
 SAMPLED = {"selection.method": "sampled", "selection.temperature": 0.1}
+# Tiers A' (A2) and G, declared before any of their runs (the module docstring).
+TIERS = ("A", "C", "F", "D", "B", "E", "A2", "G")  # Every tier, in the default order.
+G_SEEDS = tuple(range(13, 23))
+PASSES_CAP = 0.5  # Tier A': every arm at no more than half of full data's passes.
+SIZE_SDS = 4.0  # An importance arm's epochs may hold this many sd more than k in all.
+IMPORTANCE_MIXES = (50, 20)  # Per cent of uniform in the sampling distribution.
+IMPORTANCE_FRACTION = 0.4673  # `importance_fraction_at_most(PASSES_CAP, base)`, tested.
+TOPK_P50_FRACTION = 0.41  # `anneal_fraction_at_most(PASSES_CAP, base)`, tested.
+# Tier A' (A2): its new designs (each importance mix its own, so that the figure draws each).
+A2_POLICIES = tuple(f"importance-m{mix}" for mix in IMPORTANCE_MIXES) + ("infobatch_norescale",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,12 +227,120 @@ def later_arms(chosen: Arm, base) -> list[Arm]:
           seeds=REPLICATE_SEEDS)]
 
 
+# ---------------------------------------------------------------------------------------------
+# Tiers A' (A2) and G: their passes, counted as the study counts them.
+
+
+def planned_share(config, base, sizes) -> float:
+  """Example passes of a run of `config` whose epochs train `sizes` examples, as a share of
+  full data's (`base`, every epoch on all rows), both counted by the study's own
+  `long_schedule.example_passes`."""
+  n = splits.num_train_examples(base.dataset)
+  full = long_schedule.example_passes(
+      base, [{"epoch": e, "selected_k": n} for e in range(base.num_epochs)])
+  run = long_schedule.example_passes(
+      config, [{"epoch": e, "selected_k": int(k)} for e, k in enumerate(sizes)])
+  return float(run[-1] / full[-1])
+
+
+def anneal_sizes(fraction: float, base) -> list[int]:
+  """Epoch sizes of top-k at `fraction` kept with the last ANNEAL_EPOCHS on all data."""
+  n, warmup = splits.num_train_examples(base.dataset), base.selection.warmup_epochs
+  k = policies.subset_size(fraction, 0, n)
+  return [n] * warmup + [k] * (base.num_epochs - warmup - ANNEAL_EPOCHS) + [n] * ANNEAL_EPOCHS
+
+
+def importance_sizes(fraction: float, base, sds: float | None = SIZE_SDS) -> list[int]:
+  """Epoch sizes of importance sampling at `fraction` (k in expectation) that bound its
+  passes from above: the S selected epochs hold sum_e |S_e| examples, whose sd is at most
+  sqrt(S k (1 - k / N)) (each epoch's size is a sum of independent Bernoulli(pi_i) with
+  sum_i pi_i = k, so its variance k - sum_i pi_i^2 is at most k - k^2 / N), and
+  ceil(|S_e| / B) <= (|S_e| + B - 1) / B; so each epoch at k + `sds` sd / S + B - 1 trains no
+  fewer steps in all than the run, unless its sizes exceed theirs by more than `sds` sd.
+  sds=None: each epoch at its expected size k."""
+  n, warmup = splits.num_train_examples(base.dataset), base.selection.warmup_epochs
+  k, selected = policies.subset_size(fraction, 0, n), base.num_epochs - warmup
+  if sds is None:
+    return [n] * warmup + [k] * selected
+  sd = math.sqrt(selected * k * (1 - k / n))
+  return [n] * warmup + [math.ceil(k + sds * sd / selected) + base.batch_size - 1] * selected
+
+
+def largest_fraction(share: float, config_of, sizes_of, base) -> float:
+  """The largest kept fraction on a 1e-4 grid whose planned passes (`sizes_of(f, base)`, run
+  as `config_of(f)`) are at most `share` of full data's (they grow with f: a bisection)."""
+  low, high = 1, 10_000  # In units of 1e-4.
+  while low < high:
+    middle = (low + high + 1) // 2
+    f = middle / 10_000
+    if planned_share(config_of(f), base, sizes_of(f, base)) <= share:
+      low = middle
+    else:
+      high = middle - 1
+  return low / 10_000
+
+
+def _topk_p50(fraction: float) -> dict:
+  return {"selection.method": "top_k", "selection.fraction": fraction,
+          "selection.final_full_epochs": ANNEAL_EPOCHS}
+
+
+def _importance(fraction: float, mix: int = IMPORTANCE_MIXES[0]) -> dict:
+  return {"selection.method": "importance", "selection.score": "el2n",
+          "selection.fraction": fraction, "selection.mix": mix / 100,
+          "selection.max_weight": 10.0, "selection.weighting": "normalized"}
+
+
+def anneal_fraction_at_most(share: float, base) -> float:
+  """Top-k with the 2-epoch finish: the largest kept fraction at or below `share` of the
+  passes (TOPK_P50_FRACTION at half)."""
+  return largest_fraction(share, lambda f: grid.apply(base, _topk_p50(f)), anneal_sizes, base)
+
+
+def importance_fraction_at_most(share: float, base) -> float:
+  """Importance sampling: the largest kept fraction whose passes stay at or below `share`
+  even with its epochs `SIZE_SDS` sd above their expected size (IMPORTANCE_FRACTION)."""
+  return largest_fraction(share, lambda f: grid.apply(base, _importance(f)), importance_sizes,
+                          base)
+
+
+def a2_arms() -> list[Arm]:
+  """Tier A' (A2): four designs at no more than half of full data's passes, seeds 0-2. The
+  budget column is the tier's cap, 50 % of the passes."""
+  return [*(Arm(f"importance-m{mix}", f"importance-m{mix}",
+                _importance(IMPORTANCE_FRACTION, mix), "A2", 50) for mix in IMPORTANCE_MIXES),
+          Arm("topk_anneal-p50", "topk_anneal", _topk_p50(TOPK_P50_FRACTION), "A2", 50),
+          Arm("infobatch_norescale-r95", "infobatch_norescale",
+              {**long_schedule.INFOBATCH, "selection.prune_ratio": 0.95,
+               "selection.infobatch_rescale": False}, "A2", 50)]
+
+
+def g_arms(chosen: Arm) -> list[Arm]:
+  """Tier G: the tier-A' choice and full data on the 10 new seeds 13-22."""
+  return [Arm("full@confirm_g", "full", {}, "G", seeds=G_SEEDS),
+          Arm(f"{chosen.name}@confirm_g", chosen.policy, chosen.overrides, "G", chosen.budget,
+              seeds=G_SEEDS)]
+
+
 def arm_names(base) -> list[str]:
-  """Every arm the study can run: the search arms and the later tiers of any possible choice."""
+  """Every arm the study can run: the search arms and the later tiers of any possible choice
+  (tier A's: C-F; tier A' (A2)'s: G)."""
   search = search_arms(base)
   later = [a.name for c in search if c.tier == "A" and c.policy != "full"
            for a in later_arms(c, base)]
-  return list(dict.fromkeys([a.name for a in search] + later))
+  second = [a.name for c in a2_arms() for a in [c, *g_arms(c)]]
+  return list(dict.fromkeys([a.name for a in search] + later + second))
+
+
+def parse_tiers(text: str) -> list[str]:
+  """--tiers' tiers in order: letters, each optionally followed by digits ("ACFDBE", "A2",
+  "A2G"); an unknown one is named with the valid ones."""
+  found = re.findall(r"[A-Z]\d*|.", text)
+  for tier in found:
+    if tier not in TIERS:
+      raise SystemExit(f"--tiers: unknown tier {tier!r} in {text!r}; valid tiers: "
+                       f"{', '.join(TIERS)} (A2 is tier A')")
+  return found
 
 
 def parse_arms(text: str, base) -> list[str]:
@@ -237,12 +382,12 @@ def paired_differences(arm: dict, reference: dict, key: str = "accuracy") -> tup
                  for s in seeds]
 
 
-def choose(arms: list[Arm], results: dict) -> Arm | None:
-  """The pre-registered choice: among tier A's selecting arms with at most half of full
-  data's passes and all search seeds finished, the highest mean validation accuracy
-  (the first listed on a tie). None until every tier-A arm has finished."""
+def choose(arms: list[Arm], results: dict, tier: str = "A") -> Arm | None:
+  """The pre-registered choice: among `tier`'s selecting arms (A; A2: tier A') with at most
+  half of full data's passes and all search seeds finished, the highest mean validation
+  accuracy (the first listed on a tie). None until every arm of the tier has finished."""
   full = results.get("full")
-  candidates = [a for a in arms if a.tier == "A" and a.policy != "full"]
+  candidates = [a for a in arms if a.tier == tier and a.policy != "full"]
   if full is None or any(len(results.get(a.name, {}).get("seed_index", {}))
                          < len(SEARCH_SEEDS) for a in candidates):
     return None
@@ -255,7 +400,7 @@ def summarise(arms: list[Arm], results: dict) -> dict:
   """Per arm: passes as a share of full data's, accuracies, the paired test against the full
   data run of the same regime and schedule on the same seeds."""
   references = {"C": "full@confirm", "D": "noisy_full@confirm", "E": "full_e30",
-                "F": "full@replicate"}
+                "F": "full@replicate", "G": "full@confirm_g"}
   summary = {}
   for arm in arms:
     r = results.get(arm.name)
@@ -271,6 +416,7 @@ def summarise(arms: list[Arm], results: dict) -> dict:
            "passes": float(np.mean(r["passes"]))}
     if reference is not None:
       row["passes_share"] = row["passes"] / float(np.mean(reference["passes"]))
+      row.update(costs(r, reference))
       if reference is not r:
         seeds, d = paired_differences(r, reference)
         test = tost(d)
@@ -279,12 +425,15 @@ def summarise(arms: list[Arm], results: dict) -> dict:
   return summary
 
 
+SEARCH_TIERS = ("A", "A2", "B")  # The tiers on seeds 0-2 beside full data's seeds 0-2.
+
+
 def frontier_answers(summary: dict) -> dict:
   """For each policy: the largest saving (1 - passes share) at which it is lossless on the
   search seeds (all of 0-2: an arm short of them does not count yet), or None."""
   out = {}
   for name, row in summary.items():
-    if row["tier"] not in ("A", "B") or "vs_full" not in row:
+    if row["tier"] not in SEARCH_TIERS or "vs_full" not in row:
       continue
     out.setdefault(row["policy"], None)
     if len(row["seeds"]) < row["planned_seeds"]:
@@ -298,14 +447,14 @@ def frontier_answers(summary: dict) -> dict:
 
 
 def smallest_not_worse(summary: dict) -> dict:
-  """For each policy, over the search tiers (A, B; seeds 0-2): the arm with the smallest share
+  """For each policy, over the search tiers (A, A', B; seeds 0-2): the arm with the smallest share
   of full data's passes that is *not shown worse* than full data (the 90 % t interval of the
   paired difference reaches 0 or above), or None; and the arms shown equivalent by the TOST.
   An arm short of seeds 0-2 is listed under `incomplete` (name, seeds run) and counts for
   neither, so that a policy's answer never rests on a part of its seeds."""
   out = {}
   for name, row in summary.items():
-    if row["tier"] not in ("A", "B") or "vs_full" not in row:
+    if row["tier"] not in SEARCH_TIERS or "vs_full" not in row:
       continue
     entry = out.setdefault(row["policy"], {"not_worse": None, "equivalent": [], "incomplete": []})
     if len(row["seeds"]) < row["planned_seeds"]:
@@ -355,7 +504,32 @@ def test_image_intervals(results: dict, arm: str, reference: str, seeds) -> dict
   per_seed = {int(s): [float(a["accuracy"][a["seed_index"][s]]
                              - r["accuracy"][r["seed_index"][s]]),
                        *interval(a, r, [s], "accuracy")] for s in seeds}
-  return {"pooled": list(interval(a, r, list(seeds), "accuracy")), "per_seed": per_seed}
+  return {"pooled": list(interval(a, r, list(seeds), "accuracy")), "per_seed": per_seed,
+          "seeds_and_images": seed_and_image_interval(a, r, list(seeds))}
+
+
+# The two-level bootstrap's resamples: at 1,000 its interval's ends moved by about 0.01 points
+# between generator seeds, at 4,000 by about half that.
+TWO_LEVEL_RESAMPLES = 4000
+
+
+def seed_and_image_interval(arm: dict, reference: dict, seeds: list, rng_seed: int = 0
+                            ) -> list[float]:
+  """A two-level paired bootstrap of the seed-mean difference in test accuracy: each of
+  TWO_LEVEL_RESAMPLES resamples draws the test images with replacement (the same images
+  for both runs of a seed and for every seed) and then the seeds with replacement, so that its
+  90 % percentile interval holds both the seeds' spread and the test set's own sampling (the
+  seed interval holds the first, `test_image_intervals`' pooled interval the second)."""
+  d = np.array([np.asarray(arm["correct"][arm["seed_index"][s]], np.float64)
+                - np.asarray(reference["correct"][reference["seed_index"][s]], np.float64)
+                for s in seeds])  # [seeds, images]
+  rng = np.random.default_rng(rng_seed)
+  means = np.empty(TWO_LEVEL_RESAMPLES)
+  for b in range(len(means)):
+    per_seed = d[:, rng.integers(0, d.shape[1], d.shape[1])].mean(1)
+    means[b] = per_seed[rng.integers(0, len(seeds), len(seeds))].mean()
+  tail = (1 - long_schedule.CONFIDENCE) / 2
+  return [float(q) for q in np.quantile(means, [tail, 1 - tail])]
 
 
 def verdicts(summary: dict, chosen: Arm | None, results: dict | None = None) -> dict:
@@ -374,13 +548,16 @@ def verdicts(summary: dict, chosen: Arm | None, results: dict | None = None) -> 
       continue
     vs = row["vs_full"]
     out[key] = {"arm": name, "seeds": vs["seeds"], "complete": tuple(vs["seeds"]) == seeds,
-                "saving": 1 - row["passes_share"], **vs}
+                "saving": 1 - row["passes_share"],
+                "saving_with_evaluation": 1 - row.get("passes_share_with_evaluation", math.nan),
+                **vs}
   test = pooled_test(results or {}, [(f"{chosen.name}@confirm", "full@confirm"),
                                      (f"{chosen.name}@replicate", "full@replicate")])
   if test is not None and "untouched" in out and "replicate" in out:
     out["pooled"] = {"arm": f"{chosen.name}@confirm + @replicate", **test,
                      "complete": tuple(test["seeds"]) == CONFIRM_SEEDS + REPLICATE_SEEDS,
-                     "saving": out["untouched"]["saving"], "lossless": lossless(test)}
+                     "saving": out["untouched"]["saving"], "lossless": lossless(test),
+                     "saving_with_evaluation": out["untouched"]["saving_with_evaluation"]}
   for key in ("untouched", "replicate", "pooled"):
     if key in out:
       v = out[key]
@@ -423,20 +600,42 @@ def _outcome(v: dict, short: bool = False) -> str:
   return why
 
 
+def _saving_text(v: dict) -> str:
+  """'52 % fewer passes', and with evaluation's passes counted where the records tell them."""
+  text = f"{100 * v['saving']:.0f} % fewer passes"
+  with_evaluation = v.get("saving_with_evaluation", math.nan)
+  if np.isfinite(with_evaluation):
+    text += f" ({100 * with_evaluation:.1f} % fewer with evaluation's passes counted)"
+  return text
+
+
+def _images_text(images: dict) -> str:
+  """The test images' intervals of a verdict: of the mean with the seeds fixed, with the seeds
+  resampled too (`seed_and_image_interval`), and of each seed's difference."""
+  low, high = images["pooled"]
+  both = images.get("seeds_and_images")
+  per_seed = "; ".join(f"seed {s}: {_pts(d)} [{_pts(lo)}, {_pts(hi)}]"
+                       for s, (d, lo, hi) in images["per_seed"].items())
+  return (f". Over test images (paired bootstrap, 90 %): mean [{_pts(low)}, {_pts(high)}]"
+          + (f"; seeds and test images resampled together (two-level bootstrap, 90 %): "
+             f"[{_pts(both[0])}, {_pts(both[1])}]" if both else "") + f"; {per_seed}")
+
+
 def _verdict_line(label: str, v: dict) -> str:
   seeds = ",".join(map(str, v["seeds"]))
   status = "" if v["complete"] else " (incomplete: more seeds to run)"
   why = _outcome(v)
-  line = (f"- {label}: `{v['arm']}`, {100 * v['saving']:.0f} % fewer passes, seeds {seeds}: "
+  line = (f"- {label}: `{v['arm']}`, {_saving_text(v)}, seeds {seeds}: "
           f"{_pts_interval(v)} points vs full data, "
           f"{equivalence.describe(v)}; {why}{status}")
-  images = v.get("test_images")
-  if images:
-    low, high = images["pooled"]
-    per_seed = "; ".join(f"seed {s}: {_pts(d)} [{_pts(lo)}, {_pts(hi)}]"
-                         for s, (d, lo, hi) in images["per_seed"].items())
-    line += (f". Over test images (paired bootstrap, 90 %): mean [{_pts(low)}, {_pts(high)}]; "
-             f"{per_seed}")
+  if v.get("test_images"):
+    line += _images_text(v["test_images"])
+  if v.get("earlier_reference"):
+    e = v["earlier_reference"]
+    line += (f". Its full-data reference here, {100 * v['reference_accuracy']:.2f} %, is "
+             f"{100 * (e['accuracy'] - v['reference_accuracy']):.2f} points below the "
+             f"long-schedule study's noisy full-data runs ({100 * e['accuracy']:.2f} %, seeds "
+             f"{','.join(map(str, e['seeds']))}, one noise draw for every seed)")
   return line
 
 
@@ -457,9 +656,253 @@ def verdict_lines(found: dict) -> list[str]:
   labels = {"untouched": "tier C, untouched seeds 3-7, clean labels (the test)",
             "replicate": "tier F, untouched seeds 8-12 (the replication)",
             "pooled": "tiers C and F pooled, seeds 3-12",
-            "noisy": "20 % label noise, one noise draw per seed",
+            "noisy": "20 % label noise, one noise draw per seed (exploratory: the tier asked "
+                     "whether the policy is equivalent to full data; a side of full data read "
+                     "from its runs was not declared before them, and only a declared tier can "
+                     "confirm it)",
             "epochs_30": "30-epoch schedule (search seeds), vs full data on 30 epochs"}
   return lines + [_verdict_line(labels[k], found[k]) for k in labels if k in found]
+
+
+def seconds_ratios(results: dict, arm: str, reference: str, seeds) -> dict:
+  """Per seed, the arm's seconds over full data's of the same seed, with both runs' machines:
+  `wall` (the training process's start to its end; a run resumed after an interruption counts
+  its last part only) and `loop` (the loop's scoring + selection + training seconds,
+  checkpointed, so a resumed run counts them all). Their geometric means over the seeds whose
+  two runs name the same machine."""
+  a, r = results[arm], results[reference]
+  per_seed = {}
+  for seed in seeds:
+    i, j = a["seed_index"][seed], r["seed_index"][seed]
+    machines = [run["machine"][k] if "machine" in run else "unknown"
+                for run, k in ((a, i), (r, j))]
+    per_seed[int(seed)] = {"wall": a["wall_seconds"][i] / r["wall_seconds"][j],
+                           "loop": a["compute_seconds"][i] / r["compute_seconds"][j],
+                           "machine": machines[0], "full_machine": machines[1],
+                           "same_machine": machines[0] == machines[1] != "unknown"}
+  same = [v for v in per_seed.values() if v["same_machine"]]
+  out = {"per_seed": per_seed, "same_machine_seeds": len(same)}
+  for key in ("wall", "loop") if same else ():
+    out[f"{key}_geomean"] = float(np.exp(np.mean(np.log([v[key] for v in same]))))
+  return out
+
+
+def g_verdict(summary: dict, chosen: Arm | None, results: dict | None) -> dict:
+  """Tier G: the tier-A' choice against full data on seeds 13-22: its seeds, saving in passes,
+  paired TOST, `lossless` and `met` (complete, lossless, at least 50 % fewer passes); with
+  `results`, the test images' paired bootstrap and the seconds ratios. {} before its runs."""
+  name = f"{chosen.name}@confirm_g" if chosen else ""
+  row = summary.get(name)
+  if row is None or "vs_full" not in row:
+    return {}
+  vs = row["vs_full"]
+  out = {"arm": name, "seeds": vs["seeds"], "complete": tuple(vs["seeds"]) == G_SEEDS,
+         "saving": 1 - row["passes_share"], **vs}
+  out["met"] = bool(out["complete"] and out["lossless"] and out["saving"] >= 0.5)
+  if results:
+    out["test_images"] = test_image_intervals(results, name, "full@confirm_g", vs["seeds"])
+    out["seconds"] = seconds_ratios(results, name, "full@confirm_g", vs["seeds"])
+  return out
+
+
+def second_search(summary: dict, arms: list[Arm], results: dict) -> dict:
+  """The tier-A' choice and tier G's verdict, for the summary; {} while no tier-A' arm has a
+  result, so that the summary of the earlier tiers stays as it was."""
+  if not any(row["tier"] == "A2" for row in summary.values()):
+    return {}
+  chosen = choose(arms, results, "A2")
+  return {"chosen_a2": chosen.name if chosen else None,
+          "verdict_g": g_verdict(summary, chosen, results)}
+
+
+def _seconds_line(seconds: dict) -> str:
+  per_seed = "; ".join(f"seed {s}: {v['wall']:.2f} ({v['loop']:.2f})"
+                       + ("" if v["same_machine"] else
+                          f" [{v['machine']} vs {v['full_machine']}]")
+                       for s, v in seconds["per_seed"].items())
+  machines = sorted({v["machine"] for v in seconds["per_seed"].values() if v["same_machine"]})
+  mean = (f"geometric mean {seconds['wall_geomean']:.2f} ({seconds['loop_geomean']:.2f}) over "
+          f"the {seconds['same_machine_seeds']} pairs run on one machine ({'; '.join(machines)})"
+          if seconds["same_machine_seeds"] else "no pair ran on one machine")
+  return (f"- Seconds, the arm's over full data's, wall clock (loop seconds): {mean}. "
+          f"Per seed: {per_seed}")
+
+
+def second_lines(summary: dict, second: dict) -> list[str]:
+  """The markdown sections of tiers A' and G; none before their runs."""
+  if not second:
+    return []
+  lines = ["", "## Tier A': unbiased designs against top-k at half the passes (seeds 0-2)", "",
+           "Declared before its runs: importance sampling at two mixes, top-k with the 2-epoch "
+           "finish at 50 % of the passes and InfoBatch at r = 0.95 without its loss weight, "
+           "each paired with full data on seeds 0-2; the choice is tier A's rule applied to "
+           "these arms.", ""]
+  for name, row in summary.items():
+    if row["tier"] == "A2" and "vs_full" in row:
+      vs = row["vs_full"]
+      lines.append(f"- `{name}`: {100 * row['passes_share']:.1f} % of the passes, validation "
+                   f"{100 * row['val_accuracy']:.2f} %, test {_pts_interval(vs)} points vs full "
+                   f"data, {equivalence.describe(vs)} (seeds {','.join(map(str, row['seeds']))})")
+  chosen = second["chosen_a2"]
+  lines += ["", f"Chosen: `{chosen}` (highest mean validation accuracy among the arms of "
+            "tier A' at no more than half of full data's passes)." if chosen else
+            "Not chosen yet: tier A' has not finished.",
+            "", "## Tier G: the tier-A' choice on 10 new seeds (13-22)", ""]
+  g = second["verdict_g"]
+  if not g:
+    return lines + ["Not answered yet: tier G has not run."]
+  answer = "met" if g["met"] else "not decided yet" if not g["complete"] else "missed"
+  lines += [f"**Lossless at half the passes or fewer: {answer}.**",
+            _verdict_line("tier G, seeds 13-22", g)]
+  if g.get("seconds"):
+    lines.append(_seconds_line(g["seconds"]))
+  return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs beside the passes: evaluation's passes, the kept share, wall-clock.
+
+# The validation images each evaluation passes beside the test images: the base config's
+# dataset.val_size (a test checks it); a record holds only its test images' correctness.
+VAL_IMAGES = 6000
+# A run at an even pace: its training + scoring + selection seconds within 5 % of its steady
+# seconds (long_schedule.steady_seconds: its epochs at their lower-quartile speed per step),
+# i.e. no part of it much slowed by other work on the machine.
+EVEN_PACE = 1.05
+# What a run's record holds of its time (long_schedule._run_row, grid.run_cell).
+TIME_KEYS = ("machine", "wall_seconds", "compute_seconds", "steady_seconds", "training_seconds",
+             "scoring_seconds", "selection_seconds")
+
+
+def evaluation_passes(r: dict) -> float | None:
+  """Mean forward passes of an arm's evaluations: each evaluated epoch (its curve's, the last
+  one's being the report's) passes the validation and the test images once. None without
+  curves."""
+  if "curve_epoch" not in r or "correct" not in r:
+    return None
+  return float(np.mean([len(e) * (VAL_IMAGES + len(c))
+                        for e, c in zip(r["curve_epoch"], r["correct"])]))
+
+
+def costs(r: dict, reference: dict) -> dict:
+  """An arm's costs beside its training and scoring passes, from what its records hold: its
+  evaluation's passes and its share of full data's passes with them counted; its seconds
+  (`run_times`) and its time over full data's, paired per seed (`time_pairs`)."""
+  out = {}
+  evaluated = evaluation_passes(r), evaluation_passes(reference)
+  if None not in evaluated:
+    out["evaluation_passes"] = evaluated[0]
+    out["passes_share_with_evaluation"] = float(
+        (np.mean(r["passes"]) + evaluated[0]) / (np.mean(reference["passes"]) + evaluated[1]))
+  if all(key in run for key in TIME_KEYS for run in (r, reference)):
+    pairs = {} if reference is r else time_pairs(r, reference)
+    out["time"] = {**run_times(r), "pairs": pairs, **mean_ratios(pairs)}
+  return out
+
+
+def _even(r: dict, i: int) -> bool:
+  return r["compute_seconds"][i] <= EVEN_PACE * r["steady_seconds"][i]
+
+
+def run_times(r: dict) -> dict:
+  """The machines an arm's runs trained on, and mean seconds over its runs with a whole wall
+  clock (`long_schedule.whole_runs`): wall clock, training, scoring + selection, and the rest
+  of the wall clock (evaluation, compiling, data loading and the report)."""
+  keep = long_schedule.whole_runs(r)
+  mean = {key: float(np.mean([r[key][i] for i in keep])) if keep else math.nan
+          for key in ("wall_seconds", "training_seconds", "scoring_seconds",
+                      "selection_seconds", "compute_seconds")}
+  return {"machines": sorted(set(r["machine"])),
+          "whole_seeds": sorted(s for s, i in r["seed_index"].items() if i in keep),
+          "wall": mean["wall_seconds"], "training": mean["training_seconds"],
+          "scoring": mean["scoring_seconds"] + mean["selection_seconds"],
+          "rest": mean["wall_seconds"] - mean["compute_seconds"]}
+
+
+def time_pairs(r: dict, reference: dict) -> dict:
+  """Per seed both ran, where both trained on the same machine (None where not: processors
+  differ in speed): the arm's wall clock over full data's (None where either wall clock is a
+  last sitting's, `long_schedule.whole_runs`), its training + scoring + selection seconds over
+  full data's, and whether both ran at an even pace (EVEN_PACE)."""
+  out = {}
+  for seed in sorted(set(r["seed_index"]) & set(reference["seed_index"])):
+    i, j = r["seed_index"][seed], reference["seed_index"][seed]
+    if r["machine"][i] != reference["machine"][j]:
+      out[seed] = None
+      continue
+    whole = i in long_schedule.whole_runs(r) and j in long_schedule.whole_runs(reference)
+    out[seed] = {"machine": r["machine"][i],
+                 "wall": r["wall_seconds"][i] / reference["wall_seconds"][j] if whole else None,
+                 "compute": r["compute_seconds"][i] / reference["compute_seconds"][j],
+                 "even": _even(r, i) and _even(reference, j)}
+  return out
+
+
+def mean_ratios(pairs: dict) -> dict:
+  """Means over `time_pairs`: the wall-clock ratio over the same-machine pairs with whole wall
+  clocks and over those of them at an even pace, and the ratio of training + scoring +
+  selection seconds over the same-machine pairs at an even pace (each with its seeds)."""
+  same = {s: p for s, p in pairs.items() if p is not None}
+  wall = {s: p["wall"] for s, p in same.items() if p["wall"] is not None}
+  even = {s: v for s, v in wall.items() if same[s]["even"]}
+  def mean(values):
+    return float(np.mean(list(values))) if values else math.nan
+  return {"wall_ratio": mean(wall.values()), "wall_seeds": sorted(wall),
+          "even_wall_ratio": mean(even.values()), "even_seeds": sorted(even),
+          "compute_ratio": mean([p["compute"] for p in same.values() if p["even"]]),
+          "compute_seeds": sorted(s for s, p in same.items() if p["even"])}
+
+
+def kept_schedule(arm: Arm, base) -> dict:
+  """What an arm trains on, from its config: its selected epochs (0-indexed, first and last),
+  the kept fraction in the first and in the last of them (InfoBatch's follows the losses:
+  None) and the epochs on all data after them. {} for an arm that selects nothing."""
+  config = grid.apply(base, arm.overrides)
+  s = config.selection
+  if s.method == "full":
+    return {}
+  if s.method == "infobatch":
+    after = config.num_epochs - subsets.anneal_start(config.num_epochs, s.anneal_fraction)
+    kept = None
+  else:
+    after = s.final_full_epochs
+    kept = [s.fraction, s.fraction if s.fraction_end < 0 else s.fraction_end]
+  return {"epochs": [s.warmup_epochs, config.num_epochs - after - 1], "kept": kept,
+          "full_after": after}
+
+
+def mean_kept(schedule: dict, passes: float, full_passes: float) -> float:
+  """The mean kept share over the selected epochs that a run's passes imply: (passes - its
+  all-data epochs' passes) / (selected epochs x one all-data epoch's passes, full data's over
+  its epochs). Within a batch's rounding per epoch; a scoring pass would count as training."""
+  first, last = schedule["epochs"]
+  epochs, selected = last + 1 + schedule["full_after"], last - first + 1
+  per_epoch = full_passes / epochs
+  return float((passes - per_epoch * (epochs - selected)) / (selected * per_epoch))
+
+
+def add_kept(summary: dict, arms: list[Arm], base) -> None:
+  """Each summarised arm's `kept_schedule`, in its summary row; an arm whose kept share follows
+  the losses (InfoBatch) with the mean its passes imply (`mean_kept`)."""
+  for arm in arms:
+    row = summary.get(arm.name)
+    if row is None:
+      continue
+    row["kept"] = kept = kept_schedule(arm, base)
+    if kept and kept["kept"] is None and "passes_share" in row:
+      kept["mean_from_passes"] = mean_kept(kept, row["passes"],
+                                           row["passes"] / row["passes_share"])
+
+
+def earlier_noisy_full(records: str = LONG_RECORDS) -> dict | None:
+  """The long-schedule study's noisy full-data runs (one noise draw for every seed), beside
+  tier D's reference: their seeds and mean test accuracy; None without their records."""
+  paths = {s: long_schedule.record_path(records, "noisy_full", s) for s in SEARCH_SEEDS}
+  found = {s: long_schedule.load_record(p)["accuracy"] for s, p in paths.items()
+           if os.path.exists(p)}
+  if not found:
+    return None
+  return {"seeds": sorted(found), "accuracy": float(np.mean(list(found.values())))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,21 +928,56 @@ def _lossless_cell(row: dict) -> str:
   return "yes" if vs["lossless"] else "no"
 
 
+def _evaluation_sentence(summary: dict) -> str:
+  """What 'passes with evaluation' adds, with full data's evaluation passes where known."""
+  full = summary.get("full", {}).get("evaluation_passes")
+  per_run = (f" ({full:,.0f} in a 20-epoch run; a same-budget run, cut short, evaluates "
+             "fewer times)") if full else ""
+  return (" Passes with evaluation: the same with each evaluation's forward passes of the "
+          f"{VAL_IMAGES:,} validation and the test images counted{per_run}; the rule's "
+          "'half the passes' counts training and scoring alone. Kept per selected epoch: from "
+          "the arm's config (InfoBatch's follows the losses: the mean its passes imply); "
+          "epochs 0-indexed, epoch 0 on all data.")
+
+
+def _kept_cell(row: dict) -> str:
+  """'38.5 % in epochs 1-17, then 2 on all data', 'all data' (`kept_schedule`), or '—'."""
+  k = row.get("kept")
+  if k is None:
+    return "—"
+  if not k:
+    return "all data, fewer steps" if row["policy"] == "same_budget" else "all data"
+  if k["kept"] is None:
+    share = f"≈ {100 * k.get('mean_from_passes', math.nan):.1f} % (mean)"
+  elif k["kept"][0] == k["kept"][1]:
+    share = f"{100 * k['kept'][0]:.1f} %"
+  else:
+    share = f"{100 * k['kept'][0]:.1f} → {100 * k['kept'][1]:.1f} %"
+  then = f", then {k['full_after']} on all data" if k["full_after"] else ""
+  return f"{share} in epochs {k['epochs'][0]}-{k['epochs'][1]}{then}"
+
+
 def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
-             results: dict | None = None) -> str:
+             results: dict | None = None, second: dict | None = None,
+             found: dict | None = None) -> str:
+  """The summary's markdown; `second`: tiers A' and G (`second_search`); `found`: the
+  verdicts (else computed from the summary)."""
   lines = ["# Accuracy-compute frontier (Fashion-MNIST, long schedule)", "",
            f"Command: `{command}`. Test accuracy in per cent; differences in points, paired "
            "per seed against full data of the same regime and schedule; [90 % t interval]; "
            f"TOST: two one-sided t-tests at a ±{100 * MARGIN:.1f}-point margin (p < {ALPHA}: "
            f"equivalent); lossless = equivalent and mean >= {100 * MIN_MEAN:+.1f} points. "
-           "Passes: example passes (forward 1, forward + backward 3) as a share of full "
-           "data's.", "",
-           "| arm | tier | seeds | passes | test acc | val acc | vs full | TOST p | lossless |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "Passes: example passes (forward 1, forward + backward 3, scoring included) as a "
+           "share of full data's." + _evaluation_sentence(summary), "",
+           "| arm | tier | seeds | passes | passes with evaluation | kept per selected epoch "
+           "| test acc | val acc | vs full | TOST p | lossless |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, row in summary.items():
     vs = row.get("vs_full")
     cells = [name, row["tier"], ",".join(map(str, row["seeds"])),
              f"{100 * row.get('passes_share', math.nan):.1f} %",
+             f"{100 * row.get('passes_share_with_evaluation', math.nan):.1f} %",
+             _kept_cell(row),
              f"{100 * row['accuracy']:.2f} ± {100 * row['accuracy_sd']:.2f}",
              f"{100 * row['val_accuracy']:.2f}",
              f"{_pts(vs['mean'])} [{_pts(vs['low'])}, {_pts(vs['high'])}]" if vs else "—",
@@ -525,10 +1003,79 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
             (f"`{chosen.name}` (highest mean validation accuracy among tier A's arms at no more "
              "than half of full data's passes)." if chosen else
              "Not chosen yet: tier A has not finished.")]
-  lines += verdict_lines(verdicts(summary, chosen, results))
+  lines += verdict_lines(found if found is not None else verdicts(summary, chosen, results))
+  lines += second_lines(summary, second or {})
+  lines += time_lines(summary)
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
   return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float) -> str:
+  return "—" if not np.isfinite(value) else f"{value:.0f}"
+
+
+def _mean_with_seeds(value: float, seeds: list) -> str:
+  """'0.52 (seeds 3,4,5)', or '—' over no seed."""
+  if not seeds:
+    return "—"
+  return f"{value:.2f} (seed{'s' * (len(seeds) > 1)} {','.join(map(str, seeds))})"
+
+
+def _ratio_cells(t: dict) -> list[str]:
+  """Per seed: the wall-clock ratio, or why there is none; the means (`mean_ratios`)."""
+  per_seed = []
+  for seed, p in t["pairs"].items():
+    why = ("other machine" if p is None else "resumed" if p["wall"] is None
+           else f"{p['wall']:.2f}" + ("" if p["even"] else " (uneven)"))
+    per_seed.append(f"{seed}: {why}")
+  if not t["pairs"]:
+    return ["—"] * 4
+  return ["; ".join(per_seed),
+          f"{t['wall_ratio']:.2f}" if t["wall_seeds"] else "—",
+          _mean_with_seeds(t["even_wall_ratio"], t["even_seeds"]),
+          _mean_with_seeds(t["compute_ratio"], t["compute_seeds"])]
+
+
+def time_lines(summary: dict) -> list[str]:
+  """The wall-clock section: each arm's seconds (`run_times`) and its time over full data's
+  (`time_pairs`, `mean_ratios`), the machines named below the table."""
+  rows = {name: row["time"] for name, row in summary.items() if "time" in row}
+  if not rows:
+    return []
+  machines = list(dict.fromkeys(m for t in rows.values() for m in t["machines"]))
+  label = {m: f"M{i + 1}" for i, m in enumerate(machines)}
+  lines = ["", "## Time", "",
+           "Seconds as each run's record holds them, means over its runs with a whole wall "
+           "clock. Wall: the run's `train.train_and_evaluate`, start to report "
+           "(`studies.grid.run_cell`); "
+           "training and scoring + selection: the loop's phase seconds, summed over sittings; "
+           "rest: wall minus those (evaluation, compiling, data loading, the report). A "
+           "resumed run's wall clock is its last sitting's alone: a run whose wall clock is "
+           "below its phase seconds counts as resumed and is left out of the wall columns (a "
+           "resume whose last sitting was the longer part is not told apart). Ratios: the "
+           "arm's over full data's of the same tier and seed, only where both trained on the "
+           "same machine (as recorded); uneven: either run's phase seconds more than "
+           f"{100 * (EVEN_PACE - 1):.0f} % above its steady seconds (its epochs at their "
+           "lower-quartile speed), i.e. slowed by other work; phase seconds / full's: the mean "
+           "over the pairs at an even pace. Some sittings shared the machine with other work, "
+           "so only ratios of one seed on one machine compare. A machine string names a kind "
+           "of machine, not a sitting, and this kind's speed varied between sittings: full "
+           "data's seeds 0-2 (tiers A and B's reference) are the long-schedule study's runs, "
+           "from other sittings than this study's own tier-A and tier-B arms, so those ratios "
+           "compare sittings as much as policies; tiers C to F ran each seed's arm beside its "
+           "full-data run (seed by seed).", "",
+           "| arm | machines | whole runs | wall s | training s | scoring + selection s | rest s "
+           "| wall / full's, per seed | mean | at an even pace | phase seconds / full's, even "
+           "pace |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for name, t in rows.items():
+    cells = [name, ", ".join(label[m] for m in t["machines"]),
+             ",".join(map(str, t["whole_seeds"])) or "—",
+             *(_seconds(t[k]) for k in ("wall", "training", "scoring", "rest")),
+             *_ratio_cells(t)]
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines + ["", "Machines: " + "; ".join(f"{label[m]}: {m}" for m in machines) + "."]
 
 
 def _mean_interval(values) -> tuple[float, float]:
@@ -573,10 +1120,10 @@ def draw_frontier(arms: list[Arm], results: dict, summary: dict,
     ax.axhspan(mean - half, mean + half, color="grey", alpha=0.3,
                label=f"full data (90 % interval, {len(full['accuracy'])} seeds)")
   below = []  # (axis, x, floor, colour, text) of the arms under a panel's floor.
-  for i, policy in enumerate(POLICIES):
+  for i, policy in enumerate(POLICIES + A2_POLICIES):
     # An arm has a share of passes only beside full data's records (not with `--tiers B`
     # alone before tier A has run): without one it has no place on either axis.
-    names = sorted((a.name for a in arms if a.policy == policy and a.tier in ("A", "B")
+    names = sorted((a.name for a in arms if a.policy == policy and a.tier in SEARCH_TIERS
                     and "passes_share" in summary.get(a.name, {})),
                    key=lambda n: summary[n]["passes_share"])
     if not names:
@@ -642,22 +1189,35 @@ def draw_frontier(arms: list[Arm], results: dict, summary: dict,
   return fig
 
 
+def note_earlier_reference(found: dict, summary: dict, earlier: dict | None) -> dict:
+  """Tier D's verdict with its full-data reference's mean accuracy beside the long-schedule
+  study's noisy full-data runs (`earlier_noisy_full`)."""
+  if earlier and "noisy" in found and "noisy_full@confirm" in summary:
+    found["noisy"].update(reference_accuracy=summary["noisy_full@confirm"]["accuracy"],
+                          earlier_reference=earlier)
+  return found
+
+
 def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str,
                   failures: dict) -> None:
   summary = summarise(arms, results)
-  found = verdicts(summary, chosen, results)
+  add_kept(summary, arms, base_config())
+  found = note_earlier_reference(verdicts(summary, chosen, results), summary,
+                                 earlier_noisy_full())
+  second = second_search(summary, arms, results)  # Tiers A' and G; {} before their runs.
   slim = {name: {k: v for k, v in r.items() if k not in ("correct", "confidence")}
           for name, r in results.items()}
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"summary": summary, "frontier": frontier_answers(summary),
                "not_worse": smallest_not_worse(summary),
                "chosen": chosen.name if chosen else None,
-               "verdicts": found, "margin": MARGIN,
+               "verdicts": found, "margin": MARGIN, **second,
                "runs": slim, "failures": failures}, f, indent=1,
               default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
   with open(os.path.join(out, "summary.md"), "w") as f:
-    f.write(markdown(summary, chosen, command, failures, results))
-  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"), found)
+    f.write(markdown(summary, chosen, command, failures, results, second, found))
+  g = {"g": second["verdict_g"]} if second.get("verdict_g") else {}
+  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"), {**found, **g})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,6 +1254,20 @@ def _run(base, arm: Arm, seed: int, out: str, records: str, results: dict, failu
           f"{traceback.format_exc()}", flush=True)
 
 
+def _tier_arms(tier: str, arms: list[Arm], results: dict, base) -> list[Arm] | None:
+  """The arms that `tier` runs, or None while the choice it follows is not made: C-F follow
+  tier A's, G the tier-A' (A2) one. Tier A' runs beside full data's seeds 0-2 (read from their
+  records), so that its arms have their reference in the summary when it runs alone."""
+  if tier in ("C", "D", "E", "F"):
+    chosen = choose(arms, results)
+    return None if chosen is None else [a for a in later_arms(chosen, base) if a.tier == tier]
+  if tier == "G":
+    chosen = choose(arms, results, "A2")
+    return None if chosen is None else g_arms(chosen)
+  full = [a for a in arms if a.name == "full"] if tier == "A2" else []
+  return full + [a for a in arms if a.tier == tier]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -701,8 +1275,9 @@ def main():
                       help="workdirs (checkpoints, reports), summary and figure")
   parser.add_argument("--records", default=RECORDS,
                       help=f"one small file per finished run (default {RECORDS})")
-  parser.add_argument("--tiers", default="ACFDBE",
-                      help="tiers to run, in order (default ACFDBE)")
+  parser.add_argument("--tiers", default="".join(TIERS),
+                      help="tiers to run, in order (default ACFDBEA2G; A2 is tier A', "
+                           "e.g. --tiers A2, then --tiers A2G for tier G)")
   parser.add_argument("--arms", default="",
                       help="comma-separated arm names: run only these (e.g. a cut-down tier "
                            "B: --tiers B --arms topk_anneal-55,topk_anneal-70); default all")
@@ -713,18 +1288,16 @@ def main():
   base = base_config()
   command = f"python -m studies.frontier --out={args.out}"
   os.makedirs(args.out, exist_ok=True)
-  arms = search_arms(base)
+  arms = search_arms(base) + a2_arms()
   only = parse_arms(args.arms, base)
   results, failures = {}, {}
-  for tier in args.tiers:
-    chosen = choose(arms, results)
-    tier_arms = [a for a in arms if a.tier == tier]
-    if tier in "CDEF":
-      if chosen is None:
-        print(f"[{time.strftime('%H:%M:%S')}] tier {tier} waits for tier A's choice", flush=True)
-        continue
-      tier_arms = [a for a in later_arms(chosen, base) if a.tier == tier]
-      arms += [a for a in tier_arms if a not in arms]
+  for tier in parse_tiers(args.tiers):
+    tier_arms = _tier_arms(tier, arms, results, base)
+    if tier_arms is None:
+      print(f"[{time.strftime('%H:%M:%S')}] tier {tier} waits for tier "
+            f"{'A' if tier in 'CDEF' else 'A2'}'s choice", flush=True)
+      continue
+    arms += [a for a in tier_arms if a not in arms]
     todo = [(a, s) for s in sorted({s for a in tier_arms for s in a.seeds})
             for a in tier_arms if s in a.seeds]  # Seed by seed: a cut-short tier is paired.
     for i, (arm, seed) in enumerate(todo):

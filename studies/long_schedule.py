@@ -316,6 +316,14 @@ def _run_row(base, arm_overrides: dict, workdir: str) -> dict:
 # Paired statistics.
 
 
+def whole_runs(r: dict) -> list[int]:
+  """The runs (indices) whose wall clock covers the whole run: at least their scoring +
+  selection + training seconds, which are summed over sittings, while a resumed run's wall
+  clock is its last sitting's alone (a resume whose last sitting was the longer part is not
+  told apart)."""
+  return [i for i, (w, c) in enumerate(zip(r["wall_seconds"], r["compute_seconds"])) if w >= c]
+
+
 def seed_interval(differences) -> tuple[float, float, float]:
   """(mean, low, high): a t interval at CONFIDENCE over the per-seed differences."""
   d = np.asarray(differences, np.float64)
@@ -425,7 +433,10 @@ def summarise(all_arms: list[Arm], results: dict, targets: dict) -> dict:
                compute_seconds=float(np.mean(r["compute_seconds"])),
                steady_seconds=float(np.median(r["steady_seconds"])),
                target_passes=target_passes, target_seconds=target_seconds,
-               class_kl=float(np.mean(r["class_kl"])))
+               class_kl=float(np.mean(r["class_kl"])),
+               wall_runs=len(whole_runs(r)),
+               wall_seconds=float(np.mean([r["wall_seconds"][i] for i in whole_runs(r)]))
+               if whole_runs(r) else math.nan)
     if full_passes:
       row["saving_passes"] = 1 - row["passes"] / full_passes
       row["saving_passes_with_target"] = 1 - (row["passes"] + target_passes) / full_passes
@@ -594,13 +605,17 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
            "phases (mean over seeds), and in steady seconds (the median over seeds of training "
            "at the lower quartile of a run's epochs' seconds per step, plus scoring and "
            "selection: measured seconds move with whatever else shares the machine); 'with "
-           "target' adds the target run's whole cost to the arm.", ""]
+           "target' adds the target run's whole cost to the arm. Wall s: the mean wall clock "
+           "of the run's `train.train_and_evaluate` (training, scoring, evaluation, "
+           "compiling, the report; `studies.grid.run_cell`) over "
+           "the runs whose wall clock covers the whole run (at least their phase seconds: a "
+           "resumed run's covers its last sitting alone), with their number.", ""]
   lines += status(all_arms, summary, results) + answers(all_arms, summary)
   lines += ["## Arms", "",
             "| arm | seeds | test acc % | test ECE % | ECE after TS % | val acc % | saving "
             "passes / with target | saving seconds / with target | saving steady seconds / "
-            "with target | class KL |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "with target | class KL | wall s (whole runs) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name in order:
     s = summary[name]
     ms = lambda key: f"{100 * s[key][0]:.2f} ± {100 * s[key][1]:.2f}"  # noqa: E731
@@ -608,7 +623,7 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
         f"| {name} | {len(s['seeds'])} | {ms('accuracy')} | {ms('ece')} | "
         f"{ms('ece_after_ts')} | {ms('val_accuracy')} | "
         f"{_saving_cell(s, 'passes')} | {_saving_cell(s, 'seconds')} | "
-        f"{_saving_cell(s, 'steady')} | {s['class_kl']:.3f} |")
+        f"{_saving_cell(s, 'steady')} | {s['class_kl']:.3f} | {_wall_cell(s)} |")
   lines += ["", "## Paired differences", "",
             "| arm | vs | seeds | Δ acc (points) | test: Δ acc | Δ ECE | test: Δ ECE | Δ ECE "
             "after TS |", "|---|---|---|---|---|---|---|---|"]
@@ -629,6 +644,11 @@ def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
   return "\n".join(lines) + "\n"
+
+
+def _wall_cell(s: dict) -> str:
+  wall = "—" if not s["wall_runs"] else f"{s['wall_seconds']:.0f}"
+  return f"{wall} ({s['wall_runs']} of {len(s['seeds'])})"
 
 
 def _saving_cell(s: dict, unit: str) -> str:

@@ -89,8 +89,10 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def without_timing(records: list[dict]) -> list[dict]:
-  """metrics.jsonl records without their wall-clock fields (they differ between any two runs)."""
-  return [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in records]
+  """metrics.jsonl records without their wall-clock fields and the devices' peak memory (they
+  differ between any two runs)."""
+  return [{k: v for k, v in r.items() if not k.endswith("_seconds") and not k.startswith("perf/")}
+          for r in records]
 
 
 def require_fashion_mnist() -> str:

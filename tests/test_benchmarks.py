@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks import feeds, xla_cpu_variants
+from tests import helpers, test_without_tensorflow
 from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow  # Each smoke run is a process that compiles and runs steps.
@@ -327,3 +328,130 @@ def test_write_folder_forks_only_before_jax_starts(tmp_path):
   assert len(files) == 6 + 2 * 2  # Train, plus one a class in val and in test.
   for name in files:
     assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def _test_accuracy(workdir) -> float:
+  with open(os.path.join(workdir, "report", "results.json")) as f:
+    return json.load(f)["metrics"]["test"]["before_ts"]["accuracy"]
+
+
+def test_gpu_runs_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
+  """`benchmarks.gpu_runs --tiny` end to end on a CPU: every run is main.py's (workdir,
+  checkpoints, metrics.jsonl, report; TensorFlow absent throughout), and the table's numbers
+  are the workdirs' and the hand counts': Fashion-MNIST's 8-epoch tiny schedule is 16 steps
+  of 32 an epoch on 512 images;
+  topk_anneal-45 keeps round(0.23 x 512) = 118 images (4 steps) in epochs 1-5 and all in the
+  last 2, topk_anneal-55 round(0.37 x 512) = 189 (6 steps); a step is 3 passes of 32."""
+  helpers.require_fashion_mnist()
+  out, runs = tmp_path / "out", tmp_path / "runs"
+  # TensorFlow absent, as on the GPU machine (its carried wheels bring tfds and clu).
+  result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_runs", "--tiny", f"--out={out}",
+                           f"--workdir-root={runs}"], cwd=REPO,
+                          env=test_without_tensorflow.without_tensorflow_env(),
+                          capture_output=True, text=True, timeout=1500)
+  assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+  results = json.loads((out / "gpu_runs_cpu_tiny.json").read_text())
+  text = (out / "gpu_runs_cpu_tiny.md").read_text()
+  assert text in result.stdout and "generated JPEGs, not photographs" in text
+  # (a) the default job (tiny), its accuracy the report's.
+  job = results["default_job"]
+  assert job["exit_status"] == 0 and job["epochs"] == 2 and job["seconds"] > 0
+  assert job["test_accuracy"] == _test_accuracy(runs / "default")
+  # (b) three arms x seeds 0 and 1, each a main.py run with its own report.
+  fashion = results["fashion"]
+  assert sorted((r["arm"], r["seed"]) for r in fashion["runs"]) == sorted(
+      (a, s) for a in ("full", "topk_anneal-45", "topk_anneal-55") for s in (0, 1))
+  steps = {"full": 8 * 16, "topk_anneal-45": 3 * 16 + 5 * 4, "topk_anneal-55": 3 * 16 + 5 * 6}
+  kept = {"full": 512, "topk_anneal-45": 118, "topk_anneal-55": 189}
+  for row in fashion["runs"]:
+    workdir = runs / f"{row['arm']}_seed{row['seed']}"
+    assert row["exit_status"] == 0, row
+    assert row["test_accuracy"] == _test_accuracy(workdir) and 0 <= row["test_accuracy"] <= 1
+    assert row["passes"] == steps[row["arm"]] * 32 * 3, row
+    records = helpers.read_metrics(str(workdir))
+    assert [r["selected_k"] for r in records] == [512] + [kept[row["arm"]]] * 5 + [512] * 2
+    assert helpers.checkpoint_steps(str(workdir))[-1] == steps[row["arm"]]
+    parts = sum(row[f"{p}_seconds"] for p in ("training", "scoring", "selection", "eval",
+                                               "report"))
+    assert 0 < parts < row["wall_seconds"], row  # Parts of the process's time.
+  assert fashion["arms"]["topk_anneal-45"]["selection.fraction"] == 0.23  # The study's rule.
+  assert fashion["arms"]["topk_anneal-55"]["selection.final_full_epochs"] == 2
+  means = fashion["means"]
+  assert means["topk_anneal-45"]["passes"] < means["topk_anneal-55"]["passes"] < (
+      means["full"]["passes"])
+  for arm in ("topk_anneal-45", "topk_anneal-55"):
+    p = fashion["paired"][arm]
+    by_seed = [100 * (_test_accuracy(runs / f"{arm}_seed{s}")
+                      - _test_accuracy(runs / f"full_seed{s}")) for s in (0, 1)]
+    assert p["seeds"] == [0, 1] and p["per_seed"]["accuracy_points"] == pytest.approx(by_seed)
+    mean, low, high = p["accuracy_points"]
+    assert mean == pytest.approx(sum(by_seed) / 2) and low <= mean <= high
+    assert p["passes_ratio"][0] == pytest.approx(steps[arm] / steps["full"])
+  # (c) the ImageNet-shaped run: 40 generated JPEGs in 10 classes, top half after epoch 0.
+  part = results["imagenet"]
+  assert part["exit_status"] == 0 and [e["images"] for e in part["epochs"]] == [40, 20]
+  first, last = part["epochs"]
+  assert first["scoring_seconds"] == 0 < last["scoring_seconds"]  # A fresh scoring pass.
+  for epoch in part["epochs"]:
+    assert 0 <= epoch["input_wait_share"] <= 1 and epoch["eval_seconds"] > 0
+    assert epoch["images_per_s"] == pytest.approx(epoch["images"] / epoch["training_seconds"])
+  assert part["checkpoint_seconds"] > 0 and part["report_seconds"] >= part["report_build_seconds"]
+  assert part["peak_device_memory_bytes"] is None  # A CPU counts no device memory.
+  with open(runs / "imagenet" / "classes.json") as f:
+    assert len(json.load(f)["classes"]) == 10
+  bare = part["bare_step"]
+  assert bare["exit_status"] == 0 and bare["images_per_s"] > 0
+  assert part["trainer_over_bare"] == pytest.approx(last["images_per_s"] / bare["images_per_s"])
+  # The targets: each value the one measured above.
+  assert len(results["targets"]) == 4 and results["targets"][0]["value"] == results["seconds"]
+  assert results["targets"][1]["value"] == fashion["paired"]["topk_anneal-45"][
+      "wall_seconds_ratio"][0]
+  assert results["targets"][2]["value"] == part["trainer_over_bare"]
+  assert results["targets"][3]["value"] == part["report_seconds"]
+
+
+def test_bare_step_smoke(tmp_path):
+  out = tmp_path / "bare.json"
+  result = subprocess.run([sys.executable, "-m", "benchmarks.bare_step", "--model=tiny",
+                           "--image-size=16", "--batch-size=8", "--classes=10", "--tiny",
+                           f"--json={out}"], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  row = json.loads(out.read_text())
+  assert row["images_per_s"] > 0 and row["first_call_seconds"] > 0
+  assert (row["model"], row["image_size"], row["batch"], row["classes"]) == ("tiny", 16, 8, 10)
+  windows = row["window_images_per_s"]  # The row's rate is their median.
+  assert len(windows) == 2 and min(windows) <= row["images_per_s"] <= max(windows)
+  assert "images/s" in result.stdout
+
+
+def test_carry_pins_requirements_versions_and_names_groups():
+  """The carried wheels are requirements.txt's pinned versions wherever it pins them."""
+  from benchmarks import carry  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(REPO, "requirements.txt")) as f:
+    pins = dict(line.split("#")[0].strip().split("==") for line in f
+                if "==" in line.split("#")[0])
+  pinned = dict(r.split("==") for r in carry.pinned(tuple(carry.GROUPS)))
+  shared = set(pins) & set(pinned)
+  assert {"ml-collections", "clu", "tensorflow-datasets", "grain", "array-record",
+          "scikit-learn", "matplotlib", "opencv-python-headless"} <= shared
+  assert all(pinned[name] == pins[name] for name in shared), shared
+  with pytest.raises(SystemExit, match="unknown group 'tfds'.*training, digits, report"):
+    carry.parse_groups("training,tfds")
+
+
+def test_carry_check_names_what_a_machine_lacks(tmp_path):
+  """--check in a process where grain and clu cannot be imported: it names them, their group
+  and the command that brings them, and exits 1."""
+  site = tmp_path / "site"
+  site.mkdir()
+  (site / "sitecustomize.py").write_text(_BLOCKER.replace(
+      '("tensorflow", "tensorflow_datasets", "clu")', '("grain", "clu")'))
+  env = subprocess_env(PYTHONPATH=os.pathsep.join([str(site), REPO]))
+  result = subprocess.run([sys.executable, "-m", "benchmarks.carry", "--check"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stdout + result.stderr
+  training = next(line for line in result.stdout.splitlines() if line.startswith("training"))
+  assert training.split("missing: ")[1] == "clu, grain"
+  assert "report    all importable" in result.stdout
+  assert "--groups=training" in result.stdout and "is blocked" in result.stdout

@@ -348,8 +348,10 @@ def test_a_truncated_jpeg_goes_to_pil_which_names_it(tmp_path):
   assert not nvimgcodec_decode.gpu_readable(packed_regions.header_item(source, transform, row,
                                                                        None))
   reader = device_stage.DeviceStageReader(source, transform, mesh, _FakeGpu())
-  with pytest.raises(preprocess.BadImageError, match=f"{cut}: cannot be decoded"):
+  with pytest.raises(preprocess.BadImageError, match=f"{cut}: cannot be decoded") as raised:
     reader.images(np.array([row]), epoch=1)
+  # As the host stage raises it: the folder's way out, the example for the resume's notes.
+  assert source.on_damage in str(raised.value) and raised.value.entry == source.entry(row)
   (root / "train" / "b" / "1.jpg").write_bytes(b"not an image at all")
   row = [source.where(r) for r in range(len(source))].index(str(root / "train/b/1.jpg"))
   with pytest.raises(preprocess.BadImageError, match="b/1.jpg: not a readable image"):

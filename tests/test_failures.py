@@ -4,6 +4,7 @@ liveness watch of multi-process runs, atomic writes on a full disk, a workdir tu
 read-only mid-run, a missing --config file. docs/reliability.md lists each with its test.
 """
 
+import contextlib
 import errno
 import os
 import re
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from cpjax import train
+from cpjax.data import decode_workers
 from cpjax.runtime import checkpointing, distributed, failures, files, run_logging, sharding
 from tests import test_reliability
 from tests.helpers import (
@@ -142,6 +144,96 @@ def test_an_unwritable_file_outside_checkpoints_names_the_file_and_its_folder(tm
       f"there), then rerun the same command: no checkpoint is committed in {directory} yet, "
       "so it starts from the beginning")
   assert failures.cause(ValueError("a bug"), 2) == failures.OTHER
+
+
+def _shared_memory_full(monkeypatch) -> decode_workers.SharedMemoryFullError:
+  """The host stage's error for a /dev/shm too small for its slots, as it raises it: from
+  the ENOSPC of the pages' reservation (os.posix_fallocate) beneath."""
+  def full(fd, offset, length):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  with monkeypatch.context() as patch:
+    patch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(decode_workers.SharedMemoryFullError) as raised:
+      decode_workers.Slots(2, (64, 32, 32, 3))
+  return raised.value
+
+
+def test_a_full_dev_shm_is_named_by_the_host_stages_advice_not_as_a_full_folder(
+    tmp_path, monkeypatch):
+  """The ENOSPC beneath the host stage's error is its detail, not the cause to name: the
+  line is the host stage's own (sizes, --shm-size, worker_kind=thread), raised alone or
+  from inside another error, and names no folder to make writable."""
+  full = _shared_memory_full(monkeypatch)
+  assert isinstance(full.__cause__, OSError) and full.__cause__.errno == errno.ENOSPC
+  checkpoints = str(tmp_path / "checkpoints")
+  advice = (f"rerun the same command: no checkpoint is committed in {checkpoints} yet, so it "
+            "starts from the beginning")
+  for err in (full, _raised_from(RuntimeError("batch 3 of the pass failed"), full)):
+    line = failures.line(err, checkpoints, 1)
+    assert line == f"{full}; {advice}", line
+    assert "--shm-size" in line and "worker_kind=thread" in line and "MiB" in line
+    assert "writable" not in line and failures.cause(err, 1) != failures.STORAGE
+
+
+# A full disk under the TensorBoard events file, as clu's writer reported it on a 64 KiB
+# tmpfs (TensorFlow's flush error, re-raised by clu's asynchronous pool): no errno, no
+# filename, the path in the text.
+TF_EVENTS_FULL = ("{{{{function_node __wrapped__FlushSummaryWriter_device_/job:localhost/"
+                  "replica:0/task:0/device:CPU:0}}}} {path}; No space left on device\n\tFailed "
+                  "to flush 1 events to {path}\n\tCould not flush events file. "
+                  "[Op:FlushSummaryWriter] name: ")
+
+
+def test_a_full_disk_under_the_events_file_names_the_workdir_not_the_checkpoints(tmp_path):
+  """Writing the events file in the workdir fails: the line names that file and its folder
+  (the workdir), whether the path comes as the OSError's filename or only in the text of
+  another error type; an ENOSPC that names no file names the workdir too, never the
+  checkpoint folder it is not about."""
+  workdir = str(tmp_path)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  events = os.path.join(workdir, "events.out.tfevents.1795760815.vm.11122.0.v2")
+  text = TF_EVENTS_FULL.format(path=events)
+  advice = (f"make the folder {workdir} writable (or free space there), then rerun the same "
+            f"command: no checkpoint is committed in {checkpoints} yet, so it starts from the "
+            "beginning")
+  from_text = _raised_from(RuntimeError(f"Error '{text}' occurred ASYNCHRONOUSLY."),
+                           ValueError(text))
+  first_line = text.split("\n")[0]
+  assert failures.line(from_text, checkpoints, 1) == (
+      f"writing the TensorBoard events file {events} failed (RuntimeError: Error "
+      f"'{first_line}); {advice}")
+  named = OSError(errno.ENOSPC, "No space left on device", events)
+  assert failures.line(named, checkpoints, 1) == (
+      f"writing the TensorBoard events file {events} failed (OSError: [Errno 28] No space "
+      f"left on device: '{events}'); {advice}")
+  bare = OSError(errno.ENOSPC, "No space left on device")  # A write() names no file.
+  assert failures.line(bare, checkpoints, 1) == (
+      "writing the run's files failed (OSError: [Errno 28] No space left on device); "
+      f"{advice}")
+
+
+def test_the_events_file_on_a_real_full_file_system_names_its_folder(tmp_path):
+  """The run's TensorBoard writer in a 64 KiB tmpfs, written until the disk is full: the
+  error it raises is named as the workdir's, not as the checkpoint folder's."""
+  folder = str(tmp_path / "tiny")
+  _mount_tiny_tmpfs(folder, 64)
+  writer = None
+  try:
+    writer = run_logging.create_writer(folder)
+    with pytest.raises(Exception) as raised:  # pylint: disable=broad-except  Any writer's.
+      for step in range(10_000):
+        writer.write_scalars(step, {f"metric_{i}": float(step) for i in range(50)})
+        writer.flush()
+    checkpoints = os.path.join(folder, "checkpoints")
+    line = failures.line(raised.value, checkpoints, 1)
+    assert failures.cause(raised.value, 1) == failures.STORAGE, line
+    assert f"make the folder {folder} writable (or free space there)" in line, line
+    assert f"{checkpoints} writable" not in line
+  finally:
+    if writer is not None:
+      with contextlib.suppress(Exception):  # pylint: disable=broad-except  Its files closed.
+        writer.close()
+    subprocess.run(["umount", folder], check=True)
 
 
 # The liveness watch of multi-process runs.

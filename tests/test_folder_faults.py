@@ -7,6 +7,7 @@ sizes, listings and differences are worked out from what the test wrote, not by 
 test.
 """
 
+import hashlib
 import json
 import logging
 import os
@@ -19,7 +20,8 @@ import pytest
 
 from configs import default
 from cpjax import config_validation
-from cpjax.data import fingerprint, folder_source, image_stats, sources
+from cpjax.data import fingerprint, folder_source, host_stage, image_stats, preprocess, sources
+from cpjax.runtime import sharding
 from tests import helpers
 
 
@@ -140,26 +142,97 @@ def test_file_and_class_names_that_are_not_utf8_work_as_paths_and_show_escaped(t
         expected[os.path.join(name, file)] = f.read()
   rows = np.arange(len(train))
   for row, data in zip(rows, train.read(rows)):
-    assert data == expected[os.fsencode(train.where(int(row))).split(b"/train/", 1)[1]]
-  listing = sources.file_listing(dataset)["train"]
-  assert sorted(os.fsencode(path) for path, _, _ in listing) == sorted(expected)
-  fingerprint.write_listing(str(tmp_path / "listing.json.gz"), {"train": listing})
-  assert fingerprint.read_listing(str(tmp_path / "listing.json.gz")) == {"train": listing}
+    assert data == expected[os.fsencode(train.path(int(row))).split(b"/train/", 1)[1]]
+  listing = sources.identity(dataset).listing["train"]
+  assert sorted(os.fsencode(path) for path, *_ in listing) == sorted(expected)
+  fingerprint.write_listings(str(tmp_path / "listing.json.gz"), [{"train": listing}])
+  assert fingerprint.read_listings(str(tmp_path / "listing.json.gz")) == [{"train": listing}]
+
+
+def _cut_short(path) -> bytes:
+  """Cuts the file at `path` (str or bytes) to half its bytes; returns its bytes before."""
+  with open(path, "rb") as f:
+    data = f.read()
+  with open(path, "wb") as f:
+    f.write(data[:len(data) // 2])
+  return data
+
+
+def test_names_that_are_not_utf8_show_escaped_in_errors_as_in_classes_json(tmp_path):
+  """A file that fails to decode, and a file whose header fails the start-up check, both
+  named b'...\\xff...' under the class b'caf\\xe9': each error shows the bytes as `\\xff` and
+  `\\xe9` (as classes.json and the docs), never as Python's surrogates (`\\udcff`)."""
+  root = os.fsencode(str(tmp_path / "data"))
+  for name in (b"ant", b"caf\xe9"):
+    for i in range(3):
+      _save_png(os.path.join(root, b"train", name, b"img%d.png" % i), 20, 20, seed=i)
+  pixels = np.random.default_rng(3).integers(0, 256, (40, 40, 3), np.uint8)
+  bad = os.path.join(root, b"train", b"caf\xe9", b"bad\xff.jpg")
+  Image.fromarray(pixels).save(bad, format="JPEG")
+  _cut_short(bad)  # Its header still opens: found when it is decoded.
+  dataset = _dataset(os.fsdecode(root), image_size=12, mean=(0.5,) * 3, std=(0.25,) * 3)
+  spec = sources.resolve(dataset)
+  # The whole split: rows are the relative paths sorted (ant/img0-2, then caf\xe9/bad\xff).
+  train = folder_source.FolderSource(folder_source.listing(os.fsdecode(root), "train", 100,
+                                                           False))
+  reader = host_stage.PreprocessReader(train, preprocess.from_config(dataset, spec.image_shape,
+                                                                     0),
+                                       sharding.create_mesh(), 1, worker_kind="thread")
+  with pytest.raises(preprocess.BadImageError) as raised:
+    reader.images(np.asarray([3]), epoch=0)
+  message = str(raised.value)
+  assert os.path.join(str(tmp_path / "data"), "train", "caf\\xe9", "bad\\xff.jpg") + (
+      ": cannot be decoded") in message, message
+  assert "\udce9" not in message and "\udcff" not in message, message
+  with open(os.path.join(root, b"train", b"ant", b"hdr\xff.png"), "wb") as f:
+    f.write(b"not an image at all")
+  folder_source.listing.cache_clear()
+  message = _validate_folder(os.fsdecode(root))
+  assert os.path.join("train", "ant", "hdr\\xff.png (") in message, message
+  assert "\udcff" not in message, message
 
 
 # ---------------------------------------------------------------- a folder changed under a run
 
 
+def _identity(folder: str) -> fingerprint.Identity:
+  folder_source.listing.cache_clear()  # A new process would list the folder afresh.
+  return sources.identity(_dataset(folder, image_size=12))
+
+
 def _listing(folder: str):
-  return sources.file_listing(_dataset(folder, image_size=12))
+  return _identity(folder).listing
 
 
 def _changed_message(folder: str, before) -> str:
-  folder_source.listing.cache_clear()  # A new process would list the folder afresh.
   with pytest.raises(fingerprint.DatasetChangedError) as raised:
-    fingerprint.check_unchanged(fingerprint.digests(before), _listing(folder), before, folder,
+    fingerprint.check_unchanged(fingerprint.digests(before), _identity(folder), before,
                                 step=40)
   return str(raised.value)
+
+
+def _sampled_by_hand(path: str) -> str:
+  """The content digest as docs/data.md defines it, computed here: SHA-256 of the size in
+  decimal and a newline, then the whole file up to 12 KiB, else its first, middle and last
+  4 KiB; the first 16 hex digits."""
+  with open(path, "rb") as f:
+    data = f.read()
+  size = len(data)
+  if size <= 3 * 4096:
+    sampled = data
+  else:
+    middle = (size - 4096) // 2
+    sampled = data[:4096] + data[middle:middle + 4096] + data[-4096:]
+  return hashlib.sha256(f"{size}\n".encode() + sampled).hexdigest()[:16]
+
+
+def _flip(path: str, offset: int) -> None:
+  """Inverts the byte at `offset` of the file at `path`: other content, the same size."""
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    byte = f.read(1)
+    f.seek(offset)
+    f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.fixture(name="data")
@@ -169,28 +242,67 @@ def _data(tmp_path):
                            test_per_class=1)
 
 
-def test_the_listing_records_each_files_path_size_and_mtime(data):
+def test_the_listing_records_each_files_path_size_sampled_content_and_mtime(data):
   listing = _listing(data)
   assert sorted(listing) == ["test", "train"]
   for split, entries in listing.items():
-    by_hand = sorted((os.path.relpath(os.path.join(parent, f), os.path.join(data, split)),
-                      os.stat(os.path.join(parent, f)).st_size,
-                      os.stat(os.path.join(parent, f)).st_mtime_ns)
-                     for parent, _, files in os.walk(os.path.join(data, split)) for f in files)
-    assert entries == by_hand
-  folder_source.listing.cache_clear()
-  fingerprint.check_unchanged(fingerprint.digests(listing), _listing(data), listing, data, 40)
+    by_hand = []
+    for parent, _, names in os.walk(os.path.join(data, split)):
+      for name in names:
+        path = os.path.join(parent, name)
+        by_hand.append((os.path.relpath(path, os.path.join(data, split)),
+                        os.stat(path).st_size, _sampled_by_hand(path),
+                        os.stat(path).st_mtime_ns))
+    assert entries == sorted(by_hand)
+  assert not fingerprint.check_unchanged(fingerprint.digests(listing), _identity(data), listing,
+                                         40)
+
+
+def test_a_large_file_is_compared_by_its_size_and_three_sampled_blocks(tmp_path):
+  """A 100 x 100 PNG of random pixels (about 30 KB): its digest is the hand-computed one; a
+  byte changed in its middle block is a change; one changed between the first and the
+  middle block, at the same size, is not seen (the documented limit of the sampling)."""
+  folder = _generated_folder(str(tmp_path / "data"), {"a": [(100, 100), (12, 12)],
+                                                       "b": [(12, 12)] * 2})
+  big = os.path.join(folder, "train", "a", "img0.png")
+  size = os.path.getsize(big)
+  assert size > 3 * 4096
+  before = _listing(folder)
+  assert before["train"][0][:3] == (os.path.join("a", "img0.png"), size, _sampled_by_hand(big))
+  _flip(big, 4096 + 10)  # Between the first block and the middle one.
+  assert not fingerprint.check_unchanged(fingerprint.digests(before), _identity(folder),
+                                         before, 40)
+  _flip(big, size // 2)  # Inside the middle block.
+  assert (f"(train/: 1 changed (size or content): {os.path.join('a', 'img0.png')})"
+          in _changed_message(folder, before))
 
 
 def test_content_replaced_at_the_same_size_is_named(data):
   before = _listing(data)
   path = os.path.join(data, "train", "b", "img1.png")
-  stat = os.stat(path)
-  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # Rewritten later.
+  size = os.path.getsize(path)
+  _flip(path, size // 2)
+  assert os.path.getsize(path) == size
   message = _changed_message(data, before)
-  assert f"changed since checkpoint 40 was saved (train/: 1 changed (size or modification " \
-         f"time): {os.path.join('b', 'img1.png')})" in message
+  assert (f"the files of dataset.folder={data!r} changed since checkpoint 40 was saved "
+          f"(train/: 1 changed (size or content): {os.path.join('b', 'img1.png')})") in message
   assert "new --workdir" in message
+
+
+def test_the_same_bytes_copied_back_or_a_touched_file_are_no_change(data, tmp_path):
+  """`cp` of a file's own bytes (a new modification time, as a restore from a backup
+  gives), or `touch`: the same file, the resume goes on."""
+  before = _listing(data)
+  path = os.path.join(data, "train", "b", "img1.png")
+  shutil.copyfile(path, tmp_path / "backup.png")
+  os.remove(path)
+  shutil.copyfile(tmp_path / "backup.png", path)
+  stat = os.stat(path)
+  os.utime(os.path.join(data, "test", "a", "img0.png"), ns=(stat.st_atime_ns,
+                                                            stat.st_mtime_ns + 10**9))
+  now = _identity(data)
+  assert [e[3] for e in now.listing["train"]] != [e[3] for e in before["train"]]
+  assert not fingerprint.check_unchanged(fingerprint.digests(before), now, before, 40)
 
 
 def test_a_delete_plus_an_add_keeping_the_count_is_named(data):
@@ -215,18 +327,93 @@ def test_a_changed_test_file_is_named(data):
   before = _listing(data)
   _save_png(os.path.join(data, "test", "c", "img0.png"), 12, 13, seed=5)  # Other size.
   message = _changed_message(data, before)
-  assert "(test/: 1 changed (size or modification time): " in message
+  assert "(test/: 1 changed (size or content): " in message
   assert "train/" not in message
 
 
 def test_a_checkpoint_without_digests_is_not_checked_and_a_missing_listing_still_refuses(data):
   before = _listing(data)
   os.remove(os.path.join(data, "train", "a", "img0.png"))
-  folder_source.listing.cache_clear()
-  now = _listing(data)
-  fingerprint.check_unchanged(None, now, before, data, 40)  # Saved before digests existed.
+  now = _identity(data)
+  assert not fingerprint.check_unchanged(None, now, before, 40)  # Saved before digests existed.
   with pytest.raises(fingerprint.DatasetChangedError, match=r"train/: its files differ"):
-    fingerprint.check_unchanged(fingerprint.digests(before), now, None, data, 40)
+    fingerprint.check_unchanged(fingerprint.digests(before), now, None, 40)
+
+
+def _digest_before_content(entries) -> str:
+  """The digest that checkpoints recorded before content was compared, as those versions
+  wrote it: SHA-256 of each entry's path bytes, size and modification time."""
+  sha = hashlib.sha256()
+  for path, size, _, mtime in entries:
+    sha.update(os.fsencode(path) + b"\0" + f"{size}\0{mtime}\n".encode())
+  return sha.hexdigest()
+
+
+def test_a_checkpoint_of_the_earlier_digests_resumes_and_still_sees_a_change(data):
+  """A checkpoint saved by an earlier version (digests of paths, sizes and modification
+  times; the listing file without contents) resumes on the same files, and is refused, by
+  the rule it was saved under, when a file's modification time changed."""
+  before = _listing(data)
+  saved = {split: _digest_before_content(entries) for split, entries in before.items()}
+  old_listing = {split: [(p, size, "", mtime) for p, size, _, mtime in entries]
+                 for split, entries in before.items()}
+  assert not fingerprint.check_unchanged(saved, _identity(data), old_listing, 40)
+  path = os.path.join(data, "train", "c", "img2.png")
+  stat = os.stat(path)
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+  with pytest.raises(fingerprint.DatasetChangedError,
+                     match=r"train/: 1 changed \(size or modification time\): c/img2\.png"):
+    fingerprint.check_unchanged(saved, _identity(data), old_listing, 40)
+
+
+def _resumed(data: str, workdir: str, meta) -> dict:
+  """check_resume at a (re)start in `workdir` with checkpoint metadata `meta` (None: no
+  checkpoint), as train._setup calls it."""
+  listings = fingerprint.saved_listings(workdir)
+  folder_source.listing.cache_clear()
+  identity = sources.identity(_dataset(data, image_size=12), listings[0] if listings else None)
+  return fingerprint.check_resume(identity, listings, meta, workdir)
+
+
+def test_a_file_the_run_found_damaged_may_be_replaced_and_nothing_else(data, tmp_path,
+                                                                        caplog):
+  """The run stops on b/img1.png (its example id: its row in the sorted listing), noted in
+  the workdir. Replaced by other bytes, the resume goes on (a warning names it), again at a
+  second resume from the same checkpoint; a change to another file is still refused,
+  naming that one only. Once a checkpoint has trained on the replacement, a further change
+  of that file is refused too: the note covers the damaged bytes only."""
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  saved = _resumed(data, workdir, None)
+  meta = {"data_digests": saved, "step": 40}
+  names = sorted(os.path.join(c, f"img{i}.png") for c in "abc" for i in range(4))
+  damaged = os.path.join(data, "train", "b", "img1.png")
+  _cut_short(damaged)
+  with pytest.raises(preprocess.BadImageError):
+    with fingerprint.noting_damage(workdir):
+      error = preprocess.BadImageError(f"{damaged}: cannot be decoded")
+      error.entry = ("train", names.index(os.path.join("b", "img1.png")))
+      raise error
+  _save_png(damaged, 12, 12, seed=77)  # Another image: not the bytes the listing holds.
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      now = _resumed(data, workdir, meta)
+  assert now != saved
+  assert sum(r.getMessage().startswith(f"train/{os.path.join('b', 'img1.png')} changed since "
+                                       "checkpoint 40") and "found damaged" in r.getMessage()
+             for r in caplog.records) == 2
+  other = os.path.join(data, "train", "c", "img0.png")
+  _flip(other, os.path.getsize(other) // 2)  # Past the header: it still lists.
+  with pytest.raises(fingerprint.DatasetChangedError) as raised:
+    _resumed(data, workdir, meta)
+  assert f"(train/: 1 changed (size or content): {os.path.join('c', 'img0.png')})" \
+      in str(raised.value)
+  _flip(other, os.path.getsize(other) // 2)  # Put back.
+  _save_png(damaged, 12, 12, seed=78)  # Changed again after checkpoint 50 trained on 77's.
+  with pytest.raises(fingerprint.DatasetChangedError) as raised:
+    _resumed(data, workdir, {"data_digests": now, "step": 50})
+  assert f"(train/: 1 changed (size or content): {os.path.join('b', 'img1.png')})" \
+      in str(raised.value)
 
 
 # ---------------------------------------------------------------- the dataset folder untouched
@@ -299,3 +486,54 @@ def test_main_on_a_users_folder_defaults_its_size_leaves_it_untouched_and_refuse
   assert f"2 added: {os.path.join('bee', 'copy.png')}, {os.path.join('bee', 'copy2.png')}" \
       in refused.stderr
   assert "does not fit this config" not in refused.stderr
+
+
+@pytest.mark.slow  # main.py processes.
+def test_a_damaged_image_ends_in_one_line_and_the_run_resumes_once_it_is_replaced(tmp_path):
+  """A test image cut short past its header, damaged before the run starts (the start-up
+  check reads headers only), is first read by the evaluation after epoch 1, once epoch 0's
+  checkpoint is saved. The run ends with status 1 and one FATAL line, its last word: the
+  file (as `\\xff` where its name is not UTF-8), how to repair it and the checkpoint the rerun
+  resumes from; no traceback. With the file replaced by a good image, the rerun resumes
+  from that checkpoint and finishes."""
+  shapes = [(16, 20)] * 6
+  folder = _generated_folder(str(tmp_path / "data"), {"ant": shapes, "bee": shapes},
+                             test_per_class=2)
+  victim = os.path.join(os.fsencode(folder), b"test", b"bee", b"img\xff.jpg")
+  Image.fromarray(np.random.default_rng(5).integers(0, 256, (40, 40, 3), np.uint8)).save(
+      victim, format="JPEG")
+  good = _cut_short(victim)
+  workdir, env = str(tmp_path / "run"), helpers.subprocess_env(
+      XDG_CACHE_HOME=str(tmp_path / "cache"))
+  flags = ("--config.dataset.name=folder", f"--config.dataset.folder={folder}",
+           "--config.dataset.image_size=16", "--config.dataset.val_size=4",
+           "--config.dataset.crop_padding=0", "--config.num_epochs=2",
+           "--config.eval_every_epochs=2", "--config.batch_size=8",
+           "--config.eval_batch_size=8", "--config.evaluation.ood=",
+           "--config.evaluation.calibrator_folds=2", "--config.evaluation.calibrator_resamples=0",
+           "--config.evaluation.bootstrap_resamples=20")
+
+  def run():
+    return subprocess.run(helpers.main_command(workdir, *flags), cwd=helpers.REPO, env=env,
+                          capture_output=True, text=True, timeout=400)
+
+  stopped = run()
+  assert stopped.returncode == 1, stopped.stderr[-3000:]
+  lines = stopped.stderr.strip().splitlines()
+  fatal = [line for line in lines if line.startswith("FATAL")]
+  assert len(fatal) == 1 and lines[-1] == fatal[0], stopped.stderr[-3000:]
+  assert "Traceback" not in stopped.stderr
+  (step,) = helpers.checkpoint_steps(workdir)  # Epoch 0's.
+  shown = os.path.join(folder, "test", "bee", "img\\xff.jpg")
+  assert fatal[0].startswith(f"FATAL {shown}: cannot be decoded ("), fatal[0]
+  assert "replace the file with a readable copy of the image under the same name" in fatal[0]
+  assert fatal[0].endswith(f"it resumes from the last good checkpoint, step {step} in "
+                           f"{workdir}/checkpoints"), fatal[0]
+  with open(victim, "wb") as f:
+    f.write(good)
+  resumed = run()
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"Resumed from {workdir}/checkpoints at global step {step}" in resumed.stderr
+  assert "test/bee/img\\xff.jpg" in resumed.stderr and "found damaged" in resumed.stderr
+  assert [r["epoch"] for r in helpers.read_metrics(workdir)] == [0, 1]
+  assert "test_accuracy" in helpers.read_metrics(workdir)[-1]

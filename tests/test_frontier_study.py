@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from cpjax import config_validation
-from studies import equivalence, frontier, grid
+from studies import equivalence, frontier, grid, long_schedule
 
 
 def test_tost_by_hand():
@@ -149,7 +149,7 @@ def test_arms_option_names_an_unknown_arm_and_the_near_ones():
       "topk_anneal-70", "noisy_topk_anneal-45@confirm"]
   assert frontier.parse_arms("", base) == []
   with pytest.raises(SystemExit, match=r"unknown arm 'topk_anneal-50'; did you mean "
-                                       r".*topk_anneal-55.*valid arms: full,"):
+                                       r"topk_anneal-p50 or topk_anneal-70\? valid arms: full,"):
     frontier.parse_arms("topk_anneal-50", base)
 
 
@@ -307,3 +307,402 @@ def test_the_figure_marks_an_arm_far_below_full_data_at_its_floor():
     assert notes[accuracy] == ["infobatch-r95: 82.0 [78.6, 85.4] % (below)"]
   finally:
     plt.close(fig)
+
+
+@pytest.mark.parametrize("sd,n,difference", [(0.0012, 3, 0.0), (0.0012, 5, -0.001),
+                                             (0.002, 4, 0.0005)])
+def test_tost_power_against_a_simulation_of_the_tost(sd, n, difference):
+  """The closed-form power against the share of simulated samples that `tost` (SciPy's t
+  tails) finds equivalent: 20,000 samples, a standard error of at most 0.0035."""
+  rng = np.random.default_rng(n)
+  samples = rng.normal(difference, sd, size=(20_000, n))
+  passed = np.mean([equivalence.tost(d)["equivalent"] for d in samples])
+  assert equivalence.tost_power(sd, n, difference) == pytest.approx(passed, abs=0.015)
+
+
+def test_tost_power_limits_and_the_three_seed_case():
+  # A tiny spread passes whenever the true difference is inside the margin, never outside.
+  assert equivalence.tost_power(1e-6, 3, 0.0) == pytest.approx(1.0, abs=1e-6)
+  assert equivalence.tost_power(1e-6, 3, 0.003) == pytest.approx(0.0, abs=1e-6)
+  # At a true difference of 0 and a spread of 0.12 points, 3 seeds pass about 41 % of the time.
+  assert 0.39 < equivalence.tost_power(0.0012, 3) < 0.42
+  with pytest.raises(ValueError, match="n >= 2"):
+    equivalence.tost_power(0.001, 1)
+
+
+def _timed(wall, compute, steady, machine, seeds):
+  return {"seed_index": {s: i for i, s in enumerate(seeds)}, "wall_seconds": wall,
+          "compute_seconds": compute, "steady_seconds": steady, "machine": machine,
+          "training_seconds": [c - 1.0 for c in compute], "scoring_seconds": [0.5] * len(wall),
+          "selection_seconds": [0.5] * len(wall)}
+
+
+def test_wall_clock_is_paired_per_seed_on_one_machine_and_whole_runs_only():
+  """Seed 3: both whole, even pace: 250 / 500 = 0.5. Seed 4: the arm's wall clock (100 s) is
+  below its phase seconds (200 s), a resumed run's last sitting: no wall ratio, the phase
+  seconds' 200 / 400 still. Seed 5: another machine: nothing. Seed 6: full data slowed (its
+  phase seconds 30 % above its steady seconds): 300 / 1000 = 0.3, uneven."""
+  a, b = "cpu A, 2 cores", "cpu B, 2 cores"
+  arm = _timed([250, 100, 240, 300], [220, 200, 210, 280], [215, 198, 205, 275],
+               [a, a, b, a], (3, 4, 5, 6))
+  full = _timed([500, 450, 480, 1000], [470, 400, 450, 960], [465, 398, 445, 740],
+                [a, a, a, a], (3, 4, 5, 6))
+  pairs = frontier.time_pairs(arm, full)
+  assert pairs[5] is None
+  assert pairs[3] == {"machine": a, "wall": 0.5, "compute": pytest.approx(220 / 470),
+                      "even": True}
+  assert pairs[4]["wall"] is None and pairs[4]["compute"] == 0.5
+  assert pairs[6]["wall"] == 0.3 and not pairs[6]["even"]
+  means = frontier.mean_ratios(pairs)
+  assert means["wall_ratio"] == pytest.approx(0.4) and means["wall_seeds"] == [3, 6]
+  assert means["even_wall_ratio"] == 0.5 and means["even_seeds"] == [3]
+  assert means["compute_ratio"] == pytest.approx((220 / 470 + 0.5) / 2)  # Even pace only.
+  assert means["compute_seeds"] == [3, 4]
+  times = frontier.run_times(arm)  # Seed 4 left out: its wall clock is one sitting's.
+  assert times["whole_seeds"] == [3, 5, 6] and times["wall"] == pytest.approx(790 / 3)
+  assert times["rest"] == pytest.approx((30 + 30 + 20) / 3)
+  assert times["scoring"] == 1.0 and times["machines"] == [a, b]
+
+
+def test_evaluation_passes_and_the_share_with_them():
+  """20 epochs evaluated every 2nd: 10 evaluations of 6,000 validation and 10,000 test images
+  = 160,000 passes, added to both arms' training passes before their ratio."""
+  curve = list(range(2, 21, 2))
+  def run(passes):
+    return {**_result([0.9], passes), "curve_epoch": [curve], "correct": [[1] * 10_000]}
+  full, arm = run(3_240_960.0), run(0.4775 * 3_240_960)
+  assert frontier.evaluation_passes(full) == 160_000
+  share = frontier.costs(arm, full)["passes_share_with_evaluation"]
+  assert share == pytest.approx((0.4775 * 3_240_960 + 160_000) / (3_240_960 + 160_000))
+  assert frontier.evaluation_passes(_result([0.9], 1.0)) is None  # No curves: not counted.
+
+
+def test_validation_images_match_the_base_config():
+  from cpjax.data import splits
+  assert frontier.VAL_IMAGES == splits.carved_val_size(frontier.base_config().dataset)
+
+
+def test_kept_schedule_of_each_design_from_its_config():
+  """Top-k with the finish at 45 %: (19 x 0.45 - 2) / 17 = 0.3853 kept in epochs 1-17, then 2
+  on all data; rising from 20 to 70 %; InfoBatch (anneal 0.125 of 20 epochs: floor(17.5) = 17)
+  prunes in epochs 1-16, then 3 on all data; full data selects nothing."""
+  base = frontier.base_config()
+  arms = {a.name: a for a in frontier.search_arms(base)}
+  assert frontier.kept_schedule(arms["topk_anneal-45"], base) == {
+      "epochs": [1, 17], "kept": [0.3853, 0.3853], "full_after": 2}
+  assert frontier.kept_schedule(arms["topk_anneal-30"], base)["kept"][0] == 0.2176
+  assert frontier.kept_schedule(arms["topk_rising-45"], base)["kept"] == [0.2, 0.7]
+  assert frontier.kept_schedule(arms["topk_entropy-30"], base) == {
+      "epochs": [1, 19], "kept": [0.3, 0.3], "full_after": 0}
+  assert frontier.kept_schedule(arms["infobatch-r85"], base) == {
+      "epochs": [1, 16], "kept": None, "full_after": 3}
+  assert frontier.kept_schedule(arms["full"], base) == {}
+  # A mean of 30 % kept in epochs 1-16 of 20, 100 passes a full epoch: 4 x 100 + 16 x 30.
+  assert frontier.mean_kept({"epochs": [1, 16], "full_after": 3}, 880.0, 2000.0) == (
+      pytest.approx(0.3))
+
+
+def test_two_level_bootstrap_reduces_to_each_level():
+  """One seed: the test images' bootstrap alone (Binomial(2000, 0.1) / 2000, as above). Forty
+  seeds whose runs differ on every image or on none (the image draw changes nothing): the seed
+  bootstrap alone, the mean of 40 draws from 20 ones and 20 zeros: 0.5 +- 1.645 x 0.5 /
+  sqrt(40) = [0.37, 0.63]."""
+  n, k = 2000, 200
+  full = np.zeros(n, np.int8)
+  full[k::2] = 1
+  arm = full.copy()
+  arm[:k] = 1
+  one = {name: {"seed_index": {3: 0}, "correct": [c.tolist()]} for name, c in
+         (("arm", arm), ("full", full))}
+  half = 1.645 * math.sqrt(0.1 * 0.9 / n)
+  assert frontier.seed_and_image_interval(one["arm"], one["full"], [3]) == pytest.approx(
+      [0.1 - half, 0.1 + half], abs=0.003)
+  seeds = list(range(40))
+  arms = {"seed_index": {s: s for s in seeds}, "correct": [[1] * 50] * 20 + [[0] * 50] * 20}
+  fulls = {"seed_index": {s: s for s in seeds}, "correct": [[0] * 50] * 40}
+  low, high = frontier.seed_and_image_interval(arms, fulls, seeds)
+  assert (low, high) == pytest.approx((0.5 - 1.645 * 0.5 / math.sqrt(40),
+                                       0.5 + 1.645 * 0.5 / math.sqrt(40)), abs=0.03)
+
+
+def _readme_budget_table() -> str:
+  with open("README.md", encoding="utf-8") as f:
+    text = f.read()
+  section = text.split("## Which selection to use")[1].split("## Which calibration to use")[0]
+  return " ".join(section.split())  # Wrapped lines read as one.
+
+
+def _interval(v: dict) -> str:
+  return f"{100 * v['mean']:+.2f} [{100 * v['low']:+.2f}, {100 * v['high']:+.2f}]"
+
+
+def _bracket(pair) -> str:
+  return f"[{100 * pair[0]:+.2f}, {100 * pair[1]:+.2f}]"
+
+
+def test_readme_budget_table_states_the_frontier_summary():
+  """Every number of the README's budget table as studies/results/frontier.json (the
+  committed summary, generated from the records) has it, in the table's own formats."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  summary, found, runs = out["summary"], out["verdicts"], out["runs"]
+  table = _readme_budget_table()
+  expected = []
+  for name in ("topk_anneal-45", "topk_entropy-30", "topk_anneal-55", "infobatch-r50"):
+    row = summary[name]
+    expected.append(f"{100 * row['passes_share']:.1f} % "
+                    f"({100 * row['passes_share_with_evaluation']:.1f} %)")
+    if name != "topk_anneal-45":  # Its row gives the later tiers' verdicts (below).
+      expected += [f"{_interval(row['vs_full'])} (seeds 0-2)",
+                   f"TOST p {row['vs_full']['p']:.3f}"]
+    kept = row["kept"]
+    share = (f"{100 * kept['kept'][0]:.1f} % kept" if kept["kept"]
+             else f"≈ {100 * kept['mean_from_passes']:.1f} % kept on average")
+    expected.append(f"{share} in epochs {kept['epochs'][0]}-{kept['epochs'][1]}")
+  expected.append(f"selection.fraction={summary['topk_anneal-45']['kept']['kept'][0]}")
+  expected.append(f"selection.fraction={summary['topk_anneal-55']['kept']['kept'][0]}")
+  for key in ("untouched", "replicate", "pooled"):
+    expected += [_interval(found[key]), f"TOST p {found[key]['p']:.3f}"]
+  for key in ("untouched", "pooled"):
+    both = found[key]["test_images"]["seeds_and_images"]
+    expected.append(f"with the test images {_bracket(both)}")
+  chosen = summary["topk_anneal-45@confirm"]["time"]
+  assert chosen["even_seeds"] == [3, 4, 5] and chosen["wall_seeds"] == [3, 4, 5, 7]
+  (machine,) = chosen["machines"]
+  expected += [f"{chosen['even_wall_ratio']:.2f} (seeds 3-5",
+               f"{chosen['wall_ratio']:.2f} with seed 7", f"`{machine}`"]
+  for name in ("topk_entropy-30", "infobatch-r50"):
+    time = summary[name]["time"]
+    assert time["even_seeds"] == time["wall_seeds"] == [2]
+    expected.append(f"{time['wall_ratio']:.2f} (seed 2, the one pair of whole runs")
+  assert summary["topk_anneal-55"]["time"]["wall_seeds"] == []  # "not measured beside ..."
+  noisy = found["noisy"]
+  arm, full = runs["noisy_topk_anneal-45@confirm"], runs["noisy_full@confirm"]
+  per_seed = [f"{100 * (a - b):+.2f}" for a, b in zip(arm["accuracy"], full["accuracy"])]
+  expected += [_interval(noisy), ", ".join(per_seed[:-1]) + f" and {per_seed[-1]}",
+               f"{100 * noisy['reference_accuracy']:.2f} %",
+               f"{100 * (noisy['earlier_reference']['accuracy'] - noisy['reference_accuracy']):.2f}"
+               " points below", f"{100 * noisy['earlier_reference']['accuracy']:.2f} %",
+               f"{summary['full']['evaluation_passes']:,.0f} a run"]
+  missing = [e for e in expected if e not in table]
+  assert not missing, f"the README's budget table lacks {missing}"
+
+
+def test_docs_studies_state_the_frontier_summary_and_the_power():
+  """docs/studies.md's frontier numbers added beside the seed intervals, as the committed
+  summary has them: kept shares, passes with evaluation, the two-level intervals, tier C's
+  wall-clock ratios, tier D's reference, and the TOST's power at the stated spread."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  with open("docs/studies.md", encoding="utf-8") as f:
+    text = " ".join(f.read().split("## How much compute can be skipped")[1].split())
+  summary, found = out["summary"], out["verdicts"]
+  expected = []
+  for budget in frontier.BUDGETS:
+    row = summary[f"topk_anneal-{budget}"]
+    expected += [f"{100 * row['kept']['kept'][0]:.1f} % in epochs 1-17, then 2 on all data",
+                 f"{100 * row['passes_share']:.1f} % "
+                 f"({100 * row['passes_share_with_evaluation']:.1f} %)"]
+  for ratio in (85, 95, 70, 50):
+    row = summary[f"infobatch-r{ratio}"]
+    expected.append(f"≈ {100 * row['kept']['mean_from_passes']:.1f} % (mean) in epochs 1-16")
+  expected += [f"the interval is {_bracket(found['untouched']['test_images']['seeds_and_images'])}",
+               f"interval is {_bracket(found['pooled']['test_images']['seeds_and_images'])}",
+               f"saving is {100 * found['untouched']['saving_with_evaluation']:.1f} %"]
+  time = summary["topk_anneal-45@confirm"]["time"]
+  ratios = [time["pairs"][str(s)]["wall"] for s in time["even_seeds"]]
+  expected += [f"took {time['even_wall_ratio']:.2f} of",
+               "(" + ", ".join(f"{r:.3f}" for r in ratios[:-1]) + f" and {ratios[-1]:.3f};",
+               f"the mean is {time['wall_ratio']:.2f}"]
+  noisy, earlier = found["noisy"], found["noisy"]["earlier_reference"]["accuracy"]
+  expected.append(f"{100 * (earlier - noisy['reference_accuracy']):.2f} points below the "
+                  f"long-schedule study's noisy full-data runs ({100 * earlier:.2f} %")
+  expected += [f"pass that test only {100 * equivalence.tost_power(0.0012, 3):.0f} % of the time",
+               f"5 seeds {100 * equivalence.tost_power(0.0012, 5):.0f} % of the time"]
+  missing = [e for e in expected if e not in text]
+  assert not missing, f"docs/studies.md lacks {missing}"
+
+
+# Tiers A' (A2 in code) and G, declared before their runs.
+
+
+def test_tier_a2_arms_are_valid_configs_at_no_more_than_half_the_passes():
+  """Passes by hand (20 epochs, epoch 0 on all 54,000 rows in 422 steps of 128; full data
+  20 x 422 steps). Top-k with the finish at 41 % kept: 3 full epochs and 17 of
+  ceil(22,140 / 128) = 173 steps, (3 x 422 + 17 x 173) / 8,440 = 49.85 %; at 41.01 % kept
+  (22,145 rows, 174 steps) it would be 50.05 %. Importance at 46.73 % (k = 25,234 in
+  expectation): its 19 selected epochs' total size has sd at most sqrt(19 k (1 - k/N)) =
+  505.4, so each epoch bounded at ceil(k + 4 x 505.4 / 19) + 127 = 25,468 rows, 199 steps:
+  (422 + 19 x 199) / 8,440 = 49.80 %; at 46.74 % the bound is 200 steps, 50.02 %."""
+  base = frontier.base_config()
+  arms = frontier.a2_arms()
+  assert [a.name for a in arms] == ["importance-m50", "importance-m20", "topk_anneal-p50",
+                                    "infobatch_norescale-r95"]
+  assert all(a.tier == "A2" and a.seeds == (0, 1, 2) for a in arms)
+  assert frontier.TOPK_P50_FRACTION == frontier.anneal_fraction_at_most(0.5, base) == 0.41
+  assert frontier.IMPORTANCE_FRACTION == frontier.importance_fraction_at_most(0.5, base) == 0.4673
+  share = frontier.planned_share
+  topk = [a for a in arms if a.policy == "topk_anneal"][0]
+  config = grid.apply(base, topk.overrides)
+  assert share(config, base, frontier.anneal_sizes(0.41, base)) == pytest.approx(
+      (3 * 422 + 17 * 173) / 8440, abs=1e-12)
+  assert share(config, base, frontier.anneal_sizes(0.4101, base)) > 0.5
+  importance = grid.apply(base, arms[0].overrides)
+  assert share(importance, base, frontier.importance_sizes(0.4673, base)) == pytest.approx(
+      (422 + 19 * 199) / 8440, abs=1e-12)
+  assert share(importance, base, frontier.importance_sizes(0.4674, base)) == pytest.approx(
+      (422 + 19 * 200) / 8440, abs=1e-12)
+  for arm in arms + frontier.g_arms(arms[1]):
+    config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 13)))
+  assert arms[3].overrides["selection.infobatch_rescale"] is False
+  assert {arms[0].overrides["selection.mix"], arms[1].overrides["selection.mix"]} == {0.5, 0.2}
+
+
+def test_importance_arms_stay_under_half_the_passes_in_simulated_runs():
+  """2,000 simulated runs of the importance arm, each selected epoch's size drawn as
+  Binomial(N, k/N) (equal inclusion probabilities: the largest variance a sum of
+  independent Bernoulli(pi_i) with sum pi_i = k can have), their passes counted by the
+  study's own `example_passes`: none exceeds half of full data's, and their mean is the
+  expectation, (422 + 19 E[ceil(|S| / 128)]) / 8,440, about 49.5 %."""
+  base = frontier.base_config()
+  config = grid.apply(base, frontier.a2_arms()[0].overrides)
+  k = round(frontier.IMPORTANCE_FRACTION * 54000)
+  rng = np.random.default_rng(0)
+  shares = []
+  for _ in range(2000):
+    sizes = [54000] + rng.binomial(54000, k / 54000, 19).tolist()
+    records = [{"epoch": e, "selected_k": s} for e, s in enumerate(sizes)]
+    shares.append(long_schedule.example_passes(config, records)[-1] / (3 * 128 * 20 * 422))
+  assert max(shares) <= 0.5
+  assert np.mean(shares) == pytest.approx((422 + 19 * (k / 128 + 0.5)) / 8440, abs=5e-4)
+
+
+def test_tiers_parse_with_a_digit_and_name_an_unknown_one():
+  assert frontier.parse_tiers("ACFDBE") == ["A", "C", "F", "D", "B", "E"]
+  assert frontier.parse_tiers("A2G") == ["A2", "G"]
+  assert frontier.parse_tiers("".join(frontier.TIERS)) == list(frontier.TIERS)
+  with pytest.raises(SystemExit, match=r"unknown tier 'A3' in 'A3'; valid tiers: A, C, F, D, "
+                                       r"B, E, A2, G \(A2 is tier A'\)"):
+    frontier.parse_tiers("A3")
+  with pytest.raises(SystemExit, match="unknown tier 'a'"):
+    frontier.parse_tiers("a")
+
+
+def _with_machine(result, wall, loop, machine="cpu x"):
+  n = len(result["accuracy"])
+  return {**result, "wall_seconds": [wall] * n, "compute_seconds": [loop] * n,
+          "machine": [machine] * n}
+
+
+def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
+  """Tier A' chooses by validation accuracy among its arms at half the passes or fewer (not
+  among tier A's); tier G pairs the choice with full data on seeds 13-22: the TOST on 10
+  differences (SciPy's one-sided t-tests), and per seed the seconds ratios, the geometric
+  mean over the pairs run on one machine."""
+  full = frontier.Arm("full", "full", {}, "A")
+  a2 = frontier.a2_arms()
+  arms = [full, frontier.Arm("t-45", "t", {}, "A", 45), *a2]
+  results = {"full": _result([0.92] * 3, 100.0), "t-45": _result([0.90] * 3, 48.0, [0.99] * 3),
+             "importance-m50": _result([0.92] * 3, 49.5, val=[0.929] * 3),
+             "importance-m20": _result([0.92] * 3, 49.5, val=[0.931] * 3),  # Chosen,
+             "topk_anneal-p50": _result([0.92] * 3, 49.8, val=[0.930] * 3),
+             "infobatch_norescale-r95": _result([0.92] * 3, 50.5, val=[0.95] * 3)}  # not: >50 %.
+  assert frontier.choose(arms, results).name == "t-45"  # Tier A's choice is its own.
+  chosen = frontier.choose(arms, results, "A2")
+  assert chosen.name == "importance-m20" and chosen.overrides["selection.mix"] == 0.2
+  g = frontier.g_arms(chosen)
+  assert [a.name for a in g] == ["full@confirm_g", "importance-m20@confirm_g"]
+  assert all(a.seeds == tuple(range(13, 23)) and a.tier == "G" for a in g)
+  d = [0.0004, -0.0006, 0.0002, -0.0003, 0.0001, 0.0005, -0.0002, 0.0, -0.0004, 0.0003]
+  base_acc = 0.92 + 0.001 * np.arange(10) / 10
+  results["full@confirm_g"] = _with_machine(_result(base_acc, 100.0, seeds=range(13, 23)),
+                                            1000.0, 800.0)
+  arm = _with_machine(_result(base_acc + d, 49.5, seeds=range(13, 23)), 600.0, 400.0)
+  arm["machine"][9] = "gpu y"  # Seed 22's pair ran on two machines: out of the mean.
+  arm["wall_seconds"][0] = 250.0  # Seed 13: wall ratio 0.25.
+  results["importance-m20@confirm_g"] = arm
+  summary = frontier.summarise(arms + g, results)
+  found = frontier.g_verdict(summary, chosen, results)
+  lower = stats.ttest_1samp(np.array(d) + equivalence.MARGIN, 0.0, alternative="greater").pvalue
+  upper = stats.ttest_1samp(np.array(d) - equivalence.MARGIN, 0.0, alternative="less").pvalue
+  assert found["p"] == pytest.approx(max(lower, upper), rel=1e-9)
+  assert found["complete"] and found["lossless"] and found["met"]
+  assert found["saving"] == pytest.approx(0.505) and found["seeds"] == list(range(13, 23))
+  seconds = found["seconds"]
+  assert seconds["per_seed"][13] == {"wall": 0.25, "loop": 0.5, "machine": "cpu x",
+                                     "full_machine": "cpu x", "same_machine": True}
+  assert not seconds["per_seed"][22]["same_machine"] and seconds["same_machine_seeds"] == 9
+  # Nine pairs: one at 0.25, eight at 0.6: (0.25 x 0.6^8)^(1/9).
+  assert seconds["wall_geomean"] == pytest.approx((0.25 * 0.6 ** 8) ** (1 / 9), rel=1e-12)
+  assert seconds["loop_geomean"] == pytest.approx(0.5, rel=1e-12)
+  second = frontier.second_search(summary, arms + g, results)
+  assert second["chosen_a2"] == "importance-m20"
+  text = frontier.markdown(summary, None, "cmd", {}, results, second)
+  assert "Chosen: `importance-m20`" in text
+  assert "**Lossless at half the passes or fewer: met.**" in text
+  assert "seed 22: 0.60 (0.50) [gpu y vs cpu x]" in text
+  # Seeds 13-17 only: not complete, so not met, whatever the differences.
+  for name in ("full@confirm_g", "importance-m20@confirm_g"):
+    results[name]["seed_index"] = {s: i for s, i in results[name]["seed_index"].items() if s < 18}
+  partial = frontier.g_verdict(frontier.summarise(arms + g, results), chosen, results)
+  assert not partial["complete"] and not partial["met"]
+
+
+def test_the_summary_has_no_tier_a2_section_before_its_runs():
+  """Without a tier-A' record the summary is the earlier tiers' alone (the committed one
+  regenerates byte for byte); with one, its section says that tier G has not run."""
+  arms = [frontier.Arm("full", "full", {}, "A"), *frontier.a2_arms()]
+  results = {"full": _result([0.92] * 3, 100.0)}
+  summary = frontier.summarise(arms, results)
+  assert frontier.second_search(summary, arms, results) == {}
+  assert "Tier A'" not in frontier.markdown(summary, None, "cmd", {}, results, {})
+  results["topk_anneal-p50"] = _result([0.921] * 2, 49.8)  # Two seeds so far.
+  summary = frontier.summarise(arms, results)
+  second = frontier.second_search(summary, arms, results)
+  assert second == {"chosen_a2": None, "verdict_g": {}}
+  text = frontier.markdown(summary, None, "cmd", {}, results, second)
+  assert "Not chosen yet: tier A' has not finished." in text
+  assert text.rstrip().endswith("Not answered yet: tier G has not run.")
+
+
+def test_tiers_a2_and_g_run_from_their_records_alone(tmp_path, monkeypatch):
+  """`--tiers A2G --summarise-only` with generated records for tier A' (seeds 0-2) and tier
+  G (seeds 13-22): full data's seeds 0-2 come from the long-schedule study's records, the
+  choice is made, tier G's arms are the choice's, and the summary, its JSON and the figure
+  carry both tiers; nothing trains."""
+  def no_training(*args):
+    raise AssertionError(f"trained {args[1:]}")
+  monkeypatch.setattr(frontier.grid.train, "train_and_evaluate", no_training)
+  records = tmp_path / "records"
+  rng = np.random.default_rng(0)
+  full_passes = 20 * 422 * 3 * 128
+  def save(name, seeds, val, accuracy, share):
+    for seed in seeds:
+      correct = (rng.random(10000) < accuracy).astype(np.int8)
+      long_schedule.save_record(long_schedule.record_path(str(records), name, seed), {
+          "accuracy": float(correct.mean()), "val_accuracy": val, "ece": 0.01,
+          "passes": share * full_passes, "wall_seconds": 1000.0 * share,
+          "compute_seconds": 900.0 * share, "machine": "test cpu",
+          "correct": correct.tolist(), "confidence": [0.9] * 10000})
+  for name, val in (("importance-m50", 0.928), ("importance-m20", 0.931),
+                    ("topk_anneal-p50", 0.929), ("infobatch_norescale-r95", 0.80)):
+    save(name, (0, 1, 2), val, 0.92, 0.495)
+  save("full@confirm_g", frontier.G_SEEDS, 0.93, 0.92, 1.0)
+  save("importance-m20@confirm_g", frontier.G_SEEDS, 0.93, 0.92, 0.495)
+  monkeypatch.setattr("sys.argv", ["frontier", f"--out={tmp_path}", "--summarise-only",
+                                   f"--records={records}", "--tiers=A2G"])
+  frontier.main()
+  with open(tmp_path / "summary.json") as f:
+    out = json.load(f)
+  assert out["chosen_a2"] == "importance-m20" and out["chosen"] is None
+  g = out["verdict_g"]
+  assert g["arm"] == "importance-m20@confirm_g" and g["seeds"] == list(frontier.G_SEEDS)
+  assert g["complete"] and g["saving"] == pytest.approx(0.505)
+  assert g["seconds"]["wall_geomean"] == pytest.approx(0.495)
+  assert g["test_images"]["pooled"][0] < g["mean"] < g["test_images"]["pooled"][1]
+  assert set(out["summary"]) == {"full", "importance-m50", "importance-m20", "topk_anneal-p50",
+                                 "infobatch_norescale-r95", "full@confirm_g",
+                                 "importance-m20@confirm_g"}
+  text = (tmp_path / "summary.md").read_text()
+  assert "## Tier A': unbiased designs" in text and "## Tier G:" in text
+  assert (tmp_path / "frontier.png").stat().st_size > 0

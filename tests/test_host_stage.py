@@ -227,6 +227,58 @@ def test_kill_9_of_the_main_process_leaves_no_workers_and_no_shared_memory(folde
   assert not shm, f"shared memory left: {shm}"
 
 
+_EXIT_MID_PASS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+from configs import default
+from cpjax.data import decode_workers, host_stage, preprocess, sources
+from cpjax.runtime import sharding
+
+dataset = default.get_config().dataset
+dataset.update({{"name": "folder", "folder": {folder!r}, "image_size": 32, "val_size": 4,
+                "mean": (0.5,) * 3, "std": (0.25,) * 3}})
+spec = sources.resolve(dataset)
+source = sources.open_splits(dataset)["train"]
+reader = host_stage.PreprocessReader(source, preprocess.from_config(dataset, spec.image_shape, 0),
+                                     sharding.create_mesh(), 2)
+batches = reader.batches(np.tile(np.arange(len(source)), 40).reshape(-1, 16), epoch=0)
+next(batches)  # Mid-pass: the ring's slots and the reader's context in /dev/shm.
+print("SEGMENTS " + " ".join(sorted(decode_workers._SEGMENTS)), flush=True)
+if {kill_worker}:
+  os.kill(decode_workers.shared_pool(2).pids[0], 9)
+  try:
+    for _ in batches:
+      pass
+  except decode_workers.WorkerDiedError:
+    print("DIED", flush=True)
+decode_workers.close_all()  # What main.py does before its FATAL line and os._exit.
+print("FATAL the last word", file=sys.stderr, flush=True)
+os._exit(1)
+"""
+
+
+@pytest.mark.slow  # A process of its own.
+@pytest.mark.parametrize("kill_worker", [False, True])
+def test_close_all_leaves_the_resource_tracker_nothing_to_report(folder, kill_worker):
+  """A process that ends with os._exit (as main.py after a FATAL line) mid-pass (a disk
+  full while a pass is in flight), or after a worker died: `close_all` first, and nothing
+  follows its last line (no "leaked semaphore / shared_memory" notice), no segment is left
+  in /dev/shm."""
+  result = subprocess.run(
+      [sys.executable, "-c", _EXIT_MID_PASS.format(repo=REPO, folder=folder,
+                                                   kill_worker=kill_worker)],
+      capture_output=True, text=True, env=helpers.subprocess_env(devices=1), timeout=120)
+  assert result.returncode == 1, result.stderr[-3000:]
+  (segments,) = [line.split()[1:] for line in result.stdout.splitlines()
+                 if line.startswith("SEGMENTS")]
+  assert len(segments) >= 2  # The context and the slots: what there was to release.
+  assert ("DIED" in result.stdout) == kill_worker, result.stdout
+  assert result.stderr.strip().splitlines()[-1] == "FATAL the last word", result.stderr[-3000:]
+  assert "leaked" not in result.stderr, result.stderr[-3000:]
+  assert not [name for name in segments if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
+
+
 _WORKER_MODULES = """
 import jax  # A main script that imports JAX, as main.py does (and much more).
 import os, sys
@@ -353,3 +405,44 @@ def test_the_host_stage_imports_without_tensorflow():
                        capture_output=True, text=True, env=helpers.subprocess_env(devices=1),
                        timeout=120)
   assert out.returncode == 0 and "IMPORTED" in out.stdout, out.stderr[-2000:]
+
+
+def _small_shm_command(command: list[str], kib: int) -> list[str]:
+  """`command` run in a mount namespace of its own whose /dev/shm is a `kib` KiB tmpfs (the
+  machine's /dev/shm untouched); skips the test where namespaces or mounts are not allowed."""
+  probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                          f"mount -t tmpfs -o size={kib}k tmpfs /dev/shm"],
+                         capture_output=True, text=True)
+  if probe.returncode != 0:
+    pytest.skip(f"cannot mount a small /dev/shm in a mount namespace here (needs root or "
+                f"CAP_SYS_ADMIN): {probe.stderr.strip()}")
+  return ["unshare", "-m", "sh", "-c",
+          f'mount -t tmpfs -o size={kib}k tmpfs /dev/shm && exec "$@"', "sh", *command]
+
+
+@pytest.mark.slow  # A main.py process.
+def test_a_full_dev_shm_ends_the_run_with_the_host_stages_line_and_nothing_after(
+    folder, tmp_path):
+  """main.py on a folder with a 64 KiB /dev/shm (a container's default is 64 MB; here the
+  first ring of 64 x 64 crops, 2 x 96 KiB, does not fit): exit 1, no traceback, one FATAL
+  line, the host stage's own (what it needs, --shm-size, worker_kind=thread), not a full
+  checkpoint folder; and it is the last line: no "leaked semaphore / shared_memory" notice
+  of multiprocessing's resource tracker after it."""
+  workdir = str(tmp_path / "run")
+  command = helpers.main_command(
+      workdir, "--config.dataset.name=folder", f"--config.dataset.folder={folder}",
+      "--config.dataset.image_size=64", "--config.dataset.val_size=6",
+      "--config.dataset.crop_padding=0", "--config.dataset.worker_kind=process",
+      "--config.dataset.num_workers=2", "--config.batch_size=8", "--config.eval_batch_size=8",
+      "--config.num_epochs=1", "--config.evaluation.ood=")
+  result = subprocess.run(_small_shm_command(command, 64), cwd=REPO, capture_output=True,
+                          text=True, env=helpers.subprocess_env(), timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  fatal = [line for line in lines if line.startswith("FATAL")]
+  assert len(fatal) == 1 and lines[-1] == fatal[0], result.stderr[-3000:]
+  assert fatal[0].startswith("FATAL the host stage's worker processes need "), fatal[0]
+  assert "--shm-size" in fatal[0] and "worker_kind=thread" in fatal[0], fatal[0]
+  assert "writable" not in fatal[0], fatal[0]
+  assert fatal[0].endswith("so it starts from the beginning"), fatal[0]
+  assert "Traceback" not in result.stderr and "leaked" not in result.stderr

@@ -26,6 +26,7 @@ RANKS = {
     "registry": 0,
     # 0: runtime: mesh, multi-host start-up, checkpoints, logs, files, XLA options.
     "runtime": 0,
+    "runtime.advised": 0,
     "runtime.checkpoint_integrity": 0,
     "runtime.checkpoint_room": 0,
     "runtime.checkpointing": 0,

@@ -19,7 +19,8 @@ from tests.helpers import tiny_config
 # Non-default settings, so that a setting the API dropped would show. A policy's setting not
 # listed here is tested at its declared default (add a non-default value here for it).
 SETTINGS = {"random_share": 0.3, "temperature": 0.2, "stratify_drop": 0.1, "num_strata": 7,
-            "prune_ratio": 0.4, "anneal_fraction": 0.25}
+            "prune_ratio": 0.4, "anneal_fraction": 0.25, "infobatch_rescale": False, "mix": 0.3,
+            "max_weight": 1.5}
 
 
 def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup, fraction,

@@ -234,3 +234,13 @@ def test_tier_b_runs_the_calibrated_scorers_first():
   assert first == ["flgamma_full", "topk_flgamma-30", "topk_mixup_target-30",
                    "topk_gamma_target-30"]
   assert not any("flgamma" in n or "target" in n for n in tier_b[4:])
+
+
+def test_wall_clock_counts_only_runs_it_covers_whole():
+  """A resumed run's wall clock is its last sitting's (100 s against 200 s of phase seconds):
+  left out of the mean, 300 and 500 s kept; the cell names how many runs it rests on."""
+  r = {"wall_seconds": [300.0, 100.0, 500.0], "compute_seconds": [280.0, 200.0, 500.0]}
+  assert long_schedule.whole_runs(r) == [0, 2]
+  row = {"seeds": [0, 1, 2], "wall_runs": 2, "wall_seconds": 400.0}
+  assert long_schedule._wall_cell(row) == "400 (2 of 3)"
+  assert long_schedule._wall_cell({**row, "wall_runs": 0}) == "— (0 of 3)"

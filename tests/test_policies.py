@@ -1,18 +1,22 @@
 """The subset policies (docs/methods.md#selection-policies) against references written
 differently (loops, sorting by Python keys, exact fractions, closed forms), on 1 and 8 devices
-where they rank globally; and InfoBatch's soft pruning against a per-example loop over the same
-uniform draws."""
+where they rank globally; InfoBatch's soft pruning against a per-example loop over the same
+uniform draws; importance sampling's inclusion probabilities and weights against hand-worked
+cases, a root finder and Monte-Carlo estimates, and its weighted gradient against the full
+data's."""
 
 from fractions import Fraction
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.optimize
 
 from cpjax import config_validation
 from cpjax.runtime import sharding
-from cpjax.selection import policies, subsets
+from cpjax.selection import policies, scores, subsets
 from tests.helpers import tiny_config
 
 
@@ -336,3 +340,236 @@ def test_bad_infobatch_configs_are_named(overrides, message):
   assert message in str(info.value)
   config_validation.validate(tiny_config(**{"selection.method": "infobatch",
                                             "selection.score": "loss", "num_epochs": 4}))
+
+
+# Importance sampling (subsets.select_importance): Poisson sampling with inclusion
+# probabilities pi_i = min(1, c p_i) summing to k, and Horvitz-Thompson loss weights k / (N pi_i).
+
+
+def _reference_inclusion(scores, k, mix):
+  """pi_i = min(1, c p_i) with sum_i pi_i = k, c found by SciPy's root finder (not by capping
+  rounds), p_i = mix / N + (1 - mix) s_i / sum s, s = max(score, 0)."""
+  s = np.maximum(np.asarray(scores, np.float64), 0.0)
+  p = mix / len(s) + (1 - mix) * s / s.sum()
+  if k == len(s):
+    return np.ones(len(s))
+  c = scipy.optimize.brentq(lambda c: np.minimum(1.0, c * p).sum() - k, 0.0, k / p.min(),
+                            xtol=1e-14, rtol=1e-15)
+  return np.minimum(1.0, c * p)
+
+
+def test_importance_inclusion_probabilities_and_weights_by_hand():
+  # Scores (0, 1, 1, 2), mix 1/2: p = 1/8 + s/8 = (1/8, 2/8, 2/8, 3/8); k = 2: pi = 2 p (none
+  # above 1); weights k / (N pi) = 1 / (2 pi) = (2, 1, 1, 2/3).
+  p = subsets.sampling_probabilities(np.array([0.0, 1.0, 1.0, 2.0]), 0.5)
+  np.testing.assert_allclose(p, [1 / 8, 2 / 8, 2 / 8, 3 / 8], rtol=1e-15)
+  np.testing.assert_allclose(subsets.capped_proportional(p, 2, 1.0), [0.25, 0.5, 0.5, 0.75],
+                             rtol=1e-15)
+  # Scores (0, 0, 0, 10), mix 0.2: p = (0.05, 0.05, 0.05, 0.85); 2 p_4 = 1.7 > 1, so the last
+  # is taken for sure and the other three share the remaining 1: pi = (1/3, 1/3, 1/3, 1),
+  # weights 2 / (4 pi) = (1.5, 1.5, 1.5, 0.5).
+  p = subsets.sampling_probabilities(np.array([0.0, 0.0, 0.0, 10.0]), 0.2)
+  np.testing.assert_allclose(p, [0.05, 0.05, 0.05, 0.85], rtol=1e-14)
+  pi = subsets.capped_proportional(p, 2, 1.0)
+  np.testing.assert_allclose(pi, [1 / 3, 1 / 3, 1 / 3, 1.0], rtol=1e-14)
+  ids, weights = subsets.select_importance(np.array([0.0, 0.0, 0.0, 10.0]), np.arange(4), 2,
+                                           0, 0, 0.2, 10.0, "unbiased")
+  assert 3 in ids  # pi = 1.
+  want = {0: 1.5, 1: 1.5, 2: 1.5, 3: 0.5}
+  np.testing.assert_allclose(weights, [want[i] for i in ids], rtol=1e-6)
+  # Normalised and clipped: raw weights (4, 1, 1, 1, 1) at mean 1 are (2.5, 0.625 x 4); with
+  # at most 2 the first is 2 and the other four share 3: 0.75 each.
+  np.testing.assert_allclose(subsets.capped_proportional(np.array([4.0, 1, 1, 1, 1]), 5, 10.0),
+                             [2.5, 0.625, 0.625, 0.625, 0.625], rtol=1e-15)
+  np.testing.assert_allclose(subsets.capped_proportional(np.array([4.0, 1, 1, 1, 1]), 5, 2.0),
+                             [2.0, 0.75, 0.75, 0.75, 0.75], rtol=1e-15)
+  # Negative, NaN and infinite scores count as 0; all 0 is uniform.
+  np.testing.assert_allclose(
+      subsets.sampling_probabilities(np.array([-1.0, np.nan, np.inf, 3.0]), 0.5),
+      [0.125, 0.125, 0.125, 0.625])
+  np.testing.assert_allclose(subsets.sampling_probabilities(np.zeros(5), 0.3), np.full(5, 0.2))
+
+
+@pytest.mark.parametrize("n, k, mix, seed", [(200, 60, 0.2, 0), (97, 30, 0.5, 1),
+                                             (50, 49, 0.05, 2), (30, 30, 0.5, 3), (40, 1, 1.0, 4)])
+def test_importance_matches_a_per_example_reference(n, k, mix, seed):
+  """The same uniform draws: example i is kept when u_i < pi_i (pi from a root finder), with
+  weight k / (N pi_i) (unbiased) or those weights rescaled to mean 1 (normalized, no clip)."""
+  rng = np.random.default_rng(seed)
+  scores = rng.gamma(0.5, 1.0, n) * (rng.random(n) < 0.8)  # Skewed, some exactly 0.
+  ids = np.sort(rng.choice(5 * n, n, replace=False))
+  pi = _reference_inclusion(scores, k, mix)
+  np.testing.assert_allclose(subsets.capped_proportional(
+      subsets.sampling_probabilities(scores, mix), k, 1.0), pi, rtol=1e-9, atol=1e-12)
+  for epoch in range(5):
+    uniform = np.random.default_rng([7, subsets._IMPORTANCE, epoch]).random(n)
+    kept = [i for i in range(n) if uniform[i] < pi[i]] or [int(np.argmin(uniform / pi))]
+    got_ids, got_weights = subsets.select_importance(scores, ids, k, 7, epoch, mix, 1e9,
+                                                     "unbiased")
+    np.testing.assert_array_equal(got_ids, ids[kept])
+    raw = np.array([k / (n * pi[i]) for i in kept])
+    np.testing.assert_allclose(got_weights, raw, rtol=1e-6)
+    assert got_weights.dtype == np.float32
+    _, normalized = subsets.select_importance(scores, ids, k, 7, epoch, mix, 1e9, "normalized")
+    np.testing.assert_allclose(normalized, raw / raw.mean(), rtol=1e-6)
+
+
+def test_importance_inclusion_frequencies_and_weights_match_a_monte_carlo_estimate():
+  """Over 4,000 (seed, epoch) draws each example's share of draws holding it is within 5 sd
+  of pi_i, the mean epoch size is k, and the mean of w_i 1[i drawn] is k / N for every i
+  (the Horvitz-Thompson weights are unbiased)."""
+  rng = np.random.default_rng(5)
+  n, k, mix, draws = 40, 12, 0.2, 4000
+  scores = rng.exponential(size=n) ** 2
+  ids = np.arange(n) * 2 + 1
+  pi = _reference_inclusion(scores, k, mix)
+  assert pi.max() == 1.0 and pi.min() < 0.1  # Some taken for sure, some rarely.
+  drawn, weighted, sizes = np.zeros(n), np.zeros(n), []
+  for seed, epoch in ((s, e) for s in range(4) for e in range(draws // 4)):
+    got, weights = subsets.select_importance(scores, ids, k, seed, epoch, mix, 1e9, "unbiased")
+    drawn[got // 2] += 1
+    weighted[got // 2] += weights
+    sizes.append(len(got))
+  sd = np.sqrt(pi * (1 - pi) / draws)
+  assert np.all(np.abs(drawn / draws - pi) <= 5 * sd + 1e-12)
+  assert abs(np.mean(sizes) - k) < 5 * math.sqrt(np.sum(pi * (1 - pi)) / draws)
+  weight_sd = (k / n) * np.sqrt((1 - pi) / pi / draws)  # sd of w 1[drawn]: w = k / (N pi).
+  assert np.all(np.abs(weighted / draws - k / n) <= 5 * weight_sd + 1e-6)  # float32 weights.
+
+
+def _softmax_regression(n, d, num_classes, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, d))
+  labels = rng.integers(0, num_classes, n)
+  w = rng.normal(size=(d, num_classes))
+  logits = x @ w
+  p = np.exp(logits - logits.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  per_example = x[:, :, None] * (p - np.eye(num_classes)[labels])[:, None, :]  # dCE_i/dW.
+  loss = -np.log(p[np.arange(n), labels])
+  return x, labels, w, per_example.reshape(n, -1), loss
+
+
+def test_importance_weighted_gradient_is_the_full_data_gradient_in_expectation():
+  """Softmax regression on 60 examples, p from each example's loss: the mean over 3,000 draws
+  of (1/k) sum_{i drawn} w_i g_i equals the full data's mean gradient within 5 Monte-Carlo
+  standard errors in every coordinate (g_i in closed form, x_i (softmax_i - onehot_i), and
+  the full gradient checked against jax.grad). The same draws without the weights miss it by
+  more than that: the check has the power to see the bias that the weights remove."""
+  n, k, mix, draws = 60, 15, 0.2, 3000
+  x, labels, w, grads, loss = _softmax_regression(n, 4, 3, 0)
+  full = grads.mean(0)
+  def mean_loss(weights):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(x @ weights), labels[:, None], 1))
+  np.testing.assert_allclose(np.asarray(jax.grad(mean_loss)(w)).ravel(), full, rtol=1e-5,
+                             atol=1e-7)
+  weighted, plain = [], []
+  for epoch in range(draws):
+    got, weights = subsets.select_importance(loss, np.arange(n), k, 11, epoch, mix, 1e9,
+                                             "unbiased")
+    weighted.append(weights.astype(np.float64) @ grads[got] / k)
+    plain.append(grads[got].mean(0))
+  for estimates, unbiased in ((np.array(weighted), True), (np.array(plain), False)):
+    error = np.abs(estimates.mean(0) - full) / (estimates.std(0, ddof=1) / math.sqrt(draws))
+    assert (error.max() < 5) == unbiased, error.max()
+
+
+def test_importance_normalized_weights_have_mean_one_and_respect_the_cap():
+  rng = np.random.default_rng(6)
+  scores, ids = rng.exponential(size=500) ** 3, np.arange(500)
+  for epoch, (mix, cap) in enumerate([(0.05, 3.0), (0.2, 10.0), (0.5, 1.0), (0.01, 1.5)]):
+    got, raw = subsets.select_importance(scores, ids, 100, 0, epoch, mix, cap, "unbiased")
+    same, weights = subsets.select_importance(scores, ids, 100, 0, epoch, mix, cap, "normalized")
+    np.testing.assert_array_equal(got, same)
+    assert weights.mean() == pytest.approx(1.0, rel=1e-6) and weights.max() <= cap * (1 + 1e-6)
+    if cap == 1.0:  # Mean 1, none above 1: all 1.
+      np.testing.assert_allclose(weights, 1.0, rtol=1e-6)
+      continue
+    below = weights < cap * (1 - 1e-6)  # Unclipped: one common factor times the raw weight.
+    ratio = weights[below] / raw[below]
+    np.testing.assert_allclose(ratio, ratio[0], rtol=1e-5)
+    assert np.all(raw[~below] >= raw[below].max() * (1 - 1e-5))  # Clipped: the largest.
+  assert (~below).sum() > 0  # The last case (mix 0.01, cap 1.5) clips some.
+
+
+def test_importance_is_deterministic_per_seed_and_epoch_and_never_empty():
+  rng = np.random.default_rng(8)
+  scores, ids = rng.exponential(size=300), np.arange(300) + 5
+  first = subsets.select_importance(scores, ids, 90, 3, 4, 0.5, 10.0)
+  again = subsets.select_importance(scores, ids, 90, 3, 4, 0.5, 10.0)
+  np.testing.assert_array_equal(first[0], again[0])
+  np.testing.assert_array_equal(first[1], again[1])
+  assert not np.array_equal(first[0], subsets.select_importance(scores, ids, 90, 3, 5, 0.5,
+                                                                10.0)[0])
+  assert not np.array_equal(first[0], subsets.select_importance(scores, ids, 90, 4, 4, 0.5,
+                                                                10.0)[0])
+  # Uniform p (mix 1): every weight is 1, and k = 1 of 50 draws nothing in about
+  # (1 - 1/50)^50 = 36 % of the epochs: then the one with the smallest u / pi is kept.
+  empty = 0
+  for epoch in range(40):
+    got, weights = subsets.select_importance(np.ones(50), np.arange(50), 1, 0, epoch, 1.0, 10.0)
+    uniform = np.random.default_rng([0, subsets._IMPORTANCE, epoch]).random(50)
+    if not np.any(uniform < 1 / 50):
+      empty += 1
+      assert got.tolist() == [int(np.argmin(uniform))]
+    assert len(got) >= 1 and np.all(weights == 1.0)
+  assert empty > 5
+  np.testing.assert_array_equal(subsets.select_importance(scores, ids, 300, 0, 0, 0.3, 10.0)[0],
+                                ids)  # k = N: everything, pi = 1.
+  with pytest.raises(ValueError, match="weighting='hajek'; valid choices: normalized, unbiased"):
+    subsets.select_importance(scores, ids, 90, 0, 0, 0.5, 10.0, "hajek")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"selection.mix": 0.0}, "config.selection.mix: must be in (0.0, 1.0], got 0.0"),
+    ({"selection.mix": 1.5}, "config.selection.mix: must be in (0.0, 1.0], got 1.5"),
+    ({"selection.max_weight": 0.5}, "config.selection.max_weight: must be in [1.0, None], got 0.5"),
+    ({"selection.weighting": "hajek"},
+     "config.selection.weighting: got 'hajek'; valid choices: normalized, unbiased"),
+    ({"selection.score": "margin"},
+     "config.selection.score='margin' can be negative, and method='importance' draws with "
+     "probabilities proportional to the score; valid: entropy, least_confidence, loss, el2n"),
+    ({"selection.direction": "easiest"},
+     "config.selection.direction='easiest' does not work with method='importance' (it draws "
+     "with probabilities that grow with the score); valid: 'hardest'"),
+])
+def test_bad_importance_configs_are_named(overrides, message):
+  with pytest.raises(ValueError) as info:
+    config_validation.validate(tiny_config(**{"selection.method": "importance", **overrides}))
+  assert message in str(info.value)
+  config_validation.validate(tiny_config(**{
+      "selection.method": "importance", "selection.score": "el2n", "selection.mix": 1.0,
+      "selection.final_full_epochs": 1, "num_epochs": 4, "selection.warmup_epochs": 1}))
+
+
+def test_infobatch_without_its_rescaling_prunes_alike_with_unit_weights():
+  rng = np.random.default_rng(9)
+  scores, ids = rng.exponential(size=400), np.arange(400)
+  for epoch in range(5):
+    kept, weights = subsets.select_infobatch(scores, ids, 2, epoch, 0.95, 10)
+    same, unit = subsets.select_infobatch(scores, ids, 2, epoch, 0.95, 10, rescale=False)
+    np.testing.assert_array_equal(kept, same)
+    assert np.all(unit == 1.0) and unit.dtype == np.float32 and np.any(weights == np.float32(20))
+  assert policies.POLICIES.defaults()["infobatch_rescale"] is True
+  config = tiny_config(**{"selection.method": "infobatch", "selection.score": "loss",
+                          "num_epochs": 4, "selection.infobatch_rescale": False})
+  config_validation.validate(config)
+  del config.selection["infobatch_rescale"]  # A hand-edited config's value of another type.
+  config.selection["infobatch_rescale"] = 0
+  with pytest.raises(ValueError, match="config.selection.infobatch_rescale: must be True or "
+                                       "False, got 0"):
+    config_validation.validate(config)
+
+
+def test_the_scores_declared_nonnegative_are_never_negative():
+  """importance takes only these: on random and near-one-hot logits each is >= 0 up to
+  rounding (entropy's +1e-6 inside the log can make a one-hot's -4e-7); margin is not."""
+  rng = np.random.default_rng(10)
+  logits = jnp.asarray(np.concatenate([rng.normal(size=(200, 10)),
+                                       30 * np.eye(10)[rng.integers(0, 10, 50)]]), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 10, 250))
+  declared = [s for s in scores.SCORES.entries() if s.nonnegative]
+  assert {s.name for s in declared} == {"entropy", "least_confidence", "loss", "el2n"}
+  for score in declared:
+    assert float(jnp.min(score.fn(logits, labels))) >= -1e-6, score.name
+  assert float(jnp.min(scores.margin(logits, labels))) < 0

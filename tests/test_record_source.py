@@ -15,10 +15,19 @@ from PIL import Image
 import pytest
 
 from configs import default
-from cpjax import config_validation
-from cpjax.data import array_records, host_stage, preprocess, record_source, sources, specs, splits
+from cpjax import config_validation, train
+from cpjax.data import (
+  array_records,
+  fingerprint,
+  host_stage,
+  preprocess,
+  record_source,
+  sources,
+  specs,
+  splits,
+)
 from cpjax.runtime import sharding
-from tests.helpers import tiny_config
+from tests.helpers import read_metrics, tiny_config
 
 
 @pytest.fixture(name="folder")
@@ -236,3 +245,46 @@ def test_a_conversion_stopped_midway_is_refused_not_half_read(folder, tmp_path, 
   with pytest.raises(FileNotFoundError, match="dataset.json is missing: not written, or its "
                                               "writing stopped"):
     sources.resolve(records)
+
+
+def _records_run_config(stream_dir: str = "", folder: str = "") -> ml_collections.ConfigDict:
+  """configs/test.py on the generated folder's records (or the folder itself): 1 epoch of the
+  tiny model in batches of 8, a small report."""
+  return tiny_config(**{
+      "dataset.name": "folder", "dataset.stream_dir": stream_dir, "dataset.folder": folder,
+      "dataset.image_size": 12, "dataset.val_size": 6, "evaluation.ood": "",
+      "num_epochs": 1, "batch_size": 8, "eval_batch_size": 8,
+      "evaluation.calibrator_folds": 2, "evaluation.calibrator_resamples": 0,
+      "evaluation.bootstrap_resamples": 20})
+
+
+@pytest.mark.slow  # Trains.
+def test_a_resume_onto_records_of_a_changed_folder_is_refused_naming_the_file(folder,
+                                                                               tmp_path):
+  """A run over the records (1 epoch), then the folder converted again into the same
+  directory. Unchanged, the rerun goes on from its checkpoint. With one training image
+  replaced (another generated image) the rerun is refused before anything is restored,
+  naming the records, the file that changed and the way back, and so is a run reading the
+  changed folder itself: the records keep the identity of the files they were converted
+  from. The run's metrics are left as they were."""
+  out, workdir = str(tmp_path / "rec"), str(tmp_path / "run")
+  sources.write_records(_dataset(folder), out, num_shards=2)
+  train.train_and_evaluate(_records_run_config(stream_dir=out), workdir)
+  metrics = read_metrics(workdir)
+  sources.write_records(_dataset(folder), out, num_shards=2)  # The same files again.
+  train.train_and_evaluate(_records_run_config(stream_dir=out), workdir)
+  assert read_metrics(workdir) == metrics
+  replaced = os.path.join(folder, "train", "bee", "img3.jpg")
+  Image.fromarray(np.random.default_rng(99).integers(0, 256, (20, 30, 3), np.uint8)).save(
+      replaced, format="JPEG")
+  sources.write_records(_dataset(folder), out, num_shards=2)
+  with pytest.raises(fingerprint.DatasetChangedError) as raised:
+    train.train_and_evaluate(_records_run_config(stream_dir=out), workdir)
+  message = str(raised.value)
+  assert f"the records in dataset.stream_dir={out!r} changed since checkpoint " in message
+  assert f"(train/: 1 changed (size or content): {os.path.join('bee', 'img3.jpg')})" in message
+  assert "new --workdir" in message
+  with pytest.raises(fingerprint.DatasetChangedError,
+                     match=r"train/: 1 changed \(size or content\): bee/img3\.jpg"):
+    train.train_and_evaluate(_records_run_config(folder=folder), workdir)
+  assert read_metrics(workdir) == metrics

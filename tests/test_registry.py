@@ -161,7 +161,9 @@ def test_existing_flat_setting_names_stay_config_fields_with_their_old_defaults(
   configs/default.py wrote out before they were declared beside their entries."""
   config = tiny_config()
   before = {"selection": {"random_share": 0.5, "temperature": 1.0, "stratify_drop": 0.0,
-                          "num_strata": 50, "prune_ratio": 0.5, "anneal_fraction": 0.125},
+                          "num_strata": 50, "prune_ratio": 0.5, "anneal_fraction": 0.125,
+                          "infobatch_rescale": True, "mix": 0.5, "max_weight": 10.0,
+                          "weighting": "normalized"},
             "loss": {"label_smoothing": 0.05, "ls_convention": "uniform", "focal_gamma": 3.0,
                      "gamma_boundaries": (100, 250), "mmce_lambda": 2.0, "mmce_form": "code",
                      "mmce_kernel_width": 0.4, "mbls_margin": 10.0, "mbls_lambda": 0.1,

@@ -7,12 +7,14 @@ the report so that the process SIGKILLs itself (or hangs, for SIGTERM) when it i
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from cpjax.runtime import preemption
@@ -158,6 +160,27 @@ def test_sigterm_during_the_report_stops_at_once_and_the_rerun_writes_it(tmp_pat
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert f"Resumed from {workdir}/checkpoints at global step {LAST_STEP}" in rerun.stderr
   _check_complete(workdir)
+
+
+def test_several_processes_say_that_a_signal_will_not_stop_the_report(monkeypatch, caplog):
+  """With several processes a signal cannot stop the report at once (JAX's preemption
+  service holds SIGTERM, and one process alone cannot stop the others but at a step): each
+  process says so as the report begins, so that a SIGTERM sent then, which the processes
+  sit out, is not met with silence. One process says nothing (a signal stops it)."""
+  for processes, said in ((2, 1), (1, 0)):
+    monkeypatch.setattr(jax, "process_count", lambda n=processes: n)
+    guard = preemption.PreemptionGuard()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      with guard.stopping_at_once("stopped during the final report", 7):
+        pass
+    lines = [r.getMessage() for r in caplog.records if "SIGTERM" in r.getMessage()]
+    assert len(lines) == said, lines
+    if said:
+      assert lines[0] == ("2 processes: a SIGTERM from here on does not stop the run (one "
+                          "process cannot stop the others but at a training step): they finish "
+                          "the final report and exit with status 0; the last checkpoint, global "
+                          "step 7, is saved."), lines[0]
 
 
 def test_a_signal_during_stopping_at_once_raises_preempted_there():

@@ -5,6 +5,7 @@ test_steps.py. The selected run that several tests read is `selected_run` (tests
 """
 
 import glob
+import math
 
 import jax
 import numpy as np
@@ -450,3 +451,42 @@ def test_fraction_at_by_hand():
       [0.1, 0.3, 0.5])
   assert policies.fraction_at(0.3, -1.0, 7, 2, 10) == 0.3  # Off: the constant fraction.
   assert policies.fraction_at(0.3, 0.9, 4, 4, 4) == 0.3  # One selected epoch: its start.
+
+
+@pytest.mark.slow  # A whole (tiny) training run.
+def test_importance_trains_the_policys_rows_with_its_weights(tmp_path, digits, monkeypatch):
+  """configs/test.py, 3 epochs of importance sampling (30 % in expectation, mix 0.3, el2n):
+  each selected epoch trains exactly select_importance of the checkpointed score buffer, in
+  ceil(drawn / 64) steps, and the rows' loss weights that go to the train reader are the
+  policy's normalised weights (mean 1 over the drawn rows), 1 on the rows not drawn."""
+  row_weights = []
+  def spy(rows, weights, num_rows):
+    out = train_row_weights(rows, weights, num_rows)
+    row_weights.append((rows, weights, out))
+    return out
+  train_row_weights = train._row_weights  # pylint: disable=protected-access
+  monkeypatch.setattr(train, "_row_weights", spy)
+  config = helpers.tiny_config(**{
+      "num_epochs": 3, "selection.method": "importance", "selection.fraction": 0.3,
+      "selection.mix": 0.3, "selection.score": "el2n", "selection.warmup_epochs": 1,
+      "selection.record_scores": True, "keep_checkpoints": 10})
+  workdir = str(tmp_path)
+  train.train_and_evaluate(config, workdir)
+  ids, records = digits["train"].ids, read_metrics(workdir)
+  checkpoints = helpers.checkpoint_steps(workdir)
+  sizes = [r["selected_k"] for r in records]
+  assert sizes[0] == 1257 and np.diff([0, *checkpoints]).tolist() == [-(-k // 64) for k in sizes]
+  np.testing.assert_array_equal(row_weights[0][2], np.ones(1257, np.float32))  # Warm-up.
+  for epoch in (1, 2):
+    buffer = helpers.restore_checkpoint(workdir, checkpoints[epoch - 1])["selection"]
+    want, weights = subsets.select_importance(np.asarray(buffer["scores"]), ids, 377, 0, epoch,
+                                              0.3, 10.0)
+    trained = ~np.isnan(np.load(score_files.score_path(workdir, epoch))[ids])
+    np.testing.assert_array_equal(ids[trained], want)
+    assert abs(len(want) - 377) < 5 * math.sqrt(377) and records[epoch]["kept_count"] == len(want)
+    rows, got, per_row = row_weights[epoch]
+    np.testing.assert_array_equal(ids[rows], want)
+    np.testing.assert_array_equal(got, weights)
+    np.testing.assert_array_equal(per_row[rows], weights)
+    assert np.all(np.delete(per_row, rows) == 1.0)
+    assert weights.mean() == pytest.approx(1.0, rel=1e-5) and len(set(weights.tolist())) > 1

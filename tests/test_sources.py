@@ -490,6 +490,9 @@ def test_a_misspelled_tfds_name_keeps_tfds_suggestion(tmp_path):
   assert "tfds knows no such dataset (DatasetNotFoundError: Dataset mnsit not found.)" in message
   assert "did you mean --config.dataset.name=tfds:mnist?" in message
   assert "abstract_reasoning" not in message  # Not tfds's list of every dataset.
+  # The field and its value are named once, not once by the check and again by the error.
+  assert message.count("dataset.name='tfds:mnsit'") == 1, message
+  assert "config.dataset.name='tfds:mnsit': tfds knows no such dataset" in message
 
 
 # ---------------------------------------------------------------- selection over such data

@@ -9,6 +9,7 @@ compile-once test; `other_model_run` the shape-mismatch test.
 import json
 import os
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from cpjax import optim, train
+from cpjax import epoch_loop, optim, train
 from cpjax.calibration import posthoc
 from cpjax.calibration import report as report_lib
 from tests import helpers
@@ -204,6 +205,51 @@ def test_main_end_to_end(main_run, tmp_path):
     assert refitted["hyper"] == row["hyper"], method
   assert read_metrics(workdir) == records  # No epoch was trained.
   assert helpers.checkpoint_steps(workdir) == helpers.checkpoint_steps(main_run.workdir)
+
+
+def test_epoch_records_time_their_parts(main_run):
+  """Each record's timed parts are disjoint stretches of its epoch, so they add up to at most
+  its epoch_seconds (two clocks: a millisecond's slack); the input wait lies inside training;
+  the last record also times its checkpoint and report. A CPU counts no device memory."""
+  records = read_metrics(main_run.workdir)
+  for r in records:  # configs/test.py evaluates every epoch.
+    assert 0 <= r["input_wait_seconds"] <= r["training_seconds"], r["epoch"]
+    assert r["eval_seconds"] > 0, r["epoch"]
+    parts = ["scoring", "selection", "training", "eval", "checkpoint", "report"]
+    assert sum(r.get(f"{p}_seconds", 0.0) for p in parts) <= r["epoch_seconds"] + 1e-3, r
+  assert all("checkpoint_seconds" not in r and "report_seconds" not in r for r in records[:-1])
+  assert records[-1]["checkpoint_seconds"] > 0 and records[-1]["report_seconds"] > 0
+  assert not any("perf/peak_device_memory_bytes" in r for r in records)
+
+
+def test_input_wait_counts_the_waits_for_batches_only():
+  """A reader that takes 20 ms a batch under a loop that takes 150 ms a step: the wait is the
+  reader's 3 x 20 ms (at least that; far below the loop's 450 ms), and every batch arrives."""
+  def slow_reader():
+    for i in range(3):
+      time.sleep(0.02)
+      yield i
+  waiting, got = epoch_loop.InputWait(slow_reader()), []
+  for batch in waiting:
+    got.append(batch)
+    time.sleep(0.15)  # The step: not input.
+  assert got == [0, 1, 2]
+  assert 0.06 <= waiting.seconds < 0.3
+
+
+def test_peak_device_memory_is_the_largest_devices_peak(monkeypatch):
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      return self.stats
+  devices = [Device({"peak_bytes_in_use": 5, "bytes_in_use": 9}), Device(None),
+             Device({"peak_bytes_in_use": 7})]
+  monkeypatch.setattr(jax, "local_devices", lambda: devices)
+  assert train.peak_device_memory() == {"perf/peak_device_memory_bytes": 7}
+  monkeypatch.setattr(jax, "local_devices", lambda: [Device(None)])  # A CPU: not counted.
+  assert train.peak_device_memory() == {}
 
 
 def _check_report(report_dir):

@@ -37,6 +37,7 @@ import ml_collections
 import numpy as np
 
 from cpjax.data import readers, splits
+from cpjax.runtime.advised import AdvisedError
 
 # The dataset config fields that decide which ids each split holds (cpjax.data.splits).
 SPLIT_FIELDS = ("name", "val_size", "split_seed", "train_examples", "meta_val_size")
@@ -174,8 +175,9 @@ def _check_written_for(index, split: splits.Split, name: str, directory: str,
                      f"config's {len(expected)} {name} ids: rewrite it for this config")
 
 
-class DamagedRecordError(ValueError):
-  """A record of an array_record split is unreadable or differs from what was written."""
+class DamagedRecordError(AdvisedError, ValueError):
+  """A record of an array_record split is unreadable or differs from what was written (the
+  message names the file, the record and how to rewrite it)."""
 
 
 _REWRITE = "rewrite the split with python -m scripts.write_array_records --config=... --out=DIR"

@@ -18,6 +18,10 @@ the standard library's `concurrent.futures.ProcessPoolExecutor` (spawned process
     multiprocessing's resource tracker, which unlinks them once the parent and the workers
     are gone. SIGINT and SIGTERM sent to the process group leave the workers running, so the
     parent's own handling (a checkpoint on SIGTERM) can still read batches.
+  - `close_all`, for an exit that skips the interpreter's clean-up (main.py ends a failed run
+    with os._exit after its FATAL line): the workers stopped, every segment this process made
+    unlinked and the pools' queues (their semaphores) released, so that the resource tracker
+    has nothing "leaked" to report after the FATAL line.
 
 Why processes and not threads: the Python around each image's PIL and OpenCV calls holds
 the GIL, so threads stop scaling past a few cores (16 threads measured 1.9x one thread).
@@ -42,6 +46,7 @@ from collections.abc import Iterator, Sequence
 import concurrent.futures
 from concurrent.futures import process as futures_process
 import contextlib
+import gc
 import multiprocessing
 from multiprocessing import connection, shared_memory
 import os
@@ -56,18 +61,20 @@ import weakref
 import numpy as np
 
 from cpjax.data import preprocess
+from cpjax.runtime.advised import AdvisedError
 
 WORKER_KINDS = ("process", "thread")  # config.dataset.worker_kind's choices.
 CONTEXTS_KEPT = 16  # Readers' sources a worker keeps unpickled (least recently used out).
 SHM_DIR = "/dev/shm"  # Where POSIX shared memory lives on Linux (its free space is checked).
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(AdvisedError, RuntimeError):
   """A worker process of the host stage died; the message names it and how it ended."""
 
 
-class SharedMemoryFullError(OSError):
-  """The shared memory the worker processes need does not fit in /dev/shm."""
+class SharedMemoryFullError(AdvisedError, OSError):
+  """The shared memory the worker processes need does not fit in /dev/shm (the message says
+  how much, and the ways out)."""
 
 
 def usable_cores() -> int:
@@ -87,12 +94,30 @@ def describe(source, row: int) -> str:
 def transformed(source, transform: preprocess.Transform, row: int,
                 epoch: int | None) -> np.ndarray:
   """uint8 [S, S, C]: `row` of `source` read and transformed (the host stage's unit of work,
-  the same in a thread or a worker process)."""
-  (data,) = source.read(np.asarray([row]))
-  return transform(data, int(source.ids[row]), epoch, where=describe(source, row))
+  the same in a thread or a worker process). A file that cannot be read or decoded raises
+  BadImageError with the source's way out (`on_damage`) and, where the source names it,
+  the example (`entry`: (split, id), which cpjax.data.fingerprint notes)."""
+  try:
+    (data,) = source.read(np.asarray([row]))
+    return transform(data, int(source.ids[row]), epoch, where=describe(source, row))
+  except preprocess.BadImageError as err:
+    raise damaged(err, source, row) from err
+
+
+def damaged(err: preprocess.BadImageError, source, row: int) -> preprocess.BadImageError:
+  """`err` (a file of `source`'s `row` that cannot be read or decoded) with the source's way
+  out (`on_damage`) and, where the source names it, the example (`entry`: (split, id))."""
+  advice = getattr(source, "on_damage", "")
+  out = preprocess.BadImageError(f"{err}; {advice}" if advice else str(err))
+  out.entry = source.entry(row) if hasattr(source, "entry") else None
+  return out
 
 
 # ---------------------------------------------------------------- shared memory
+
+
+# The segments this process made and has not unlinked yet (by name): what `close_all` unlinks.
+_SEGMENTS: dict[str, shared_memory.SharedMemory] = {}
 
 
 def _created(num_bytes: int, what: str) -> shared_memory.SharedMemory:
@@ -101,6 +126,7 @@ def _created(num_bytes: int, what: str) -> shared_memory.SharedMemory:
   SharedMemoryFullError naming the need and the ways out where they do not fit (a
   container's default /dev/shm is 64 MB)."""
   shm = shared_memory.SharedMemory(create=True, size=max(1, num_bytes))
+  _SEGMENTS[shm.name] = shm
   path = os.path.join(SHM_DIR, shm.name.lstrip("/"))
   if not os.path.exists(path):  # Not Linux's tmpfs: nothing to reserve.
     return shm
@@ -122,6 +148,7 @@ def _created(num_bytes: int, what: str) -> shared_memory.SharedMemory:
 
 
 def _unlinked(shm: shared_memory.SharedMemory) -> None:
+  _SEGMENTS.pop(shm.name, None)
   shm.close()
   with contextlib.suppress(FileNotFoundError):
     shm.unlink()
@@ -352,6 +379,17 @@ class ProcessPool:
   def shutdown(self) -> None:
     self._executor.shutdown(wait=True, cancel_futures=True)
 
+  def close(self) -> None:
+    """Stops the workers at once (killed: they may be mid-task) and releases the executor's
+    queues; the pool is unusable after."""
+    self.broken = True
+    for process in self._processes.values():
+      if process.is_alive():
+        process.kill()
+    for process in self._processes.values():
+      process.join(timeout=5.0)
+    self.shutdown()
+
 
 _POOLS: dict[int, ProcessPool] = {}  # This process's pools, by worker count.
 _POOLS_LOCK = threading.Lock()
@@ -359,9 +397,32 @@ _POOLS_LOCK = threading.Lock()
 
 def shared_pool(num_workers: int) -> ProcessPool:
   """This process's pool of `num_workers` workers (started on first use; a broken one is
-  replaced)."""
+  closed and replaced)."""
   with _POOLS_LOCK:
     pool = _POOLS.get(num_workers)
     if pool is None or pool.broken:
+      if pool is not None:
+        pool.close()
       pool = _POOLS[num_workers] = ProcessPool(num_workers)
     return pool
+
+
+def close_all() -> None:
+  """Stops every pool's workers, unlinks every shared-memory segment this process made and
+  has not unlinked (a reader's context; the slots of a pass still in flight) and releases
+  the pools' queues: for an exit that skips the interpreter's clean-up (os._exit), after
+  which multiprocessing's resource tracker would otherwise report them "leaked". A segment
+  is unlinked, not closed: a thread may still hold a view of it. Pools start afresh on
+  their next use."""
+  with _POOLS_LOCK:
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+  for pool in pools:
+    with contextlib.suppress(Exception):  # pylint: disable=broad-except  Best effort.
+      pool.close()
+  for shm in list(_SEGMENTS.values()):
+    _SEGMENTS.pop(shm.name, None)
+    with contextlib.suppress(OSError):
+      shm.unlink()  # Also unregisters it from the resource tracker.
+  del pools
+  gc.collect()  # A queue's semaphores are unregistered when it is collected.

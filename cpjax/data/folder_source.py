@@ -73,7 +73,8 @@ def class_names(root: str) -> tuple[str, ...]:
   if not names:
     raise FolderError(f"{train} has no class folders; lay it out as train/<class>/<images>")
   if len(names) < 2:
-    raise FolderError(f"{train} has one class folder ({names[0]!r}): a classifier needs at "
+    raise FolderError(f"{printable(train)} has one class folder ({printable(names[0])!r}): a "
+                      "classifier needs at "
                       "least 2 classes; lay it out as train/<class>/<images> with a folder "
                       "per class")
   return names
@@ -84,11 +85,11 @@ def _check_no_empty_class(split_dir: str, classes: tuple[str, ...], labels: np.n
   a class the model is trained to predict and never sees (torchvision's ImageFolder also
   refuses them)."""
   counts = np.bincount(labels, minlength=len(classes))
-  empty = [os.path.join(split_dir, classes[i]) for i in np.flatnonzero(counts == 0)]
+  empty = [printable(os.path.join(split_dir, classes[i])) for i in np.flatnonzero(counts == 0)]
   if empty:
     raise FolderError(f"{len(empty)} class folders hold no image files "
-                      f"({', '.join(IMAGE_EXTENSIONS)}): {empty[:MAX_NAMED]}; add images to "
-                      "them or remove them (every class folder of train/ is a class)")
+                      f"({', '.join(IMAGE_EXTENSIONS)}): {', '.join(empty[:MAX_NAMED])}; add "
+                      "images to them or remove them (every class folder of train/ is a class)")
 
 
 def _list_images(split_dir: str, classes: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -98,8 +99,9 @@ def _list_images(split_dir: str, classes: tuple[str, ...]) -> tuple[list[str], l
                    and not e.name.startswith("."))
   unknown = sorted(set(present) - set(classes))
   if unknown:
-    raise FolderError(f"{split_dir} has class folders that train/ lacks: {unknown[:MAX_NAMED]}; "
-                      f"classes (from train/): {list(classes[:MAX_NAMED])}")
+    raise FolderError(f"{printable(split_dir)} has class folders that train/ lacks: "
+                      f"{', '.join(printable(n) for n in unknown[:MAX_NAMED])}; classes (from "
+                      f"train/): {', '.join(printable(n) for n in classes[:MAX_NAMED])}")
   for name in present:
     for parent, dirs, files in os.walk(os.path.join(split_dir, name)):
       dirs[:] = [d for d in dirs if not d.startswith(".")]
@@ -119,7 +121,7 @@ def header_problem(path: str) -> str | None:
         image.size  # pylint: disable=pointless-statement  The header is parsed by open.
     return None
   except Exception as err:  # pylint: disable=broad-except  Any failure names the file.
-    return f"{type(err).__name__}: {str(err)[:120]}"
+    return printable(f"{type(err).__name__}: {str(err)[:120]}")  # PIL's text names the file.
 
 
 def _check_headers(root: str, split: str, paths: list[str], limit: int) -> dict[str, str]:
@@ -165,20 +167,24 @@ def listing(root: str, split: str, check_files: int, skip_bad_files: bool) -> Li
   paths, ignored = _list_images(split_dir, classes)
   if ignored:
     logging.warning("%s: %d files without an image extension (%s) are not read, e.g. %s",
-                    split_dir, len(ignored), ", ".join(IMAGE_EXTENSIONS), ignored[:3])
+                    printable(split_dir), len(ignored), ", ".join(IMAGE_EXTENSIONS),
+                    ", ".join(printable(p) for p in ignored[:3]))
   if not paths:
-    raise FolderError(f"{split_dir} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+    raise FolderError(f"{printable(split_dir)} holds no image files "
+                      f"({', '.join(IMAGE_EXTENSIONS)})")
   bad = _check_headers(root, split, paths, check_files)
   if bad and not skip_bad_files:
-    named = "; ".join(f"{os.path.join(split_dir, p)} ({why})" for p, why in
+    named = "; ".join(f"{printable(os.path.join(split_dir, p))} ({why})" for p, why in
                       list(bad.items())[:MAX_NAMED])
-    raise FolderError(f"{len(bad)} files of {split_dir} are not readable images: {named}. "
+    raise FolderError(f"{len(bad)} files of {printable(split_dir)} are not readable images: "
+                      f"{named}. "
                       "Remove or replace them, or pass --config.dataset.skip_bad_files=True "
                       "to leave them out (they are then listed in the log and in "
                       "workdir/bad_files.txt)")
   if bad:
     logging.warning("%s: leaving out %d unreadable files (dataset.skip_bad_files): %s",
-                    split_dir, len(bad), list(bad)[:MAX_NAMED])
+                    printable(split_dir), len(bad),
+                    ", ".join(printable(p) for p in list(bad)[:MAX_NAMED]))
     paths = [p for p in paths if p not in bad]
   index = {name: i for i, name in enumerate(classes)}
   labels = np.asarray([index[p.split(os.sep, 1)[0]] for p in paths], np.int32)
@@ -196,6 +202,9 @@ def splits_present(root: str) -> tuple[str, ...]:
 class FolderSource:
   """Rows `rows` of a folder split's listing: encoded bytes read from the files."""
   encoded = True
+  # The way out of a file that cannot be read or decoded (the host stage adds it to the error).
+  on_damage = ("replace the file with a readable copy of the image under the same name (the "
+               "resume accepts a file that the run found damaged)")
 
   def __init__(self, files: Listing, rows: np.ndarray | None = None,
                ids: np.ndarray | None = None):
@@ -221,19 +230,30 @@ class FolderSource:
     files = dataclasses.replace(self._files, paths=paths, labels=self.labels)
     return {**self.__dict__, "_files": files, "_rows": np.arange(len(self._rows))}
 
+  def name(self, row: int) -> str:
+    """The file of `row` relative to its split's folder (its name in the listing)."""
+    return self._files.paths[int(self._rows[row])]
+
+  def path(self, row: int) -> str:
+    """The file of `row`, as the file system names it (to open)."""
+    return os.path.join(self._files.root, self._files.split, self.name(row))
+
   def where(self, row: int) -> str:
-    """The file of `row`, for messages."""
-    return os.path.join(self._files.root, self._files.split,
-                        self._files.paths[int(self._rows[row])])
+    """The file of `row`, for messages (bytes that are not UTF-8 escaped: `printable`)."""
+    return printable(self.path(row))
+
+  def entry(self, row: int) -> tuple[str, int]:
+    """(split folder, example id) of `row`: which file a damaged-file note names."""
+    return self._files.split, int(self.ids[row])
 
   def read(self, rows: np.ndarray) -> list[bytes]:
     """The encoded bytes of `rows`' files."""
     out = []
     for row in rows:
-      path = self.where(int(row))
       try:
-        with open(path, "rb") as f:
+        with open(self.path(int(row)), "rb") as f:
           out.append(f.read())
       except OSError as err:
-        raise preprocess.BadImageError(f"{path}: cannot be read ({err})") from err
+        raise preprocess.BadImageError(f"{self.where(int(row))}: cannot be read "
+                                       f"({type(err).__name__}: {err.strerror})") from err
     return out

@@ -8,8 +8,9 @@ image, or its crop box alone) uint8 [h, w, C] row-major, back to back in 1-D buf
 device, with an offset, a (h, w) and the region's origin in the image per example.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -29,6 +30,9 @@ class Item:
   format: str  # PIL's format: JPEG, PNG, ...
   box: tuple[int, int, int, int]  # (left, top, right, bottom), whole pixels of the image.
   flip: bool
+  # A decode that fails raises this (the file named, the source's way out, its entry).
+  damaged: Callable[[preprocess.BadImageError], preprocess.BadImageError] = dataclasses.field(
+      default=lambda err: err, repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +69,25 @@ def header_item(source, transform: preprocess.Transform, row: int,
                 epoch: int | None) -> Item:
   """Row `row` of `source`: read, its header parsed (PIL's lazy open: no pixels decoded;
   BadImageError naming the file) and its box and flip drawn as the host stage draws them."""
-  (data,) = source.read(np.asarray([row]))
-  where = decode_workers.describe(source, row)
-  image = preprocess.open_image(data, where)
+  damaged = functools.partial(decode_workers.damaged, source=source, row=row)
+  try:
+    (data,) = source.read(np.asarray([row]))
+    where = decode_workers.describe(source, row)
+    image = preprocess.open_image(data, where)
+  except preprocess.BadImageError as err:  # As the host stage names it (its way out too).
+    raise damaged(err) from err
   box, flip = transform.box_and_flip(int(source.ids[row]), epoch, *image.size)
   return Item(data, where, image.size[0], image.size[1], image.mode, image.format or "",
-              preprocess.pixel_box(box, *image.size), flip)
+              preprocess.pixel_box(box, *image.size), flip, damaged)
 
 
 def host_region(item: Item, channels: int, whole: bool = False) -> tuple[np.ndarray, Placed]:
   """uint8 [h, w, C]: the example's box (or whole image) decoded by PIL on the host (the host
   stage's full-scale decode, `preprocess.decode`), and its origin in the image."""
-  pixels = preprocess.decode(item.data, channels, item.where)
+  try:
+    pixels = preprocess.decode(item.data, channels, item.where)
+  except preprocess.BadImageError as err:
+    raise item.damaged(err) from err
   if whole:
     return pixels, Placed(0, pixels.shape[0], pixels.shape[1])
   left, top, right, bottom = item.box

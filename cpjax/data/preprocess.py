@@ -55,6 +55,7 @@ from PIL import Image
 
 from cpjax import registry
 from cpjax.data import tensorflow_optional
+from cpjax.runtime.advised import AdvisedError
 
 RNG_STREAM = 7  # Tag of the preprocessing stream in (seed, tag, epoch, id) seeds.
 
@@ -78,8 +79,11 @@ RESIZE_ENGINES = ("opencv", "pil")
 AREA_FROM = 2.0
 
 
-class BadImageError(ValueError):
-  """An example's bytes are not an image PIL can decode; the message names the example."""
+class BadImageError(AdvisedError, ValueError):
+  """An example's bytes are not an image PIL can decode (or cannot be read); the message
+  names the example and, raised by the host stage, the way out. `entry`: (split, example
+  id) where the source names it (cpjax.data.fingerprint notes it), else None."""
+  entry: tuple[str, int] | None = None
 
 
 def example_rng(seed: int, epoch: int, example_id: int) -> np.random.Generator:

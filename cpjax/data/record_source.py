@@ -8,6 +8,10 @@
                                          record per row in row order: the row's encoded file
                                          bytes as they were (JPEG, PNG, ...), with its id and
                                          label in the index (cpjax.data.array_records, encoded)
+  train.identity.npz, ...                each row's name (a folder's file, relative to its
+                                         split; else "example ID (label L)"), size and content
+                                         digest (cpjax.data.fingerprint): the rows' identity,
+                                         which a checkpoint records and a resume compares
   dataset.json                           the dataset's facts: its name, classes, which splits
                                          it has, the source's image shape where fixed, the
                                          files the source left out (skip_bad_files); written
@@ -18,17 +22,20 @@ bit: the same bytes go through the same host stage (cpjax.data.host_stage) with 
 draws, carve-outs (validation, meta-validation, holdout) are taken at run time as from the
 source, and a converted ImageNet is about the size of its JPEGs. Every record read is
 checked against its CRC-32: a damaged one raises array_records.DamagedRecordError naming
-the shard file and the record.
+the shard file and the record. The rows' identity is their folder's (the same names, sizes
+and content digests: `identity`), so a resume onto records converted from other files is
+refused naming them, and a run may switch between a folder and its records.
 """
 
 from collections.abc import Iterator
 import json
+import logging
 import os
 import threading
 
 import numpy as np
 
-from cpjax.data import array_records
+from cpjax.data import array_records, fingerprint
 
 MANIFEST = "dataset.json"
 SPLITS = ("train", "val", "test")  # Split roles; records of a role are named by it.
@@ -45,16 +52,58 @@ def write_split(source, directory: str, split: str, dataset_name: str, num_shard
   if not source.encoded:
     raise RecordsError(f"split {split}: the source gives decoded pixels, not encoded bytes")
   ids, labels = np.asarray(source.ids), np.asarray(source.labels)
+  entries = []  # The rows' identity, gathered as they are read.
 
   def examples() -> Iterator[tuple[int, int, bytes]]:
     for start in range(0, len(source), chunk):
       rows = np.arange(start, min(start + chunk, len(source)))
       for row, data in zip(rows, source.read(rows)):
+        name = (source.name(int(row)) if hasattr(source, "name")
+                else f"example {ids[row]} (label {labels[row]})")
+        entries.append((name, len(data), fingerprint.bytes_digest(data)))
         yield int(ids[row]), int(labels[row]), data
 
-  return array_records.write_split(examples(), len(source), directory, split,
-                                   {"name": dataset_name}, max(1, min(num_shards, len(source))),
-                                   encoded=True)
+  paths = array_records.write_split(examples(), len(source), directory, split,
+                                    {"name": dataset_name}, max(1, min(num_shards, len(source))),
+                                    encoded=True)
+  _write_identity(directory, split, entries)
+  return paths
+
+
+def _write_identity(directory: str, split: str, entries: list[tuple[str, int, str]]) -> None:
+  """Writes (name, size, content digest) of each row of `split`: names as one blob of their
+  file-system bytes and offsets (any name, UTF-8 or not)."""
+  names = [os.fsencode(name) for name, _, _ in entries]
+  np.savez(os.path.join(directory, f"{split}.identity.npz"),
+           names=np.frombuffer(b"".join(names), np.uint8),
+           offsets=np.cumsum([0] + [len(n) for n in names], dtype=np.int64),
+           sizes=np.asarray([size for _, size, _ in entries], np.int64),
+           digests=np.asarray([digest for _, _, digest in entries], "S16"))
+
+
+def identity(directory: str) -> fingerprint.Identity | None:
+  """The identity of the rows of the records in `directory` (see the module docstring);
+  None, with a warning, for records written before it was recorded."""
+  with open(os.path.join(directory, MANIFEST)) as f:
+    split_names = json.load(f)["splits"]
+  listing = {}
+  for split in split_names:
+    path = os.path.join(directory, f"{split}.identity.npz")
+    if not os.path.exists(path):
+      logging.warning("%s holds no %s: records converted before cpjax recorded their rows' "
+                      "identity; a resume cannot check that they are the checkpoint's. Convert "
+                      "them again to have it checked.", directory, os.path.basename(path))
+      return None
+    with np.load(path) as saved:
+      blob, offsets = saved["names"].tobytes(), saved["offsets"]
+      listing[split] = [(os.fsdecode(blob[offsets[i]:offsets[i + 1]]), int(size),
+                         digest.decode("ascii"), 0)
+                        for i, (size, digest) in enumerate(zip(saved["sizes"],
+                                                               saved["digests"]))]
+  return fingerprint.Identity(
+      listing, f"the records in dataset.stream_dir={directory!r}",
+      "convert the files as they were into them again (python -m scripts.write_array_records; "
+      "a file this run found damaged: a readable copy of it)")
 
 
 def clear_manifest(directory: str) -> None:
@@ -129,6 +178,12 @@ class _Records:
 class RecordSource:
   """Rows of a converted split: encoded bytes read from its array_record files by index."""
   encoded = True
+  # The way out of a record whose bytes are intact (its CRC-32 holds) but not an image: its
+  # file was damaged when converted. (Added to the host stage's error.)
+  on_damage = ("the record holds its source file's bytes as converted: replace that file with "
+               "a readable copy and convert the dataset again (python -m "
+               "scripts.write_array_records; the resume accepts a file that the run found "
+               "damaged)")
 
   def __init__(self, directory: str, split: str, rows: np.ndarray | None = None,
                records: _Records | None = None):
@@ -148,6 +203,10 @@ class RecordSource:
     """The record of `row`, for messages."""
     path, record = self._records.opened().location(int(self._rows[row]))
     return f"{path} record {record} (example id {int(self.ids[row])})"
+
+  def entry(self, row: int) -> tuple[str, int]:
+    """(split, example id) of `row`: which file a damaged-file note names."""
+    return self._records.split, int(self.ids[row])
 
   def read(self, rows: np.ndarray) -> list[bytes]:
     """The encoded bytes of `rows`, each checked against its CRC-32."""

@@ -78,6 +78,13 @@ class Relabelled:
   def where(self, row: int) -> str:
     return getattr(self.source, "where", str)(row)
 
+  @property
+  def on_damage(self) -> str:
+    return getattr(self.source, "on_damage", "")
+
+  def entry(self, row: int) -> tuple[str, int] | None:
+    return self.source.entry(row) if hasattr(self.source, "entry") else None
+
   def read(self, rows: np.ndarray) -> np.ndarray | list[bytes]:
     return self.source.read(rows)
 
@@ -115,9 +122,9 @@ def _folder_listing(dataset: ml_collections.ConfigDict, split: str) -> folder_so
 def _folder_stats_key(root: str, train: folder_source.Listing) -> str:
   """The folder and its sampled files' paths, sizes and times: a folder replaced at the same
   path by as many other files does not reuse the old one's cached statistics."""
-  sampled = fingerprint.entries(os.path.join(root, "train"), [
+  sampled = fingerprint.stat_entries(os.path.join(root, "train"), [
       train.paths[int(row)] for row in image_stats.sample_rows(len(train.paths))])
-  return f"{root}|{fingerprint.digest(sampled)}"
+  return f"{root}|{fingerprint.stat_digest(sampled)}"
 
 
 def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
@@ -341,19 +348,28 @@ def bad_files(dataset: ml_collections.ConfigDict) -> list[str]:
           for path, problem in _folder_listing(dataset, split).bad]
 
 
-def file_listing(dataset: ml_collections.ConfigDict) -> dict[str, list[fingerprint.Entry]] | None:
-  """{split: (relative path, size, mtime) of each row's file} of a folder dataset read from
-  its folder (cpjax.data.fingerprint); None for every other (a built-in's or tfds dataset's
-  version, and converted records, do not change under a run)."""
-  if dataset.name != "folder" or reads_records(dataset):
+def identity(dataset: ml_collections.ConfigDict,
+             known: dict[str, list[fingerprint.Entry]] | None = None
+             ) -> fingerprint.Identity | None:
+  """The identity of a folder dataset's rows (cpjax.data.fingerprint), read from its folder
+  (each file's digest taken from `known`, the workdir's listing, where its size and time are
+  unchanged) or from its converted records; None for every other dataset (a built-in's or a
+  tfds dataset's version does not change under a run)."""
+  if reads_records(dataset):
+    return record_source.identity(os.path.abspath(dataset.stream_dir))
+  if dataset.name != "folder":
     return None
   root = os.path.abspath(dataset.folder)
-  out = {}
+  listing = {}
   for split in folder_source.splits_present(root):
     paths = _folder_listing(dataset, split).paths
-    out[split] = fingerprint.entries(os.path.join(root, split),
-                                     [paths[row] for row in range(len(paths))])
-  return out
+    listing[split] = fingerprint.file_entries(os.path.join(root, split),
+                                              [paths[row] for row in range(len(paths))],
+                                              (known or {}).get(split, ()))
+  return fingerprint.Identity(
+      listing, f"the files of dataset.folder={folder_source.printable(root)!r}",
+      "put the files back as they were (a file this run found damaged: a readable copy of "
+      "it)")
 
 
 def name_problem(name) -> str | None:

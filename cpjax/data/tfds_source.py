@@ -135,6 +135,9 @@ def split_labels(found, split: str) -> np.ndarray:
 class TfdsSource:
   """Rows of a tfds split, read by index as encoded image bytes."""
   encoded = True
+  # The way out of an example that cannot be read or decoded (added to the host stage's error).
+  on_damage = ("the prepared tfds dataset is damaged: prepare it again (tfds.builder(...)"
+               ".download_and_prepare(), file_format='array_record')")
 
   def __init__(self, found, split: str, rows: np.ndarray | None = None):
     self._builder, self._split = found, split

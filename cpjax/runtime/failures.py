@@ -4,10 +4,18 @@ A run ends on an operational failure with one `FATAL` line (main.py prints it): 
 why, what to do, and where the rerun resumes. The causes are told apart because their ways
 out differ:
 
+  * advised: an error that names its own cause and way out (cpjax.runtime.advised: the host
+    stage's "/dev/shm too small", a damaged image, a dead decoding worker, a damaged record).
+    The exception chain is walked from the error raised, and the first such error is the
+    cause named, with the resume advice: the errors beneath it are its details (the ENOSPC
+    beneath a full /dev/shm is not a full checkpoint folder);
   * storage: an OSError whose errno says the folder refuses the write (full disk, exceeded
     quota, read-only or permission denied: `STORAGE_ERRNOS`), or an error of another type
-    with such an errno's text (tensorstore's): make the folder writable or free space
-    there, then rerun;
+    with such an errno's text (tensorstore's, TensorFlow's): make the folder writable or
+    free space there, then rerun. The folder is the failing file's: the OSError's filename,
+    else the first absolute path in the message whose folder exists (TensorFlow names the
+    events file only in its text), else the run's workdir (an ENOSPC of a write() names no
+    file); a TensorBoard events file (`EVENTS_MARK` in its name) is named as such;
   * a lost process: in a multi-process run, the text of a collective's or JAX's coordination
     service's error says a peer is gone (Gloo's "Connection reset by peer", "stopped sending
     heartbeats", ...: `LOST_PEER_TEXT`): nothing to fix here; rerun the same command on every
@@ -21,8 +29,10 @@ checkpoint folder's commit markers, so it is right whatever the process was doin
 from collections.abc import Iterator
 import errno
 import os
+import re
 
 from cpjax.runtime import orbax_layout
+from cpjax.runtime.advised import AdvisedError
 
 # errno values of a folder that refuses a write: no space, quota, permission, read-only.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
@@ -32,7 +42,10 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCE
 LOST_PEER_TEXT = ("connection reset by peer", "connection closed by peer",
                   "stopped sending heartbeats", "heartbeat timeout", "tasks have crashed",
                   "tasks are unhealthy", "leader task was preempted/died")
-STORAGE, LOST_PROCESS, OTHER = "storage", "lost process", "other"
+ADVISED, STORAGE, LOST_PROCESS, OTHER = "advised", "storage", "lost process", "other"
+EVENTS_MARK = ".tfevents."  # In a TensorBoard events file's name.
+# An absolute path in an error's text: after the start or a blank, up to a blank, quote or ;.
+_PATH_IN_TEXT = re.compile(r"(?:^|\s)(/[^\s;'\"]+)")
 
 
 def chain(err: BaseException) -> Iterator[BaseException]:
@@ -65,11 +78,29 @@ def is_lost_peer(err: BaseException, process_count: int) -> bool:
       fragment in str(e).lower() for e in chain(err) for fragment in LOST_PEER_TEXT)
 
 
+def advised_error(err: BaseException) -> AdvisedError | None:
+  """The first error of `err`'s chain (from `err` down) that names its own way out, if any."""
+  return next((e for e in chain(err) if isinstance(e, AdvisedError)), None)
+
+
 def cause(err: BaseException, process_count: int) -> str:
-  """STORAGE, LOST_PROCESS or OTHER (storage first: a full disk is a full disk anywhere)."""
+  """ADVISED, STORAGE, LOST_PROCESS or OTHER (an error that says its way out first; then
+  storage: a full disk is a full disk anywhere)."""
+  if advised_error(err) is not None:
+    return ADVISED
   if storage_error(err) is not None:
     return STORAGE
   return LOST_PROCESS if is_lost_peer(err, process_count) else OTHER
+
+
+def failing_path(err: BaseException) -> str:
+  """The file a storage error is about: its filename (an OSError's), else the first absolute
+  path in its message whose folder exists; "" if neither."""
+  path = getattr(err, "filename", None)
+  if isinstance(path, str) and path:
+    return path
+  return next((found for found in _PATH_IN_TEXT.findall(str(err))
+               if os.path.isdir(os.path.dirname(found))), "")
 
 
 def describe(err: BaseException) -> str:
@@ -112,17 +143,21 @@ def line(err: BaseException, checkpoint_dir: str, process_count: int, what: str 
     err: the exception that stopped the run.
     checkpoint_dir: the run's checkpoint folder (for the resume advice).
     process_count: the run's number of processes.
-    what: what failed, e.g. "writing a checkpoint in DIR" (default: writing the file the
-      OSError names).
-    folder: the folder to make writable (default: the failing file's).
+    what: what failed, e.g. "writing a checkpoint in DIR" (default: writing the failing
+      file, `failing_path`).
+    folder: the folder to make writable (default: the failing file's, else the run's
+      workdir, `checkpoint_dir`'s parent).
   """
   kind = cause(err, process_count)
+  if kind == ADVISED:
+    return f"{' '.join(str(advised_error(err)).split())}; {resume_advice(checkpoint_dir)}"
   if kind == STORAGE:
     oserror = storage_error(err)
-    path = getattr(oserror, "filename", None)
-    path = path if isinstance(path, str) else ""
-    what = what or (f"writing {path}" if path else "writing the run's files")
-    folder = folder or os.path.dirname(path) or checkpoint_dir
+    path = failing_path(oserror)
+    named = (f"the TensorBoard events file {path}" if EVENTS_MARK in os.path.basename(path)
+             else path)
+    what = what or (f"writing {named}" if path else "writing the run's files")
+    folder = folder or os.path.dirname(path) or os.path.dirname(checkpoint_dir)
     return (f"{what} failed ({describe(oserror)}); make the folder {folder} writable (or "
             f"free space there), then {resume_advice(checkpoint_dir)}")
   if kind == LOST_PROCESS:

@@ -101,7 +101,8 @@ def image_summary(tag: str, images: np.ndarray) -> summary_pb2.Summary:
 
 class TensorBoardWriter(MetricWriter):
   """A TensorBoard event file in `logdir` (`events.out.tfevents.*`, TFRecord-framed `Event`
-  protos through TensorBoard's RecordWriter), written in the caller's thread.
+  protos through TensorBoard's RecordWriter), written in the caller's thread; the file is
+  created by the first event.
 
   Written in the caller's thread, not a background one as TensorBoard's EventFileWriter
   does: a failed write (a full disk) is then raised where it happens, once, as an OSError
@@ -111,13 +112,18 @@ class TensorBoardWriter(MetricWriter):
   """
 
   def __init__(self, logdir: str):
-    os.makedirs(logdir, exist_ok=True)
     self.path = os.path.join(logdir, "events.out.tfevents.%010d.%s.%d.%d.v2" % (
         time.time(), socket.gethostname(), os.getpid(), next(_FILE_NUMBERS)))
-    with self._naming_the_file():
-      self._records = RecordWriter(open(self.path, "ab"))  # pylint: disable=consider-using-with
-    self._add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
-    self.flush()
+    self._records: RecordWriter | None = None  # Opened by the first event: none, no file.
+
+  def _opened(self) -> RecordWriter:
+    if self._records is None:
+      with self._naming_the_file():
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._records = RecordWriter(open(self.path, "ab"))  # pylint: disable=consider-using-with
+        self._records.write(event_pb2.Event(wall_time=time.time(),
+                                            file_version="brain.Event:2").SerializeToString())
+    return self._records
 
   @contextlib.contextmanager
   def _naming_the_file(self) -> Iterator[None]:
@@ -128,12 +134,11 @@ class TensorBoardWriter(MetricWriter):
       raise OSError(err.errno, f"writing TensorBoard events: {err.strerror or err}",
                     self.path) from err
 
-  def _add_event(self, event: event_pb2.Event) -> None:
-    with self._naming_the_file():
-      self._records.write(event.SerializeToString())
-
   def _add(self, step: int, summary: summary_pb2.Summary) -> None:
-    self._add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    event = event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary)
+    records = self._opened()
+    with self._naming_the_file():
+      records.write(event.SerializeToString())
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     for tag, value in scalars.items():
@@ -147,11 +152,12 @@ class TensorBoardWriter(MetricWriter):
     self._add(0, hparams_summary.hparams_pb(dict(hparams)))
 
   def flush(self) -> None:
-    with self._naming_the_file():
-      self._records.flush()
+    if self._records is not None:
+      with self._naming_the_file():
+        self._records.flush()
 
   def close(self) -> None:
-    if not self._records.closed:
+    if self._records is not None and not self._records.closed:
       with self._naming_the_file():
         self._records.close()
 

@@ -16,7 +16,9 @@ single-process runs: one process alone cannot stop a multi-process run in step.
 After the last checkpoint has committed there is no step to finish: during the final report
 (`PreemptionGuard.stopping_at_once`) a signal raises Preempted where the run is, so the
 process exits within moments, well inside a scheduler's grace period; the rerun writes the
-report from that checkpoint. (Single process only; several processes finish the report.)
+report from that checkpoint. (Single process only: several processes finish the report, and
+each logs so as it begins, since JAX's preemption service holds their SIGTERM and they can
+stop together only at a training step.)
 
 The training loop meets the guard only through its checkpointer
 (`checkpointing.Checkpointer.handling_preemption`, `reached_preemption`, `stopping_at_once`),
@@ -84,7 +86,11 @@ class PreemptionGuard:
     """A context in which SIGTERM/SIGINT (also one received before it) raise Preempted with
     `message` at once, wherever the run is: for work after the checkpoint at global `step`
     has committed (the report), which a rerun redoes from that checkpoint."""
-    if jax.process_count() > 1:
+    if jax.process_count() > 1:  # The processes sit a signal out together: say so first.
+      logging.info("%d processes: a SIGTERM from here on does not stop the run (one process "
+                   "cannot stop the others but at a training step): they finish the final "
+                   "report and exit with status 0; the last checkpoint, global step %d, is "
+                   "saved.", jax.process_count(), step)
       yield
       return
     self._at_once = (message, step)

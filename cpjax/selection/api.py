@@ -4,7 +4,7 @@
                             num_epochs=10, seed=0)
   state = selection.init()                        # A pytree: checkpoint it with yours.
   for epoch in range(10):
-    subset = selection.select(state, epoch)       # Ids (and InfoBatch's loss weights).
+    subset = selection.select(state, epoch)       # Ids (and loss weights: infobatch, importance).
     for batch_ids in batches(subset.ids):
       ..., per_example_scores = train_step(...)   # E.g. scores.normalized_entropy(logits).
       state = selection.record(state, batch_ids, per_example_scores)
@@ -36,7 +36,7 @@ State = dict[str, np.ndarray]  # {"scores": float32 [N]}.
 class Subset(NamedTuple):
   """One epoch's examples."""
   ids: np.ndarray  # Example ids, increasing.
-  weights: np.ndarray | None  # float32 loss weight per id (infobatch), else None.
+  weights: np.ndarray | None  # float32 loss weight per id (infobatch, importance), else None.
 
 
 class Selection:
@@ -52,8 +52,10 @@ class Selection:
     Args:
       ids: [N] the training examples' ids, strictly increasing (ties go to the lower id).
       labels: [N] their integer labels (class_balanced; None: all 0).
-      method: a registered policy (docs/selection.md), e.g. top_k, sampled, infobatch.
-      fraction: k / N of the fixed-size policies (k = round(fraction * N), at least 1).
+      method: a registered policy (docs/selection.md), e.g. top_k, sampled, infobatch,
+        importance.
+      fraction: k / N of the fixed-size policies (k = round(fraction * N), at least 1;
+        importance: k in expectation).
       count: k as a count; > 0 overrides fraction.
       warmup_epochs: epochs on all data before the first selected one.
       num_epochs: the run's epochs (infobatch anneals on the last ones).
@@ -90,7 +92,8 @@ class Selection:
 
   @property
   def weighted(self) -> bool:
-    """Whether `select` gives loss weights (infobatch): weight each example's loss by them."""
+    """Whether `select` gives loss weights (infobatch, importance): weight each example's loss
+    by them."""
     return self.policy.weights_loss
 
   def init(self) -> State:

@@ -3,7 +3,7 @@ settings it reads (`config.selection.<setting>`, declared beside it): config val
 configs/default.py's fields and docs/selection.md's table all come from this registry.
 
 A policy is `fn(request, **settings)`: the epoch's scores, labels, ids, k, seed and epoch
-in, the ids it trains on out (infobatch: ids and a loss weight each). The algorithms are
+in, the ids it trains on out (infobatch, importance: ids and a loss weight each). The algorithms are
 the pure functions of cpjax/selection/subsets.py. `select` is the one entry point, called by
 the library API's `api.Selection`, through which the trainer selects too; scores rank
 "hardest first" (highest first) and `direction="easiest"` negates them first. The
@@ -52,6 +52,12 @@ class Policy:
   settings: tuple[registry.Setting, ...] = ()  # `config.selection.<name>` fields it reads.
   needs_scores: bool = True  # Ranks scores (the others need no scoring pass).
   weights_loss: bool = False  # No fixed k: returns (ids, weights), the loss weighted per example.
+  # A weights_loss policy that draws k examples in expectation (importance): it reads k, the
+  # budget schedule and final_full_epochs as the fixed-size policies do.
+  expected_size: bool = False
+  # Draws with probabilities proportional to the score: a score that can be negative
+  # (scores.Score.nonnegative False) is refused by config validation.
+  proportional: bool = False
   # Other selection fields it needs, and why: implied when unset, refused when set otherwise.
   needs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   needs_reason: str = ""
@@ -81,6 +87,13 @@ def weights_loss(method: str) -> bool:
 def fixed_size(method: str) -> bool:
   """Whether `method` trains on k = subset_size(...) examples per selected epoch."""
   return method != FULL and not POLICIES[method].weights_loss
+
+
+def reads_k(method: str) -> bool:
+  """Whether `method` trains on k = subset_size(...) examples per selected epoch, exactly
+  (`fixed_size`) or in expectation (`Policy.expected_size`): the budget schedule
+  (`fraction_end`) and `final_full_epochs` apply to it."""
+  return fixed_size(method) or (method in POLICIES and POLICIES[method].expected_size)
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:
@@ -180,9 +193,9 @@ def _infobatch_problems(*, anneal_fraction: float, warmup_epochs: int, num_epoch
 
 
 POLICIES.register(Policy(
-    "infobatch", lambda r, prune_ratio, anneal_fraction: subsets.select_infobatch(
-        r.scores, r.ids, r.seed, r.epoch, prune_ratio, subsets.anneal_start(r.num_epochs,
-                                                                    anneal_fraction)),
+    "infobatch", lambda r, prune_ratio, anneal_fraction, rescale: subsets.select_infobatch(
+        r.scores, r.ids, r.seed, r.epoch, prune_ratio,
+        subsets.anneal_start(r.num_epochs, anneal_fraction), rescale),
     "InfoBatch (Qin et al., ICLR 2024): no fixed k. Each example whose last train-pass loss "
     "is below the mean is pruned with probability `prune_ratio` (r); the kept ones of them "
     "get loss weight 1/(1-r), all others 1, so the epoch's expected gradient is the full "
@@ -192,10 +205,29 @@ POLICIES.register(Policy(
                                "infobatch: P(prune) of a below-mean-loss example, r."),
               registry.Setting("anneal_fraction", 0.125,
                                registry.number(0.0, 1.0, high_open=True),
-                               "infobatch: last share of epochs on all data (1 - delta).")),
+                               "infobatch: last share of epochs on all data (1 - delta)."),
+              registry.Setting("infobatch_rescale", True, registry.boolean(),
+                               "infobatch: kept below-mean examples weigh 1/(1-r); False: 1.",
+                               arg="rescale")),
     weights_loss=True, needs={"score": "loss", "scoring": "train_pass", "direction": "hardest"},
     needs_reason="prunes by the train pass's own per-example loss",
     problems=_infobatch_problems))
+POLICIES.register(Policy(
+    "importance", lambda r, mix, max_weight, weighting: subsets.select_importance(
+        r.scores, r.ids, r.k, r.seed, r.epoch, mix, max_weight, weighting),
+    "importance sampling (Katharopoulos & Fleuret 2018): each example drawn independently "
+    "with probability pi_i = min(1, c p_i), p_i = `mix`/N + (1 - `mix`) score_i / sum(score), "
+    "c such that sum(pi) = k (k examples in expectation, without replacement), loss weight "
+    "k/(N pi_i) = 1/(N p_i) (unbiased); `weighting=normalized` rescales the weights to mean "
+    "1 over the epoch's examples, none above `max_weight`",
+    settings=(registry.Setting("mix", 0.5, registry.number(0.0, 1.0, low_open=True),
+                               "importance: uniform share of the sampling distribution."),
+              registry.Setting("max_weight", 10.0, registry.number(1.0),
+                               "importance: largest loss weight (normalized weighting)."),
+              registry.Setting("weighting", "normalized", registry.choice(subsets.WEIGHTINGS),
+                               "importance: normalized (mean 1, clipped) or unbiased (k/(N pi)).")),
+    weights_loss=True, expected_size=True, proportional=True, needs={"direction": "hardest"},
+    needs_reason="draws with probabilities that grow with the score"))
 
 
 # The cross-field checks of a selection, shared by config validation (which prefixes each
@@ -217,7 +249,7 @@ def schedule_problems(method: str, *, num_epochs: int, warmup_epochs: int,
                       final_full_epochs: int, fraction_end: float, count: int) -> list[str]:
   """The epochs that select (warm-up, final full epochs) and a fixed-size method's budget
   schedule (`fraction_end`), for `num_epochs` epochs."""
-  problems, fixed = [], fixed_size(method)
+  problems, fixed = [], reads_k(method)
   if method != FULL and warmup_epochs >= num_epochs:
     problems.append(f"warmup_epochs={warmup_epochs} leaves no epoch of the {num_epochs} "
                     f"(num_epochs) to select in; method={method!r} would never run")
@@ -233,7 +265,7 @@ def schedule_problems(method: str, *, num_epochs: int, warmup_epochs: int,
   if fraction_end == 0:
     problems.append("fraction_end=0 keeps no example in the last selected epoch; valid: -1 "
                     "(a constant fraction) or a share in (0, 1]")
-  varying = [p.name for p in POLICIES.entries() if fixed_size(p.name) and not p.one_size]
+  varying = [p.name for p in POLICIES.entries() if reads_k(p.name) and not p.one_size]
   if method not in varying:
     problems.append(f"fraction_end={fraction_end} does not work with method={method!r} (its "
                     f"subset needs one size); valid: {', '.join(varying)}")

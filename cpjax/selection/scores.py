@@ -68,19 +68,23 @@ class Score:
   doc: str  # One line for the docs' table.
   settings: tuple[registry.Setting, ...] = ()  # `config.selection.<name>` fields it reads.
   uses_labels: bool = True  # False: label-free (uncertainty) scores.
+  # Never below 0 (up to rounding), so that a sampling probability may be proportional to it
+  # (selection.method=importance refuses the others): declared, never assumed.
+  nonnegative: bool = False
 
 
 SCORES: registry.Registry[Score] = registry.Registry("selection score", "selection")
 REDUCIBLE_LOSS = "reducible_loss"
 for _score in (
     Score("entropy", normalized_entropy, "normalised predictive entropy H(p) / log K "
-          "(Tata et al. 2022)", uses_labels=False),
+          "(Tata et al. 2022)", uses_labels=False, nonnegative=True),
     Score("least_confidence", least_confidence, "1 - max_k p_k (Settles 2009)",
-          uses_labels=False),
+          uses_labels=False, nonnegative=True),
     Score("margin", margin, "-(p_(1) - p_(2)), the gap of the two top classes",
           uses_labels=False),
-    Score("loss", loss, "cross-entropy of the label (Loshchilov & Hutter 2015)"),
-    Score("el2n", el2n, "||softmax(z) - onehot(y)||_2 (Paul et al. 2021)"),
+    Score("loss", loss, "cross-entropy of the label (Loshchilov & Hutter 2015)",
+          nonnegative=True),
+    Score("el2n", el2n, "||softmax(z) - onehot(y)||_2 (Paul et al. 2021)", nonnegative=True),
     Score(REDUCIBLE_LOSS, loss, "RHO-LOSS (Mindermann et al., ICML 2022): this model's loss "
           "less `target_workdir`'s loss of the same example"),
 ):

@@ -1,5 +1,5 @@
 """Each epoch's training rows: warm-up on all data, then a scored or random subset
-(infobatch: a pruned subset of varying size, with a loss weight per row).
+(infobatch, importance: a subset of varying size, with a loss weight per row).
 
 `Selector` is the training loop's side of the library API's `api.Selection`, which
 makes every selection decision (which epochs select, k, the policy's ids and
@@ -58,14 +58,14 @@ class Selector:
         warmup_epochs=selection.warmup_epochs, num_epochs=num_epochs, seed=seed,
         direction=selection.direction, final_full_epochs=selection.final_full_epochs,
         fraction_end=selection.fraction_end, mesh=mesh, **policy_settings)
-    # Weighted methods (infobatch) give every batch a per-example loss weight, in every
+    # Weighted methods (infobatch, importance) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
     self.weighted = self.selection.weighted
 
   def steps_in_epoch(self, epoch: int) -> int:
-    """Steps of `epoch` for the progress report's total. An infobatch epoch's size is known
-    only once its rows are drawn: its full size counts (an upper bound; the loop trains
-    ceil(rows / batch_size) steps of the rows it gets)."""
+    """Steps of `epoch` for the progress report's total. An infobatch or importance epoch's
+    size is known only once its rows are drawn: its full size counts (an upper bound; the
+    loop trains ceil(rows / batch_size) steps of the rows it gets)."""
     fixed_subset = self.selection.selecting(epoch) and not self.weighted
     rows = self.selection.k_at(epoch) if fixed_subset else len(self._split)
     return -(-rows // self._batch_size)

@@ -1,6 +1,6 @@
 """Subset algorithms of the selection policies: pure functions (scores, ids -> ids; InfoBatch
-also returns a loss weight per id). cpjax/selection/policies.py registers each one as a
-policy with its settings.
+and importance sampling also return a loss weight per id). cpjax/selection/policies.py
+registers each one as a policy with its settings.
 
 The score-based ones rank globally: `jax.lax.top_k` over a score array sharded
 over the device mesh (XLA gathers what it needs; every process gets the same
@@ -21,6 +21,7 @@ from cpjax.runtime import sharding
 # Tags that keep each policy's random stream apart from the others' for the same (seed, epoch).
 _RANDOM, _STRATIFIED, _MIXED, _SAMPLED, _RS2, _INFOBATCH = (0x5E1EC7, 0xCC5, 0x313ED, 0x6B3E1,
                                                             0x252, 0x1B7)
+_IMPORTANCE = 0x1395
 
 
 def _ranked_positions(scores: np.ndarray, k: int, mesh: jax.sharding.Mesh | None) -> np.ndarray:
@@ -247,7 +248,7 @@ def anneal_start(num_epochs: int, anneal_fraction: float) -> int:
 
 
 def select_infobatch(scores: np.ndarray, ids: np.ndarray, seed: int, epoch: int,
-                     prune_ratio: float, first_anneal_epoch: int
+                     prune_ratio: float, first_anneal_epoch: int, rescale: bool = True
                      ) -> tuple[np.ndarray, np.ndarray]:
   """InfoBatch's soft pruning and rescaling (Qin et al., "InfoBatch: Lossless Training Speed
   Up by Unbiased Dynamic Data Pruning", ICLR 2024; arXiv 2303.04947).
@@ -261,7 +262,9 @@ def select_infobatch(scores: np.ndarray, ids: np.ndarray, seed: int, epoch: int,
   `first_anneal_epoch` on (annealing) every example is kept with weight 1.
   (The authors' code keeps exactly floor((1 - r) n) of the n below-mean
   examples; this is the paper's independent draw.) A NaN score makes the mean
-  NaN: nothing is pruned.
+  NaN: nothing is pruned. With `rescale=False` every kept example has weight 1: the
+  same pruning without the correction (biased towards the high-loss examples), which
+  separates what the pruning does from what the weight 1/(1 - r) does.
 
   Args:
     scores: [N] the score buffer, in the order of `ids`.
@@ -270,6 +273,7 @@ def select_infobatch(scores: np.ndarray, ids: np.ndarray, seed: int, epoch: int,
     epoch: the 0-indexed epoch.
     prune_ratio: r in [0, 1).
     first_anneal_epoch: the first epoch of the full-data annealing (`anneal_start`).
+    rescale: weight the kept below-mean examples 1 / (1 - r) (the paper's); False: 1.
 
   Returns:
     (ids [M] kept, increasing; float32 weights [M] of those ids).
@@ -283,9 +287,111 @@ def select_infobatch(scores: np.ndarray, ids: np.ndarray, seed: int, epoch: int,
   well_learned = scores < np.mean(scores)  # False everywhere if any score is NaN.
   uniform = np.random.default_rng([seed, _INFOBATCH, epoch]).random(len(ids))
   kept = ~(well_learned & (uniform < prune_ratio))
-  weights = np.where(well_learned, 1.0 / (1.0 - prune_ratio), 1.0).astype(np.float32)
+  weights = np.where(well_learned & rescale, 1.0 / (1.0 - prune_ratio), 1.0).astype(np.float32)
   return ids[kept], weights[kept]
 
+
+# How `select_importance` weights the loss: the Horvitz-Thompson weights as they are, or
+# rescaled to mean 1 over the epoch's examples and clipped (the default).
+WEIGHTINGS = ("normalized", "unbiased")
+
+
+def capped_proportional(values: np.ndarray, total: float, cap: float) -> np.ndarray:
+  """x_i = min(cap, c v_i) with the c > 0 that makes sum_i x_i = `total`: shares proportional
+  to `values`, none above `cap`.
+
+  With cap 1 these are the inclusion probabilities of a design proportional to size with an
+  expected sample size `total` (Sarndal, Swensson & Wretman 1992, "Model Assisted Survey
+  Sampling"): an example whose c v_i would exceed 1 is taken for sure. Found by
+  capping the values that exceed `cap` and rescaling the rest, until none does; c only grows
+  from one round to the next, so a value once capped stays at or above the cap.
+
+  Args:
+    values: [n] positive numbers.
+    total: the sum wanted, in (0, cap * n].
+    cap: the largest share.
+  """
+  values = np.asarray(values, np.float64)
+  if not (np.all(values > 0) and 0 < total <= cap * len(values) * (1 + 1e-12)):
+    raise ValueError(f"capped_proportional needs positive values and 0 < total <= cap * n; "
+                     f"got total={total}, cap={cap}, n={len(values)}, "
+                     f"min value {values.min() if len(values) else None}")
+  capped = np.zeros(len(values), bool)
+  while not capped.all():
+    scale = (total - cap * capped.sum()) / values[~capped].sum()
+    over = ~capped & (scale * values > cap)
+    if not over.any():
+      return np.where(capped, cap, scale * values)
+    capped |= over
+  return np.full(len(values), float(cap))
+
+
+def sampling_probabilities(scores: np.ndarray, mix: float) -> np.ndarray:
+  """p_i = mix / N + (1 - mix) s_i / sum_j s_j, s_i = max(score_i, 0) (a non-finite score
+  counts as 0; all 0: p uniform). The mixture with the uniform distribution keeps every
+  p_i >= mix / N, so no weight 1 / (N p_i) exceeds 1 / mix (Katharopoulos & Fleuret 2018's
+  smoothing; Johnson & Guestrin 2018)."""
+  s = np.asarray(scores, np.float64)
+  s = np.where(np.isfinite(s), np.maximum(s, 0.0), 0.0)
+  uniform = np.full(len(s), 1.0 / len(s))
+  if not s.sum() > 0:
+    return uniform
+  return mix * uniform + (1.0 - mix) * s / s.sum()
+
+
+def select_importance(scores: np.ndarray, ids: np.ndarray, k: int, seed: int, epoch: int,
+                      mix: float, max_weight: float, weighting: str = "normalized"
+                      ) -> tuple[np.ndarray, np.ndarray]:
+  """Importance sampling of k examples in expectation, without replacement, with the loss
+  weights that make each step's expected gradient the full data's (Katharopoulos & Fleuret,
+  "Not All Samples Are Created Equal", ICML 2018; Johnson & Guestrin, NeurIPS 2018; Alain et
+  al. 2015).
+
+  Probabilities p = `sampling_probabilities(scores, mix)`; inclusion probabilities
+  pi_i = min(1, c p_i) with sum_i pi_i = k (`capped_proportional`); example i is in the
+  epoch when u_i < pi_i, u_i ~ U[0, 1) drawn for every example from (seed, epoch), each
+  independently (Poisson sampling), so the epoch has k examples in expectation. Its weight
+  is the Horvitz-Thompson weight w_i = k / (N pi_i) (= 1 / (N p_i) where pi_i = k p_i):
+  E[sum_{i in S} w_i g_i] = (k / N) sum_i g_i, so each of the epoch's steps (the mean of
+  w_i g_i over its batch) has the full data's mean gradient in expectation. Poisson sampling
+  rather than draws with replacement: the trainer trains an example at most once an epoch
+  (one row, one weight, one train-pass score), and independent inclusion keeps the weights
+  exactly unbiased, whereas a draw of exactly k without replacement has inclusion
+  probabilities that are not k p_i in closed form. (InfoBatch is such a design: pi = 1 - r
+  below the mean loss, 1 above, weight 1 / pi.)
+
+  weighting="unbiased" returns w as it is. "normalized" (the default) returns
+  w'_i = min(max_weight, t w_i) with t such that w' has mean 1 over the epoch's examples
+  (`capped_proportional`): the learning rate keeps its meaning and no example's weight
+  exceeds `max_weight`, at the price of a self-normalised estimator, unbiased only as k
+  grows. An empty draw (probability prod_i (1 - pi_i) <= exp(-k)) keeps the example with
+  the smallest u_i / pi_i.
+
+  Args:
+    scores: [N] non-negative priorities in the order of `ids` (higher: drawn more often).
+    ids: [N] the training examples' ids, increasing.
+    k: the expected number of examples, 1 <= k <= N.
+    seed, epoch: the draw's randomness.
+    mix: the uniform share of p, in (0, 1].
+    max_weight: the largest normalised weight, >= 1.
+    weighting: one of WEIGHTINGS.
+
+  Returns:
+    (ids [M] drawn, increasing; float32 weights [M] of those ids).
+  """
+  _check(scores, ids, k)
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"weighting={weighting!r}; valid choices: {', '.join(WEIGHTINGS)}")
+  n = len(ids)
+  inclusion = capped_proportional(sampling_probabilities(scores, mix), k, 1.0)
+  uniform = np.random.default_rng([seed, _IMPORTANCE, epoch]).random(n)
+  kept = uniform < inclusion
+  if not kept.any():
+    kept[np.argmin(uniform / inclusion)] = True
+  weights = k / (n * inclusion[kept])
+  if weighting == "normalized":
+    weights = capped_proportional(weights, len(weights), max_weight)
+  return np.asarray(ids)[kept], weights.astype(np.float32)
 
 
 def _check(scores: np.ndarray, ids: np.ndarray, k: int) -> None:
