@@ -235,6 +235,22 @@ def test_the_stand_ins_difference_from_the_host_stage_as_configured(folder):
   assert 0 < diff.mean() < 8 and diff.max() < 128, (diff.mean(), diff.max())
 
 
+def test_the_folders_records_give_the_folders_batches(folder, tmp_path):
+  """The folder converted to encoded records (dataset.stream_dir) through the device stage:
+  the folder's batches, bit for bit (the same bytes, ids, boxes and decoder)."""
+  source, transform = _source_and_transform(folder)
+  sources.write_records(_dataset(folder), str(tmp_path / "rec"), num_shards=2)
+  records = _dataset("", stream_dir=str(tmp_path / "rec"))
+  sources.resolve(records)
+  converted = sources.open_splits(records)["train"]
+  assert type(converted).__name__ == "RecordSource"
+  mesh = sharding.create_mesh()
+  blocks = np.arange(16).reshape(2, 8)
+  got = [_host(device_stage.DeviceStageReader(s, transform, mesh, device_stage.HostDecoder())
+               .batches(blocks, epoch=1)) for s in (source, converted)]
+  np.testing.assert_array_equal(*got)
+
+
 def test_whole_images_and_boxes_alone_give_the_same_batches(folder):
   """A decoder that places whole images (the box cropped on the device) and one that places
   the boxes alone: the same batches, bit for bit (the op reads the box's pixels only)."""
