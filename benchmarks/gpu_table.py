@@ -4,10 +4,11 @@
   python -m benchmarks.gpu_table --tiny --out=tiny.json   # tiny sizes on a CPU (the test)
 
 Needs jax, flax, optax, ml-collections, grain, array-record, Pillow and OpenCV; torch and
-torchvision are optional (the peer rows; skipped with a note without them). Imports no
+torchvision are optional (the peer rows; skipped with a note without them), and so is
+nvImageCodec (the device stage's GPU rows: `pip install 'cpjax[gpu-decode]'`). Imports no
 TensorFlow, tensorflow_datasets or clu: only cpjax's lower-level modules (steps, models,
-data.preprocess, data.host_stage, data.folder_source), never cpjax.train or
-cpjax.data.sources, which import tensorflow_datasets.
+data.preprocess, data.host_stage, data.device_stage, data.folder_source), never cpjax.train
+or cpjax.data.sources, which import tensorflow_datasets.
 
 Rows (full sizes; --tiny swaps in the `tiny` net, 16 px images and batches of 4-8):
   ResNet-50 (`resnet50_imagenet`), bfloat16, batch 256, 224 px, train step: cpjax's
@@ -21,9 +22,18 @@ Rows (full sizes; --tiny swaps in the `tiny` net, 16 px images and batches of 4-
     the device) over a folder of generated 500 x 375 quality-90 JPEGs (smooth random colour
     fields plus noise: generated, not photographs): `host_stage.PreprocessReader` in
     threads and in processes, on all cores | torchvision's `DataLoader`, as many workers
+    (started without re-importing this script in each: benchmarks.torch_peers; the seconds
+    to its first batch are in the row)
+  the device stage (dataset.decode=gpu: each device decodes its shard of the batch with
+    nvImageCodec, and one jitted op crops, resizes and flips it there), the training and
+    the evaluation transforms alone, images/s and CPU ms an image; skipped with a note where
+    no GPU decoder can run (at --tiny sizes it runs with the PIL stand-in, device_cpu)
   the input-wait share of a ResNet-50 epoch over that folder: cpjax's train step fed by
-    the host stage in processes (and in threads), 1 - (epoch with the batches already on
-    the device) / (epoch fed by the reader), medians (benchmarks.input_wait's measure)
+    the host stage in processes (and in threads) and by the device stage, 1 - (epoch with
+    the batches already on the device) / (epoch fed by the reader), medians
+    (benchmarks.input_wait's measure)
+  a fresh scoring pass (the evaluation transform) fed by the device stage and by the host
+    stage in processes, against the scoring pass's resident rate (batches on the devices)
   MFU of each ResNet-50 row from model FLOPs (benchmarks.model_flops: conv and dense MACs
     counted from the layer shapes, 3 forwards a train step), against the card's dense
     bfloat16 peak; omitted, with a note, for a card not in the peak table. Never from XLA's
@@ -73,6 +83,7 @@ from benchmarks import feeds, model_flops, throughput
 from configs import default
 from cpjax import models, optim, steps
 from cpjax.calibration import losses
+from cpjax.data import device_stage
 from cpjax.runtime import sharding
 from cpjax.selection import scores
 
@@ -110,13 +121,15 @@ class Sizes:
   budget_seconds: float = 400.0  # Whole script; a row starts only if its estimate fits.
   estimate_scale: float = 1.0  # Of the rows' estimated seconds (full sizes, one H100).
   torch_compile: bool = True  # The torch.compile row (minutes of compiling on a CPU).
+  # Device-stage rows without a GPU decoder: the PIL stand-in (device_cpu), else skipped.
+  stand_in_decode: bool = False
 
 
 TINY = Sizes(imagenet_model="tiny", imagenet_size=16, train_batch=8, score_batch=8,
              cifar_model="tiny", cifar_size=16, cifar_batches=(4, 8), warmup=1, windows=2,
              window_seconds=0.01, max_steps=3, source_size=(64, 48), host_images=16,
              host_repeats=1, wait_images=16, wait_repeats=1, budget_seconds=600.0,
-             estimate_scale=0.0, torch_compile=False)
+             estimate_scale=0.0, torch_compile=False, stand_in_decode=True)
 
 
 def timed_rate(call, sync, images_per_call: int, sizes: Sizes) -> dict[str, Any]:
@@ -216,7 +229,15 @@ def bare_train(model_name: str, classes: int, size: int, batch: int, sizes: Size
   return timed_rate(call, jax.block_until_ready, batch, sizes)
 
 
-def cpjax_score(model_name: str, classes: int, size: int, batch: int, sizes: Sizes) -> dict:
+@dataclasses.dataclass
+class JaxScore:
+  """A jitted scoring-pass step (eval forward + normalised entropy) and its state."""
+  step: Any
+  state: Any
+  mesh: jax.sharding.Mesh
+
+
+def score_setup(model_name: str, classes: int, size: int) -> JaxScore:
   mesh = sharding.create_mesh()
   model = models.create_model(model_name, classes, "bfloat16")
   tx = optim.create_optimizer(default.get_config().optimizer)
@@ -224,8 +245,13 @@ def cpjax_score(model_name: str, classes: int, size: int, batch: int, sizes: Siz
   step = jax.jit(functools.partial(steps.scoring_pass_step, model=model,
                                    spec=_spec(classes, IMAGENET_MEAN, IMAGENET_STD),
                                    score_fn=scores.normalized_entropy))
-  data = throughput.random_batch(mesh, batch, size, classes)
-  row = timed_rate(lambda: step(state, data), jax.block_until_ready, batch, sizes)
+  return JaxScore(step, state, mesh)
+
+
+def cpjax_score(score: JaxScore, classes: int, size: int, batch: int, sizes: Sizes) -> dict:
+  """The scoring pass's rate on one batch already on the devices (the resident rate)."""
+  data = throughput.random_batch(score.mesh, batch, size, classes)
+  row = timed_rate(lambda: score.step(score.state, data), jax.block_until_ready, batch, sizes)
   row["imagenet_train_split_seconds"] = IMAGENET_TRAIN_IMAGES / row["images_per_s"]
   return row
 
@@ -247,28 +273,91 @@ def _consume(batches) -> None:
     jax.block_until_ready(batch)
 
 
-def host_stage_row(root: str, sizes: Sizes, worker_kind: str, mesh) -> dict:
-  """images/s and CPU ms an image of the host stage's reader (`worker_kind` workers on all
-  cores) over the generated folder, batches on the devices: median of timed epochs."""
-  source, workers = feeds.folder_train_source(root), _all_cores()
-  reader = feeds.preprocess_reader(source, feeds.train_transform(sizes.imagenet_size), mesh,
-                                   workers, worker_kind)
-  if reader is None:
-    return {"skipped": f"this cpjax's PreprocessReader has no {worker_kind} workers"}
-  blocks = _blocks(len(source), sizes.host_images, sizes.train_batch)
+def _passes(reader, blocks: np.ndarray, sizes: Sizes, train: bool) -> dict:
+  """images/s and CPU ms an image of `reader`'s batches of `blocks` on the devices: one
+  untimed pass (workers start, page cache warms, programs compile), then `host_repeats` timed
+  passes (training epochs 1, 2, ..., or the evaluation transform), medians."""
+  epochs = list(range(1, sizes.host_repeats + 1)) if train else [None] * sizes.host_repeats
+  _consume(reader.batches(blocks, epoch=0 if train else None))
   runs = []
-  try:
-    _consume(reader.batches(blocks, epoch=0))  # Untimed: workers start, page cache warms.
-    for epoch in range(1, sizes.host_repeats + 1):
-      cpu, start = feeds.cpu_seconds(), time.perf_counter()
-      _consume(reader.batches(blocks, epoch=epoch))
-      runs.append((blocks.size / (time.perf_counter() - start),
-                   (feeds.cpu_seconds() - cpu) * 1e3 / blocks.size))
-  finally:
-    feeds.close_reader(reader)
+  for epoch in epochs:
+    cpu, start = feeds.cpu_seconds(), time.perf_counter()
+    _consume(reader.batches(blocks, epoch=epoch))
+    runs.append((blocks.size / (time.perf_counter() - start),
+                 (feeds.cpu_seconds() - cpu) * 1e3 / blocks.size))
   return {"images_per_s": statistics.median(r for r, _ in runs),
           "cpu_ms_per_image": statistics.median(c for _, c in runs),
-          "runs": runs, "workers": workers, "images": int(blocks.size)}
+          "runs": runs, "images": int(blocks.size)}
+
+
+def host_stage_reader(worker_kind: str):
+  """A reader maker: the host stage with `worker_kind` workers on all cores, or (None, why)."""
+  def make(source, transform, mesh, sizes):
+    del sizes
+    reader = feeds.preprocess_reader(source, transform, mesh, _all_cores(), worker_kind)
+    return reader, f"this cpjax's PreprocessReader has no {worker_kind} workers"
+  return make
+
+
+def device_stage_reader(source, transform, mesh, sizes: Sizes):
+  """The device stage's reader (cpjax.data.device_stage) with the gpu decoder where it can
+  run, the PIL stand-in at tiny sizes (the CPU test runs the rows' code), else (None, why)."""
+  problem = device_stage.DECODERS["gpu"].problem()
+  if problem and not sizes.stand_in_decode:
+    return None, f"no GPU decoding here: {problem}"
+  decoder = device_stage.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
+  return device_stage.DeviceStageReader(source, transform, mesh, decoder,
+                                        num_threads=_all_cores()), ""
+
+
+def reader_row(root: str, sizes: Sizes, make_reader, mesh, train: bool = True) -> dict:
+  """images/s and CPU ms an image of a reader over the generated folder (all cores), batches
+  on the devices: the training transform, or the evaluation transform (`train` False)."""
+  source = feeds.folder_train_source(root)
+  reader, note = make_reader(source, feeds.train_transform(sizes.imagenet_size), mesh, sizes)
+  if reader is None:
+    return {"skipped": note}
+  blocks = _blocks(len(source), sizes.host_images, sizes.train_batch)
+  try:
+    row = _passes(reader, blocks, sizes, train)
+  finally:
+    feeds.close_reader(reader)
+  row["workers"] = getattr(reader, "num_workers", getattr(reader, "num_threads", None))
+  if hasattr(reader, "decoded_on_host"):  # The device stage: its decoder and fallbacks.
+    row.update(decoder=reader.decoder_name, decoded_on_host=reader.decoded_on_host)
+  return row
+
+
+def host_stage_row(root: str, sizes: Sizes, worker_kind: str, mesh) -> dict:
+  """`reader_row` of the host stage's reader with `worker_kind` workers on all cores."""
+  return reader_row(root, sizes, host_stage_reader(worker_kind), mesh)
+
+
+def fed_score_row(score: JaxScore, root: str, sizes: Sizes, make_reader) -> dict:
+  """A fresh scoring pass (the evaluation transform, batches of `score_batch`) fed by a
+  reader over the generated folder, against the resident rate (`cpjax_score`)."""
+  source = feeds.folder_train_source(root)
+  reader, note = make_reader(source, feeds.train_transform(sizes.imagenet_size), score.mesh,
+                             sizes)
+  if reader is None:
+    return {"skipped": note}
+  blocks = _blocks(len(source), sizes.host_images, sizes.score_batch)
+
+  def scoring_pass() -> float:
+    start, out = time.perf_counter(), None
+    for batch in reader.batches(blocks):
+      out = score.step(score.state, batch)
+    jax.block_until_ready(out)
+    return time.perf_counter() - start
+  try:
+    first = scoring_pass()  # Untimed: workers start, page cache warms, programs compile.
+    seconds = statistics.median(scoring_pass() for _ in range(sizes.host_repeats))
+  finally:
+    feeds.close_reader(reader)
+  rate = blocks.size / seconds
+  return {"images_per_s": rate, "images": int(blocks.size), "first_pass_seconds": first,
+          "imagenet_train_split_seconds": IMAGENET_TRAIN_IMAGES / rate,
+          **({"decoder": reader.decoder_name} if hasattr(reader, "decoder_name") else {})}
 
 
 def dataloader_row(root: str, sizes: Sizes) -> dict:
@@ -277,30 +366,33 @@ def dataloader_row(root: str, sizes: Sizes) -> dict:
   count = min(len(source), sizes.host_images) // sizes.train_batch * sizes.train_batch
   loader = torch_peers.dataloader([source.where(r) for r in range(count)],
                                   sizes.imagenet_size, sizes.train_batch, workers)
-  torch_peers.loader_epoch(loader)  # Untimed: workers start, page cache warms.
+  # Untimed: workers start (timed apart: the row once spent minutes here), page cache warms.
+  start_seconds, _, first_batch_seconds = torch_peers.loader_epoch(loader)
   runs = []
   for _ in range(sizes.host_repeats):
     cpu = feeds.cpu_seconds()
-    seconds, images = torch_peers.loader_epoch(loader)
+    seconds, images, _ = torch_peers.loader_epoch(loader)
     runs.append((images / seconds, (feeds.cpu_seconds() - cpu) * 1e3 / images))
   del loader  # Its persistent workers end with it.
   return {"images_per_s": statistics.median(r for r, _ in runs),
           "cpu_ms_per_image": statistics.median(c for _, c in runs),
-          "runs": runs, "workers": workers, "images": count}
+          "runs": runs, "workers": workers, "images": count,
+          "first_epoch_seconds": start_seconds, "first_batch_seconds": first_batch_seconds}
 
 
-def input_wait_row(train: JaxTrain, root: str, sizes: Sizes, worker_kind: str,
+def input_wait_row(train: JaxTrain, root: str, sizes: Sizes, make_reader,
                    resident: list) -> dict:
   """benchmarks.input_wait's measure for the ResNet-50 train step: epochs fed from batches
-  already on the devices and from the host stage (`worker_kind` workers, all cores)."""
+  already on the devices and from a reader (`make_reader`: the host stage's workers on all
+  cores, or the device stage)."""
   source = feeds.folder_train_source(root)
-  reader = feeds.preprocess_reader(source, feeds.train_transform(sizes.imagenet_size),
-                                   train.mesh, _all_cores(), worker_kind)
+  reader, note = make_reader(source, feeds.train_transform(sizes.imagenet_size), train.mesh,
+                             sizes)
   if reader is None:
-    return {"skipped": f"this cpjax's PreprocessReader has no {worker_kind} workers"}
+    return {"skipped": note}
   blocks = _blocks(len(source), sizes.wait_images, sizes.train_batch)
   try:
-    if not resident:  # Shared by the rows: the batches are the same whatever the workers.
+    if not resident:  # Shared by the rows: the same crops whatever the workers.
       resident.extend(reader.batches(blocks, epoch=1))
     epoch_feeds = {"resident": lambda: resident,
                    "reader": functools.partial(reader.batches, blocks, epoch=1)}
@@ -311,7 +403,8 @@ def input_wait_row(train: JaxTrain, root: str, sizes: Sizes, worker_kind: str,
   fed = results["reader"]
   return {"input_wait_share": fed["input_wait_share"], "epoch_images": int(blocks.size),
           "images_per_s": blocks.size / fed["median_seconds"], "feeds": results,
-          "workers": _all_cores()}
+          "workers": _all_cores(),
+          **({"decoder": reader.decoder_name} if hasattr(reader, "decoder_name") else {})}
 
 
 class Table:
@@ -367,10 +460,12 @@ def _torch_rate(make_step, batch: int, sizes: Sizes) -> dict:
 
 # The table's rows in the order they are shown; they run in `run_rows`' order instead.
 ROW_ORDER = ("r50_train_cpjax", "r50_train_flax_bare", "r50_train_torch_eager",
-             "r50_train_torch_compile", "r50_score_cpjax", "r50_score_torch_eager",
+             "r50_train_torch_compile", "r50_score_cpjax", "r50_score_fed_device_stage",
+             "r50_score_fed_host_processes", "r50_score_torch_eager",
              "cifar_r34_train_b*",
              "host_stage_threads", "host_stage_processes", "host_stage_torch_dataloader",
-             "input_wait_processes", "input_wait_threads")
+             "device_stage_train", "device_stage_eval",
+             "input_wait_processes", "input_wait_device_stage", "input_wait_threads")
 
 
 def run_rows(table: Table, sizes: Sizes, root: str) -> None:
@@ -378,7 +473,7 @@ def run_rows(table: Table, sizes: Sizes, root: str) -> None:
   estimate that was too small) drops the CIFAR rows and the thread input-wait row."""
   s, name, b = sizes.imagenet_size, sizes.imagenet_model, sizes.train_batch
   tag = f"{name} {s}px"
-  mesh, r50, resident = sharding.create_mesh(), [], []
+  mesh, r50, score, resident = sharding.create_mesh(), [], [], []
   make_r50 = functools.partial(cpjax_train, name, 1000, s, b,
                                _spec(1000, IMAGENET_MEAN, IMAGENET_STD))
 
@@ -386,27 +481,54 @@ def run_rows(table: Table, sizes: Sizes, root: str) -> None:
     if not r50:
       r50.append(make_r50())
     return r50[0]
+
+  def r50_score() -> JaxScore:  # The scoring step (compiled by the first row that runs it).
+    if not score:
+      score.append(score_setup(name, 1000, s))
+    return score[0]
   table.run("r50_train_cpjax", f"{tag} train bf16 b{b}: cpjax steps.train_step", 90,
             lambda: timed_rate(r50_train(), jax.block_until_ready, b, sizes))
   table.run("input_wait_processes", f"{tag} epoch input-wait share, processes", 45,
-            lambda: input_wait_row(r50_train(), root, sizes, "process", resident))
+            lambda: input_wait_row(r50_train(), root, sizes, host_stage_reader("process"),
+                                   resident))
   for kind, plural in (("process", "processes"), ("thread", "threads")):
     table.run(f"host_stage_{plural}", f"host stage {s}px, {plural}, all cores", 30,
               host_stage_row, root, sizes, kind, mesh)
+  _device_stage_rows(table, sizes, root, r50_train, r50_score, resident)
   table.run("host_stage_torch_dataloader", f"torchvision DataLoader {s}px, all cores", 40,
             _peer(dataloader_row), root, sizes)
   table.run("r50_train_flax_bare", f"{tag} train bf16 b{b}: bare flax step", 60,
             bare_train, name, 1000, s, b, sizes)
   _resnet50_peer_rows(table, sizes)
-  table.run("r50_score_cpjax", f"{tag} scoring pass bf16 b{sizes.score_batch}: cpjax", 30,
-            cpjax_score, name, 1000, s, sizes.score_batch, sizes)
   table.run("r50_score_torch_eager", f"torchvision resnet50 scoring b{sizes.score_batch}: "
             "eager", 20, _peer(_torch_rate),
             lambda: torch_peers.score_step(torch_peers.resnet50(), sizes.score_batch, s, 1000),
             sizes.score_batch, sizes)
   _cifar_rows(table, sizes)
   table.run("input_wait_threads", f"{tag} epoch input-wait share, threads", 50,
-            lambda: input_wait_row(r50_train(), root, sizes, "thread", resident))
+            lambda: input_wait_row(r50_train(), root, sizes, host_stage_reader("thread"),
+                                   resident))
+
+
+def _device_stage_rows(table: Table, sizes: Sizes, root: str, r50_train, r50_score,
+                       resident: list) -> None:
+  """The device stage (decode on the GPU) alone, feeding the ResNet-50 epoch, and feeding a
+  fresh scoring pass beside the resident scoring rate and the host stage feeding it."""
+  s, name, sb = sizes.imagenet_size, sizes.imagenet_model, sizes.score_batch
+  mesh = sharding.create_mesh()
+  for train, transform in ((True, "train"), (False, "eval")):
+    table.run(f"device_stage_{transform}", f"device stage {s}px, {transform} transform, "
+              "GPU decode", 25, reader_row, root, sizes, device_stage_reader, mesh, train)
+  table.run("input_wait_device_stage", f"{name} {s}px epoch input-wait share, device stage",
+            45, lambda: input_wait_row(r50_train(), root, sizes, device_stage_reader,
+                                       resident))
+  table.run("r50_score_cpjax", f"{name} {s}px scoring pass bf16 b{sb}: cpjax, resident", 30,
+            lambda: cpjax_score(r50_score(), 1000, s, sb, sizes))
+  table.run("r50_score_fed_device_stage", f"{name} {s}px scoring pass b{sb} fed by the device "
+            "stage", 30, lambda: fed_score_row(r50_score(), root, sizes, device_stage_reader))
+  table.run("r50_score_fed_host_processes", f"{name} {s}px scoring pass b{sb} fed by the host "
+            "stage, processes", 40,
+            lambda: fed_score_row(r50_score(), root, sizes, host_stage_reader("process")))
 
 
 def _resnet50_peer_rows(table: Table, sizes: Sizes) -> None:
@@ -477,7 +599,15 @@ def ratios(rows: dict[str, dict], sizes: Sizes) -> dict[str, float]:
            "host stage threads / DataLoader": ("host_stage_threads",
                                                "host_stage_torch_dataloader"),
            "host stage processes / r50 train step rate": ("host_stage_processes",
-                                                          "r50_train_cpjax")}
+                                                          "r50_train_cpjax"),
+           "device stage train / r50 train step rate": ("device_stage_train",
+                                                        "r50_train_cpjax"),
+           "device stage train / host stage processes": ("device_stage_train",
+                                                         "host_stage_processes"),
+           "scoring fed by the device stage / resident": ("r50_score_fed_device_stage",
+                                                          "r50_score_cpjax"),
+           "scoring fed by the host stage / resident": ("r50_score_fed_host_processes",
+                                                        "r50_score_cpjax")}
   return {name: rate(a) / rate(b) for name, (a, b) in pairs.items() if rate(a) and rate(b)}
 
 

@@ -14,12 +14,25 @@ and torchvision's `DataLoader`, each set up as a PyTorch user would run it on a 
   with persistent workers (started from a fork server: the parent process holds JAX's
   threads, which forking copies badly) and pinned memory, batches moved to the device.
 
+  Its workers start without the main script. multiprocessing's fork server hands each new
+  process the name of the parent's main module, which the process then imports again
+  (`spawn.prepare`): under `python -m benchmarks.gpu_table` that is the whole table, JAX,
+  flax, optax, torch, torchvision and cpjax's models, in each of the loader's 16 workers at
+  once, before any of them decodes an image. On an H100 machine the DataLoader row took
+  177.6 s, most of it before its first batch. So the workers are started (the loader's first
+  `iter`) under a stand-in main module that names no file (cpjax.data.decode_workers
+  .bare_main, as the host stage starts its own), and the fork server imports this module
+  once (torch, torchvision, PIL), from which each worker forks. A stand-in of the table's
+  main module (its imports less torch) on a loaded 2-core VM took 18.0-18.7 s to start 4
+  fork-server processes that way, and 0.6-1.9 s with the stand-in and the preload.
+
 Each `*_step` function returns (call, sync): `call()` runs one step, `sync(out)` waits for
 the device, so that benchmarks.gpu_table times both frameworks with one function.
 """
 
 import gc
 import math
+import multiprocessing
 import time
 
 from PIL import Image
@@ -29,6 +42,7 @@ import torchvision
 from torchvision.transforms import v2 as transforms
 
 from benchmarks import torch_reference
+from cpjax.data import decode_workers
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 LOADER_TIMEOUT_SECONDS = 120  # A batch that takes longer raises instead of hanging the table.
@@ -149,21 +163,31 @@ class JpegFiles(torch.utils.data.Dataset):
 
 
 def dataloader(paths: list[str], size: int, batch: int, workers: int):
-  """torchvision's usual ImageNet training loader over `paths` (shuffled, full batches)."""
+  """torchvision's usual ImageNet training loader over `paths` (shuffled, full batches); its
+  workers start at its first epoch (`loader_epoch`), forked from a server that has imported
+  this module (the module docstring)."""
+  context = None
+  if workers > 0:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # Read when the server starts (once).
   return torch.utils.data.DataLoader(
       JpegFiles(paths, size), batch_size=batch, shuffle=True, num_workers=workers,
       pin_memory=torch.cuda.is_available(), drop_last=True, persistent_workers=workers > 0,
-      multiprocessing_context="forkserver" if workers > 0 else None,
-      timeout=LOADER_TIMEOUT_SECONDS if workers > 0 else 0,
+      multiprocessing_context=context, timeout=LOADER_TIMEOUT_SECONDS if workers > 0 else 0,
       generator=torch.Generator().manual_seed(0))
 
 
-def loader_epoch(loader) -> tuple[float, int]:
-  """(seconds, images) of one epoch of `loader`, every batch on the device at the end."""
-  dev, images = device(), 0
+def loader_epoch(loader) -> tuple[float, int, float]:
+  """(seconds, images, seconds to the first batch) of one epoch of `loader`, every batch on
+  the device at the end. The first epoch starts the (persistent) workers, under a main
+  module that names no file (the module docstring)."""
+  dev, images, first = device(), 0, None
   start = time.perf_counter()
-  for batch, _ in loader:
+  with decode_workers.bare_main():
+    batches = iter(loader)
+  for batch, _ in batches:
     batch = batch.to(dev, non_blocking=True)
     images += len(batch)
+    first = time.perf_counter() - start if first is None else first
   _sync()
-  return time.perf_counter() - start, images
+  return time.perf_counter() - start, images, first

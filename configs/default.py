@@ -86,6 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.num_workers = 0  # Host-stage decode workers per process; 0 = its usable cores.
   # Host-stage workers: process (shared-memory worker processes) or thread (docs/data.md).
   config.dataset.worker_kind = "process"
+  # Who decodes a folder's or tfds dataset's images: cpu (the host stage), gpu (each device
+  # on its GPU with nvImageCodec, the gpu-decode extra), auto (gpu where it can run, else
+  # cpu), device_cpu (the GPU path with PIL on the host standing in: tests) (docs/data.md).
+  config.dataset.decode = "cpu"
 
   config.model = ml_collections.ConfigDict()
   config.model.name = "resnet18"  # Registered (docs/models.md) or a Flax module "pkg.module:Class".

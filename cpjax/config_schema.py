@@ -16,7 +16,7 @@ import ml_collections
 
 from cpjax import models, registry
 from cpjax.calibration import bootstrap, losses, posthoc, temperature
-from cpjax.data import decode_workers, preprocess, readers, specs, splits
+from cpjax.data import decode_workers, device_stage, preprocess, readers, specs, splits
 from cpjax.data import sources as data_sources
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
@@ -100,6 +100,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.skip_bad_files": boolean(),
       "dataset.num_workers": integer(0, 256),
       "dataset.worker_kind": choice(list(decode_workers.WORKER_KINDS)),
+      "dataset.decode": choice(device_stage.choices),
       "model.name": models.name_problem,
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": losses.LOSSES.check(),

@@ -21,7 +21,7 @@ import ml_collections
 
 from cpjax import config_schema, models
 from cpjax.calibration import losses
-from cpjax.data import readers, specs, splits
+from cpjax.data import device_stage, readers, specs, splits
 from cpjax.data import sources as data_sources
 from cpjax.selection import policies, scores
 from cpjax.selection import sources as score_sources
@@ -389,7 +389,26 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
       != specs.DATASETS[config.dataset.name].image_shape):
     problems.append(f"config.evaluation.ood={ood!r} must be another dataset with the image "
                     f"shape of {config.dataset.name!r}, gaussian_noise, or '' (none)")
-  return problems + _reader_problems(config) + _model_problems(config)
+  return (problems + _reader_problems(config) + _decode_problems(config.dataset)
+          + _model_problems(config))
+
+
+def _decode_problems(dataset: ml_collections.ConfigDict) -> list[str]:
+  """dataset.decode: a device-stage decoder takes a source dataset's encoded images, resizes
+  as the 'opencv' engine does, and must be able to run here (the gpu decoder: an NVIDIA GPU
+  and nvImageCodec), else one line naming what to install."""
+  decode = dataset.decode
+  if decode in (device_stage.HOST_STAGE, device_stage.AUTO):
+    return []
+  if not data_sources.is_source_name(dataset.name):
+    return [f"config.dataset.decode={decode!r} decodes the encoded images of a folder or tfds "
+            f"dataset; {dataset.name!r} is held in memory as pixels: use 'cpu' or 'auto'"]
+  if dataset.resize != "opencv":
+    return [f"config.dataset.decode={decode!r} resizes on the device as the 'opencv' engine "
+            f"does, not dataset.resize={dataset.resize!r}: set resize='opencv', or decode='cpu'"]
+  problem = device_stage.DECODERS[decode].problem()
+  return [f"config.dataset.decode={decode!r} {problem}; or decode on the host: "
+          "--config.dataset.decode=cpu"] if problem else []
 
 
 def _model_problems(config: ml_collections.ConfigDict) -> list[str]:

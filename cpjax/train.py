@@ -370,7 +370,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
   eval_fn = _jit_eval_step(config, model)
   data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
-  checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True)}
+  checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True),
+                     **_decoder_meta(data_readers["train"], meta)}
   if data_digests is not None:  # A folder's rows: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
   run = Run(workdir=workdir, mesh=mesh, model=model, tx=tx, checkpointer=checkpointer,
@@ -380,6 +381,23 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
   return (run, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
           meta.get("epoch", 0), run_state.partial_from_checkpoint(
               saved["partial"], meta.get("epoch_step", 0), config.batch_size))
+
+
+def _decoder_meta(reader, restored: dict[str, Any]) -> dict[str, str]:
+  """{"decoder": what decodes a source dataset's images} for the checkpoints (nothing for an
+  in-memory dataset), warning when a resume decodes them otherwise than the checkpoint's run
+  did: the GPU's and the host's decoders give different pixels (docs/data.md), so the run
+  then mixes the two, which is said, not done silently."""
+  name = getattr(reader, "decoder_name", None)
+  if name is None:
+    return {}
+  before = restored.get("decoder")
+  if before is not None and before != name:
+    logging.warning("The checkpoint's run decoded its images with %s; this resume decodes them "
+                    "with %s, whose pixels differ: from here the run mixes the two. To keep "
+                    "one decoder, resume with the checkpoint's dataset.decode where it runs.",
+                    before, name)
+  return {"decoder": name}
 
 
 def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:

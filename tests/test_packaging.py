@@ -19,7 +19,8 @@ DISTRIBUTION_OF = {
     "absl": "absl-py", "array_record": "array-record", "clu": "clu",
     "cv2": "opencv-python-headless", "etils": "etils", "flax": "flax", "grain": "grain",
     "jax": "jax", "matplotlib": "matplotlib",
-    "ml_collections": "ml-collections", "numpy": "numpy", "optax": "optax",
+    "ml_collections": "ml-collections", "numpy": "numpy", "nvidia": "nvidia-nvimgcodec-cu13",
+    "optax": "optax",
     "orbax": "orbax-checkpoint", "PIL": "pillow", "scipy": "scipy", "sklearn": "scikit-learn",
     "tensorflow": "tensorflow-cpu", "tensorflow_datasets": "tensorflow-datasets",
     "tensorboard": "tensorboard", "threadpoolctl": "threadpoolctl",
@@ -31,7 +32,8 @@ NOT_IMPORTED = {
 }
 # Imported only where an optional feature needs it: declared as the pyproject extra named
 # here and pinned in the requirements file named here, not in the dependencies.
-OPTIONAL = {"tensorflow": ("tf", "requirements-tf.txt")}
+OPTIONAL = {"tensorflow": ("tf", "requirements-tf.txt"),
+            "nvidia": ("gpu-decode", "requirements-gpu-decode.txt")}
 
 
 def _normalized(name: str) -> str:

@@ -20,7 +20,16 @@ import tensorflow_datasets as tfds
 
 from configs import default
 from cpjax import config_validation, steps
-from cpjax.data import folder_source, host_stage, preprocess, record_source, sources, specs, splits
+from cpjax.data import (
+  device_stage,
+  folder_source,
+  host_stage,
+  preprocess,
+  record_source,
+  sources,
+  specs,
+  splits,
+)
 from cpjax.runtime import sharding
 from tests import helpers
 from tests.helpers import tiny_config
@@ -441,6 +450,32 @@ def test_a_tfds_dataset_decodes_the_same_in_worker_processes_and_threads(tfds_di
       images = [jax.device_get(b["image"]) for b in reader.batches(rows.reshape(2, 8),
                                                                    epoch=epoch)]
       np.testing.assert_array_equal(np.concatenate(images), expected, err_msg=kind)
+
+
+def test_a_tfds_dataset_and_its_records_through_the_device_stage(tmp_path, tfds_dir):
+  """dataset.decode=device_cpu (the device stage, PIL standing in for the GPU's decoder) over
+  tfds:NAME and over its converted records: the same batches, bit for bit, and within one
+  level of the host stage's (PNGs: the same decoded pixels and boxes, the resize's rounding)."""
+  dataset = _dataset("", name="tfds:cpjax_generated_images", data_dir=tfds_dir, image_size=12)
+  spec = sources.resolve(dataset)
+  transform = preprocess.from_config(dataset, spec.image_shape, 2)
+  direct = sources.open_splits(dataset)["train"]
+  out = str(tmp_path / "rec")
+  sources.write_records(dataset, out, num_shards=2)
+  records = _dataset("", name="tfds:cpjax_generated_images", stream_dir=out, image_size=12)
+  sources.resolve(records)
+  converted = sources.open_splits(records)["train"]
+  mesh = sharding.create_mesh()
+  blocks = np.random.default_rng(5).permutation(len(direct))[:16].reshape(2, 8)
+
+  def images(reader) -> np.ndarray:
+    return np.stack([jax.device_get(b["image"]) for b in reader.batches(blocks, epoch=1)])
+  got = [images(device_stage.DeviceStageReader(source, transform, mesh,
+                                               device_stage.HostDecoder()))
+         for source in (direct, converted)]
+  np.testing.assert_array_equal(*got)
+  host = images(host_stage.PreprocessReader(direct, transform, mesh, worker_kind="thread"))
+  assert np.abs(host.astype(int) - got[0]).max() <= 1
 
 
 def test_a_converted_tfds_dataset_holds_its_encoded_bytes(tmp_path, tfds_dir):

@@ -54,12 +54,16 @@ def _assert_same_run(straight: str, killed: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("read", ["folder", "records"])
-def test_a_folder_run_killed_mid_epoch_resumes_bit_for_bit(read, tmp_path):
+@pytest.mark.parametrize("read,decode", [("folder", "cpu"), ("records", "cpu"),
+                                         ("folder", "device_cpu")])
+def test_a_folder_run_killed_mid_epoch_resumes_bit_for_bit(read, decode, tmp_path):
   """The folder run left alone against a run killed inside its second epoch and resumed,
-  reading the folder itself or its converted records (the folder then moved away)."""
+  reading the folder itself or its converted records (the folder then moved away), decoded
+  by the host stage or by the device stage (PIL on the host standing in for the GPU's
+  decoder: the same batching, boxes, device op and sharding as dataset.decode=gpu)."""
   folder = make_folder(str(tmp_path / "images"))
-  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}")
+  flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}",
+           f"--config.dataset.decode={decode}")
   straight = str(tmp_path / "straight")
   result = helpers.run_main(straight, *flags)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -76,6 +80,9 @@ def test_a_folder_run_killed_mid_epoch_resumes_bit_for_bit(read, tmp_path):
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Resumed from" in resumed.stderr
   assert read != "records" or "its encoded records in" in resumed.stderr
+  assert decode != "device_cpu" or "decoded and resized to (8, 8, 3) on the devices by " \
+      "device_cpu" in resumed.stderr
+  assert "mixes the two" not in resumed.stderr
   _assert_same_run(straight, killed)
 
 

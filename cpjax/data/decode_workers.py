@@ -36,7 +36,7 @@ here outlives the passes.
 multiprocessing's spawn runs the parent's main module again in each new process, to find
 what the parent defined there; for `python main.py` that is the whole trainer with flax and
 TensorFlow (about 0.9 GB and seconds of CPU a worker). The workers run this module only, so
-they are started under a stand-in main module that names no file (`_bare_main`), as a
+they are started under a stand-in main module that names no file (`bare_main`), as a
 parent in an interactive interpreter would be. This module imports no JAX, so a worker holds
 NumPy, PIL and OpenCV (about 55 MB) and the source's own module.
 """
@@ -101,10 +101,16 @@ def transformed(source, transform: preprocess.Transform, row: int,
     (data,) = source.read(np.asarray([row]))
     return transform(data, int(source.ids[row]), epoch, where=describe(source, row))
   except preprocess.BadImageError as err:
-    advice = getattr(source, "on_damage", "")
-    damaged = preprocess.BadImageError(f"{err}; {advice}" if advice else str(err))
-    damaged.entry = source.entry(row) if hasattr(source, "entry") else None
-    raise damaged from err
+    raise damaged(err, source, row) from err
+
+
+def damaged(err: preprocess.BadImageError, source, row: int) -> preprocess.BadImageError:
+  """`err` (a file of `source`'s `row` that cannot be read or decoded) with the source's way
+  out (`on_damage`) and, where the source names it, the example (`entry`: (split, id))."""
+  advice = getattr(source, "on_damage", "")
+  out = preprocess.BadImageError(f"{err}; {advice}" if advice else str(err))
+  out.entry = source.entry(row) if hasattr(source, "entry") else None
+  return out
 
 
 # ---------------------------------------------------------------- shared memory
@@ -280,11 +286,11 @@ def decode_into(context: tuple[str, int], slot: str, shape: tuple[int, ...], off
 
 # ---------------------------------------------------------------- the parent side
 
-_START_LOCK = threading.Lock()  # One pool's workers start at a time (under _bare_main).
+_START_LOCK = threading.Lock()  # One pool's workers start at a time (under bare_main).
 
 
 @contextlib.contextmanager
-def _bare_main() -> Iterator[None]:
+def bare_main() -> Iterator[None]:
   """The parent's main module replaced by a stand-in that names no file while workers are
   started, so that spawn does not run the main script again in each of them."""
   real = sys.modules["__main__"]
@@ -316,7 +322,7 @@ class ProcessPool:
         num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
     # All workers are started here, under the stand-in main: the executor starts one per
     # submitted task while none is idle, and never more than num_workers.
-    with _START_LOCK, _bare_main():
+    with _START_LOCK, bare_main():
       started = [self._executor.submit(_ready) for _ in range(num_workers)]
     # The worker processes, to name the dead and stop the rest when one dies.
     self._processes = dict(self._executor._processes)  # pylint: disable=protected-access

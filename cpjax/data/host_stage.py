@@ -41,6 +41,7 @@ class PreprocessReader(readers.HostReader):
   """Batches of a source's rows through a `preprocess.Transform`, in worker processes or
   threads (`worker_kind`; `num_workers` 0: the cores this process may use)."""
   kind = "preprocess"
+  decoder_name = "cpu (the host stage: PIL decodes, OpenCV resizes)"  # dataset.decode=cpu.
 
   def __init__(self, source, transform: preprocess.Transform, mesh: jax.sharding.Mesh,
                num_workers: int = 0, prefetch_depth: int = readers.DEFAULT_PREFETCH_DEPTH,

@@ -20,6 +20,7 @@ from tensorflow_datasets.core.download import downloader as tfds_downloader
 from cpjax.data import (
   array_records,
   datasets,
+  device_stage,
   host_stage,
   preprocess,
   readers,
@@ -216,18 +217,7 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
   hold no images."""
   spec = specs.DATASETS[dataset.name]
   if spec.host_stage:
-    transform = preprocess.from_config(dataset, spec.image_shape, seed)
-    by_name = {name: host_stage.PreprocessReader(source, transform, mesh, dataset.num_workers,
-                                                 dataset.prefetch_depth,
-                                                 worker_kind=dataset.worker_kind)
-               for name, source in sources.open_splits(dataset).items()}
-    _log_reader("preprocess", dataset, sum(len(r) for r in by_name.values()) * 8)
-    logging.info("Dataset %s: %s, read from %s; images decoded to %s on the host by %d "
-                 "%s.", dataset.name, {k: len(v) for k, v in by_name.items()},
-                 (f"its encoded records in {dataset.stream_dir}"
-                  if sources.reads_records(dataset) else "the source"),
-                 spec.image_shape, by_name["train"].num_workers,
-                 {"process": "worker processes", "thread": "threads"}[dataset.worker_kind])
+    by_name = _source_readers(dataset, spec, mesh, seed)
     return {name: r.split for name, r in by_name.items()}, by_name
   if readers.streams(dataset):
     names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
@@ -246,6 +236,35 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
   _log_reader(kind, dataset, num_bytes)
   return split_by_name, {name: readers.READERS[kind].create(split, mesh, dataset)
                          for name, split in split_by_name.items()}
+
+
+def _source_readers(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
+                    mesh: jax.sharding.Mesh, seed: int) -> dict[str, readers.HostReader]:
+  """The readers of a source dataset's splits: the host stage's (dataset.decode cpu, or auto
+  where no GPU decoder can run), else the device stage's with its decoder (one for all)."""
+  transform = preprocess.from_config(dataset, spec.image_shape, seed)
+  opened = sources.open_splits(dataset)
+  decode = device_stage.resolve(dataset.decode, dataset.resize)
+  where = (f"its encoded records in {dataset.stream_dir}" if sources.reads_records(dataset)
+           else "the source")
+  sizes = {k: len(v) for k, v in opened.items()}
+  if decode != device_stage.HOST_STAGE:
+    decoder = device_stage.DECODERS[decode].create(spec.image_shape[2])
+    _log_reader("device_stage", dataset, sum(sizes.values()) * 8)
+    logging.info("Dataset %s: %s, read from %s; images decoded and resized to %s on the "
+                 "devices by %s.", dataset.name, sizes, where, spec.image_shape, decoder.name)
+    return {name: device_stage.DeviceStageReader(source, transform, mesh, decoder,
+                                                 dataset.num_workers, dataset.prefetch_depth)
+            for name, source in opened.items()}
+  by_name = {name: host_stage.PreprocessReader(source, transform, mesh, dataset.num_workers,
+                                               dataset.prefetch_depth,
+                                               worker_kind=dataset.worker_kind)
+             for name, source in opened.items()}
+  _log_reader("preprocess", dataset, sum(sizes.values()) * 8)
+  logging.info("Dataset %s: %s, read from %s; images decoded to %s on the host by %d "
+               "%s.", dataset.name, sizes, where, spec.image_shape, by_name["train"].num_workers,
+               {"process": "worker processes", "thread": "threads"}[dataset.worker_kind])
+  return by_name
 
 
 def _log_reader(kind: str, dataset: ml_collections.ConfigDict, num_bytes: int) -> None:

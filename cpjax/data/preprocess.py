@@ -232,13 +232,8 @@ class Transform:
     """uint8 [S, S, channels] of one example: the training transform of `epoch`, or the
     evaluation transform when `epoch` is None."""
     image = open_image(data, where)
-    width, height = image.size
-    if epoch is None:
-      box, flip = center_box(width, height, self.size, self.eval_fraction), False
-    else:
-      rng = example_rng(self.seed, epoch, example_id)
-      box = TRAIN_CROPS[self.train_crop].box(rng, width, height, self)
-      flip = self.flip and bool(rng.random() < 0.5)  # Drawn after the crop, always.
+    box, flip = self.box_and_flip(example_id, epoch, *image.size)
+    if epoch is not None:
       crop = _tf_crop(data, box) if self._tf_decodable(image, box) else None
       if crop is not None:
         image, box = Image.fromarray(crop), None  # The crop is the whole decoded image.
@@ -262,6 +257,18 @@ class Transform:
       raise BadImageError(f"{where}: cannot be decoded ({type(err).__name__}: "
                           f"{str(err)[:200]})") from err
     return array.reshape((self.size, self.size, self.channels))
+
+  def box_and_flip(self, example_id: int, epoch: int | None, width: int,
+                   height: int) -> tuple[Box, bool]:
+    """One example's crop box (in the pixels of its width x height image) and flip: the
+    training crop of `epoch` (TRAIN_CROPS[train_crop]'s box, then the flip, both drawn from
+    `example_rng(seed, epoch, example_id)`), or the evaluation's centre box and no flip when
+    `epoch` is None. What every decoder of the example crops (cpjax.data.device_stage too)."""
+    if epoch is None:
+      return center_box(width, height, self.size, self.eval_fraction), False
+    rng = example_rng(self.seed, epoch, example_id)
+    box = TRAIN_CROPS[self.train_crop].box(rng, width, height, self)
+    return box, self.flip and bool(rng.random() < 0.5)  # Drawn after the crop, always.
 
   def _tf_decodable(self, image: Image.Image, box: Box) -> bool:
     """Whether TF's crop decoder gives this crop: a JPEG PIL reads as RGB or L (not CMYK,
