@@ -156,3 +156,17 @@ def test_soak_logs_memory_per_epoch(tmp_path):
   rss = [sample["rss_mib"] for sample in soak["samples"]]
   assert len(rss) == 3 and all(v > 0 for v in rss), soak
   assert soak["rss_mib_first"] == rss[0] and soak["rss_mib_last"] == rss[-1]
+
+
+@pytest.mark.slow
+def test_decode_difference_compares_the_device_stage_with_the_host_stage(tmp_path):
+  """`benchmarks.decode_difference` at tiny sizes: a row per pass for the CPU stand-in, and
+  with the host stage's reduced-scale decode off both stages apply one resize rule to the same
+  decoded pixels, so they agree within 1 level (docs/data.md)."""
+  out = tmp_path / "diff.json"
+  _module("benchmarks.decode_difference", "--images=4", "--size=32", f"--out={out}")
+  rows = json.loads(out.read_text())["rows"]
+  assert set(rows["device_cpu"]) >= {"train", "eval"}
+  for transform in ("train", "eval"):
+    same_rule = rows["device_cpu, no draft"][transform]
+    assert same_rule["max_abs"] <= 1 and same_rule["share_within_1"] == 1.0, transform
