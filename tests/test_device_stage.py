@@ -15,12 +15,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from PIL import Image
 import pytest
 
-from configs import default
 from cpjax import config_validation, train
 from cpjax.data import (
   device_resize,
@@ -33,6 +31,7 @@ from cpjax.data import (
 )
 from cpjax.runtime import sharding
 from tests import helpers
+from tests.test_host_stage import _dataset
 
 
 def _smooth(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
@@ -58,13 +57,6 @@ def _folder(tmp_path_factory) -> str:
         image.convert(mode).save(root / split / name / f"img{i}.{fmt.lower()}", format=fmt,
                                  **({"quality": 90} if fmt == "JPEG" else {}))
   return str(root)
-
-
-def _dataset(folder: str, **overrides) -> ml_collections.ConfigDict:
-  dataset = default.get_config().dataset
-  dataset.update({"name": "folder", "folder": folder, "image_size": 16, "val_size": 4,
-                  "flip": True, "mean": (0.5,) * 3, "std": (0.25,) * 3, **overrides})
-  return dataset
 
 
 def _source_and_transform(folder: str, seed: int = 3, **transform):
