@@ -669,8 +669,11 @@ def seconds_ratios(results: dict, arm: str, reference: str, seeds) -> dict:
   `wall` (the training process's start to its end; a run resumed after an interruption counts
   its last part only) and `loop` (the loop's scoring + selection + training seconds,
   checkpointed, so a resumed run counts them all). Their geometric means over the seeds whose
-  two runs name the same machine."""
+  two runs name the same machine (as declared); beside them, `steady_*`: the same over those
+  pairs whose two wall clocks are whole (`long_schedule.whole_runs`) and both runs at an even
+  pace (EVEN_PACE), each pair flagged `whole` and `even`, as the Time section's rules are."""
   a, r = results[arm], results[reference]
+  whole_a, whole_r = long_schedule.whole_runs(a), long_schedule.whole_runs(r)
   per_seed = {}
   for seed in seeds:
     i, j = a["seed_index"][seed], r["seed_index"][seed]
@@ -679,11 +682,17 @@ def seconds_ratios(results: dict, arm: str, reference: str, seeds) -> dict:
     per_seed[int(seed)] = {"wall": a["wall_seconds"][i] / r["wall_seconds"][j],
                            "loop": a["compute_seconds"][i] / r["compute_seconds"][j],
                            "machine": machines[0], "full_machine": machines[1],
-                           "same_machine": machines[0] == machines[1] != "unknown"}
+                           "same_machine": machines[0] == machines[1] != "unknown",
+                           "whole": i in whole_a and j in whole_r,
+                           "even": "steady_seconds" in a and "steady_seconds" in r
+                                   and _even(a, i) and _even(r, j)}
   same = [v for v in per_seed.values() if v["same_machine"]]
-  out = {"per_seed": per_seed, "same_machine_seeds": len(same)}
-  for key in ("wall", "loop") if same else ():
-    out[f"{key}_geomean"] = float(np.exp(np.mean(np.log([v[key] for v in same]))))
+  steady = [v for v in same if v["whole"] and v["even"]]
+  out = {"per_seed": per_seed, "same_machine_seeds": len(same),
+         "steady_seeds": sorted(s for s, v in per_seed.items() if v in steady)}
+  for prefix, pairs in (("", same), ("steady_", steady)):
+    for key in ("wall", "loop") if pairs else ():
+      out[f"{prefix}{key}_geomean"] = float(np.exp(np.mean(np.log([v[key] for v in pairs]))))
   return out
 
 
@@ -716,7 +725,10 @@ def second_search(summary: dict, arms: list[Arm], results: dict) -> dict:
 
 
 def _seconds_line(seconds: dict) -> str:
-  per_seed = "; ".join(f"seed {s}: {v['wall']:.2f} ({v['loop']:.2f})"
+  def flags(v: dict) -> str:
+    marks = [m for m, ok in (("resumed", v["whole"]), ("uneven", v["even"])) if not ok]
+    return f" ({', '.join(marks)})" if marks else ""
+  per_seed = "; ".join(f"seed {s}: {v['wall']:.2f} ({v['loop']:.2f})" + flags(v)
                        + ("" if v["same_machine"] else
                           f" [{v['machine']} vs {v['full_machine']}]")
                        for s, v in seconds["per_seed"].items())
@@ -724,8 +736,14 @@ def _seconds_line(seconds: dict) -> str:
   mean = (f"geometric mean {seconds['wall_geomean']:.2f} ({seconds['loop_geomean']:.2f}) over "
           f"the {seconds['same_machine_seeds']} pairs run on one machine ({'; '.join(machines)})"
           if seconds["same_machine_seeds"] else "no pair ran on one machine")
+  steady = seconds["steady_seeds"]
+  if steady:
+    mean += (f"; {seconds['steady_wall_geomean']:.2f} ({seconds['steady_loop_geomean']:.2f}) "
+             f"over the {len(steady)} of them with whole wall clocks at an even pace (seeds "
+             f"{','.join(map(str, steady))}; the Time section's rules)")
   return (f"- Seconds, the arm's over full data's, wall clock (loop seconds): {mean}. "
-          f"Per seed: {per_seed}")
+          f"Per seed (resumed: a wall clock of a last sitting; uneven: slowed by other work): "
+          f"{per_seed}")
 
 
 def second_lines(summary: dict, second: dict) -> list[str]:

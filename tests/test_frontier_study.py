@@ -488,6 +488,61 @@ def test_readme_budget_table_states_the_frontier_summary():
   assert not missing, f"the README's budget table lacks {missing}"
 
 
+def test_readme_budget_table_states_tier_a2s_choice_and_tier_g():
+  """The README's row for tier A''s choice as frontier.json has it: passes, kept share, its
+  seeds 0-2 interval, and tier G's verdict on seeds 13-22 with the test images' interval and
+  the wall-clock ratio over the pairs run on one machine, that machine named."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  row, g = out["summary"][out["chosen_a2"]], out["verdict_g"]
+  assert out["chosen_a2"] == "topk_anneal-p50" and g["complete"]
+  seconds = g["seconds"]
+  machines = {v["machine"] for v in seconds["per_seed"].values() if v["same_machine"]}
+  (machine,) = machines
+  expected = [f"{100 * row['passes_share']:.1f} % "
+              f"({100 * row['passes_share_with_evaluation']:.1f} %)",
+              f"{100 * row['kept']['kept'][0]:.1f} % kept in epochs 1-17",
+              f"selection.fraction={row['kept']['kept'][0]}",
+              f"{_interval(row['vs_full'])} (seeds 0-2)", f"TOST p {row['vs_full']['p']:.3f}",
+              f"{_interval(g)} (seeds 13-22)", f"TOST p {g['p']:.3f}",
+              f"with the test images {_bracket(g['test_images']['seeds_and_images'])}",
+              f"{seconds['steady_wall_geomean']:.2f} ({len(seconds['steady_seeds'])} seeds, "
+              f"{seconds['steady_seeds'][0]}-{seconds['steady_seeds'][-1]}, both runs whole and "
+              "at an even pace", f"{seconds['wall_geomean']:.2f} over all "
+              f"{seconds['same_machine_seeds']} pairs",
+              f"`{machine}`"]
+  table = _readme_budget_table()
+  missing = [e for e in expected if e not in table]
+  assert not missing, f"the README's budget table lacks {missing}"
+
+
+def test_docs_studies_state_tier_g_as_the_summary_has_it():
+  """docs/studies.md's tier-G outcome: the seed interval and TOST, the two-level interval,
+  the per-seed extremes, the passes and the wall-clock means, as frontier.json has them."""
+  with open("studies/results/frontier.json", encoding="utf-8") as f:
+    out = json.load(f)
+  with open("docs/studies.md", encoding="utf-8") as f:
+    text = " ".join(f.read().split("**Tier G outcome")[1].split())
+  g, row = out["verdict_g"], out["summary"]["topk_anneal-p50@confirm_g"]
+  per_seed = {int(s): v[0] for s, v in g["test_images"]["per_seed"].items()}
+  low, high = min(per_seed, key=per_seed.get), max(per_seed, key=per_seed.get)
+  below = sum(v < 0 for v in per_seed.values())
+  seconds, pooled = g["seconds"], out["verdicts"]["pooled"]
+  expected = [_interval(g), f"TOST p {g['p']:.3f}",
+              f"is {_bracket(g['test_images']['seeds_and_images'])}",
+              f"from {100 * per_seed[low]:+.2f} (seed {low}) to {100 * per_seed[high]:+.2f} "
+              f"(seed {high}), {below} of 10 below 0",
+              f"{100 * row['passes_share']:.1f} % of full data's passes "
+              f"({100 * row['passes_share_with_evaluation']:.1f} % with",
+              f"was {seconds['steady_wall_geomean']:.2f} of full data's",
+              f"loop seconds {seconds['steady_loop_geomean']:.2f}",
+              f"({seconds['per_seed']['14']['wall']:.2f})",  # JSON's keys are strings.
+              f"over all 10 pairs, {seconds['wall_geomean']:.2f}",
+              f"{_interval(pooled)} on seeds 3-12"]
+  missing = [e for e in expected if e not in text]
+  assert not missing, f"docs/studies.md lacks {missing}"
+
+
 def test_docs_studies_state_the_frontier_summary_and_the_power():
   """docs/studies.md's frontier numbers added beside the seed intervals, as the committed
   summary has them: kept shares, passes with evaluation, the two-level intervals, tier C's
@@ -591,7 +646,7 @@ def test_tiers_parse_with_a_digit_and_name_an_unknown_one():
 def _with_machine(result, wall, loop, machine="cpu x"):
   n = len(result["accuracy"])
   return {**result, "wall_seconds": [wall] * n, "compute_seconds": [loop] * n,
-          "machine": [machine] * n}
+          "steady_seconds": [loop] * n, "machine": [machine] * n}
 
 
 def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
@@ -619,7 +674,8 @@ def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
                                             1000.0, 800.0)
   arm = _with_machine(_result(base_acc + d, 49.5, seeds=range(13, 23)), 600.0, 400.0)
   arm["machine"][9] = "gpu y"  # Seed 22's pair ran on two machines: out of the mean.
-  arm["wall_seconds"][0] = 250.0  # Seed 13: wall ratio 0.25.
+  arm["wall_seconds"][0] = 250.0  # Seed 13: wall ratio 0.25, below its loop's 400: resumed.
+  results["full@confirm_g"]["steady_seconds"][8] = 700.0  # Seed 21's full: 800 > 1.05 x 700.
   results["importance-m20@confirm_g"] = arm
   summary = frontier.summarise(arms + g, results)
   found = frontier.g_verdict(summary, chosen, results)
@@ -630,7 +686,13 @@ def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
   assert found["saving"] == pytest.approx(0.505) and found["seeds"] == list(range(13, 23))
   seconds = found["seconds"]
   assert seconds["per_seed"][13] == {"wall": 0.25, "loop": 0.5, "machine": "cpu x",
-                                     "full_machine": "cpu x", "same_machine": True}
+                                     "full_machine": "cpu x", "same_machine": True,
+                                     "whole": False, "even": True}
+  assert seconds["per_seed"][21]["whole"] and not seconds["per_seed"][21]["even"]
+  # Whole, even and on one machine: seeds 14-20, each 600/1000 and 400/800.
+  assert seconds["steady_seeds"] == list(range(14, 21))
+  assert seconds["steady_wall_geomean"] == pytest.approx(0.6, rel=1e-12)
+  assert seconds["steady_loop_geomean"] == pytest.approx(0.5, rel=1e-12)
   assert not seconds["per_seed"][22]["same_machine"] and seconds["same_machine_seeds"] == 9
   # Nine pairs: one at 0.25, eight at 0.6: (0.25 x 0.6^8)^(1/9).
   assert seconds["wall_geomean"] == pytest.approx((0.25 * 0.6 ** 8) ** (1 / 9), rel=1e-12)
@@ -641,6 +703,8 @@ def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
   assert "Chosen: `importance-m20`" in text
   assert "**Lossless at half the passes or fewer: met.**" in text
   assert "seed 22: 0.60 (0.50) [gpu y vs cpu x]" in text
+  assert "seed 13: 0.25 (0.50) (resumed);" in text and "seed 21: 0.60 (0.50) (uneven);" in text
+  assert "0.60 (0.50) over the 7 of them with whole wall clocks at an even pace" in text
   # Seeds 13-17 only: not complete, so not met, whatever the differences.
   for name in ("full@confirm_g", "importance-m20@confirm_g"):
     results[name]["seed_index"] = {s: i for s, i in results[name]["seed_index"].items() if s < 18}
