@@ -43,6 +43,21 @@ def test_noise_is_uniform_over_the_other_classes():
   assert chi2 < 27.88  # The 99.9 % quantile of chi-square with 8 degrees of freedom.
 
 
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_flipped_rows_are_spread_over_every_epochs_order(seed):
+  """With the noise seed equal to the training seed (as a study that draws its noise per seed
+  runs it), a full-data epoch's first fifth holds about a fifth of the flipped rows, in every
+  epoch: 1,000 of 5,000 rows flipped, the first 1,000 of an epoch's order a hypergeometric
+  draw with mean 200 and sd sqrt(1000 x 0.2 x 0.8 x 4000 / 4999) = 11.3 flipped rows; the bound
+  is 8 sd. A noise draw that shared an epoch's stream would put all 1,000 first in it."""
+  pool = np.arange(5000)
+  flipped = np.flatnonzero(splits.noisy_labels(np.zeros(5000, np.int64), pool, 0.2, seed, 10))
+  assert len(flipped) == 1000
+  for epoch in range(40):
+    first = splits.epoch_order(seed, epoch, pool, 100).ravel()[:1000]
+    assert abs(np.isin(first, flipped).sum() - 200) < 8 * 11.3, epoch
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.37])
 def test_holdout_and_rest_partition_the_training_pool(fraction):
   parts = {part: splits.split_ids(dataset_config(holdout_fraction=fraction, train_part=part))

@@ -122,6 +122,11 @@ def split_ids(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
   return {"train": train_ids, "val": val_ids, "meta_val": meta_ids, "pool": pool_ids, **carved}
 
 
+# The label-noise draw's stream tag, in (seed, tag) seeds: far above any epoch number, so that
+# no epoch's order (`epoch_order`, seeded by (seed, epoch)) draws from the same stream.
+LABEL_NOISE_STREAM = 0x1AB3150
+
+
 def noisy_labels(labels: np.ndarray, pool_rows: np.ndarray, fraction: float, seed: int,
                  num_classes: int) -> np.ndarray:
   """Labels with round(fraction * P) of the P `pool_rows` flipped uniformly to another class.
@@ -131,7 +136,10 @@ def noisy_labels(labels: np.ndarray, pool_rows: np.ndarray, fraction: float, see
   from the pool, and each gets label (y + o) mod K with o uniform on 1..K-1, so it never
   keeps its class. Rows outside the pool (validation, test) keep their labels. A pure
   function of (seed, pool): a run trained on part of the pool sees the same noisy labels
-  as one trained on the rest.
+  as one trained on the rest. Its random stream, (seed, LABEL_NOISE_STREAM), is none of
+  `epoch_order`'s (seed, epoch): with `label_noise_seed` equal to the training seed, a stream
+  that an epoch's order shares would shuffle that epoch with the permutation that picked the
+  flipped rows, so that a full-data epoch trained them all first, back to back.
 
   Args:
     labels: int [N] labels of the whole split.
@@ -143,7 +151,7 @@ def noisy_labels(labels: np.ndarray, pool_rows: np.ndarray, fraction: float, see
   Returns:
     int32 [N] labels.
   """
-  rng = np.random.default_rng([seed, 5])
+  rng = np.random.default_rng([seed, LABEL_NOISE_STREAM])
   flipped = rng.permutation(len(pool_rows))[:int(round(fraction * len(pool_rows)))]
   offsets = rng.integers(1, num_classes, size=len(flipped))
   out = np.array(labels, np.int32)
