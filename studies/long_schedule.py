@@ -276,14 +276,20 @@ def run_row(base, arm_overrides: dict, workdir: str, record: str | None = None) 
 
 
 def machine() -> str:
-  """The machine a run trained on, for the summary: CPU model, cores, JAX and its backend."""
+  """The machine a run trained on, for the summary: CPU model, cores, JAX and its backend,
+  and on an accelerator its devices (count and kind, e.g. '1 x NVIDIA H100 80GB HBM3')."""
   model = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
       model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
   except (OSError, StopIteration):
     pass
-  return f"{model}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.default_backend()}"
+  backend = jax.default_backend()
+  text = f"{model}, {os.cpu_count()} cores, jax {jax.__version__} on {backend}"
+  if backend != "cpu":
+    kinds = [d.device_kind for d in jax.devices()]
+    text += ", " + ", ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
+  return text
 
 
 def _run_row(base, arm_overrides: dict, workdir: str) -> dict:

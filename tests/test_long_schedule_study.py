@@ -244,3 +244,19 @@ def test_wall_clock_counts_only_runs_it_covers_whole():
   row = {"seeds": [0, 1, 2], "wall_runs": 2, "wall_seconds": 400.0}
   assert long_schedule._wall_cell(row) == "400 (2 of 3)"
   assert long_schedule._wall_cell({**row, "wall_runs": 0}) == "— (0 of 3)"
+
+
+def test_the_machine_names_an_accelerators_devices(monkeypatch):
+  """On CPU the string is as the committed records hold it; on a GPU it names the card."""
+  class Device:
+    def __init__(self, kind):
+      self.device_kind = kind
+  monkeypatch.setattr(long_schedule.jax, "default_backend", lambda: "cpu")
+  cpu = long_schedule.machine()
+  assert cpu.endswith(f"cores, jax {long_schedule.jax.__version__} on cpu")
+  monkeypatch.setattr(long_schedule.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(long_schedule.jax, "devices", lambda: [Device("NVIDIA H100 80GB HBM3")])
+  assert long_schedule.machine() == cpu[:-len("cpu")] + "gpu, 1 x NVIDIA H100 80GB HBM3"
+  monkeypatch.setattr(long_schedule.jax, "devices", lambda: [Device("A"), Device("A"),
+                                                             Device("B")])
+  assert long_schedule.machine().endswith("on gpu, 2 x A, 1 x B")
