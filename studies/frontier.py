@@ -41,7 +41,7 @@ Protocol (settings chosen on validation accuracy only):
           5 more untouched seeds (8-12), the same rule; reported alone and pooled with
           tier C (seeds 3-12), beside tier C's verdict, which stays as it was
 
-Declared before any of their runs: is an unbiased design lossless at half the passes?
+Declared before any of their runs: is an importance-sampling design lossless at half the passes?
   tier A' (A2 in code)  four designs at no more than half of full data's passes, each
           beside full data on seeds 0-2 (its records exist):
             importance-m50, importance-m20  importance sampling (selection.method=
@@ -63,6 +63,23 @@ Declared before any of their runs: is an unbiased design lossless at half the pa
           interval, and per seed the arm's wall-clock and loop seconds over full data's
           (each pair's machine named)
 
+Declared before any of their runs: how much can be saved without losing accuracy, and is
+selection better than full data under noisy labels?
+  tier H  the largest lossless saving. The rule (`choose_h`), applied to the records of the
+          search tiers (A, A', B; seeds 0-2) before any tier-H run: among their arms with all
+          of seeds 0-2 at 50 to 70 % of full data's passes (H_PASSES) whose mean paired
+          difference from full data is at least -0.1 points, the smallest TOST p (ties: the
+          smaller share of passes, then the name). It picks `topk_anneal-55` (H_CHOICE: 57.3 %
+          of the passes, -0.07 points, TOST p 0.061), which runs beside full data on 10 new
+          seeds (23-32). Verdict: lossless (the TOST at ±0.2 points, p < 0.05, and a mean of at
+          least -0.1 points) on all 10 seeds; the two-level bootstrap over seeds and test
+          images beside it, and per seed the seconds over full data's, as tier G
+  tier N  selection under noisy labels: tier D's design (`topk_anneal-45`, N_DESIGN) and full
+          data under 20 % symmetric label noise, one noise draw per seed (the seed), on seeds
+          23-32. Verdict, one-sided and declared first: better when, on all 10 seeds, the 90 %
+          t interval of the mean paired difference lies above 0 (`equivalence.superiority`:
+          a one-sided t-test at 0.05); the two-level bootstrap beside it
+
 Lossless means: a two one-sided t-test (TOST) of equivalence at a margin of
 0.2 accuracy points passes at alpha = 0.05 on the paired per-seed differences
 (arm - full data, same seeds), i.e. the 90 % t interval of the mean difference
@@ -76,6 +93,9 @@ in studies/results/frontier_runs/; rerunning the command continues the study:
   python -m studies.frontier --out=studies/out/frontier
   python -m studies.frontier --out=studies/out/frontier --tiers A2    # tier A' alone
   python -m studies.frontier --out=studies/out/frontier --tiers A2G   # then tier G
+  python -m studies.frontier --out=studies/out/frontier --tiers H     # tier H
+  python -m studies.frontier --out=studies/out/frontier --tiers N     # tier N
+  python -m studies.frontier --tiers HN --dry-run   # the runs they would make, nothing trained
 """
 
 import argparse
@@ -115,7 +135,7 @@ ANNEAL_EPOCHS = 2
 NOISE = 0.2
 SAMPLED = {"selection.method": "sampled", "selection.temperature": 0.1}
 # Tiers A' (A2) and G, declared before any of their runs (the module docstring).
-TIERS = ("A", "C", "F", "D", "B", "E", "A2", "G")  # Every tier, in the default order.
+TIERS = ("A", "C", "F", "D", "B", "E", "A2", "G", "H", "N")  # Every tier, the default order.
 G_SEEDS = tuple(range(13, 23))
 PASSES_CAP = 0.5  # Tier A': every arm at no more than half of full data's passes.
 SIZE_SDS = 4.0  # An importance arm's epochs may hold this many sd more than k in all.
@@ -124,6 +144,11 @@ IMPORTANCE_FRACTION = 0.4673  # `importance_fraction_at_most(PASSES_CAP, base)`,
 TOPK_P50_FRACTION = 0.41  # `anneal_fraction_at_most(PASSES_CAP, base)`, tested.
 # Tier A' (A2): its new designs (each importance mix its own, so that the figure draws each).
 A2_POLICIES = tuple(f"importance-m{mix}" for mix in IMPORTANCE_MIXES) + ("infobatch_norescale",)
+# Tiers H and N, declared before any of their runs (the module docstring).
+H_SEEDS = N_SEEDS = tuple(range(23, 33))
+H_PASSES = (0.5, 0.7)  # Tier H's candidates: at 50 to 70 % of full data's passes.
+H_CHOICE = "topk_anneal-55"  # `choose_h` on the records of tiers A, A' and B (tested).
+N_DESIGN = "topk_anneal-45"  # Tier D's design, whose exploratory +0.80 points tier N tests.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,19 +347,42 @@ def g_arms(chosen: Arm) -> list[Arm]:
               seeds=G_SEEDS)]
 
 
+def _search_arm(name: str, base) -> Arm:
+  """The search tiers' (A, A', B) arm called `name`."""
+  return next(a for a in search_arms(base) + a2_arms() if a.name == name)
+
+
+def h_arms(base) -> list[Arm]:
+  """Tier H: the declared pick of `choose_h` (H_CHOICE) and full data on seeds 23-32."""
+  chosen = _search_arm(H_CHOICE, base)
+  return [Arm("full@confirm_h", "full", {}, "H", seeds=H_SEEDS),
+          Arm(f"{chosen.name}@confirm_h", chosen.policy, chosen.overrides, "H", chosen.budget,
+              seeds=H_SEEDS)]
+
+
+def n_arms(base) -> list[Arm]:
+  """Tier N: tier D's design (N_DESIGN) and full data under 20 % symmetric label noise on
+  seeds 23-32, each seed its own noise draw (`run_overrides`)."""
+  design, noisy = _search_arm(N_DESIGN, base), {"dataset.label_noise": NOISE}
+  return [Arm("noisy_full@confirm_n", "full", noisy, "N", seeds=N_SEEDS),
+          Arm(f"noisy_{design.name}@confirm_n", design.policy, {**design.overrides, **noisy},
+              "N", design.budget, seeds=N_SEEDS)]
+
+
 def arm_names(base) -> list[str]:
   """Every arm the study can run: the search arms and the later tiers of any possible choice
-  (tier A's: C-F; tier A' (A2)'s: G)."""
+  (tier A's: C-F; tier A' (A2)'s: G), and tiers H and N."""
   search = search_arms(base)
   later = [a.name for c in search if c.tier == "A" and c.policy != "full"
            for a in later_arms(c, base)]
   second = [a.name for c in a2_arms() for a in [c, *g_arms(c)]]
-  return list(dict.fromkeys([a.name for a in search] + later + second))
+  third = [a.name for a in h_arms(base) + n_arms(base)]
+  return list(dict.fromkeys([a.name for a in search] + later + second + third))
 
 
 def parse_tiers(text: str) -> list[str]:
   """--tiers' tiers in order: letters, each optionally followed by digits ("ACFDBE", "A2",
-  "A2G"); an unknown one is named with the valid ones."""
+  "A2G", "HN"); an unknown one is named with the valid ones."""
   found = re.findall(r"[A-Z]\d*|.", text)
   for tier in found:
     if tier not in TIERS:
@@ -400,7 +448,8 @@ def summarise(arms: list[Arm], results: dict) -> dict:
   """Per arm: passes as a share of full data's, accuracies, the paired test against the full
   data run of the same regime and schedule on the same seeds."""
   references = {"C": "full@confirm", "D": "noisy_full@confirm", "E": "full_e30",
-                "F": "full@replicate", "G": "full@confirm_g"}
+                "F": "full@replicate", "G": "full@confirm_g", "H": "full@confirm_h",
+                "N": "noisy_full@confirm_n"}
   summary = {}
   for arm in arms:
     r = results.get(arm.name)
@@ -589,7 +638,11 @@ def _merged(results: dict, names: list[str]) -> dict:
 
 def _outcome(v: dict, short: bool = False) -> str:
   """What a verdict's test shows: lossless or not and, where the 90 % interval excludes 0,
-  on which side of full data the arm is (`short`: without the reasons, for the figure)."""
+  on which side of full data the arm is (`short`: without the reasons, for the figure); for
+  tier N's superiority test, better or not."""
+  if "superior" in v:
+    return ("better" if v["superior"] else "below full data" if v["high"] < 0
+            else "not shown better")
   if v["low"] > 0:  # Better than full data is not equivalent to it: say which way it fails.
     return "above full data" + ("" if short else ": its 90 % interval excludes 0 (better, so "
                                                  "not equivalent)")
@@ -647,7 +700,7 @@ def verdict_lines(found: dict) -> list[str]:
     return lines + ["Not answered yet: the confirmation runs (tier C) have not finished."]
   u = found["untouched"]
   answer = ("met" if u["met"] else "not decided yet" if not u["complete"] else "missed")
-  lines.append(f"**{answer[0].upper() + answer[1:]}.**")
+  lines.append(f"**Tier C, seeds 3-7: {answer}.**")
   if "replicate" in found:
     r = found["replicate"]
     again = ("replicated" if r["met"] else "replication not finished" if not r["complete"]
@@ -659,7 +712,11 @@ def verdict_lines(found: dict) -> list[str]:
             "noisy": "20 % label noise, one noise draw per seed (exploratory: the tier asked "
                      "whether the policy is equivalent to full data; a side of full data read "
                      "from its runs was not declared before them, and only a declared tier can "
-                     "confirm it)",
+                     "confirm it; tier N does. Its full-data runs drew their noise from the "
+                     "random stream of epoch 5's order, as the code then did "
+                     "(`splits.LABEL_NOISE_STREAM` now keeps them apart), so each trained "
+                     "epoch 5 on all the flipped labels first, back to back; the policy's "
+                     "runs, on a subset in epoch 5, did not)",
             "epochs_30": "30-epoch schedule (search seeds), vs full data on 30 epochs"}
   return lines + [_verdict_line(labels[k], found[k]) for k in labels if k in found]
 
@@ -696,22 +753,31 @@ def seconds_ratios(results: dict, arm: str, reference: str, seeds) -> dict:
   return out
 
 
-def g_verdict(summary: dict, chosen: Arm | None, results: dict | None) -> dict:
-  """Tier G: the tier-A' choice against full data on seeds 13-22: its seeds, saving in passes,
-  paired TOST, `lossless` and `met` (complete, lossless, at least 50 % fewer passes); with
-  `results`, the test images' paired bootstrap and the seconds ratios. {} before its runs."""
-  name = f"{chosen.name}@confirm_g" if chosen else ""
+def _new_seed_verdict(summary: dict, name: str, reference: str, seeds: tuple, met,
+                      results: dict | None) -> dict:
+  """An arm against its full-data reference on declared new seeds: its seeds, saving in
+  passes, paired TOST, `lossless` and `met` (`met(verdict)`); with `results`, the test
+  images' paired bootstrap and the seconds ratios. {} before its runs."""
   row = summary.get(name)
   if row is None or "vs_full" not in row:
     return {}
   vs = row["vs_full"]
-  out = {"arm": name, "seeds": vs["seeds"], "complete": tuple(vs["seeds"]) == G_SEEDS,
+  out = {"arm": name, "seeds": vs["seeds"], "complete": tuple(vs["seeds"]) == seeds,
          "saving": 1 - row["passes_share"], **vs}
-  out["met"] = bool(out["complete"] and out["lossless"] and out["saving"] >= 0.5)
+  out["met"] = bool(met(out))
   if results:
-    out["test_images"] = test_image_intervals(results, name, "full@confirm_g", vs["seeds"])
-    out["seconds"] = seconds_ratios(results, name, "full@confirm_g", vs["seeds"])
+    out["test_images"] = test_image_intervals(results, name, reference, vs["seeds"])
+    out["seconds"] = seconds_ratios(results, name, reference, vs["seeds"])
   return out
+
+
+def g_verdict(summary: dict, chosen: Arm | None, results: dict | None) -> dict:
+  """Tier G: the tier-A' choice against full data on seeds 13-22 (`_new_seed_verdict`), `met`
+  when complete, lossless and at least 50 % fewer passes. {} before its runs."""
+  name = f"{chosen.name}@confirm_g" if chosen else ""
+  return _new_seed_verdict(summary, name, "full@confirm_g", G_SEEDS,
+                           lambda v: v["complete"] and v["lossless"] and v["saving"] >= 0.5,
+                           results)
 
 
 def second_search(summary: dict, arms: list[Arm], results: dict) -> dict:
@@ -750,8 +816,10 @@ def second_lines(summary: dict, second: dict) -> list[str]:
   """The markdown sections of tiers A' and G; none before their runs."""
   if not second:
     return []
-  lines = ["", "## Tier A': unbiased designs against top-k at half the passes (seeds 0-2)", "",
-           "Declared before its runs: importance sampling at two mixes, top-k with the 2-epoch "
+  lines = ["", "## Tier A': importance sampling against top-k at half the passes (seeds 0-2)",
+           "", "Declared before its runs: importance sampling at two mixes (its loss weights "
+           "the inverse inclusion probabilities, self-normalised to mean 1 over an epoch and "
+           "clipped at 10), top-k with the 2-epoch "
            "finish at 50 % of the passes and InfoBatch at r = 0.95 without its loss weight, "
            "each paired with full data on seeds 0-2; the choice is tier A's rule applied to "
            "these arms.", ""]
@@ -774,6 +842,184 @@ def second_lines(summary: dict, second: dict) -> list[str]:
             _verdict_line("tier G, seeds 13-22", g)]
   if g.get("seconds"):
     lines.append(_seconds_line(g["seconds"]))
+  return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiers H and N, declared before any of their runs.
+
+
+def h_candidates(summary: dict) -> list[dict]:
+  """Tier H's candidates: the search tiers' (A, A', B) arms with all of seeds 0-2 beside full
+  data's and at H_PASSES[0] to H_PASSES[1] of full data's passes, each with its share, paired
+  mean difference, TOST p and whether its mean is at least MIN_MEAN (`kept`), in the
+  summary's order."""
+  out = []
+  for name, row in summary.items():
+    vs = row.get("vs_full")
+    if (row["tier"] in SEARCH_TIERS and vs and vs["seeds"] == list(SEARCH_SEEDS)
+        and H_PASSES[0] <= row["passes_share"] <= H_PASSES[1]):
+      out.append({"arm": name, "passes_share": row["passes_share"], "mean": vs["mean"],
+                  "low": vs["low"], "high": vs["high"], "p": vs["p"],
+                  "kept": bool(vs["mean"] >= MIN_MEAN)})
+  return out
+
+
+def choose_h(summary: dict) -> str | None:
+  """Tier H's rule, declared before its runs: among `h_candidates` with a mean paired
+  difference of at least MIN_MEAN (-0.1 points), the smallest TOST p; on a tie the smaller
+  share of passes (the larger saving), then the first name in sorted order. None without one."""
+  kept = [(c["p"], c["passes_share"], c["arm"]) for c in h_candidates(summary)
+          if c["kept"] and np.isfinite(c["p"])]
+  return min(kept)[2] if kept else None
+
+
+def h_verdict(summary: dict, results: dict | None) -> dict:
+  """Tier H: H_CHOICE against full data on seeds 23-32 (`_new_seed_verdict`), `met` when all
+  10 seeds ran and it is lossless (at whatever saving it has). {} before its runs."""
+  return _new_seed_verdict(summary, f"{H_CHOICE}@confirm_h", "full@confirm_h", H_SEEDS,
+                           lambda v: v["complete"] and v["lossless"], results)
+
+
+def n_verdict(summary: dict, results: dict | None) -> dict:
+  """Tier N: N_DESIGN against full data on the same noisy labels, seeds 23-32: the one-sided
+  superiority test (`equivalence.superiority`) on the paired differences, `better` when all 10
+  seeds ran and its 90 % t interval lies above 0; the test images' paired bootstrap and the
+  seconds ratios beside it. {} before its runs."""
+  name, reference = f"noisy_{N_DESIGN}@confirm_n", "noisy_full@confirm_n"
+  row = summary.get(name)
+  if row is None or "vs_full" not in row or not results:
+    return {}
+  seeds, d = paired_differences(results[name], results[reference])
+  out = {"arm": name, "seeds": seeds, "complete": tuple(seeds) == N_SEEDS,
+         "saving": 1 - row["passes_share"], **equivalence.superiority(d)}
+  out["better"] = bool(out["complete"] and out["superior"])
+  out["test_images"] = test_image_intervals(results, name, reference, seeds)
+  out["seconds"] = seconds_ratios(results, name, reference, seeds)
+  return out
+
+
+def declared_tiers(summary: dict, results: dict | None) -> dict:
+  """Tiers H and N for the summary: H's declared pick, the rule applied to the summary's
+  search rows (None without them), its candidates and verdict; N's arm and verdict."""
+  return {"tier_h": {"declared_choice": H_CHOICE, "rule_choice": choose_h(summary),
+                     "candidates": h_candidates(summary),
+                     "verdict": h_verdict(summary, results)},
+          "tier_n": {"arm": f"noisy_{N_DESIGN}@confirm_n", "verdict": n_verdict(summary, results)}}
+
+
+def _state(v: dict, done: str, seeds: tuple) -> str:
+  """'not run yet', 'not decided yet (k of n seeds)' or `done`."""
+  if not v:
+    return "not run yet"
+  return done if v["complete"] else f"not decided yet ({len(v['seeds'])} of {len(seeds)} seeds)"
+
+
+def _superiority_line(label: str, v: dict) -> str:
+  """Tier N's verdict line: its interval, the one-sided test, which side of full data."""
+  seeds = ",".join(map(str, v["seeds"]))
+  why = ("better: its 90 % interval lies above 0" if v["superior"] else
+         "below full data: its 90 % interval lies below 0" if v["high"] < 0 else
+         "not shown better: its 90 % interval reaches 0")
+  status = "" if v["complete"] else " (incomplete: more seeds to run)"
+  p_value = f"one-sided p {v['p']:.3f}" if np.isfinite(v["p"]) else "untested (1 seed)"
+  line = (f"- {label}: `{v['arm']}`, {_saving_text(v)}, seeds {seeds}: {_pts_interval(v)} "
+          f"points vs full data on the same noisy labels, {p_value}; {why}{status}")
+  if v.get("test_images"):
+    line += _images_text(v["test_images"])
+  return line
+
+
+def _said(label: str, v: dict, seeds: tuple) -> str:
+  """'`arm` on seeds 3-7 (tier C): -0.07 [-0.15, +0.00], lossless', with its seeds so far
+  while incomplete."""
+  so_far = "" if v["complete"] else f", {len(v['seeds'])} of {len(seeds)} seeds so far"
+  return (f"`{v['arm']}` on seeds {seeds[0]}-{seeds[-1]} ({label}{so_far}): {_pts_interval(v)}, "
+          + _outcome(v, short=True))
+
+
+def headline_lines(summary: dict, found: dict, second: dict, declared: dict) -> list[str]:
+  """The summary's headline: the current answer of each declared question. Lossless at half
+  the passes: shown when the latest test of a design (tier C's pooled with its replication F,
+  or tier G) is met; not shown when all of them are complete and none is met. Then tier H's
+  and tier N's verdicts, or that they have not run."""
+  lines = ["", "## The answer so far, across the declared tiers", ""]
+  tests = [(key, label, seeds) for key, label, seeds in
+           (("untouched", "tier C", CONFIRM_SEEDS),
+            ("replicate", "tier F, its replication", REPLICATE_SEEDS),
+            ("pooled", "tiers C and F", CONFIRM_SEEDS + REPLICATE_SEEDS)) if key in found]
+  said = [_said(label, found[key], seeds) for key, label, seeds in tests]
+  current = [found["pooled"] if "pooled" in found else found[tests[0][0]]] if tests else []
+  g = (second or {}).get("verdict_g")
+  if g:
+    said.append(_said("tier G", g, G_SEEDS))
+    current.append(g)
+  word = ("not answered yet" if not current else "shown" if any(v["met"] for v in current)
+          else "not shown" if all(v["complete"] for v in current) else "not decided yet")
+  lines.append(f"- Lossless at half the passes or fewer (tiers C, F and G): **{word}**"
+               + (". " + "; ".join(said) if said else ""))
+  h, searched = declared["tier_h"]["verdict"], summary.get(H_CHOICE, {}).get("vs_full")
+  pick = f"`{H_CHOICE}`" + (
+      f", {100 * summary[H_CHOICE]['passes_share']:.1f} % of the passes, chosen on seeds 0-2 "
+      f"where it was {_pts_interval(searched)} (TOST p {searched['p']:.3f})" if searched else "")
+  done = ("missed" if not h or not h["met"] else
+          f"lossless at {100 * h['saving']:.0f} % fewer passes")
+  lines.append(f"- The largest lossless saving (tier H, {pick}): "
+               f"**{_state(h, done, H_SEEDS)}**"
+               + (f". {_said('tier H', h, H_SEEDS)}" if h else ""))
+  n = declared["tier_n"]["verdict"]
+  done = "better" if n and n["better"] else "not shown better"
+  text = (f"- Selection under 20 % label noise (tier N, `{N_DESIGN}`): "
+          f"**{_state(n, done, N_SEEDS)}**")
+  if n:
+    text += (f". `{n['arm']}` on seeds 23-32: {_pts_interval(n)} vs full data on the same "
+             f"noisy labels, one-sided p {n['p']:.3f}")
+  if "noisy" in found:
+    text += (f"; tier D's {_pts_interval(found['noisy'])} on seeds 3-7 was exploratory, against "
+             "a full-data reference that trained the flipped labels first in epoch 5 (tier D "
+             "below)")
+  return lines + [text]
+
+
+def declared_lines(declared: dict) -> list[str]:
+  """The markdown sections of tiers H and N: the rule and its candidates, then each verdict
+  or that it has not run."""
+  h, n = declared["tier_h"], declared["tier_n"]
+  lines = ["", "## Tier H: the largest lossless saving, on 10 new seeds (23-32)", "",
+           "Declared before its runs: among the search tiers' arms (A, A', B) with all of seeds "
+           f"0-2 at {100 * H_PASSES[0]:.0f} to {100 * H_PASSES[1]:.0f} % of full data's passes "
+           f"whose mean paired difference from full data is at least {100 * MIN_MEAN:+.1f} "
+           "points, the smallest TOST p (ties: the smaller share of passes, then the name); "
+           "the pick and full data then run on seeds 23-32. Lossless: the TOST at "
+           f"±{100 * MARGIN:.1f} points passes (p < {ALPHA}) and the mean is at least "
+           f"{100 * MIN_MEAN:+.1f} points, on all 10 seeds.", ""]
+  for c in h["candidates"]:
+    lines.append(f"- `{c['arm']}`: {100 * c['passes_share']:.1f} % of the passes, "
+                 f"{_pts_interval(c)} points vs full data (TOST p {c['p']:.3f})"
+                 + ("" if c["kept"] else "; mean below -0.1, not a candidate"))
+  rule = h["rule_choice"]
+  lines += ["", f"Declared pick: `{h['declared_choice']}`; the rule on this summary's records: "
+            + (f"`{rule}`." if rule else "no search record here.")]
+  v = h["verdict"]
+  done = "missed" if not v or not v["met"] else f"met, {100 * v['saving']:.0f} % fewer passes"
+  lines += ["", f"**Lossless on seeds 23-32: {_state(v, done, H_SEEDS)}.**"]
+  if v:
+    lines.append(_verdict_line("tier H, seeds 23-32", v))
+    if v.get("seconds"):
+      lines.append(_seconds_line(v["seconds"]))
+  lines += ["", "## Tier N: selection under 20 % label noise, on 10 new seeds (23-32)", "",
+            f"Declared before its runs: `{N_DESIGN}` (tier D's design) and full data, "
+            f"{100 * NOISE:.0f} % of the training labels flipped uniformly to another class, "
+            "each seed its own noise draw (the seed); better: on all 10 seeds the 90 % t "
+            "interval of the mean paired difference lies above 0 (a one-sided t-test at "
+            f"{ALPHA}).", ""]
+  v = n["verdict"]
+  done = "better" if v and v["better"] else "not shown better"
+  lines.append(f"**Better than full data under label noise: {_state(v, done, N_SEEDS)}.**")
+  if v:
+    lines.append(_superiority_line("tier N, seeds 23-32", v))
+    if v.get("seconds"):
+      lines.append(_seconds_line(v["seconds"]))
   return lines
 
 
@@ -977,16 +1223,20 @@ def _kept_cell(row: dict) -> str:
 
 def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
              results: dict | None = None, second: dict | None = None,
-             found: dict | None = None) -> str:
+             found: dict | None = None, declared: dict | None = None) -> str:
   """The summary's markdown; `second`: tiers A' and G (`second_search`); `found`: the
-  verdicts (else computed from the summary)."""
+  verdicts (else computed from the summary); `declared`: tiers H and N (`declared_tiers`,
+  else computed from the summary)."""
+  found = found if found is not None else verdicts(summary, chosen, results)
+  declared = declared if declared is not None else declared_tiers(summary, results)
   lines = ["# Accuracy-compute frontier (Fashion-MNIST, long schedule)", "",
            f"Command: `{command}`. Test accuracy in per cent; differences in points, paired "
            "per seed against full data of the same regime and schedule; [90 % t interval]; "
            f"TOST: two one-sided t-tests at a ±{100 * MARGIN:.1f}-point margin (p < {ALPHA}: "
            f"equivalent); lossless = equivalent and mean >= {100 * MIN_MEAN:+.1f} points. "
            "Passes: example passes (forward 1, forward + backward 3, scoring included) as a "
-           "share of full data's." + _evaluation_sentence(summary), "",
+           "share of full data's." + _evaluation_sentence(summary),
+           *headline_lines(summary, found, second or {}, declared), "", "## Every arm", "",
            "| arm | tier | seeds | passes | passes with evaluation | kept per selected epoch "
            "| test acc | val acc | vs full | TOST p | lossless |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1021,8 +1271,9 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
             (f"`{chosen.name}` (highest mean validation accuracy among tier A's arms at no more "
              "than half of full data's passes)." if chosen else
              "Not chosen yet: tier A has not finished.")]
-  lines += verdict_lines(found if found is not None else verdicts(summary, chosen, results))
+  lines += verdict_lines(found)
   lines += second_lines(summary, second or {})
+  lines += declared_lines(declared)
   lines += time_lines(summary)
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
@@ -1223,19 +1474,178 @@ def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str
   found = note_earlier_reference(verdicts(summary, chosen, results), summary,
                                  earlier_noisy_full())
   second = second_search(summary, arms, results)  # Tiers A' and G; {} before their runs.
+  declared = declared_tiers(summary, results)  # Tiers H and N.
   slim = {name: {k: v for k, v in r.items() if k not in ("correct", "confidence")}
           for name, r in results.items()}
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"summary": summary, "frontier": frontier_answers(summary),
                "not_worse": smallest_not_worse(summary),
                "chosen": chosen.name if chosen else None,
-               "verdicts": found, "margin": MARGIN, **second,
+               "verdicts": found, "margin": MARGIN, **second, **declared,
                "runs": slim, "failures": failures}, f, indent=1,
               default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
   with open(os.path.join(out, "summary.md"), "w") as f:
-    f.write(markdown(summary, chosen, command, failures, results, second, found))
-  g = {"g": second["verdict_g"]} if second.get("verdict_g") else {}
-  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"), {**found, **g})
+    f.write(markdown(summary, chosen, command, failures, results, second, found, declared))
+  later = {key: v for key, v in (("g", second.get("verdict_g")),
+                                 ("h", declared["tier_h"]["verdict"]),
+                                 ("n", declared["tier_n"]["verdict"])) if v}
+  plot_frontier(arms, results, summary, os.path.join(out, "frontier.png"), {**found, **later})
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's budget table, from a summary.json (studies/results/frontier.json).
+
+README = "README.md"
+TABLE_START = ("<!-- The budget table: written from studies/results/frontier.json by python -m "
+               "studies.frontier --readme=studies/results/frontier.json; do not edit by hand. -->")
+TABLE_END = "<!-- End of the budget table. -->"
+
+
+def _bracket(pair) -> str:
+  return f"[{_pts(pair[0])}, {_pts(pair[1])}]"
+
+
+def _passes_cell(row: dict) -> str:
+  return (f"{100 * row['passes_share']:.1f} % "
+          f"({100 * row.get('passes_share_with_evaluation', math.nan):.1f} %)")
+
+
+def _policy_cell(arm: Arm, row: dict, base) -> str:
+  """'`top_k` entropy, 38.5 % kept in epochs 1-17, then 2 on all data (`--config....`;
+  the study's `topk_anneal-45`)': what it trains on (`_kept_cell`), how to run it."""
+  config = grid.apply(base, arm.overrides)
+  flags = " ".join(f"--config.{k}={v}" for k, v in arm.overrides.items()
+                   if k.startswith("selection."))
+  kept = _kept_cell(row).replace(" in epochs", " kept in epochs", 1)
+  return (f"`{config.selection.method}` {config.selection.score}, {kept} (`{flags}`; the "
+          f"study's `{arm.name}`)")
+
+
+def _cost(v: dict, bootstrap: bool = True) -> str:
+  """'-0.13 [-0.20, -0.05] (seeds 3-12, TOST p 0.044; with the test images [-0.26, +0.01])',
+  the two-level bootstrap's interval where the verdict has it and `bootstrap`."""
+  seeds = v["seeds"]
+  test = (f"one-sided p {v['p']:.3f}" if "superior" in v else f"TOST p {v['p']:.3f}")
+  both = (v.get("test_images") or {}).get("seeds_and_images")
+  images = f"; with the test images {_bracket(both)}" if both and bootstrap else ""
+  return f"{_pts_interval(v)} (seeds {seeds[0]}-{seeds[-1]}, {test}{images})"
+
+
+def _time_mean_cell(time: dict) -> str:
+  """Tier C's wall-clock ratio (`mean_ratios`: arithmetic means) and its machine."""
+  if not time.get("wall_seeds"):
+    return "not measured beside full data on one machine"
+  even = (f"{time['even_wall_ratio']:.2f} (mean over seeds {','.join(map(str, time['even_seeds']))}"
+          f", both runs whole and at an even pace; " if time["even_seeds"] else "(")
+  return (f"{even}{time['wall_ratio']:.2f} over seeds {','.join(map(str, time['wall_seeds']))}"
+          f" with whole wall clocks) on `{'`, `'.join(time['machines'])}`")
+
+
+def _time_geomean_cell(v: dict) -> str:
+  """A new-seed tier's wall-clock ratio (`seconds_ratios`: geometric means) and machines."""
+  if not v:
+    return "not run yet"
+  seconds = v["seconds"]
+  if not seconds["same_machine_seeds"]:
+    return "no pair ran on one machine"
+  machines = sorted({p["machine"] for p in seconds["per_seed"].values() if p["same_machine"]})
+  steady = seconds["steady_seeds"]
+  even = (f"{seconds['steady_wall_geomean']:.2f} (geometric mean over seeds "
+          f"{','.join(map(str, steady))}, both runs whole and at an even pace; " if steady else "(")
+  return (f"{even}{seconds['wall_geomean']:.2f} over all {seconds['same_machine_seeds']} pairs "
+          f"run on one machine) on `{'`, `'.join(machines)}`")
+
+
+def _searched(summary: dict, name: str) -> str:
+  """'seeds 0-2: -0.18 [-0.63, +0.28], TOST p 0.447': a search arm against full data."""
+  vs = summary[name]["vs_full"]
+  return f"seeds 0-2: {_pts_interval(vs)}, TOST p {vs['p']:.3f}"
+
+
+def _new_seed_cost(v: dict, label: str, seeds: tuple, done: str) -> str:
+  """A declared tier's cost cell: not run yet, not decided yet (k of n seeds, the interval so
+  far), or its outcome in bold and its interval."""
+  if not v:
+    return f"{label}: not run yet"
+  if not v["complete"]:
+    return (f"{label}: not decided yet, {len(v['seeds'])} of {len(seeds)} seeds run "
+            f"({_pts_interval(v)} so far)")
+  return f"{label}: **{done}**, {_cost(v)}"
+
+
+def budget_rows(out: dict, base) -> list[list[str]]:
+  """One row per declared answer of the summary `out` (a summary.json): tier C's design with
+  its replication (F) and their pool, tier G's, tier H's, tier N's, and full data."""
+  summary, found = out["summary"], out["verdicts"]
+  arms = {a.name: a for a in search_arms(base) + a2_arms() + n_arms(base)}
+  rows = []
+  name = out["chosen"]
+  c_row = summary[f"{name}@confirm"]
+  pooled = found["pooled"]
+  rows.append([
+      _passes_cell(c_row), _policy_cell(arms[name], c_row, base),
+      f"lossless at half the passes or fewer? Chosen on validation accuracy ("
+      f"{_searched(summary, name)}), then tier C (seeds 3-7) and its replication, tier F "
+      "(seeds 8-12), each declared before its runs",
+      f"**{_outcome(pooled, short=True)}** on all 10 seeds: {_cost(pooled)}; tier C: "
+      f"{_cost(found['untouched'])}, {_outcome(found['untouched'], short=True)}; tier F: "
+      f"{_cost(found['replicate'], False)}, {_outcome(found['replicate'], short=True)}",
+      _time_mean_cell(c_row["time"])])
+  g = out["verdict_g"]
+  g_row = summary[g["arm"]]
+  rows.append([
+      _passes_cell(g_row), _policy_cell(arms[out["chosen_a2"]], g_row, base),
+      "lossless at half the passes or fewer? Chosen on validation accuracy among tier A' "
+      f"(importance sampling, InfoBatch without its weight; {_searched(summary, out['chosen_a2'])}"
+      "), then tier G (seeds 13-22), declared before its runs",
+      f"**{_outcome(g, short=True)}**: {_cost(g)}", _time_geomean_cell(g)])
+  h, pick = out["tier_h"]["verdict"], out["tier_h"]["declared_choice"]
+  h_row = summary[h["arm"]] if h else summary[pick]
+  rows.append([
+      _passes_cell(h_row), _policy_cell(arms[pick], h_row, base),
+      "the largest lossless saving? Chosen by a rule declared before tier H's runs among the "
+      f"search arms at 50-70 % of the passes ({_searched(summary, pick)}), then tier H (seeds "
+      "23-32)",
+      _new_seed_cost(h, "tier H", H_SEEDS, _outcome(h, short=True) if h else ""),
+      _time_geomean_cell(h)])
+  n = out["tier_n"]["verdict"]
+  n_row = summary[n["arm"]] if n else summary[N_DESIGN]
+  noisy = found.get("noisy")
+  rows.append([
+      _passes_cell(n_row), _policy_cell(arms[N_DESIGN], n_row, base),
+      "better than full data under 20 % label noise, a noise draw per seed? Tier N (seeds "
+      "23-32), declared before its runs"
+      + (f"; tier D's {_pts_interval(noisy)} (seeds 3-7) was exploratory, against a full-data "
+         "reference that trained epoch 5 on the flipped labels first" if noisy else ""),
+      _new_seed_cost(n, "tier N", N_SEEDS, _outcome(n, short=True) if n else "")
+      + (" vs full data on the same noisy labels" if n else ""),
+      _time_geomean_cell(n)])
+  return rows + [["100 %", "full data", "", "", ""]]
+
+
+def budget_table(out: dict, base) -> str:
+  """The README's budget table (`budget_rows`) between its markers."""
+  lines = [TABLE_START, "",
+           "| passes, % of full (with evaluation) | policy: what it keeps | question, declared "
+           "tiers | test accuracy vs full data, points [90 % t interval] | time, share of full "
+           "data's (machine) |", "|---|---|---|---|---|"]
+  lines += ["| " + " | ".join(row) + " |" for row in budget_rows(out, base)]
+  return "\n".join(lines + ["", TABLE_END])
+
+
+def write_readme_table(summary_json: str, readme: str = README) -> None:
+  """Replaces the budget table between TABLE_START and TABLE_END in `readme` with
+  `budget_table` of `summary_json`; the markers must be there, once each."""
+  with open(summary_json, encoding="utf-8") as f:
+    table = budget_table(json.load(f), base_config())
+  with open(readme, encoding="utf-8") as f:
+    text = f.read()
+  if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1:
+    raise SystemExit(f"--readme: {readme} needs the budget table's markers once each, "
+                     f"{TABLE_START!r} and {TABLE_END!r}")
+  head, rest = text.split(TABLE_START)
+  with open(readme, "w", encoding="utf-8") as f:
+    f.write(head + table + rest.split(TABLE_END)[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1251,16 +1661,36 @@ def _record(records: str, arm: Arm, seed: int) -> str:
   return long_schedule.record_path(records, arm.name, seed)
 
 
+def planned_runs(tier_arms: list[Arm]) -> list[tuple[Arm, int]]:
+  """A tier's (arm, seed) runs in the order they train: seed by seed, each seed's arms in
+  order, so that a tier cut short is paired."""
+  return [(a, s) for s in sorted({s for a in tier_arms for s in a.seeds})
+          for a in tier_arms if s in a.seeds]
+
+
+def plan_lines(tier: str, todo: list[tuple[Arm, int]], records: str, only: list[str]) -> list[str]:
+  """--dry-run's listing: per run its arm, seed, the overrides it trains with, and whether its
+  record exists (or --arms leaves it out)."""
+  lines = [f"tier {tier}: {len(todo)} runs"]
+  for i, (arm, seed) in enumerate(todo):
+    state = ("recorded" if os.path.exists(_record(records, arm, seed))
+             else "left out by --arms" if only and arm.name not in only else "to train")
+    lines.append(f"  {i + 1}/{len(todo)} {arm.name} seed {seed} ({state}): "
+                 + " ".join(f"{k}={v}" for k, v in run_overrides(arm, seed).items()))
+  return lines
+
+
 def _run(base, arm: Arm, seed: int, out: str, records: str, results: dict, failures: dict,
-         label: str, summarise_only: bool) -> None:
+         label: str, summarise_only: bool, quiet: bool = False) -> None:
   workdir = os.path.join(out, arm.name, f"seed{seed}")
   record = _record(records, arm, seed)
   finished = os.path.exists(record) or os.path.exists(
       os.path.join(workdir, "report", "results.json"))
   if summarise_only and not finished:
     return
-  print(f"[{time.strftime('%H:%M:%S')}] {label}: tier {arm.tier} {arm.name} seed {seed}"
-        + (" (finished)" if finished else ""), flush=True)
+  if not quiet:
+    print(f"[{time.strftime('%H:%M:%S')}] {label}: tier {arm.tier} {arm.name} seed {seed}"
+          + (" (finished)" if finished else ""), flush=True)
   try:
     row = long_schedule.run_row(base, run_overrides(arm, seed), workdir, record)
     long_schedule._add(results, arm.name, seed, row)  # pylint: disable=protected-access
@@ -1274,8 +1704,13 @@ def _run(base, arm: Arm, seed: int, out: str, records: str, results: dict, failu
 
 def _tier_arms(tier: str, arms: list[Arm], results: dict, base) -> list[Arm] | None:
   """The arms that `tier` runs, or None while the choice it follows is not made: C-F follow
-  tier A's, G the tier-A' (A2) one. Tier A' runs beside full data's seeds 0-2 (read from their
-  records), so that its arms have their reference in the summary when it runs alone."""
+  tier A's, G the tier-A' (A2) one; H and N run their declared designs. Tier A' runs beside
+  full data's seeds 0-2 (read from their records), so that its arms have their reference in
+  the summary when it runs alone."""
+  if tier == "H":
+    return h_arms(base)
+  if tier == "N":
+    return n_arms(base)
   if tier in ("C", "D", "E", "F"):
     chosen = choose(arms, results)
     return None if chosen is None else [a for a in later_arms(chosen, base) if a.tier == tier]
@@ -1294,18 +1729,28 @@ def main():
   parser.add_argument("--records", default=RECORDS,
                       help=f"one small file per finished run (default {RECORDS})")
   parser.add_argument("--tiers", default="".join(TIERS),
-                      help="tiers to run, in order (default ACFDBEA2G; A2 is tier A', "
-                           "e.g. --tiers A2, then --tiers A2G for tier G)")
+                      help="tiers to run, in order (default ACFDBEA2GHN; A2 is tier A', "
+                           "e.g. --tiers A2, then --tiers A2G for tier G; --tiers H, --tiers N)")
   parser.add_argument("--arms", default="",
                       help="comma-separated arm names: run only these (e.g. a cut-down tier "
                            "B: --tiers B --arms topk_anneal-55,topk_anneal-70); default all")
   parser.add_argument("--summarise-only", action="store_true",
                       help="rewrite the summary from finished runs, train nothing")
+  parser.add_argument("--dry-run", action="store_true",
+                      help="list each tier's runs (arm, seed, overrides, recorded or to train) "
+                           "and stop: nothing trained, nothing written")
+  parser.add_argument("--readme", default="", metavar="SUMMARY_JSON",
+                      help=f"rewrite {README}'s budget table from this summary.json (e.g. "
+                           "studies/results/frontier.json) and stop; nothing trained")
   args = parser.parse_args()
+  if args.readme:
+    write_readme_table(args.readme)
+    return
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
   base = base_config()
   command = f"python -m studies.frontier --out={args.out}"
-  os.makedirs(args.out, exist_ok=True)
+  if not args.dry_run:
+    os.makedirs(args.out, exist_ok=True)
   arms = search_arms(base) + a2_arms()
   only = parse_arms(args.arms, base)
   results, failures = {}, {}
@@ -1316,16 +1761,19 @@ def main():
             f"{'A' if tier in 'CDEF' else 'A2'}'s choice", flush=True)
       continue
     arms += [a for a in tier_arms if a not in arms]
-    todo = [(a, s) for s in sorted({s for a in tier_arms for s in a.seeds})
-            for a in tier_arms if s in a.seeds]  # Seed by seed: a cut-short tier is paired.
+    todo = planned_runs(tier_arms)
+    if args.dry_run:
+      print("\n".join(plan_lines(tier, todo, args.records, only)), flush=True)
     for i, (arm, seed) in enumerate(todo):
       # An arm left out by --arms still reads its finished records (tier A's decide the
       # choice that the later tiers need); it trains nothing.
-      skip = args.summarise_only or bool(only and arm.name not in only)
+      skip = args.summarise_only or args.dry_run or bool(only and arm.name not in only)
       _run(base, arm, seed, args.out, args.records, results, failures,
-           f"tier {tier} run {i + 1}/{len(todo)}", skip)
+           f"tier {tier} run {i + 1}/{len(todo)}", skip, quiet=args.dry_run)
       if not skip:
         write_outputs(args.out, arms, results, choose(arms, results), command, failures)
+  if args.dry_run:
+    return
   write_outputs(args.out, arms, results, choose(arms, results), command, failures)
   print(f"[{time.strftime('%H:%M:%S')}] done: {args.out}/summary.md", flush=True)
 

@@ -140,7 +140,7 @@ def test_the_half_compute_verdict_needs_five_untouched_seeds_equivalence_and_the
   found = _confirmation([-0.0005, 0.0003, 0.0001], seeds=(3, 4, 5))["untouched"]
   assert found["lossless"] and not found["complete"] and not found["met"]
   lines = frontier.verdict_lines({"untouched": found})
-  assert lines[3] == "**Not decided yet.**" and "incomplete" in lines[4]
+  assert lines[3] == "**Tier C, seeds 3-7: not decided yet.**" and "incomplete" in lines[4]
 
 
 def test_arms_option_names_an_unknown_arm_and_the_near_ones():
@@ -216,7 +216,7 @@ def test_replication_is_reported_alone_and_pooled_beside_the_original_verdict():
   assert pooled["mean"] == pytest.approx((0.0001 / 5 - 0.006 / 5) / 2, abs=1e-12)
   assert pooled["met"] == (pooled["equivalent"] and pooled["mean"] >= -0.001)
   lines = frontier.verdict_lines(found)
-  assert lines[3] == "**Met.**" and "**not replicated**" in lines[4]
+  assert lines[3] == "**Tier C, seeds 3-7: met.**" and "**not replicated**" in lines[4]
   assert any(line.startswith("- tiers C and F pooled, seeds 3-12") for line in lines)
 
 
@@ -425,13 +425,6 @@ def test_two_level_bootstrap_reduces_to_each_level():
                                        0.5 + 1.645 * 0.5 / math.sqrt(40)), abs=0.03)
 
 
-def _readme_budget_table() -> str:
-  with open("README.md", encoding="utf-8") as f:
-    text = f.read()
-  section = text.split("## Which selection to use")[1].split("## Which calibration to use")[0]
-  return " ".join(section.split())  # Wrapped lines read as one.
-
-
 def _interval(v: dict) -> str:
   return f"{100 * v['mean']:+.2f} [{100 * v['low']:+.2f}, {100 * v['high']:+.2f}]"
 
@@ -440,80 +433,131 @@ def _bracket(pair) -> str:
   return f"[{100 * pair[0]:+.2f}, {100 * pair[1]:+.2f}]"
 
 
-def test_readme_budget_table_states_the_frontier_summary():
-  """Every number of the README's budget table as studies/results/frontier.json (the
-  committed summary, generated from the records) has it, in the table's own formats."""
+def _committed() -> dict:
   with open("studies/results/frontier.json", encoding="utf-8") as f:
-    out = json.load(f)
-  summary, found, runs = out["summary"], out["verdicts"], out["runs"]
-  table = _readme_budget_table()
-  expected = []
-  for name in ("topk_anneal-45", "topk_entropy-30", "topk_anneal-55", "infobatch-r50"):
-    row = summary[name]
-    expected.append(f"{100 * row['passes_share']:.1f} % "
-                    f"({100 * row['passes_share_with_evaluation']:.1f} %)")
-    if name != "topk_anneal-45":  # Its row gives the later tiers' verdicts (below).
-      expected += [f"{_interval(row['vs_full'])} (seeds 0-2)",
-                   f"TOST p {row['vs_full']['p']:.3f}"]
-    kept = row["kept"]
-    share = (f"{100 * kept['kept'][0]:.1f} % kept" if kept["kept"]
-             else f"≈ {100 * kept['mean_from_passes']:.1f} % kept on average")
-    expected.append(f"{share} in epochs {kept['epochs'][0]}-{kept['epochs'][1]}")
-  expected.append(f"selection.fraction={summary['topk_anneal-45']['kept']['kept'][0]}")
-  expected.append(f"selection.fraction={summary['topk_anneal-55']['kept']['kept'][0]}")
-  for key in ("untouched", "replicate", "pooled"):
-    expected += [_interval(found[key]), f"TOST p {found[key]['p']:.3f}"]
-  for key in ("untouched", "pooled"):
-    both = found[key]["test_images"]["seeds_and_images"]
-    expected.append(f"with the test images {_bracket(both)}")
-  chosen = summary["topk_anneal-45@confirm"]["time"]
-  assert chosen["even_seeds"] == [3, 4, 5] and chosen["wall_seeds"] == [3, 4, 5, 7]
-  (machine,) = chosen["machines"]
-  expected += [f"{chosen['even_wall_ratio']:.2f} (seeds 3-5",
-               f"{chosen['wall_ratio']:.2f} with seed 7", f"`{machine}`"]
+    return json.load(f)
+
+
+def _table_rows(table: str) -> list[str]:
+  """The budget table's body rows, each as its line."""
+  return [line for line in table.splitlines()
+          if line.startswith("| ") and not line.startswith("| passes")]
+
+
+def _share(row: dict) -> str:
+  return (f"{100 * row['passes_share']:.1f} % "
+          f"({100 * row['passes_share_with_evaluation']:.1f} %)")
+
+
+def test_readme_budget_table_is_written_from_the_committed_summary():
+  """The README holds `budget_table` of studies/results/frontier.json byte for byte, its
+  markers included (`python -m studies.frontier --readme=studies/results/frontier.json`)."""
+  with open("README.md", encoding="utf-8") as f:
+    readme = f.read()
+  assert frontier.budget_table(_committed(), frontier.base_config()) in readme
+
+
+def test_budget_table_states_the_frontier_summary():
+  """Every row's numbers as frontier.json has them, in the table's own formats: tier C's design
+  with F and the pool, tier G's, tier H's pick and tier N's design (not run yet), full data."""
+  out = _committed()
+  summary, found, g = out["summary"], out["verdicts"], out["verdict_g"]
+  rows = _table_rows(frontier.budget_table(out, frontier.base_config()))
+  assert len(rows) == 5 and rows[4] == "| 100 % | full data |  |  |  |"
+  time = summary["topk_anneal-45@confirm"]["time"]
+  assert time["even_seeds"] == [3, 4, 5] and time["wall_seeds"] == [3, 4, 5, 7]
+  pooled, c = found["pooled"], found["untouched"]
+  expected = {0: [_share(summary["topk_anneal-45@confirm"]),
+                  "`top_k` entropy, 38.5 % kept in epochs 1-17, then 2 on all data",
+                  "--config.selection.fraction=0.3853",  # (19 x 0.45 - 2) / 17 = 0.38529.
+                  f"seeds 0-2: {_interval(summary['topk_anneal-45']['vs_full'])}",
+                  f"**not lossless, below full data** on all 10 seeds: {_interval(pooled)} "
+                  f"(seeds 3-12, TOST p {pooled['p']:.3f}; with the test images "
+                  f"{_bracket(pooled['test_images']['seeds_and_images'])})",
+                  f"{_interval(c)} (seeds 3-7, TOST p {c['p']:.3f}; with the test images "
+                  f"{_bracket(c['test_images']['seeds_and_images'])}), lossless",
+                  f"{_interval(found['replicate'])} (seeds 8-12, TOST p "
+                  f"{found['replicate']['p']:.3f}), not lossless, below full data",
+                  f"{time['even_wall_ratio']:.2f} (mean over seeds 3,4,5",
+                  f"{time['wall_ratio']:.2f} over seeds 3,4,5,7", f"`{time['machines'][0]}`"],
+              1: [_share(summary[g["arm"]]), "41.0 % kept in epochs 1-17",
+                  "--config.selection.fraction=0.41",
+                  f"seeds 0-2: {_interval(summary['topk_anneal-p50']['vs_full'])}, TOST p "
+                  f"{summary['topk_anneal-p50']['vs_full']['p']:.3f}",
+                  f"**not lossless, below full data**: {_interval(g)} (seeds 13-22, TOST p "
+                  f"{g['p']:.3f}; with the test images "
+                  f"{_bracket(g['test_images']['seeds_and_images'])})",
+                  f"{g['seconds']['steady_wall_geomean']:.2f} (geometric mean over seeds "
+                  "15,16,17,18,19,20,21,22, both runs whole and at an even pace; "
+                  f"{g['seconds']['wall_geomean']:.2f} over all 10 pairs"],
+              2: [_share(summary["topk_anneal-55"]), "49.7 % kept in epochs 1-17",
+                  "--config.selection.fraction=0.4971",  # (19 x 0.55 - 2) / 17 = 0.49706.
+                  f"seeds 0-2: {_interval(summary['topk_anneal-55']['vs_full'])}, TOST p "
+                  f"{summary['topk_anneal-55']['vs_full']['p']:.3f}",
+                  "| tier H: not run yet | not run yet |"],
+              3: [_share(summary["topk_anneal-45"]), "--config.selection.fraction=0.3853",
+                  f"tier D's {_interval(found['noisy'])} (seeds 3-7) was exploratory",
+                  "| tier N: not run yet | not run yet |"]}
+  missing = [(i, e) for i, strings in expected.items() for e in strings if e not in rows[i]]
+  assert not missing, f"the budget table lacks {missing}"
+  assert "dataset.label_noise" not in rows[3]  # The row names the noise; its flags select.
+
+
+def test_budget_table_fills_in_tiers_h_and_n_from_their_verdicts():
+  """Made-up verdicts: tier H complete and lossless, tier N on 5 of its 10 seeds (not decided,
+  whatever its interval), then on all 10 and better; each time cell the geometric means."""
+  out = json.loads(json.dumps(_committed()))
+  seconds = {"per_seed": {str(s): {"machine": "gpu x", "same_machine": True}
+                          for s in range(23, 33)}, "same_machine_seeds": 10,
+             "steady_seeds": list(range(23, 31)), "steady_wall_geomean": 0.6,
+             "wall_geomean": 0.58}
+  h = {"arm": "topk_anneal-55@confirm_h", "seeds": list(range(23, 33)), "complete": True,
+       "saving": 0.427, "mean": -0.0004, "low": -0.0012, "high": 0.0004, "p": 0.0012,
+       "equivalent": True, "lossless": True, "met": True, "seconds": seconds,
+       "test_images": {"seeds_and_images": [-0.002, 0.0011]}}
+  n = {"arm": "noisy_topk_anneal-45@confirm_n", "seeds": list(range(23, 28)), "complete": False,
+       "saving": 0.52, "mean": 0.004, "low": 0.001, "high": 0.007, "p": 0.01, "superior": True,
+       "better": False, "seconds": seconds, "test_images": {"seeds_and_images": [0.0, 0.008]}}
+  for name, base_name in ((h["arm"], "topk_anneal-55"), (n["arm"], "topk_anneal-45")):
+    out["summary"][name] = {**out["summary"][base_name], "passes_share": 0.5,
+                            "passes_share_with_evaluation": 0.52}
+  out["tier_h"]["verdict"], out["tier_n"]["verdict"] = h, n
+  base = frontier.base_config()
+  rows = _table_rows(frontier.budget_table(out, base))
+  time = ("0.60 (geometric mean over seeds 23,24,25,26,27,28,29,30, both runs whole and at an "
+          "even pace; 0.58 over all 10 pairs run on one machine) on `gpu x`")
+  assert rows[2].startswith("| 50.0 % (52.0 %) |")
+  assert rows[2].endswith("| tier H: **lossless**, -0.04 [-0.12, +0.04] (seeds 23-32, TOST p "
+                          f"0.001; with the test images [-0.20, +0.11]) | {time} |")
+  assert rows[3].endswith("| tier N: not decided yet, 5 of 10 seeds run (+0.40 [+0.10, +0.70] "
+                          f"so far) vs full data on the same noisy labels | {time} |")
+  n.update(seeds=list(range(23, 33)), complete=True, better=True)
+  rows = _table_rows(frontier.budget_table(out, base))
+  assert rows[3].endswith("| tier N: **better**, +0.40 [+0.10, +0.70] (seeds 23-32, one-sided p "
+                          "0.010; with the test images [+0.00, +0.80]) vs full data on the same "
+                          f"noisy labels | {time} |")
+
+
+def test_readme_states_the_search_seeds_numbers_beside_the_table():
+  """The README's sentences on arms run on seeds 0-2 alone, as frontier.json has them."""
+  out = _committed()
+  summary = out["summary"]
+  with open("README.md", encoding="utf-8") as f:
+    text = " ".join(f.read().split("## Which selection to use")[1]
+                    .split("## Which calibration to use")[0].split())
+  expected = [f"{summary['full']['evaluation_passes']:,.0f} a run"]
   for name in ("topk_entropy-30", "infobatch-r50"):
-    time = summary[name]["time"]
-    assert time["even_seeds"] == time["wall_seeds"] == [2]
-    expected.append(f"{time['wall_ratio']:.2f} (seed 2, the one pair of whole runs")
-  assert summary["topk_anneal-55"]["time"]["wall_seeds"] == []  # "not measured beside ..."
-  noisy = found["noisy"]
-  arm, full = runs["noisy_topk_anneal-45@confirm"], runs["noisy_full@confirm"]
-  per_seed = [f"{100 * (a - b):+.2f}" for a, b in zip(arm["accuracy"], full["accuracy"])]
-  expected += [_interval(noisy), ", ".join(per_seed[:-1]) + f" and {per_seed[-1]}",
-               f"{100 * noisy['reference_accuracy']:.2f} %",
-               f"{100 * (noisy['earlier_reference']['accuracy'] - noisy['reference_accuracy']):.2f}"
-               " points below", f"{100 * noisy['earlier_reference']['accuracy']:.2f} %",
-               f"{summary['full']['evaluation_passes']:,.0f} a run"]
-  missing = [e for e in expected if e not in table]
-  assert not missing, f"the README's budget table lacks {missing}"
-
-
-def test_readme_budget_table_states_tier_a2s_choice_and_tier_g():
-  """The README's row for tier A''s choice as frontier.json has it: passes, kept share, its
-  seeds 0-2 interval, and tier G's verdict on seeds 13-22 with the test images' interval and
-  the wall-clock ratio over the pairs run on one machine, that machine named."""
-  with open("studies/results/frontier.json", encoding="utf-8") as f:
-    out = json.load(f)
-  row, g = out["summary"][out["chosen_a2"]], out["verdict_g"]
-  assert out["chosen_a2"] == "topk_anneal-p50" and g["complete"]
-  seconds = g["seconds"]
-  machines = {v["machine"] for v in seconds["per_seed"].values() if v["same_machine"]}
-  (machine,) = machines
-  expected = [f"{100 * row['passes_share']:.1f} % "
-              f"({100 * row['passes_share_with_evaluation']:.1f} %)",
-              f"{100 * row['kept']['kept'][0]:.1f} % kept in epochs 1-17",
-              f"selection.fraction={row['kept']['kept'][0]}",
-              f"{_interval(row['vs_full'])} (seeds 0-2)", f"TOST p {row['vs_full']['p']:.3f}",
-              f"{_interval(g)} (seeds 13-22)", f"TOST p {g['p']:.3f}",
-              f"with the test images {_bracket(g['test_images']['seeds_and_images'])}",
-              f"{seconds['steady_wall_geomean']:.2f} ({len(seconds['steady_seeds'])} seeds, "
-              f"{seconds['steady_seeds'][0]}-{seconds['steady_seeds'][-1]}, both runs whole and "
-              "at an even pace", f"{seconds['wall_geomean']:.2f} over all "
-              f"{seconds['same_machine_seeds']} pairs",
-              f"`{machine}`"]
-  table = _readme_budget_table()
-  missing = [e for e in expected if e not in table]
-  assert not missing, f"the README's budget table lacks {missing}"
+    row = summary[name]
+    expected += [f"{_share(row)} of the passes", f"{_interval(row['vs_full'])} (seeds 0-2)",
+                 f"TOST p {row['vs_full']['p']:.3f}",
+                 f"{row['time']['wall_ratio']:.2f} of full data's wall clock (seed 2, the one "
+                 "pair of whole runs"]
+    assert row["time"]["even_seeds"] == row["time"]["wall_seeds"] == [2]
+  expected += ["30.0 % kept in epochs 1-19",
+               f"≈ {100 * summary['infobatch-r50']['kept']['mean_from_passes']:.1f} % kept on "
+               "average in epochs 1-16"]
+  missing = [e for e in expected if e not in text]
+  assert not missing, f"the README lacks {missing}"
 
 
 def test_docs_studies_state_tier_g_as_the_summary_has_it():
@@ -637,7 +681,7 @@ def test_tiers_parse_with_a_digit_and_name_an_unknown_one():
   assert frontier.parse_tiers("A2G") == ["A2", "G"]
   assert frontier.parse_tiers("".join(frontier.TIERS)) == list(frontier.TIERS)
   with pytest.raises(SystemExit, match=r"unknown tier 'A3' in 'A3'; valid tiers: A, C, F, D, "
-                                       r"B, E, A2, G \(A2 is tier A'\)"):
+                                       r"B, E, A2, G, H, N \(A2 is tier A'\)"):
     frontier.parse_tiers("A3")
   with pytest.raises(SystemExit, match="unknown tier 'a'"):
     frontier.parse_tiers("a")
@@ -726,7 +770,7 @@ def test_the_summary_has_no_tier_a2_section_before_its_runs():
   assert second == {"chosen_a2": None, "verdict_g": {}}
   text = frontier.markdown(summary, None, "cmd", {}, results, second)
   assert "Not chosen yet: tier A' has not finished." in text
-  assert text.rstrip().endswith("Not answered yet: tier G has not run.")
+  assert "Not answered yet: tier G has not run." in text.split("## Tier H")[0]
 
 
 def test_tiers_a2_and_g_run_from_their_records_alone(tmp_path, monkeypatch):
@@ -768,5 +812,193 @@ def test_tiers_a2_and_g_run_from_their_records_alone(tmp_path, monkeypatch):
                                  "infobatch_norescale-r95", "full@confirm_g",
                                  "importance-m20@confirm_g"}
   text = (tmp_path / "summary.md").read_text()
-  assert "## Tier A': unbiased designs" in text and "## Tier G:" in text
+  assert "## Tier A': importance sampling" in text and "## Tier G:" in text
   assert (tmp_path / "frontier.png").stat().st_size > 0
+
+
+# Tiers H and N, declared before their runs.
+
+
+def test_superiority_by_hand_and_against_scipys_one_sided_test():
+  """d = (+0.1, +0.2, +0.3) points: mean 0.2, sd 0.1, se 0.1 / sqrt(3), t = sqrt(12); with 2
+  degrees of freedom sf(t) = (1 - t / sqrt(t^2 + 2)) / 2 = 0.0371 < 0.05: better, and the 90 %
+  interval's lower end 0.2 - 2.919986 x 0.1 / sqrt(3) = 0.0314 points is above 0."""
+  result = equivalence.superiority([0.001, 0.002, 0.003])
+  t = math.sqrt(12)
+  assert result["p"] == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, rel=1e-9)
+  assert result["superior"] and result["low"] == pytest.approx(
+      0.002 - 2.919986 * 0.001 / math.sqrt(3), rel=1e-6)
+  # Mean +0.2 points but spread: the interval reaches below 0, not better.
+  spread = [0.001, -0.002, 0.007]
+  result = equivalence.superiority(spread)
+  assert not result["superior"] and result["low"] < 0 < result["mean"]
+  assert result["p"] == pytest.approx(
+      stats.ttest_1samp(spread, 0.0, alternative="greater").pvalue, rel=1e-9)
+  rng = np.random.default_rng(0)
+  for _ in range(20):  # p < 0.05 exactly when the lower end is above 0.
+    d = rng.normal(0.001, 0.002, size=int(rng.integers(3, 12)))
+    result = equivalence.superiority(d)
+    assert result["p"] == pytest.approx(
+        stats.ttest_1samp(d, 0.0, alternative="greater").pvalue, rel=1e-9)
+    assert result["superior"] == (result["low"] > 0) == (result["p"] < 0.05)
+  assert equivalence.superiority([0.001] * 4)["superior"]  # No spread: the sign decides.
+  assert not equivalence.superiority([0.0] * 4)["superior"]
+  assert not equivalence.superiority([0.01])["superior"]  # One seed: untested.
+
+
+def _row(tier, share, mean, p, seeds=(0, 1, 2)):
+  """A hand-made summary row: its tier, share of passes and paired test on `seeds`."""
+  return {"tier": tier, "passes_share": share, "seeds": list(seeds), "planned_seeds": 3,
+          "vs_full": {"mean": mean, "low": mean - 0.002, "high": mean + 0.002, "p": p,
+                      "seeds": list(seeds)}}
+
+
+def test_tier_h_rule_by_hand():
+  """Among the search tiers' arms at 50-70 % of the passes with a mean of at least -0.1
+  points, the smallest TOST p; a tie goes to the smaller share, then to the name."""
+  summary = {"a": _row("A", 0.49, 0.0, 0.001),  # Under 50 % of the passes: out.
+             "b": _row("B", 0.55, -0.0012, 0.002),  # Mean -0.12 points: out.
+             "c": _row("B", 0.60, -0.0005, 0.08),
+             "d": _row("A2", 0.65, 0.0002, 0.05),  # The smallest p left: chosen.
+             "e": _row("C", 0.60, 0.0, 0.0001, seeds=(3, 4, 5)),  # Not a search tier: out.
+             "f": _row("B", 0.56, 0.0, 0.0001, seeds=(0, 1)),  # Seeds 0-1 only: out.
+             "g": _row("B", 0.71, 0.0, 0.0001)}  # Over 70 %: out.
+  assert [c["arm"] for c in frontier.h_candidates(summary)] == ["b", "c", "d"]
+  assert [c["kept"] for c in frontier.h_candidates(summary)] == [False, True, True]
+  assert frontier.choose_h(summary) == "d"
+  summary["h"] = _row("B", 0.70, -0.001, 0.05)  # The same p, more passes: not chosen,
+  summary["i"] = _row("A", 0.50, -0.0009, 0.05)  # the same p, fewer passes: chosen.
+  assert frontier.choose_h(summary) == "i"
+  summary["0"] = _row("B", 0.50, 0.0, 0.05)  # The same p and share: the first name.
+  assert frontier.choose_h(summary) == "0"
+  assert frontier.choose_h({"c": _row("B", 0.6, -0.002, 0.9)}) is None
+
+
+def test_tier_h_rule_on_the_committed_records_picks_the_declared_arm():
+  """The rule, recomputed from the committed runs with SciPy's one-sided t-tests (a second
+  implementation of the TOST): the arms of tiers A, A' and B at 50-70 % of full data's passes
+  are InfoBatch at r = 0.7 (mean below -0.1) and r = 0.5 and top-k with the finish at the 55 %
+  budget; the smallest TOST p among the two left is top-k's, the declared H_CHOICE."""
+  out = _committed()
+  runs, summary = out["runs"], out["summary"]
+  full = runs["full"]
+  p_values = {}
+  for name, row in summary.items():
+    if row["tier"] not in ("A", "A2", "B") or name == "full":
+      continue
+    r = runs[name]
+    share = np.mean(r["passes"]) / np.mean(full["passes"])
+    if not 0.5 <= share <= 0.7:
+      continue
+    seeds = sorted(set(r["seed_index"]) & set(full["seed_index"]))
+    d = np.array([r["accuracy"][r["seed_index"][s]] - full["accuracy"][full["seed_index"][s]]
+                  for s in seeds])
+    assert seeds == ["0", "1", "2"]  # JSON's keys are strings.
+    if d.mean() >= -0.001:
+      p_values[name] = max(
+          stats.ttest_1samp(d + 0.002, 0.0, alternative="greater").pvalue,
+          stats.ttest_1samp(d - 0.002, 0.0, alternative="less").pvalue)
+  assert sorted(p_values) == ["infobatch-r50", "topk_anneal-55"]
+  assert min(p_values, key=p_values.get) == frontier.H_CHOICE == "topk_anneal-55"
+  assert frontier.choose_h(summary) == out["tier_h"]["rule_choice"] == frontier.H_CHOICE
+  assert [c["arm"] for c in out["tier_h"]["candidates"]] == [
+      "infobatch-r70", "topk_anneal-55", "infobatch-r50"]
+  assert out["tier_h"]["verdict"] == {} and out["tier_n"]["verdict"] == {}
+
+
+def _paired(name, reference, seeds, differences, passes=(50.0, 100.0)):
+  """Results of an arm and its reference on `seeds`, the arm `differences` above it."""
+  full = 0.90 + 0.001 * np.arange(len(seeds))
+  return {reference: _with_machine(_result(full, passes[1], seeds=seeds), 1000.0, 800.0),
+          name: _with_machine(_result(full + np.asarray(differences), passes[0], seeds=seeds),
+                              600.0, 400.0)}
+
+
+def test_tier_h_and_tier_n_verdicts_by_hand(tmp_path):
+  """Tier H: lossless on all 10 seeds, at whatever saving; tier N: better when the one-sided
+  test passes on all 10 seeds (SciPy's one-sided t-test); each undecided on 5 of them, and
+  the summary's headline, sections and figure say so."""
+  base = frontier.base_config()
+  arms = frontier.h_arms(base) + frontier.n_arms(base)
+  seeds = frontier.H_SEEDS
+  d_h = [0.0004, -0.0006, 0.0002, -0.0003, 0.0001, 0.0005, -0.0002, 0.0, -0.0004, 0.0003]
+  d_n = [0.008, 0.004, 0.010, 0.006, 0.007, 0.003, 0.009, 0.005, 0.008, 0.006]
+  results = {**_paired("topk_anneal-55@confirm_h", "full@confirm_h", seeds, d_h, (57.3, 100.0)),
+             **_paired("noisy_topk_anneal-45@confirm_n", "noisy_full@confirm_n", seeds, d_n)}
+  summary = frontier.summarise(arms, results)
+  h = frontier.h_verdict(summary, results)
+  assert h["complete"] and h["lossless"] and h["met"]
+  assert h["saving"] == pytest.approx(0.427) and h["seeds"] == list(seeds)
+  n = frontier.n_verdict(summary, results)
+  assert n["p"] == pytest.approx(stats.ttest_1samp(d_n, 0.0, alternative="greater").pvalue,
+                                 rel=1e-9)
+  assert n["superior"] and n["better"] and n["low"] > 0 and n["saving"] == pytest.approx(0.5)
+  assert n["seconds"]["wall_geomean"] == pytest.approx(0.6)
+  text = frontier.markdown(summary, None, "cmd", {}, results)
+  assert "**Lossless on seeds 23-32: met, 43 % fewer passes.**" in text
+  assert "**Better than full data under label noise: better.**" in text
+  assert ("- The largest lossless saving (tier H, `topk_anneal-55`): **lossless at 43 % fewer "
+          "passes**") in text
+  assert "- Selection under 20 % label noise (tier N, `topk_anneal-45`): **better**" in text
+  figure = frontier.draw_frontier(arms, results, summary, {"h": h, "n": n})
+  notes = "\n".join(t.get_text() for t in figure.texts)
+  plt.close(figure)
+  assert "noisy_topk_anneal-45@confirm_n (seeds 23,24,25,26,27,28,29,30,31,32): " in notes
+  assert notes.endswith("vs full, better") and "@confirm_h" in notes and "lossless\n" in notes
+  for name in results:  # Seeds 23-27 only: neither is decided, whatever the differences.
+    results[name]["seed_index"] = {s: i for s, i in results[name]["seed_index"].items()
+                                   if s < 28}
+  summary = frontier.summarise(arms, results)
+  h, n = frontier.h_verdict(summary, results), frontier.n_verdict(summary, results)
+  assert h["lossless"] and not h["met"] and n["superior"] and not n["better"]
+  text = frontier.markdown(summary, None, "cmd", {}, results)
+  assert "**Lossless on seeds 23-32: not decided yet (5 of 10 seeds).**" in text
+  assert "under label noise: not decided yet (5 of 10 seeds).**" in text
+  empty = frontier.markdown({}, None, "cmd", {})
+  assert "**Lossless on seeds 23-32: not run yet.**" in empty
+  assert "**Better than full data under label noise: not run yet.**" in empty
+
+
+def test_dry_run_plans_tiers_h_and_n_and_trains_nothing(tmp_path, monkeypatch, capsys):
+  """`--tiers HN --dry-run`: 20 runs each, full data and the design on each of seeds 23-32,
+  seed by seed; tier H's design is top-k at (19 x 0.55 - 2) / 17 = 0.4971 kept with the last
+  2 epochs on all data, tier N's at (19 x 0.45 - 2) / 17 = 0.3853 with 20 % label noise
+  drawn from the run's own seed. Nothing trains and no summary is written."""
+  def no_training(*args):
+    raise AssertionError(f"trained {args[1:]}")
+  monkeypatch.setattr(frontier.grid.train, "train_and_evaluate", no_training)
+  out = tmp_path / "out"
+  monkeypatch.setattr("sys.argv", ["frontier", f"--out={out}", "--tiers=HN", "--dry-run",
+                                   f"--records={tmp_path / 'records'}"])
+  frontier.main()
+  lines = capsys.readouterr().out.splitlines()
+  assert not out.exists()
+  assert lines[0] == "tier H: 20 runs" and lines[21] == "tier N: 20 runs" and len(lines) == 42
+  anneal = "selection.method=top_k selection.fraction={} selection.final_full_epochs=2"
+  for tier, first, arm, noise in (("H", 1, "topk_anneal-55@confirm_h", ""),
+                                  ("N", 22, "noisy_topk_anneal-45@confirm_n",
+                                   "dataset.label_noise=0.2 ")):
+    full = "full@confirm_h" if tier == "H" else "noisy_full@confirm_n"
+    design = anneal.format("0.4971" if tier == "H" else "0.3853")
+    expected = []
+    for i, seed in enumerate(range(23, 33)):
+      drawn = f" dataset.label_noise_seed={seed}" if noise else ""
+      expected += [f"  {2 * i + 1}/20 {full} seed {seed} (to train): {noise}seed={seed}{drawn}",
+                   f"  {2 * i + 2}/20 {arm} seed {seed} (to train): {design} {noise}"
+                   f"seed={seed}{drawn}"]
+    assert lines[first:first + 20] == expected
+  for arm in frontier.h_arms(frontier.base_config()) + frontier.n_arms(frontier.base_config()):
+    config_validation.validate(grid.apply(frontier.base_config(),
+                                          frontier.run_overrides(arm, 23)))
+
+
+def test_docs_studies_state_tier_hs_candidates_as_the_summary_has_them():
+  """docs/studies.md's table of tier H's candidates: each arm's passes, interval and TOST p,
+  as frontier.json has them, and the pick."""
+  out = _committed()
+  with open("docs/studies.md", encoding="utf-8") as f:
+    text = f.read().split("**Tier H: the largest lossless saving")[1]
+  for c in out["tier_h"]["candidates"]:
+    row = (f"| `{c['arm']}` | {100 * c['passes_share']:.1f} | {_interval(c)} | {c['p']:.3f} |")
+    assert row in text, row
+  assert f"The rule picks `{out['tier_h']['rule_choice']}`" in text
