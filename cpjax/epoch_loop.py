@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import optim, run_context, run_state, steps
+from cpjax import compile_ahead, optim, run_context, run_state, steps
 from cpjax.calibration import losses
 from cpjax.run_context import NonFiniteLossError
 from cpjax.runtime import checkpointing, preemption, sharding
@@ -93,7 +93,7 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
                                                    loss_hparams)
     window.append((batch_metrics, per_example))  # Summed at a logging point or the end.
     if (i + 1) % log_every == 0:
-      totals, stacked, window_outputs = _fold_window(totals, window)
+      totals, stacked, window_outputs = _fold(totals, window, log_every)
       outputs.append(window_outputs)
       with host_point():
         _log_train_window(writer, pending)
@@ -109,7 +109,7 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
   with host_point():
     _log_train_window(writer, pending)
   if window:  # The steps after the last logging point.
-    totals, _, window_outputs = _fold_window(totals, window)
+    totals, _, window_outputs = _fold(totals, window, log_every)
     outputs.append(window_outputs)
   return state, totals, outputs, i + 1, stopped
 
@@ -122,13 +122,12 @@ def _copy_to_host_async(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def _first_step(train_fn, state, batch, learning_rate, loss_hparams):
-  """The process's first step: compiles the train step; waits for it once, to time it."""
+  """The process's first step (its program compiled ahead, or now where that failed); waits
+  for it once, to time it."""
   compile_start = time.perf_counter()
-  logging.info("Compiling the train step (the first step waits for it)...")
   state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
   jax.block_until_ready(batch_metrics)
-  logging.info("Train step compiled; the first step took %.1f s.",
-               time.perf_counter() - compile_start)
+  logging.info("The first step took %.1f s.", time.perf_counter() - compile_start)
   return state, batch_metrics, per_example
 
 
@@ -182,18 +181,45 @@ _COMBINE = {"first_bad_step": jnp.minimum, "loss_min": jnp.minimum,
             "grad_norm_max": jnp.maximum, "loss_max": jnp.maximum}
 
 
+def compile_windows_ahead(train_step: Any, log_every: int) -> None:
+  """Compiles `_fold_window` for the outputs of the compiled `train_step` (both its programs:
+  an epoch's first window and the later ones)."""
+  _, metrics, per_example = compile_ahead.out_abstract(train_step)
+  window = [(metrics, per_example)] * log_every
+  first = _fold_window.lower(None, window, np.int32(0)).compile()
+  totals = compile_ahead.out_abstract(first)[0]
+  _fold_window.lower(totals, window, np.int32(0)).compile()
+
+
+def _fold(totals: dict[str, jax.Array] | None,
+          window: list[tuple[dict[str, jax.Array], dict[str, jax.Array]]], length: int):
+  """`_fold_window` of `window` padded to `length` steps (repeats of its last, not folded),
+  so that every window of a run, an epoch's shorter last one included whatever the epoch's
+  size, is one compiled program. Returns (totals, stacked metrics, (per-example outputs
+  stacked, the real steps among them))."""
+  real = len(window)
+  padded = window + [window[-1]] * (length - real)
+  totals, stacked, window_outputs = _fold_window(totals, padded, np.int32(real))
+  return totals, stacked, (window_outputs, real)
+
+
 @jax.jit
 def _fold_window(totals: dict[str, jax.Array] | None,
-                 window: list[tuple[dict[str, jax.Array], dict[str, jax.Array]]]):
-  """A window of steps in one dispatch (none a step): `totals` (None: nothing yet) plus each
-  step's epoch sums, in order; the steps' metrics stacked for the log and their per-example
-  outputs stacked for the epoch's end ([steps, ...] each)."""
-  for batch_metrics, _ in window:
+                 window: list[tuple[dict[str, jax.Array], dict[str, jax.Array]]],
+                 real: jax.Array):
+  """A window of steps in one dispatch (none a step): `totals` (None: nothing yet) plus the
+  epoch sums of each of its first `real` steps, in order (the rest is padding); the steps'
+  metrics stacked for the log and their per-example outputs stacked for the epoch's end
+  ([steps, ...] each, padding included)."""
+  for j, (batch_metrics, _) in enumerate(window):
     mean_loss = batch_metrics["loss_sum"] / batch_metrics["count"]
     sums = {**{k: batch_metrics[k] for k in EPOCH_SUMS}, "loss_min": mean_loss,
             "grad_norm_max": batch_metrics["grad_norm"], "loss_max": mean_loss}
-    totals = sums if totals is None else {k: _COMBINE.get(k, jnp.add)(v, sums[k])
-                                          for k, v in totals.items()}
+    if totals is None:  # The first step, always real.
+      totals = sums
+      continue
+    totals = {k: jnp.where(j < real, _COMBINE.get(k, jnp.add)(v, sums[k]), v)
+              for k, v in totals.items()}
   stack = lambda *v: jnp.stack(v)  # noqa: E731
   return (totals, jax.tree.map(stack, *[m for m, _ in window]),
           jax.tree.map(stack, *[o for _, o in window]))
@@ -205,8 +231,10 @@ def host_outputs(outputs: list[dict[str, jax.Array]],
   before a preemption), flattened in training order, on the host: one transfer a window."""
   if not outputs:
     return dict(earlier)
-  gathered = {k: [np.asarray(v).reshape(-1) for v in sharding.to_host([o[k] for o in outputs])]
-              for k in outputs[0]}
+  real = [steps for _, steps in outputs]
+  gathered = {k: [np.asarray(v)[:n].reshape(-1)
+                  for v, n in zip(sharding.to_host([o[k] for o, _ in outputs]), real)]
+              for k in outputs[0][0]}
   return {k: np.concatenate(([earlier[k]] if earlier else []) + v) for k, v in gathered.items()}
 
 

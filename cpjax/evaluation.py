@@ -128,6 +128,11 @@ class Evaluator:
       self._write(results, gamma, logits["test"])
     return results
 
+  def add_to_results(self, extra: dict[str, Any]) -> None:
+    """Adds `extra` to the report's results.json (process 0, which wrote it)."""
+    if jax.process_index() == 0:
+      report.add_results(os.path.join(self.workdir, "report", "results.json"), extra)
+
   def describes(self, step: int) -> bool:
     """Whether the report of the checkpoint at `step` is complete: workdir/report/results.json
     (written last of the report's files) describes that checkpoint, and metrics.jsonl holds

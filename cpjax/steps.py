@@ -370,8 +370,22 @@ def predict(fn, state: TrainState, data: splits.Split | readers.HostReader,
   [N, K], or scores [N]) are gathered; padding rows are dropped. `data` is a
   reader (cpjax.data.readers: the run's device or host reader) or a host split.
   """
+  with contextlib.closing(_predict_batches(data, mesh, batch_size)) as batches:
+    outputs = [fn(state, batch) for batch in batches]
+  return np.concatenate(sharding.to_host(outputs))[:len(data)]
+
+
+def _predict_batches(data: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
+                     batch_size: int):
+  """`predict`'s padded batches of `data`, in row order."""
   reader = data if isinstance(data, readers.HostReader) else readers.HostReader(data, mesh)
   rows, masks = (np.stack(parts) for parts in zip(*splits.eval_rows(len(reader), batch_size)))
-  with contextlib.closing(reader.batches(rows, masks)) as batches:
-    outputs = [fn(state, batch) for batch in batches]
-  return np.concatenate(sharding.to_host(outputs))[:len(reader)]
+  return reader.batches(rows, masks)
+
+
+def first_predict_batch(data: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
+                        batch_size: int) -> dict[str, jax.Array]:
+  """The first batch `predict` gives its `fn` (its structure, shapes and shardings: a program
+  compiled ahead for it is the one `predict` calls)."""
+  with contextlib.closing(_predict_batches(data, mesh, batch_size)) as batches:
+    return next(iter(batches))

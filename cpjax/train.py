@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from cpjax import (
+  compile_ahead,
   config_validation,
   epoch_loop,
   evaluation,
@@ -50,6 +51,7 @@ from cpjax.data import fingerprint, input_pipeline, sources, specs, splits
 from cpjax.epoch_loop import StalledTrainingError  # noqa: F401
 from cpjax.run_context import NonFiniteLossError, Run  # noqa: F401
 from cpjax.runtime import (
+  anatomy,
   checkpointing,
   compilation_cache,
   compiler_options,
@@ -84,10 +86,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns:
     The last epoch's metrics record.
   """
-  _check_before_work(config, workdir)
-  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir), \
-      contextlib.closing(compilation_cache.CacheStats()) as cache_stats:
-    return _train_and_evaluate(config, workdir, cache_stats)
+  with contextlib.closing(anatomy.CompileWatch()) as watch:
+    clock = anatomy.RunClock(watch)
+    _check_before_work(config, workdir)
+    clock.mark_startup_done()
+    with (workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir),
+          contextlib.closing(compilation_cache.CacheStats()) as cache_stats):
+      return _train_and_evaluate(config, workdir, cache_stats, clock)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,7 @@ class Loop:
   epoch_writer: metric_writers.MetricWriter  # The epoch records: TensorBoard and metrics.jsonl.
   epoch_log: run_logging.EpochLog  # metrics.jsonl.
   progress: metric_writers.ProgressReport  # Steps/s and ETA.
+  clock: anatomy.RunClock  # Where the process's wall clock goes (cpjax.runtime.anatomy).
 
   @property
   def num_epochs(self) -> int:
@@ -114,14 +120,17 @@ class Loop:
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        cache_stats: compilation_cache.CacheStats) -> dict[str, Any]:
+                        cache_stats: compilation_cache.CacheStats,
+                        clock: anatomy.RunClock) -> dict[str, Any]:
   """Builds the run's parts, trains its epochs (`_train_epoch`) from the restored one, then
   writes the report of the last checkpoint (`_write_report`)."""
-  run, state, selection_state, start_epoch, done = _setup(config, workdir)
+  run, state, selection_state, start_epoch, done = _setup(config, workdir, clock)
   writer = run_logging.create_writer(workdir)
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(start_epoch)
-  loop = _create_loop(config, run, writer, epoch_log)
+  loop = _create_loop(config, run, writer, epoch_log, clock)
+  if start_epoch < loop.num_epochs:
+    clock.add("compile", _compile_ahead(config, run, loop, state))
   if start_epoch == 0 and done is None:
     writer.write_hparams(run_logging.flat_hparams(config.to_dict()))
     run_logging.log_parameter_overview(config.model.name, state.params)
@@ -134,6 +143,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             done if epoch == start_epoch else None, first=epoch == start_epoch)
         if epoch == start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
+          clock.watch.first_epoch_done()
+      clock.watch.stop_watching_late()  # The report's programs are its own.
       # Else a partly trained epoch past the run's end (num_epochs lowered): no report.
       if start_epoch < loop.num_epochs or done is None:
         record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record,
@@ -145,7 +156,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _create_loop(config: ml_collections.ConfigDict, run: Run,
-                 writer: metric_writers.MetricWriter, epoch_log: run_logging.EpochLog) -> Loop:
+                 writer: metric_writers.MetricWriter, epoch_log: run_logging.EpochLog,
+                 clock: anatomy.RunClock) -> Loop:
   """The loop's parts: the selector, the train step, each epoch's steps, the evaluator, and
   the run's `writer` (TensorBoard, the log) and `epoch_log` (metrics.jsonl) with the writers
   built on them."""
@@ -158,7 +170,32 @@ def _create_loop(config: ml_collections.ConfigDict, run: Run,
       epoch_steps=epoch_steps, evaluator=_create_evaluator(config, run), writer=writer,
       epoch_writer=run_logging.create_epoch_writer(writer, epoch_log), epoch_log=epoch_log,
       progress=run_logging.create_progress_reporter(
-          sum(epoch_steps), writer, config.log_every_steps))
+          sum(epoch_steps), writer, config.log_every_steps), clock=clock)
+
+
+def _compile_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
+                   state: steps.TrainState) -> float:
+  """Compiles the loop's programs (the train step and its metric windows, the eval step, the
+  selected epochs' scoring step and ranking) in threads before the first epoch
+  (cpjax.compile_ahead), for batches built as the loop builds them. Returns the seconds
+  waited for them."""
+  compiler = compile_ahead.Compiler()
+  abstract_state = compile_ahead.abstract(state)
+  train_rows = np.arange(min(config.batch_size, len(run.splits["train"])))[None]
+  row_weights = (np.ones(len(run.splits["train"]), np.float32) if loop.selector.weighted
+                 else None)
+  item = compile_ahead.first_item(run.train_batches(train_rows, epoch=0, first_step=0,
+                                                    row_weights=row_weights))
+  hparams = epoch_loop.loss_hparams(config.loss, 0)
+  compiler.submit("the train step", loop.train_fn, abstract_state, compile_ahead.abstract(item),
+                  np.float32(0), hparams,
+                  then=lambda c: epoch_loop.compile_windows_ahead(c, config.log_every_steps))
+  batches = [compile_ahead.abstract(steps.first_predict_batch(
+      run.readers[name], run.mesh, config.eval_batch_size)) for name in evaluation.SPLITS]
+  for batch in {repr(b): b for b in batches}.values():  # One program for alike batches.
+    compiler.submit("the eval step", run.eval_fn, abstract_state, batch)
+  loop.selector.compile_ahead(compiler, state)
+  return compiler.wait()
 
 
 def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch: int,
@@ -174,8 +211,10 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
   compiles). Returns the state, the selection state, the epoch's record and the seconds of
   its checkpoint's save (None: no save), whose commit only the report waits for."""
   start = time.time()
-  rows, weights, selection_state, timings = loop.selector.rows_for_epoch(epoch, state,
-                                                                         selection_state)
+  with loop.clock.part("selection"):
+    rows, weights, selection_state, timings = loop.selector.rows_for_epoch(epoch, state,
+                                                                           selection_state)
+  loop.clock.move("selection", "scoring", timings["scoring_seconds"])
   order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
   order, done = order[:loop.epoch_steps[epoch]], done or epoch_loop.NOTHING_DONE
   first_step = int(jax.device_get(state.step)) - done["steps"]  # The epoch's first step.
@@ -188,27 +227,31 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
   waiting = epoch_loop.InputWait(batches)  # The seconds the loop blocks on its next batch.
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
-  with loop.progress.timed("train"), \
-      contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard):
+  with (loop.progress.timed("train"), loop.clock.training(len(order) - done["steps"]) as wait,
+        contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard)):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
         loop.train_fn, state, waiting, learning_rates, hparams, done, first_step=first_step,
         epoch=epoch, log_every=config.log_every_steps, writer=loop.writer,
         progress=loop.progress, checkpointer=run.checkpointer,
         last_step=loop.total_steps, compile_step=done["steps"] if first else -1)
+    wait["input_wait"] = waiting.seconds
+    jax.block_until_ready(state)  # The steps dispatched ahead: their compute is training's.
   outputs, complete = epoch_loop.host_outputs(outputs, done["outputs"]), trained == len(order)
   record = {}
   if complete:
     record = epoch_loop.epoch_record(totals, epoch, len(order), first_step, run.checkpointer,
                                      config.loss.name, learning_rates[0], hparams)
     timings["training_seconds"] = time.perf_counter() - train_start
-    selection_state, selection_record = loop.selector.after_epoch(
-        epoch, selection_state, order, outputs, timings, run.workdir)
+    with loop.clock.part("selection"):
+      selection_state, selection_record = loop.selector.after_epoch(
+          epoch, selection_state, order, outputs, timings, run.workdir)
     record = {**record, **selection_record, "epoch": epoch,
               "input_wait_seconds": waiting.seconds}
     if run_context.due(epoch, config.eval_every_epochs, loop.num_epochs):
       # A non-finite logit stops the run here, before the state is saved.
-      numbers, record["eval_seconds"] = _timed(loop.evaluator.run, state, loop.writer,
-                                               first_step + len(order))
+      with loop.clock.part("eval"):
+        numbers, record["eval_seconds"] = _timed(loop.evaluator.run, state, loop.writer,
+                                                 first_step + len(order))
       record.update(numbers)
     record["epoch_seconds"] = time.time() - start
     loop.epoch_writer.write_scalars(first_step + len(order), record)
@@ -217,16 +260,30 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
     epoch_loop.raise_if_bad(totals, epoch, first_step, run.checkpointer)
     partial = run_state.partial_tree(config.dataset, config.batch_size,
                                      jax.device_get(totals), outputs)
-  save_seconds = None  # The save's own seconds (its commit is waited for after the loop).
-  if stopped or run_context.due(epoch, config.checkpoint_every_epochs, loop.num_epochs):
-    step, save_seconds = _timed(epoch_loop.save_checkpoint, run.checkpointer, run.mesh,
-                                run.checkpoint_meta, state, selection_state, partial,
-                                epoch + complete, 0 if complete else trained)
-  if stopped and epoch + complete < loop.num_epochs:  # The one preemption stop (after the
-    # run's last step nothing is left to resume: the report after the loop answers it).
-    epoch_loop.stop_preempted(run.checkpointer, step, epoch + complete,
-                              0 if complete else trained)
+  save_seconds = _save_when_due(config, run, loop, state, selection_state, partial, epoch,
+                                complete, trained, stopped)
   return state, selection_state, record, save_seconds
+
+
+def _save_when_due(config: ml_collections.ConfigDict, run: Run, loop: Loop,
+                   state: steps.TrainState, selection_state: bookkeeping.SelectionState,
+                   partial: dict[str, Any], epoch: int, complete: bool, trained: int,
+                   stopped: bool) -> float | None:
+  """After `epoch` (`complete`, or `trained` steps of it): saves the checkpoint when due or
+  `stopped` (a preemption request), and stops the run there for a preemption. Returns the
+  save's own seconds (its commit is waited for after the loop), or None: no save."""
+  save_seconds = None
+  # Where a resume starts: the next epoch, or this one's step after those trained.
+  at_epoch, at_step = epoch + complete, 0 if complete else trained
+  if stopped or run_context.due(epoch, config.checkpoint_every_epochs, loop.num_epochs):
+    with loop.clock.part("checkpoint"):
+      step, save_seconds = _timed(epoch_loop.save_checkpoint, run.checkpointer, run.mesh,
+                                  run.checkpoint_meta, state, selection_state, partial,
+                                  at_epoch, at_step)
+  if stopped and at_epoch < loop.num_epochs:  # The one preemption stop (after the run's
+    # last step nothing is left to resume: the report after the loop answers it).
+    epoch_loop.stop_preempted(run.checkpointer, step, at_epoch, at_step)
+  return save_seconds
 
 
 def peak_device_memory() -> dict[str, int]:
@@ -237,6 +294,15 @@ def peak_device_memory() -> dict[str, int]:
            for device in jax.local_devices()]
   peaks = [int(p) for p in peaks if p is not None]
   return {"perf/peak_device_memory_bytes": max(peaks)} if peaks else {}
+
+
+def _anatomy(loop: Loop) -> dict[str, Any]:
+  """The process's run anatomy (cpjax.runtime.anatomy), logged in one line and added to
+  report/results.json."""
+  parts = loop.clock.anatomy()
+  logging.info("%s", anatomy.summary_line(parts))
+  loop.evaluator.add_to_results({"anatomy": parts})
+  return parts
 
 
 def _timed(fn, *args) -> tuple[Any, float]:
@@ -270,7 +336,8 @@ def _write_report(run: Run, loop: Loop, state: steps.TrainState, epochs: int,
   process trained it ({}: read from metrics.jsonl); `save_seconds`: its checkpoint's save, if
   this process saved it. Returns the record with the report's numbers and times."""
   commit_start = time.perf_counter()
-  run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
+  with loop.clock.part("checkpoint"):
+    run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
   step = int(jax.device_get(state.step))
   if loop.evaluator.describes(step):
     return record
@@ -286,13 +353,15 @@ def _write_report(run: Run, loop: Loop, state: steps.TrainState, epochs: int,
   times = {} if save_seconds is None else {
       "checkpoint_seconds": save_seconds + time.perf_counter() - commit_start}
   report_start = time.perf_counter()
-  with run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step):
+  with (run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step),
+        loop.clock.part("report")):
     results = loop.evaluator.write_report(state, epochs)
     evaluation.write_report_summaries(loop.writer, step, results)
     numbers = evaluation.report_record(results)
   times["report_seconds"] = time.perf_counter() - report_start
   numbers.update(times)
   numbers.update(peak_device_memory())
+  numbers.update(_anatomy(loop))
   record = record or {}
   # TensorBoard holds the epoch's record at this step (its epoch wrote it): the rest only.
   loop.writer.write_scalars(step, {k: v for k, v in numbers.items() if k not in record})
@@ -316,8 +385,9 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     raise FileNotFoundError(f"no checkpoints/ in --workdir {workdir!r} to evaluate; train "
                             "first or point --workdir at a trained run")
   _check_before_work(config, workdir, "evaluate")
-  with workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir):
-    run, state, _, start_epoch, done = _setup(config, workdir)
+  with (workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir),
+        contextlib.closing(anatomy.CompileWatch()) as watch):
+    run, state, _, start_epoch, done = _setup(config, workdir, anatomy.RunClock(watch))
     if start_epoch == 0 and done is None:
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
@@ -338,7 +408,7 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
   return (*natural[:last], budget - (int(cumulative[last - 1]) if last else 0))
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str
+def _setup(config: ml_collections.ConfigDict, workdir: str, clock: anatomy.RunClock
            ) -> tuple[Run, steps.TrainState, Any, int, dict[str, Any] | None]:
   """Builds the model and state, restores the latest checkpoint, reads the data.
 
@@ -368,7 +438,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str
       checkpointer.latest_meta(), workdir)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
-  data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
+  with clock.part("data_open"):
+    data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
   checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True),
                      **_decoder_meta(data_readers["train"], meta)}

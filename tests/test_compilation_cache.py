@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+import warnings
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
@@ -100,3 +101,43 @@ def test_a_restart_loads_its_programs_from_the_cache(tmp_path):
   assert int(hits) == 0 and int(requests) > 0 and int(written) == int(compiled) == int(requests)
   assert restart[0] == cache and int(restart[1]) == int(restart[2]) == int(requests)
   assert int(restart[4]) == int(restart[5]) == 0
+
+
+def test_an_unwritable_directory_runs_uncached(tmp_path, monkeypatch, restore_jax_cache):
+  """A folder that exists but takes no file (here: a full one stands in as a folder whose
+  temporary file fails): one warning naming it, and no cache."""
+  monkeypatch.delenv(compilation_cache.ENV_DIR, raising=False)
+  target = tmp_path / "xla"
+  target.mkdir()
+
+  def no_room(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(compilation_cache.tempfile, "TemporaryFile", no_room)
+  assert compilation_cache.configure(str(target), 1.0) is None
+  assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_failed_writes_during_a_run_are_one_warning_and_the_cache_goes_off(
+    tmp_path, monkeypatch, restore_jax_cache, caplog):
+  """JAX warns once per program it cannot write (a cache folder that fills mid-run): the
+  first becomes one warning naming the folder, the cache is turned off, the rest are
+  silent; other warnings pass through untouched."""
+  monkeypatch.delenv(compilation_cache.ENV_DIR, raising=False)
+  monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # Restored after.
+  folder = str(tmp_path / "xla")
+  compilation_cache.configure(folder, 1.0)
+  passed = []
+  original = warnings.showwarning.cpjax_original
+  monkeypatch.setattr(warnings.showwarning, "cpjax_original",
+                      lambda message, *args, **kwargs: passed.append(str(message)))
+  with caplog.at_level("WARNING"):
+    for name in ("jit_a", "jit_b", "jit_c"):
+      warnings.showwarning(UserWarning(
+          f"Error writing persistent compilation cache entry for '{name}': OSError: [Errno 28] "
+          "No space left on device"), UserWarning, "compiler.py", 1)
+    warnings.showwarning(UserWarning("something else"), UserWarning, "x.py", 2)
+  lines = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+  assert len(lines) == 1 and folder in lines[0] and "No space left" in lines[0]
+  assert jax.config.jax_compilation_cache_dir is None
+  assert passed == ["something else"]
+  assert original is not None

@@ -24,9 +24,12 @@ RANKS = {
     "": 0,
     # 0: the registry pattern (entries with declared settings) and the checks of settings.
     "registry": 0,
+    # 0: compiling a run's programs ahead, in threads (imports no cpjax module).
+    "compile_ahead": 0,
     # 0: runtime: mesh, multi-host start-up, checkpoints, logs, files, XLA options.
     "runtime": 0,
     "runtime.advised": 0,
+    "runtime.anatomy": 0,
     "runtime.checkpoint_integrity": 0,
     "runtime.checkpoint_room": 0,
     "runtime.checkpointing": 0,
@@ -64,6 +67,7 @@ RANKS = {
     "data.record_source": 1,
     "data.sources": 1,
     "data.specs": 1,
+    "data.split_cache": 1,
     "data.splits": 1,
     "data.tensorflow_optional": 1,
     "data.tfds_source": 1,

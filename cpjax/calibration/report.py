@@ -396,6 +396,15 @@ def strict_json(value: Any) -> Any:
   return value
 
 
+def add_results(path: str, extra: dict[str, Any]) -> None:
+  """Adds `extra`'s keys to the results.json at `path`, atomically (the run's anatomy, known
+  only once the report is written)."""
+  with open(path, encoding="utf-8") as f:
+    saved = json.load(f)
+  files.atomic_write(path, json.dumps(strict_json({**saved, **extra}), indent=1,
+                                      allow_nan=False))
+
+
 def read_results(path: str) -> dict[str, Any]:
   """A results.json as written, with each `null` (an undefined value) read back as NaN, so
   arithmetic on it propagates as it did before the file was written."""

@@ -31,7 +31,6 @@ import threading
 import zlib
 
 from array_record.python import array_record_module
-import grain
 import jax
 import ml_collections
 import numpy as np
@@ -183,8 +182,10 @@ class DamagedRecordError(AdvisedError, ValueError):
 _REWRITE = "rewrite the split with python -m scripts.write_array_records --config=... --out=DIR"
 
 
-def _open_source(paths: list[str]) -> grain.sources.ArrayRecordDataSource:
-  """grain's source over `paths`; array_record's bare errors named by file."""
+def _open_source(paths: list[str]):
+  """grain's ArrayRecordDataSource over `paths`; array_record's bare errors named by file."""
+  import grain  # Here: only streamed splits read with grain; a run of in-memory data doesn't
+  # pay its import (with its dependencies, about half a second).
   try:
     return grain.sources.ArrayRecordDataSource(paths)
   except Exception as err:  # pylint: disable=broad-except  (array_record: bare RuntimeError)
@@ -271,6 +272,7 @@ class RecordImages:
   def prefetched(self, row_blocks: np.ndarray, num_threads: int, buffer_size: int):
     """Yields read(block) for each block [b] of `row_blocks` [S, b] in order, read ahead by
     grain's threads (deterministic: the order is fixed before reading starts)."""
+    import grain  # Here, as in `_open_source`.
     blocks = grain.MapDataset.range(len(row_blocks)).map(lambda s: self.read(row_blocks[s]))
     yield from blocks.to_iter_dataset(grain.ReadOptions(num_threads=num_threads,
                                                         prefetch_buffer_size=buffer_size))

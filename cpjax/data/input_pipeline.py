@@ -10,6 +10,7 @@ tfds's built-in ones download only when asked.
 
 import contextlib
 import logging
+from typing import Any
 
 import jax
 import ml_collections
@@ -26,6 +27,7 @@ from cpjax.data import (
   readers,
   sources,
   specs,
+  split_cache,
   splits,
   tensorflow_optional,
 )
@@ -36,9 +38,24 @@ class DataNotFoundError(FileNotFoundError):
   """The dataset is not prepared locally and may not be downloaded."""
 
 
+# Prepared builders by (tfds name, data_dir): the start-up check opens a dataset and the run
+# reads it through the same builder (its dataset_info read once), while it stays prepared.
+_OPENED: dict[tuple[str, str | None], Any] = {}
+
+
 def _builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
   """Returns a prepared tfds builder (preparing it now if it is to be prepared: a cpjax
   local builder, download or manual_dir), or raises DataNotFoundError at once."""
+  key = (spec.tfds_name, config.data_dir or None)
+  opened = _OPENED.get(key)
+  if opened is not None and opened.is_prepared():
+    return opened
+  _OPENED[key] = _open_builder(spec, config)
+  return _OPENED[key]
+
+
+def _open_builder(spec: specs.DatasetSpec, config: ml_collections.ConfigDict):
+  """`_builder`'s tfds builder, opened (and prepared, where it is to be) now."""
   data_dir = config.data_dir or None
   if spec.local:  # Our builders read local files; array_record reads without TF.
     builder = tfds.builder(spec.tfds_name, data_dir=data_dir, file_format="array_record")
@@ -161,7 +178,17 @@ def _parse_ids(raw: np.ndarray) -> np.ndarray:
 
 
 def _read_split(builder, split: str) -> Split:
-  """Reads a whole split into host arrays sorted by id."""
+  """Reads a whole split into host arrays sorted by id; an array_record split through its
+  decoded arrays kept beside the dataset (cpjax.data.split_cache)."""
+  if builder.info.file_format.value == "array_record":
+    paths = [str(p) for p in builder.info.splits[split].filepaths]
+    return split_cache.read(builder.data_dir, split, paths,
+                            lambda: _decode_split(builder, split))
+  return _decode_split(builder, split)
+
+
+def _decode_split(builder, split: str) -> Split:
+  """Decodes a whole split out of its tfds files into host arrays sorted by id."""
   if builder.info.file_format.value == "array_record":
     source = builder.as_data_source(split)
     rows = source.__getitems__(list(range(len(source))))

@@ -16,6 +16,8 @@ arbitrary code. Keep it private to the user (the default is under the home direc
 
 import logging
 import os
+import tempfile
+import warnings
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
@@ -41,15 +43,18 @@ def configure(directory: str, min_compile_seconds: float) -> str | None:
   if os.environ.get(ENV_DIR):
     logging.info("Persistent compilation cache: %s (from %s).",
                  jax.config.jax_compilation_cache_dir, ENV_DIR)
+    _warn_once_on_failed_writes(jax.config.jax_compilation_cache_dir)
     return jax.config.jax_compilation_cache_dir
   path = os.path.abspath(os.path.expanduser(directory)) if directory else None
   if path is not None:
     try:
       os.makedirs(path, exist_ok=True)
-    except OSError as err:  # A read-only home, say: run uncached rather than fail.
-      logging.warning("compilation_cache_dir=%r cannot be created (%s); compiling without "
+      tempfile.TemporaryFile(dir=path).close()  # Can entries be written there?
+    except OSError as err:  # A read-only home or a full disk, say: run uncached, not fail.
+      logging.warning("compilation_cache_dir=%r cannot be written (%s); compiling without "
                       "the persistent cache.", directory, err)
       path = None
+  _warn_once_on_failed_writes(path)
   if path != jax.config.jax_compilation_cache_dir:
     jax_cache.set_cache_dir(path)
     jax_cache.reset_cache()  # The next compile opens the cache at the new directory.
@@ -57,6 +62,31 @@ def configure(directory: str, min_compile_seconds: float) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
   logging.info("Persistent compilation cache: %s.", path or "off")
   return path
+
+
+_WRITE_FAILED = "Error writing persistent compilation cache entry"
+
+
+def _warn_once_on_failed_writes(path: str | None) -> None:
+  """A cache folder that fills (or is removed) during a run: JAX warns once per program it
+  cannot write, with a stack. The first failure becomes one warning naming the folder, the
+  cache is turned off (the run goes on compiling what it lacks), and later ones are silent."""
+  shown = warnings.showwarning
+  if getattr(shown, "cpjax_cache_path", False) is not False:  # Ours already: rebind it.
+    shown = shown.cpjax_original
+
+  def showwarning(message, category, filename, lineno, file=None, line=None):
+    if not str(message).startswith(_WRITE_FAILED):
+      return showwarning.cpjax_original(message, category, filename, lineno, file, line)
+    if jax.config.jax_compilation_cache_dir is not None:
+      logging.warning("The persistent compilation cache %s cannot be written (%s); the run "
+                      "goes on without it.", showwarning.cpjax_cache_path,
+                      str(message).split(": ", 1)[-1])
+      jax_cache.set_cache_dir(None)
+      jax_cache.reset_cache()
+    return None
+  showwarning.cpjax_cache_path, showwarning.cpjax_original = path, shown
+  warnings.showwarning = showwarning
 
 
 class CacheStats:

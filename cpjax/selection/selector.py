@@ -21,9 +21,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from cpjax import steps
+from cpjax import compile_ahead, steps
 from cpjax.data import readers, splits
-from cpjax.selection import api, bookkeeping, policies, score_files, scores, sources
+from cpjax.selection import api, bookkeeping, policies, score_files, scores, sources, subsets
 
 
 class Selector:
@@ -48,7 +48,7 @@ class Selector:
     """
     self._split, self._source, self._batch_size = train_split, source, batch_size
     self._num_classes, self._num_ids, self._num_bins = num_classes, num_ids, num_bins
-    self._record_scores = selection.record_scores
+    self._record_scores, self._method = selection.record_scores, selection.method
     self._reducible = selection.score == scores.REDUCIBLE_LOSS
     policy_settings = {s.name: selection[s.name]
                        for s in policies.POLICIES[selection.method].settings}
@@ -61,6 +61,16 @@ class Selector:
     # Weighted methods (infobatch, importance) give every batch a per-example loss weight, in every
     # epoch (1 outside pruning), so that the run compiles one train step.
     self.weighted = self.selection.weighted
+
+  def compile_ahead(self, compiler: compile_ahead.Compiler, train_state: steps.TrainState
+                    ) -> None:
+    """Submits the programs of the run's selected epochs (the scoring pass's step, the
+    global ranking) to `compiler`, so that no selected epoch compiles them."""
+    if self._method == "full":
+      return
+    if hasattr(self._source, "compile_ahead"):
+      self._source.compile_ahead(compiler, train_state)
+    subsets.compile_ranking_ahead(compiler, len(self._split), self.selection.mesh)
 
   def steps_in_epoch(self, epoch: int) -> int:
     """Steps of `epoch` for the progress report's total. An infobatch or importance epoch's

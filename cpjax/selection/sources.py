@@ -37,7 +37,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from cpjax import models, registry, run_state, steps
+from cpjax import compile_ahead, models, registry, run_state, steps
 from cpjax.data import readers, specs, splits
 from cpjax.runtime import checkpointing, compiler_options
 from cpjax.selection import bookkeeping, score_files, scores
@@ -103,6 +103,15 @@ class ScoringPass:
 
   def scorer_calibration(self):
     return self._calibration
+
+  def compile_ahead(self, compiler: compile_ahead.Compiler, train_state: steps.TrainState
+                    ) -> None:
+    """Submits the scoring step, for the batches and state it will get, to `compiler`."""
+    if self._target:  # Its state is restored at each pass: compiled at the first.
+      return
+    batch = steps.first_predict_batch(self._split, self._mesh, self._batch_size)
+    compiler.submit("the scoring step", self._score_fn, compile_ahead.abstract(train_state),
+                    compile_ahead.abstract(batch))
 
 
 class TargetRecorded:

@@ -16,6 +16,7 @@ import math
 import jax
 import numpy as np
 
+from cpjax import compile_ahead
 from cpjax.runtime import sharding
 
 # Tags that keep each policy's random stream apart from the others' for the same (seed, epoch).
@@ -33,13 +34,25 @@ def _ranked_positions(scores: np.ndarray, k: int, mesh: jax.sharding.Mesh | None
   padded = np.pad(scores, (0, -len(scores) % devices), constant_values=-np.inf)
   sharded = jax.make_array_from_callback(padded.shape, sharding.batch_sharded(mesh),
                                          lambda index: padded[index])
-  _, positions = _top_k(sharded, k)
-  return np.asarray(sharding.to_host(positions))
+  # Every position ranked (top_k of all of them): one program for every k an epoch keeps (a
+  # static k would compile anew for each size: a slower first step of every new size).
+  _, positions = _top_k(sharded, len(padded))
+  return np.asarray(sharding.to_host(positions))[:k]
 
 
 @jax.jit(static_argnums=1)
 def _top_k(scores: jax.Array, k: int):
   return jax.lax.top_k(scores, k)
+
+
+def compile_ranking_ahead(compiler: compile_ahead.Compiler, num_scores: int,
+                          mesh: jax.sharding.Mesh | None) -> None:
+  """Submits the global ranking of `num_scores` scores (`_ranked_positions`'s) to
+  `compiler`."""
+  mesh = sharding.create_mesh() if mesh is None else mesh
+  padded = num_scores + (-num_scores % mesh.devices.size)
+  compiler.submit("the ranking", _top_k, jax.ShapeDtypeStruct(
+      (padded,), np.float32, sharding=sharding.batch_sharded(mesh)), padded)
 
 
 def select_top_k(scores: np.ndarray, ids: np.ndarray, k: int,
