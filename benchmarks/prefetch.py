@@ -58,7 +58,7 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, (28, 28, 1), mesh)
   train_fn = jax.jit(functools.partial(
       steps.train_step, model=model, tx=tx, spec=steps.step_spec(config.dataset, config.loss,
-                                                        policies.weights_loss(config.selection.method)),
+                                                        policies.returns_weights(config.selection.method)),
       loss_fn=losses.get_loss(config.loss), score_fn=scores.normalized_entropy),
       donate_argnums=0, compiler_options=compiler_options.compiler_options("train"))
   return config, split, mesh, model, tx, state, train_fn

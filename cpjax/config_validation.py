@@ -140,7 +140,7 @@ def _meta_problems(config: ml_collections.ConfigDict, spec: losses.LossSpec) -> 
     problems.append(f"config.dataset.meta_val_size={meta_size} must be at least "
                     f"config.batch_size={batch_size} for loss.name={config.loss.name!r}: each "
                     "step draws a full meta-validation batch of distinct examples")
-  if policies.weights_loss(config.selection.method):
+  if policies.returns_weights(config.selection.method):
     problems.append(f"config.selection.method={config.selection.method!r} weights the loss per "
                     f"example, which loss.name={config.loss.name!r} does not support")
   return problems
@@ -371,7 +371,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   if config.evaluation.bootstrap_level >= 1.0:
     problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
                     "must be below 1 (e.g. 0.9 for a 90 % interval)")
-  if policies.weights_loss(config.selection.method) and (
+  if policies.returns_weights(config.selection.method) and (
       config.budget_steps or config.optimizer.schedule_unit == "step"):
     # An infobatch epoch's size is drawn when it starts: the run's steps are not known ahead.
     problems.append(f"config.budget_steps={config.budget_steps} and optimizer.schedule_unit="
