@@ -42,7 +42,7 @@ class Evaluator:
   epoch (`run`), and the final calibration report (`write_report`)."""
   eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.train._jit_eval_step).
   mesh: jax.sharding.Mesh
-  split_readers: Mapping[str, readers.HostReader]  # SPLITS as batches on the mesh.
+  split_readers: Mapping[str, readers.Reader]  # SPLITS as batches on the mesh.
   labels: Mapping[str, np.ndarray]  # SPLITS' labels, in row order.
   num_classes: int
   batch_size: int  # eval_batch_size.
@@ -92,7 +92,7 @@ class Evaluator:
           "gradient clipping.")
     return logits
 
-  def predict(self, state: steps.TrainState, data: splits.Split | readers.HostReader,
+  def predict(self, state: steps.TrainState, data: splits.Split | readers.Reader,
               fn: Any = None) -> np.ndarray:
     """`fn(state, batch)` (default: the eval step) over `data`, sharded on the mesh in
     batches of `batch_size` (steps.predict): the one pass every evaluation makes."""

@@ -80,9 +80,10 @@ def step_spec(dataset: ml_collections.ConfigDict, loss: ml_collections.ConfigDic
   data = specs.DATASETS[dataset.name]
   train_parts = {} if loss is None else {"mixup_alpha": loss.mixup_alpha,
                                          "reduction": loss.reduction}
-  # A source dataset's images are flipped on the host, with their crops (cpjax.data.preprocess).
+  # A source dataset's images are flipped with their crops, where they are decoded
+  # (cpjax.data.preprocess's boxes and flips, on the host or on the devices).
   return StepSpec(mean=data.mean, std=data.std, num_classes=data.num_classes,
-                  crop_padding=dataset.crop_padding, flip=dataset.flip and not data.host_stage,
+                  crop_padding=dataset.crop_padding, flip=dataset.flip and not data.encoded,
                   weighted=weighted,
                   **train_parts)
 
@@ -361,7 +362,7 @@ def scoring_pass_step(state: TrainState, batch: dict[str, jax.Array], *, model: 
   return jnp.stack([score_fn(logits, batch["label"]), confidence, correct], axis=-1)
 
 
-def predict(fn, state: TrainState, data: splits.Split | readers.HostReader,
+def predict(fn, state: TrainState, data: splits.Split | readers.Reader,
             mesh: jax.sharding.Mesh, batch_size: int) -> np.ndarray:
   """`fn(state, batch)` over every example of `data` once, in row order, on every host.
 
@@ -370,7 +371,7 @@ def predict(fn, state: TrainState, data: splits.Split | readers.HostReader,
   [N, K], or scores [N]) are gathered; padding rows are dropped. `data` is a
   reader (cpjax.data.readers: the run's device or host reader) or a host split.
   """
-  reader = data if isinstance(data, readers.HostReader) else readers.HostReader(data, mesh)
+  reader = data if isinstance(data, readers.Reader) else readers.Reader(data, mesh)
   rows, masks = (np.stack(parts) for parts in zip(*splits.eval_rows(len(reader), batch_size)))
   with contextlib.closing(reader.batches(rows, masks)) as batches:
     outputs = [fn(state, batch) for batch in batches]
