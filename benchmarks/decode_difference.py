@@ -28,14 +28,21 @@ import tempfile
 import numpy as np
 
 from benchmarks import feeds, throughput
-from cpjax.data import device_stage, host_stage, nvimgcodec_decode, preprocess
+from cpjax.data import (
+  device_stage,
+  host_stage,
+  nvimgcodec_decode,
+  packed_regions,
+  preprocess,
+  readers,
+)
 from cpjax.runtime import sharding
 
 
 def _decoders() -> dict[str, object]:
   """The device-stage decoders that can run here, by row name."""
-  out = {"device_cpu": device_stage.HostDecoder()}
-  if device_stage.DECODERS["gpu"].problem() is None:
+  out = {"device_cpu": packed_regions.HostDecoder()}
+  if readers.DECODERS["gpu"].problem() is None:
     out["gpu"] = nvimgcodec_decode.Decoder(3)
   else:
     try:

@@ -76,7 +76,7 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
       loss_fn=losses.get_loss(config.loss), score_fn=scores.normalized_entropy),
       donate_argnums=0,
       compiler_options=compiler_options.compiler_options("train", xla_cpu_options))
-  train_reader = (readers.DeviceReader if reader == "device" else readers.HostReader)(split, mesh)
+  train_reader = (readers.DeviceReader if reader == "device" else readers.Reader)(split, mesh)
   sel = bookkeeping.initial_state(len(split))
   # The loop's Run, without checkpoints or evaluation (the selector needs neither).
   run = train.Run(workdir="", mesh=mesh, model=model, tx=tx, checkpointer=None,

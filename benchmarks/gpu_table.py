@@ -83,7 +83,7 @@ from benchmarks import feeds, model_flops, throughput
 from configs import default
 from cpjax import models, optim, steps
 from cpjax.calibration import losses
-from cpjax.data import device_stage
+from cpjax.data import device_stage, readers
 from cpjax.runtime import sharding
 from cpjax.selection import scores
 
@@ -302,10 +302,10 @@ def host_stage_reader(worker_kind: str):
 def device_stage_reader(source, transform, mesh, sizes: Sizes):
   """The device stage's reader (cpjax.data.device_stage) with the gpu decoder where it can
   run, the PIL stand-in at tiny sizes (the CPU test runs the rows' code), else (None, why)."""
-  problem = device_stage.DECODERS["gpu"].problem()
+  problem = readers.DECODERS["gpu"].problem()
   if problem and not sizes.stand_in_decode:
     return None, f"no GPU decoding here: {problem}"
-  decoder = device_stage.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
+  decoder = readers.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
   return device_stage.DeviceStageReader(source, transform, mesh, decoder,
                                         num_threads=_all_cores()), ""
 

@@ -50,7 +50,7 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
   tx = optim.create_optimizer(config.optimizer)
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
   train_fn = train._jit_train_step(  # pylint: disable=protected-access
-      config, model, tx, policies.weights_loss(config.selection.method),
+      config, model, tx, policies.returns_weights(config.selection.method),
       loss_steps.for_loss(config.loss, config.meta, spec.num_classes))
   reader = readers.DeviceReader(split, mesh)
   return config, reader, state, train_fn

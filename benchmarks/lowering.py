@@ -97,7 +97,7 @@ def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size:
     return Step(fn, (state, batch))
   learning_rate = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(mesh))
   fn = train._jit_train_step(  # pylint: disable=protected-access
-      config, model, tx, policies.weights_loss(config.selection.method),
+      config, model, tx, policies.returns_weights(config.selection.method),
       loss_steps.for_loss(config.loss, config.meta, data.num_classes))
   return Step(fn, (state, batch, learning_rate, {}))
 

@@ -32,7 +32,7 @@ from cpjax.runtime import compiler_options, sharding
 from cpjax.selection import policies, scores
 
 
-class SlowHostReader(readers.HostReader):
+class SlowReader(readers.Reader):
   """A host reader that sleeps `delay` seconds before building each batch."""
 
   def __init__(self, split, mesh, prefetch_depth: int, delay: float):
@@ -58,7 +58,7 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, (28, 28, 1), mesh)
   train_fn = jax.jit(functools.partial(
       steps.train_step, model=model, tx=tx, spec=steps.step_spec(config.dataset, config.loss,
-                                                        policies.weights_loss(config.selection.method)),
+                                                        policies.returns_weights(config.selection.method)),
       loss_fn=losses.get_loss(config.loss), score_fn=scores.normalized_entropy),
       donate_argnums=0, compiler_options=compiler_options.compiler_options("train"))
   return config, split, mesh, model, tx, state, train_fn
@@ -74,7 +74,7 @@ def _epoch_seconds(config, split, mesh, model, tx, state, train_fn, reader):
 
 def _step_seconds(split, mesh, state, train_fn, batch_size: int, num: int = 10) -> float:
   """The train step alone on one batch already on the devices (its compute time)."""
-  batch = readers.HostReader(split, mesh, 0).batch(np.arange(batch_size))
+  batch = readers.Reader(split, mesh, 0).batch(np.arange(batch_size))
   args = (np.float32(0.01), {})
   state, *_ = train_fn(state, batch, *args)
   jax.block_until_ready(state)
@@ -92,12 +92,12 @@ def measure(model_name: str, batch_size: int, num_steps: int, log_every: int,
   step, state = _step_seconds(split, mesh, state, train_fn, batch_size)
   delay = step if delay_ms is None else delay_ms / 1000
   _, state = _epoch_seconds(config, split, mesh, model, tx, state, train_fn,  # Compiles.
-                            SlowHostReader(split, mesh, 0, 0.0))
+                            SlowReader(split, mesh, 0, 0.0))
   times = {depth: [] for depth in depths}
   for _ in range(repeats):
     for depth in depths:  # In turn, so that drifts in the machine's speed hit every depth.
       seconds, state = _epoch_seconds(config, split, mesh, model, tx, state, train_fn,
-                                      SlowHostReader(split, mesh, depth, delay))
+                                      SlowReader(split, mesh, depth, delay))
       times[depth].append(seconds)
   base = statistics.median(times[depths[0]])
   return {"step_seconds": step, "delay_seconds": delay, "steps": num_steps,

@@ -16,7 +16,7 @@ import ml_collections
 
 from cpjax import models, registry
 from cpjax.calibration import bootstrap, losses, posthoc, temperature
-from cpjax.data import decode_workers, device_stage, preprocess, readers, specs, splits
+from cpjax.data import decode_workers, preprocess, readers, specs, splits
 from cpjax.data import sources as data_sources
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, scores, sources
@@ -77,7 +77,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.label_noise_seed": integer(0, 2**31 - 1),
       "dataset.holdout_fraction": number(0.0, 1.0, high_open=True),
       "dataset.train_part": choice(list(splits.TRAIN_PARTS)),
-      "dataset.reader": readers.READERS.check(),
+      "dataset.reader": choice(readers.READER_CHOICES),
       "dataset.device_memory_mb": number(0.0),
       "dataset.host_memory_mb": number(0.0),
       "dataset.stream_dir": string(),
@@ -100,7 +100,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.skip_bad_files": boolean(),
       "dataset.num_workers": integer(0, 256),
       "dataset.worker_kind": choice(list(decode_workers.WORKER_KINDS)),
-      "dataset.decode": choice(device_stage.choices),
+      "dataset.decode": choice(readers.decode_choices),
       "model.name": models.name_problem,
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": losses.LOSSES.check(),

@@ -21,7 +21,7 @@ import ml_collections
 
 from cpjax import config_schema, models
 from cpjax.calibration import losses
-from cpjax.data import device_stage, readers, specs, splits
+from cpjax.data import readers, specs, splits
 from cpjax.data import sources as data_sources
 from cpjax.selection import policies, scores
 from cpjax.selection import sources as score_sources
@@ -80,11 +80,10 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   problems = []
   # Readers of a source dataset: auto and stream read its converted records when
   # dataset.stream_dir is set, else (auto, host) the source itself.
-  source_readers = [r.name for r in readers.READERS.entries() if r.reads_sources]
-  if dataset.reader not in source_readers:
+  if dataset.reader not in readers.SOURCE_READERS:
     problems.append(f"config.dataset.reader={dataset.reader!r}: a {dataset.name} dataset is "
                     "read by the host stage (decode and crop on the host); valid: "
-                    f"{', '.join(source_readers)} (stream: its converted records in "
+                    f"{', '.join(readers.SOURCE_READERS)} (stream: its converted records in "
                     "dataset.stream_dir)")
   elif dataset.reader == "stream" and not dataset.stream_dir:
     problems.append(f"config.dataset.reader='stream' reads a {dataset.name} dataset's "
@@ -140,7 +139,7 @@ def _meta_problems(config: ml_collections.ConfigDict, spec: losses.LossSpec) -> 
     problems.append(f"config.dataset.meta_val_size={meta_size} must be at least "
                     f"config.batch_size={batch_size} for loss.name={config.loss.name!r}: each "
                     "step draws a full meta-validation batch of distinct examples")
-  if policies.weights_loss(config.selection.method):
+  if policies.returns_weights(config.selection.method):
     problems.append(f"config.selection.method={config.selection.method!r} weights the loss per "
                     f"example, which loss.name={config.loss.name!r} does not support")
   return problems
@@ -371,7 +370,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   if config.evaluation.bootstrap_level >= 1.0:
     problems.append(f"config.evaluation.bootstrap_level={config.evaluation.bootstrap_level} "
                     "must be below 1 (e.g. 0.9 for a 90 % interval)")
-  if policies.weights_loss(config.selection.method) and (
+  if policies.returns_weights(config.selection.method) and (
       config.budget_steps or config.optimizer.schedule_unit == "step"):
     # An infobatch epoch's size is drawn when it starts: the run's steps are not known ahead.
     problems.append(f"config.budget_steps={config.budget_steps} and optimizer.schedule_unit="
@@ -398,15 +397,12 @@ def _decode_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   as the 'opencv' engine does, and must be able to run here (the gpu decoder: an NVIDIA GPU
   and nvImageCodec), else one line naming what to install."""
   decode = dataset.decode
-  if decode in (device_stage.HOST_STAGE, device_stage.AUTO):
+  if decode not in readers.DECODERS:  # cpu, auto, or a bad name (the schema names it).
     return []
   if not data_sources.is_source_name(dataset.name):
     return [f"config.dataset.decode={decode!r} decodes the encoded images of a folder or tfds "
             f"dataset; {dataset.name!r} is held in memory as pixels: use 'cpu' or 'auto'"]
-  if dataset.resize != "opencv":
-    return [f"config.dataset.decode={decode!r} resizes on the device as the 'opencv' engine "
-            f"does, not dataset.resize={dataset.resize!r}: set resize='opencv', or decode='cpu'"]
-  problem = device_stage.DECODERS[decode].problem()
+  problem = readers.decoder_problem(decode, dataset.resize)
   return [f"config.dataset.decode={decode!r} {problem}; or decode on the host: "
           "--config.dataset.decode=cpu"] if problem else []
 
@@ -425,7 +421,7 @@ def _model_problems(config: ml_collections.ConfigDict) -> list[str]:
 def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:
   """A streamed run needs its array_record directory and keeps no test images in memory."""
   dataset = config.dataset
-  if specs.DATASETS[dataset.name].host_stage:
+  if specs.DATASETS[dataset.name].encoded:
     return [] if config.evaluation.ood != "gaussian_noise" else [
         f"config.evaluation.ood='gaussian_noise' corrupts the test images in memory, which a "
         f"{dataset.name!r} run (images decoded on the host per batch) does not hold: use a "

@@ -42,7 +42,7 @@ class Evaluator:
   epoch (`run`), and the final calibration report (`write_report`)."""
   eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.train._jit_eval_step).
   mesh: jax.sharding.Mesh
-  split_readers: Mapping[str, readers.HostReader]  # SPLITS as batches on the mesh.
+  split_readers: Mapping[str, readers.Reader]  # SPLITS as batches on the mesh.
   labels: Mapping[str, np.ndarray]  # SPLITS' labels, in row order.
   num_classes: int
   batch_size: int  # eval_batch_size.
@@ -77,8 +77,7 @@ class Evaluator:
     return results
 
   def logits(self, state: steps.TrainState) -> dict[str, np.ndarray]:
-    """The logits of every split in SPLITS: the final report's, which the loop computes
-    before it saves the last epoch, so that a non-finite state is never saved."""
+    """The eval-mode logits of every split in SPLITS (the report's), each finite."""
     return {name: self.finite_logits(state, name) for name in SPLITS}
 
   def finite_logits(self, state: steps.TrainState, name: str) -> np.ndarray:
@@ -93,23 +92,21 @@ class Evaluator:
           "gradient clipping.")
     return logits
 
-  def predict(self, state: steps.TrainState, data: splits.Split | readers.HostReader,
+  def predict(self, state: steps.TrainState, data: splits.Split | readers.Reader,
               fn: Any = None) -> np.ndarray:
     """`fn(state, batch)` (default: the eval step) over `data`, sharded on the mesh in
     batches of `batch_size` (steps.predict): the one pass every evaluation makes."""
     return steps.predict(self.eval_fn if fn is None else fn, state, data, self.mesh,
                          self.batch_size)
 
-
-  def write_report(self, state: steps.TrainState, epoch: int, epoch_step: int = 0,
-                   logits: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+  def write_report(self, state: steps.TrainState, epoch: int,
+                   epoch_step: int = 0) -> dict[str, Any]:
     """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
-    `epoch_step` steps of the next; `logits`: its `logits` if already
-    computed) and writes it to workdir/report, naming that checkpoint."""
+    `epoch_step` steps of the next) and writes it to workdir/report, naming that checkpoint."""
     logging.info("Building the calibration report after epoch %d: temperature fit, metrics, "
                  "%d bootstrap resamples per interval.", epoch,
                  self.evaluation.bootstrap_resamples)
-    logits = logits or self.logits(state)
+    logits = self.logits(state)
     ood = self._ood_split()
     results = report.build_report(
         (logits["val"], self.labels["val"]), (logits["test"], self.labels["test"]),

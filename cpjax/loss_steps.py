@@ -46,7 +46,7 @@ class PlainSteps:
     return functools.partial(steps.train_step, model=model, tx=tx,
                              loss_fn=losses.get_loss(self.loss), score_fn=score_fn, spec=spec)
 
-  def train_batches(self, data_readers: dict[str, readers.HostReader], seed: int,
+  def train_batches(self, data_readers: dict[str, readers.Reader], seed: int,
                     batch_size: int) -> TrainBatches:
     """The training reader's batches themselves (nothing joins them)."""
     del seed, batch_size
@@ -76,7 +76,7 @@ class MetaSteps:
                              meta_tx=meta_tx, objective=self.objective, score_fn=score_fn,
                              spec=spec, leak_meta_gradient=self.leak_meta_gradient)
 
-  def train_batches(self, data_readers: dict[str, readers.HostReader], seed: int,
+  def train_batches(self, data_readers: dict[str, readers.Reader], seed: int,
                     batch_size: int) -> TrainBatches:
     """Each training batch joined by the meta-validation batch of its global step
     (data_readers["meta_val"]; `seed`, `batch_size`: config's), `_joined`."""
@@ -94,7 +94,7 @@ class MetaSteps:
                              spec=spec)
 
 
-def _joined(train_batches: Iterator[dict[str, Any]], meta_reader: readers.HostReader,
+def _joined(train_batches: Iterator[dict[str, Any]], meta_reader: readers.Reader,
             seed: int, batch_size: int, first_step: int, num_steps: int
             ) -> Iterator[dict[str, Any]]:
   """Each training batch with the meta-validation batch of its global step (from

@@ -37,7 +37,7 @@ class Run:
   tx: optax.GradientTransformation
   checkpointer: checkpointing.Checkpointer
   splits: dict[str, splits.Split]  # Host copies: labels, ids, images (none when streamed).
-  readers: dict[str, readers.HostReader]  # The same splits as batches on the mesh.
+  readers: dict[str, readers.Reader]  # The same splits as batches on the mesh.
   eval_fn: EvalFn  # jitted.
   # The loss's steps (cpjax.loss_steps.for_loss, built once): its train step, its extra train
   # state and (FL_gamma) the report's test gammas.

@@ -80,9 +80,10 @@ def step_spec(dataset: ml_collections.ConfigDict, loss: ml_collections.ConfigDic
   data = specs.DATASETS[dataset.name]
   train_parts = {} if loss is None else {"mixup_alpha": loss.mixup_alpha,
                                          "reduction": loss.reduction}
-  # A source dataset's images are flipped on the host, with their crops (cpjax.data.preprocess).
+  # A source dataset's images are flipped with their crops, where they are decoded
+  # (cpjax.data.preprocess's boxes and flips, on the host or on the devices).
   return StepSpec(mean=data.mean, std=data.std, num_classes=data.num_classes,
-                  crop_padding=dataset.crop_padding, flip=dataset.flip and not data.host_stage,
+                  crop_padding=dataset.crop_padding, flip=dataset.flip and not data.encoded,
                   weighted=weighted,
                   **train_parts)
 
@@ -361,7 +362,7 @@ def scoring_pass_step(state: TrainState, batch: dict[str, jax.Array], *, model: 
   return jnp.stack([score_fn(logits, batch["label"]), confidence, correct], axis=-1)
 
 
-def predict(fn, state: TrainState, data: splits.Split | readers.HostReader,
+def predict(fn, state: TrainState, data: splits.Split | readers.Reader,
             mesh: jax.sharding.Mesh, batch_size: int) -> np.ndarray:
   """`fn(state, batch)` over every example of `data` once, in row order, on every host.
 
@@ -375,15 +376,15 @@ def predict(fn, state: TrainState, data: splits.Split | readers.HostReader,
   return np.concatenate(sharding.to_host(outputs))[:len(data)]
 
 
-def _predict_batches(data: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
+def _predict_batches(data: splits.Split | readers.Reader, mesh: jax.sharding.Mesh,
                      batch_size: int):
   """`predict`'s padded batches of `data`, in row order."""
-  reader = data if isinstance(data, readers.HostReader) else readers.HostReader(data, mesh)
+  reader = data if isinstance(data, readers.Reader) else readers.Reader(data, mesh)
   rows, masks = (np.stack(parts) for parts in zip(*splits.eval_rows(len(reader), batch_size)))
   return reader.batches(rows, masks)
 
 
-def first_predict_batch(data: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
+def first_predict_batch(data: splits.Split | readers.Reader, mesh: jax.sharding.Mesh,
                         batch_size: int) -> dict[str, jax.Array]:
   """The first batch `predict` gives its `fn` (its structure, shapes and shardings: a program
   compiled ahead for it is the one `predict` calls)."""

@@ -31,7 +31,7 @@ def tables() -> dict[str, str]:
   return {
       "selection.method": registry.markdown_table(policies.POLICIES, {
           "reads scores": lambda p: _yes(p.needs_scores),
-          "weights the loss": lambda p: _yes(p.weights_loss)}),
+          "weights the loss": lambda p: _yes(p.returns_weights)}),
       "selection.score": registry.markdown_table(scores.SCORES, {
           "uses labels": lambda s: _yes(s.uses_labels)}),
       "loss.name": registry.markdown_table(losses.LOSSES, {

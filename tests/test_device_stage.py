@@ -12,6 +12,7 @@ image is generated.
 import logging
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from cpjax.data import (
   nvimgcodec_decode,
   packed_regions,
   preprocess,
+  readers,
   sources,
 )
 from cpjax.runtime import sharding
@@ -204,7 +206,7 @@ def test_the_stand_in_gives_the_host_stages_pixels_within_one_level(folder, epoc
   blocks = np.random.default_rng(0).permutation(len(source))[:16].reshape(2, 8)
   host = _host(host_stage.PreprocessReader(source, transform, mesh, num_workers=2,
                                            worker_kind="thread").batches(blocks, epoch=epoch))
-  reader = device_stage.DeviceStageReader(source, transform, mesh, device_stage.HostDecoder(),
+  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                           num_threads=2)
   device = _host(reader.batches(blocks, epoch=epoch))
   diff = np.abs(host.astype(int) - device)
@@ -220,7 +222,7 @@ def test_the_stand_ins_difference_from_the_host_stage_as_configured(folder):
   rows = np.arange(len(source))
   host = host_stage.PreprocessReader(source, transform, mesh, worker_kind="thread",
                                      num_workers=2).images(rows, epoch=1)
-  reader = device_stage.DeviceStageReader(source, transform, mesh, device_stage.HostDecoder(),
+  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                           num_threads=2)
   diff = np.abs(host.astype(int) - reader.images(rows, epoch=1))
   # A scaled-down DCT decode is a different image: small on average, tens of levels at edges.
@@ -238,7 +240,7 @@ def test_the_folders_records_give_the_folders_batches(folder, tmp_path):
   assert type(converted).__name__ == "RecordSource"
   mesh = sharding.create_mesh()
   blocks = np.arange(16).reshape(2, 8)
-  got = [_host(device_stage.DeviceStageReader(s, transform, mesh, device_stage.HostDecoder())
+  got = [_host(device_stage.DeviceStageReader(s, transform, mesh, packed_regions.HostDecoder())
                .batches(blocks, epoch=1)) for s in (source, converted)]
   np.testing.assert_array_equal(*got)
 
@@ -250,7 +252,7 @@ def test_whole_images_and_boxes_alone_give_the_same_batches(folder):
   mesh = sharding.create_mesh()
   blocks = np.arange(16).reshape(2, 8)
   batches = [_host(device_stage.DeviceStageReader(
-      source, transform, mesh, device_stage.HostDecoder(whole=whole)).batches(blocks, epoch=1))
+      source, transform, mesh, packed_regions.HostDecoder(whole=whole)).batches(blocks, epoch=1))
       for whole in (False, True)]
   np.testing.assert_array_equal(*batches)
 
@@ -263,7 +265,7 @@ def test_each_device_decodes_and_holds_its_own_shard(folder):
   mesh = sharding.create_mesh()
   assert mesh.devices.size == 8
   blocks = np.random.default_rng(1).permutation(len(source))[:16].reshape(1, 16)
-  reader = device_stage.DeviceStageReader(source, transform, mesh, device_stage.HostDecoder(),
+  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                           num_threads=3, read_ahead=1, prefetch_depth=0)
   (batch,) = list(reader.batches(blocks, epoch=4))
   assert batch["image"].sharding.spec == jax.sharding.PartitionSpec("data")
@@ -275,7 +277,7 @@ def test_each_device_decodes_and_holds_its_own_shard(folder):
     np.testing.assert_array_equal(np.asarray(shard.data), expected[rows])
   np.testing.assert_array_equal(np.asarray(batch["id"]), source.ids[blocks[0]])
   np.testing.assert_array_equal(np.asarray(batch["label"]), source.labels[blocks[0]])
-  other = device_stage.DeviceStageReader(source, transform, mesh, device_stage.HostDecoder(),
+  other = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                          read_ahead=3, prefetch_depth=2)
   weights = np.linspace(0.5, 2.0, len(source)).astype(np.float32)  # One per split row.
   (fed,) = list(other.train_batches(blocks, row_weights=weights, epoch=4))
@@ -327,7 +329,7 @@ def test_files_a_gpu_decoder_cannot_read_are_decoded_by_pil_and_counted(folder, 
   with caplog.at_level(logging.WARNING):
     got = _host(reader.batches(blocks, epoch=1))
   expected = _host(device_stage.DeviceStageReader(
-      source, transform, mesh, device_stage.HostDecoder()).batches(blocks, epoch=1))
+      source, transform, mesh, packed_regions.HostDecoder()).batches(blocks, epoch=1))
   np.testing.assert_array_equal(got, expected)
   pil = sum(i.format == "PNG" or i.mode == "CMYK" for i in items) + 1  # 1 refused.
   assert reader.decoded_on_host == pil and pil >= 5
@@ -379,7 +381,7 @@ def test_nvimgcodec_on_its_cpu_backend_gives_the_stand_ins_batches(folder):
   decoder = nvimgcodec_decode.Decoder(3, on_gpu=False)
   reader = device_stage.DeviceStageReader(source, transform, mesh, decoder)
   expected = _host(device_stage.DeviceStageReader(
-      source, transform, mesh, device_stage.HostDecoder()).batches(blocks, epoch=1))
+      source, transform, mesh, packed_regions.HostDecoder()).batches(blocks, epoch=1))
   np.testing.assert_array_equal(_host(reader.batches(blocks, epoch=1)), expected)
   items = [packed_regions.header_item(source, transform, row, 1) for row in blocks.ravel()]
   assert reader.decoded_on_host == sum(i.format == "PNG" or i.mode == "CMYK" for i in items)
@@ -412,16 +414,36 @@ def test_decode_choices_are_checked_and_fit_the_dataset(folder):
   config_validation.validate(config)  # The stand-in runs anywhere.
 
 
-def test_auto_picks_the_host_stage_without_a_gpu_and_says_why(caplog):
+def test_auto_picks_the_host_stage_without_a_gpu_and_says_why(folder, caplog):
   with caplog.at_level(logging.INFO):
-    assert device_stage.resolve("auto", "opencv") == "cpu"
-  assert "dataset.decode=auto: cpu (needs an NVIDIA GPU" in caplog.text
-  assert device_stage.resolve("device_cpu", "opencv") == "device_cpu"
+    assert readers.resolved_decode(_dataset(folder, decode="auto")) == "cpu"
+  assert "dataset.decode=auto: cpu (gpu needs an NVIDIA GPU" in caplog.text
+  assert readers.resolved_decode(_dataset(folder, decode="device_cpu")) == "device_cpu"
+
+
+def test_the_resize_rule_is_one_check_for_its_three_users(folder, caplog):
+  """dataset.resize other than opencv: config validation, auto's log and the device stage's
+  reader all name it with the same words."""
+  words = ("resizes on the device as the 'opencv' engine does, not dataset.resize='pil' "
+           "(set resize='opencv')")
+  assert device_resize.resize_problem("opencv") is None
+  assert device_resize.resize_problem("pil") == words
+  assert f"config.dataset.decode='device_cpu' {words}; or decode on the host" in _problems(
+      **{**_dataset(folder).to_dict(), "decode": "device_cpu", "resize": "pil"})
+  source, transform = _source_and_transform(folder, resize="pil")
+  with pytest.raises(ValueError, match=re.escape(f"the device stage {words}")):
+    device_stage.DeviceStageReader(source, transform, sharding.create_mesh(),
+                                   packed_regions.HostDecoder())
+  with caplog.at_level(logging.INFO):
+    assert readers.resolved_decode(_dataset(folder, decode="auto", resize="pil")) == "cpu"
+  # The decoder's own problem first (none where a GPU and nvImageCodec are), then the resize.
+  assert f"dataset.decode=auto: cpu (gpu {nvimgcodec_decode.problem() or words})." in (
+      caplog.text)
 
 
 def test_the_checkpoint_names_the_decoder_and_a_resume_with_another_warns(caplog):
   reader = device_stage.DeviceStageReader.__new__(device_stage.DeviceStageReader)
-  reader.decoder = device_stage.HostDecoder()
+  reader.decoder = packed_regions.HostDecoder()
   assert train._decoder_meta(reader, {}) == {"decoder": reader.decoder.name}  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):
     train._decoder_meta(reader, {"decoder": "gpu (nvImageCodec 0.9.0, ...)"})  # pylint: disable=protected-access

@@ -213,6 +213,29 @@ def test_every_method_gives_k_distinct_ids_and_the_same_again_for_the_same_epoch
   np.testing.assert_array_equal(got, policies.select(method, request, settings)[0])
 
 
+@pytest.mark.parametrize("method", policies.POLICIES.names())
+def test_a_policys_flags_say_what_select_gives(method):
+  """returns_weights: `select` gives one float32 weight an id, else None; a fixed size gives
+  exactly k ids (above), and the budget schedule reads k for fixed and expected sizes."""
+  rng = np.random.default_rng(11)
+  scores, labels, ids = rng.random(120) + 0.05, rng.integers(0, 5, 120), np.arange(120)
+  policy = policies.POLICIES[method]
+  request = policies.Request(scores, labels, ids, 25, seed=1, epoch=2, num_epochs=10)
+  got, weights = policies.select(method, request, policies.POLICIES.keywords(
+      method, policies.POLICIES.defaults()))
+  assert (weights is not None) == policy.returns_weights == policies.returns_weights(method)
+  if weights is not None:
+    assert weights.shape == got.shape and weights.dtype == np.float32
+  assert policies.reads_k(method) == (policy.size != "free")
+  assert policies.fixed_size(method) == (policy.size == "fixed")
+
+
+def test_a_policy_size_outside_the_three_is_refused_naming_them():
+  with pytest.raises(ValueError, match="selection policy 'mine': size='exact'; valid: fixed, "
+                                       "expected, free"):
+    policies.Policy("mine", lambda request: request.ids, "mine", size="exact")
+
+
 def _reference_infobatch(scores, ids, seed, epoch, r, first_anneal_epoch):
   """InfoBatch example by example, with Python floats: the mean as an exact sum over N, then
   each below-mean example pruned when its uniform draw is below r, else kept with 1/(1-r)."""

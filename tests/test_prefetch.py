@@ -70,7 +70,7 @@ def test_bad_depths_are_refused(digits):
   mesh = sharding.create_mesh()
   for depth in (-1, 1.5, True):
     with pytest.raises(ValueError, match="prefetch_depth"):
-      readers.HostReader(digits["train"], mesh, prefetch_depth=depth)
+      readers.Reader(digits["train"], mesh, prefetch_depth=depth)
   with pytest.raises(config_validation.ConfigError, match="dataset.prefetch_depth"):
     config_validation.validate(helpers.tiny_config(**{"dataset.prefetch_depth": -1}))
 
@@ -80,7 +80,7 @@ def test_host_batches_are_the_same_with_and_without_prefetch(digits):
   rng = np.random.default_rng(0)
   blocks = rng.permutation(len(digits["train"]))[:5 * 64].reshape(5, 64)
   weights = rng.random(len(digits["train"])).astype(np.float32)
-  batches = {depth: jax.device_get(list(readers.HostReader(digits["train"], mesh, depth)
+  batches = {depth: jax.device_get(list(readers.Reader(digits["train"], mesh, depth)
                                         .batches(blocks, row_weights=weights)))
              for depth in (0, 2)}
   assert len(batches[2]) == 5

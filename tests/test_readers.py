@@ -3,15 +3,26 @@ bit for bit, on 1 and 8 devices, and so is a whole run; `auto` picks by size; th
 reader reads only this process's rows (2 processes on 127.0.0.1) and stays under a memory cap
 on a generated set several times its size."""
 
+import concurrent.futures
 import os
 import time
+import types
 
 import jax
 import numpy as np
+from PIL import Image
 import pytest
 
 from cpjax import config_validation, train
-from cpjax.data import array_records, input_pipeline, readers
+from cpjax.data import (
+  array_records,
+  device_stage,
+  host_stage,
+  input_pipeline,
+  readers,
+  sources,
+  specs,
+)
 from cpjax.runtime import preemption, sharding
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
@@ -25,7 +36,7 @@ def test_device_batches_are_the_host_split_rows(digits, num_devices):
   rows = rng.integers(0, len(split), 64)  # Repeats allowed, as in a cycled last batch.
   mask = (rng.random(64) < 0.8).astype(np.float32)
   weights = rng.random(64).astype(np.float32)
-  host = readers.HostReader(split, mesh).batch(rows, mask, weights)
+  host = readers.Reader(split, mesh).batch(rows, mask, weights)
   device = readers.DeviceReader(split, mesh).batch(rows, mask, weights)
   expected = {"image": split.images[rows], "label": split.labels[rows], "id": split.ids[rows],
               "mask": mask, "weight": weights}  # Straight NumPy indexing of the split.
@@ -65,17 +76,107 @@ def test_device_reader_epoch_blocks_are_the_split_rows(digits, num_devices):
 
 
 def test_auto_picks_device_when_the_splits_fit_the_budget():
-  assert readers.choose("auto", 100 * 2**20, 100.0) == "device"  # Exactly the budget fits.
-  assert readers.choose("auto", 100 * 2**20 + 1, 100.0) == "host"
-  assert readers.choose("auto", 25 * 2**20, 100.0, copies=4) == "device"  # 4 CPU devices.
-  assert readers.choose("auto", 25 * 2**20 + 1, 100.0, copies=4) == "host"
-  assert readers.choose("host", 1, 100.0) == "host"  # An explicit choice is kept.
-  assert readers.choose("device", 10**12, 100.0) == "device"
+  assert readers.in_memory_kind("auto", 100 * 2**20, 100.0) == "device"  # Exactly fits.
+  assert readers.in_memory_kind("auto", 100 * 2**20 + 1, 100.0) == "host"
+  assert readers.in_memory_kind("auto", 25 * 2**20, 100.0, copies=4) == "device"  # 4 CPUs.
+  assert readers.in_memory_kind("auto", 25 * 2**20 + 1, 100.0, copies=4) == "host"
+  assert readers.in_memory_kind("host", 1, 100.0) == "host"  # An explicit choice is kept.
+  assert readers.in_memory_kind("device", 10**12, 100.0) == "device"
   with pytest.raises(ValueError, match="dataset.reader='disk'; valid: auto, host, device, "
                                        "stream"):
-    readers.choose("disk", 1, 100.0)
+    readers.in_memory_kind("disk", 1, 100.0)
   with pytest.raises(config_validation.ConfigError, match="dataset.reader"):
     config_validation.validate(tiny_config(**{"dataset.reader": "disk"}))
+
+
+def test_read_ahead_submits_ahead_finishes_in_order_and_cancels_what_is_left():
+  """read_ahead=2: block s+2 is submitted before block s is finished, blocks finish in
+  order, and closing the generator early cancels the futures of the blocks submitted and not
+  finished (and only those)."""
+  source = types.SimpleNamespace(labels=np.zeros(5, np.int32), ids=np.arange(5))
+  reader = readers.SourceReader(source, None, sharding.create_mesh(), num_workers=1,
+                                read_ahead=2)
+  events, futures = [], {}
+
+  def submit(s, block):
+    events.append(f"submit {s}:{block}")
+    futures[s] = [concurrent.futures.Future()]
+    return futures[s]
+
+  def finish(s, got):
+    assert got is futures[s]
+    events.append(f"finish {s}")
+    return s
+
+  assert list(reader.read_ahead("abcde", submit, finish)) == [0, 1, 2, 3, 4]
+  assert events == ["submit 0:a", "submit 1:b", "submit 2:c", "finish 0", "submit 3:d",
+                    "finish 1", "submit 4:e", "finish 2", "finish 3", "finish 4"]
+  events.clear()
+  blocks = reader.read_ahead("abcde", submit, finish)
+  assert next(blocks) == 0
+  blocks.close()
+  assert events == ["submit 0:a", "submit 1:b", "submit 2:c", "finish 0"]
+  assert [futures[s][0].cancelled() for s in range(3)] == [False, True, True]
+
+
+def _never_read():
+  raise AssertionError("the splits were read into memory for a kind that streams or decodes")
+
+
+def _chosen(dataset, read_splits=_never_read) -> set[type]:
+  """The classes of the readers `choose` builds for `dataset` (every split has one)."""
+  by_name = readers.choose(dataset, specs.DATASETS[dataset.name], sharding.create_mesh(), 0,
+                           read_splits)
+  assert set(by_name) == {"train", "val", "test"}
+  return {type(reader) for reader in by_name.values()}
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"dataset.reader": "host"}, readers.Reader),
+    ({"dataset.reader": "device"}, readers.DeviceReader),
+    # 1,797 digits of 64 bytes and 8 bytes of label and id: 0.13 MiB, times 8 CPU devices.
+    ({"dataset.reader": "auto", "dataset.device_memory_mb": 1.0}, readers.DeviceReader),
+    ({"dataset.reader": "auto", "dataset.device_memory_mb": 0.5}, readers.Reader),
+    # Records written, but the training split fits host memory: read into memory.
+    ({"dataset.reader": "auto", "dataset.stream_dir": "records"}, readers.DeviceReader),
+    ({"dataset.reader": "auto", "dataset.stream_dir": "records",
+      "dataset.host_memory_mb": 0.01}, readers.StreamReader),
+    ({"dataset.reader": "stream", "dataset.stream_dir": "records"}, readers.StreamReader),
+])
+def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, fields, kind):
+  fields = {k: str(tmp_path / v) if k.endswith("stream_dir") else v for k, v in fields.items()}
+  dataset = tiny_config(**fields).dataset
+  if dataset.stream_dir:
+    array_records.write_splits(digits, dataset.stream_dir, dataset)
+  streamed = kind is readers.StreamReader
+  assert _chosen(dataset, _never_read if streamed else lambda: digits) == {kind}
+
+
+@pytest.mark.parametrize("decode, kind", [
+    ("cpu", host_stage.PreprocessReader),
+    ("device_cpu", device_stage.DeviceStageReader),
+    ("auto", host_stage.PreprocessReader),  # No GPU decoder here.
+])
+def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
+  """A folder dataset (encoded images) is never read into memory; dataset.decode picks its
+  stage, which holds the source's labels."""
+  if decode == "auto" and readers.decoder_problem("gpu", "opencv") is None:
+    pytest.skip("a GPU decoder runs here: auto picks it")
+  for split, count in (("train", 12), ("test", 3)):
+    for name in ("ant", "bee"):
+      os.makedirs(tmp_path / split / name)
+      for i in range(count):
+        Image.new("RGB", (10 + i, 12), (40 * i, 0, 0)).save(tmp_path / split / name / f"{i}.png")
+  dataset = tiny_config(**{"dataset.name": "folder", "dataset.folder": str(tmp_path),
+                           "dataset.val_size": 4, "dataset.decode": decode,
+                           "dataset.worker_kind": "thread"}).dataset
+  sources.resolve(dataset)
+  assert _chosen(dataset) == {kind}
+  train = readers.choose(dataset, specs.DATASETS["folder"], sharding.create_mesh(), 0,
+                         _never_read)["train"]
+  opened = sources.open_splits(dataset)["train"]
+  np.testing.assert_array_equal(train.labels, opened.labels)
+  np.testing.assert_array_equal(train.ids, opened.ids)
 
 
 @pytest.mark.slow
@@ -145,7 +246,7 @@ def test_streamed_batches_are_the_host_split_rows_read_ahead_or_not(digits, num_
   dataset = tiny_config().dataset
   array_records.write_splits({"train": digits["train"]}, str(tmp_path), dataset, num_shards=3)
   stream = array_records.stream_reader(str(tmp_path), "train", mesh, dataset)
-  host = readers.HostReader(digits["train"], mesh)
+  host = readers.Reader(digits["train"], mesh)
   rng = np.random.default_rng(num_devices)
   blocks = rng.integers(0, len(host), (5, 64))
   masks = (rng.random((5, 64)) < 0.9).astype(np.float32)

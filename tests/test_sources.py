@@ -24,6 +24,7 @@ from cpjax.data import (
   device_stage,
   folder_source,
   host_stage,
+  packed_regions,
   preprocess,
   record_source,
   sources,
@@ -471,7 +472,7 @@ def test_a_tfds_dataset_and_its_records_through_the_device_stage(tmp_path, tfds_
   def images(reader) -> np.ndarray:
     return np.stack([jax.device_get(b["image"]) for b in reader.batches(blocks, epoch=1)])
   got = [images(device_stage.DeviceStageReader(source, transform, mesh,
-                                               device_stage.HostDecoder()))
+                                               packed_regions.HostDecoder()))
          for source in (direct, converted)]
   np.testing.assert_array_equal(*got)
   host = images(host_stage.PreprocessReader(direct, transform, mesh, worker_kind="thread"))

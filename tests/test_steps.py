@@ -18,7 +18,7 @@ from tests.helpers import tiny_config
 def _setup(config, devices):
   """Mesh, model, fresh state and the jitted train step of `config` on `devices` (with loss
   weights where the config's selection method gives them, as the loop's selector decides)."""
-  weighted = policies.weights_loss(config.selection.method)
+  weighted = policies.returns_weights(config.selection.method)
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes)
   tx = optim.create_optimizer(config.optimizer)

@@ -97,7 +97,7 @@ class GeneratedSource:
 def describe(dataset):
   _log(event="describe", name=dataset.name)
   return specs.DatasetSpec("", (8, 8, 1), NUM_CLASSES, NUM_EXAMPLES, (0.4,), (0.3,),
-                           local=True, test_split="test", host_stage=True,
+                           local=True, test_split="test", encoded=True,
                            classes=tuple("abcd"))
 
 

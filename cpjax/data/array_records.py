@@ -22,7 +22,8 @@ of (id, label, image), so a set larger than memory can be written as it is read;
 `write_splits` writes the splits of a dataset config. `stream_reader` builds a
 `readers.StreamReader` over `RecordImages`, which reads rows with grain's
 ArrayRecordDataSource and reads upcoming batches ahead in background threads
-(grain's MapDataset -> IterDataset with ReadOptions).
+(grain's MapDataset -> IterDataset with ReadOptions); the stream kind of reader
+(readers.READERS, registered here) builds one for each split of a run.
 """
 
 from collections.abc import Iterable, Mapping
@@ -286,6 +287,18 @@ def stream_reader(directory: str, name: str, mesh: jax.sharding.Mesh,
   return readers.StreamReader(RecordImages(paths, image_shape, len(split),
                                            _index_field(directory, name, "crc32")), split, mesh,
                               prefetch_depth=depth)
+
+
+def _stream_readers(build: readers.Build) -> dict[str, readers.StreamReader]:
+  """The stream kind's readers of a run (readers.choose): every split from its files in
+  dataset.stream_dir."""
+  dataset = build.dataset
+  names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
+  return {name: stream_reader(dataset.stream_dir, name, build.mesh, dataset) for name in names}
+
+
+readers.READERS.register(readers.ReaderKind(
+    "stream", "the splits' array_record files, each process reading its rows", _stream_readers))
 
 
 def _index_field(directory: str, name: str, field: str) -> np.ndarray | None:

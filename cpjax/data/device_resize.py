@@ -39,6 +39,17 @@ import numpy as np
 from cpjax.data import preprocess
 
 MIN_BUCKET = 1 << 16  # Bytes: the smallest packed buffer (few programs for small batches).
+ENGINE = "opencv"  # The host stage's resize engine (dataset.resize) whose rule the op follows.
+
+
+def resize_problem(resize: str) -> str | None:
+  """None where the op resizes as dataset.resize `resize` does (the 'opencv' engine's rule),
+  else why not: the one check of every user of the device stage (config validation,
+  dataset.decode=auto, the device stage's reader)."""
+  if resize == ENGINE:
+    return None
+  return (f"resizes on the device as the {ENGINE!r} engine does, not dataset.resize={resize!r}"
+          f" (set resize={ENGINE!r})")
 
 
 def bucket(num_bytes: int) -> int:

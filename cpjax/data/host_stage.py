@@ -26,34 +26,31 @@ the same, bit for bit, whatever the worker kind, the worker count or the read-ah
 example's crop depends on (seed, epoch, example id) only.
 """
 
-import collections
 from collections.abc import Iterator
 import concurrent.futures
+import logging
 
 import jax
 import numpy as np
 
-from cpjax.data import decode_workers, preprocess, readers, splits
+from cpjax.data import decode_workers, preprocess, readers, sources
 from cpjax.runtime import sharding
 
 
-class PreprocessReader(readers.HostReader):
+class PreprocessReader(readers.SourceReader):
   """Batches of a source's rows through a `preprocess.Transform`, in worker processes or
   threads (`worker_kind`; `num_workers` 0: the cores this process may use)."""
-  kind = "preprocess"
+  kind = "host_stage"
   decoder_name = "cpu (the host stage: PIL decodes, OpenCV resizes)"  # dataset.decode=cpu.
+  thread_name = "cpjax-decode"
 
   def __init__(self, source, transform: preprocess.Transform, mesh: jax.sharding.Mesh,
                num_workers: int = 0, prefetch_depth: int = readers.DEFAULT_PREFETCH_DEPTH,
                read_ahead: int = 2, worker_kind: str = "process"):
-    super().__init__(splits.Split(None, np.asarray(source.labels, np.int32),
-                                  np.asarray(source.ids, np.int32)), mesh, prefetch_depth)
     if worker_kind not in decode_workers.WORKER_KINDS:
       raise ValueError(f"worker_kind={worker_kind!r}: one of {decode_workers.WORKER_KINDS}")
-    self.source, self.transform, self.worker_kind = source, transform, worker_kind
-    self.num_workers = num_workers or decode_workers.usable_cores()
-    self._read_ahead = max(1, read_ahead)
-    self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+    super().__init__(source, transform, mesh, num_workers, prefetch_depth, read_ahead)
+    self.worker_kind = worker_kind
     self._context: decode_workers.Context | None = None
     self.rows_read = 0  # Rows this process has had decoded (tests: each process its own).
 
@@ -70,15 +67,7 @@ class PreprocessReader(readers.HostReader):
     local = sharding.process_rows(self.mesh, len(rows))
     return self._global(rows, self.images(rows[local], epoch), mask, weights)
 
-  def batches(self, row_blocks: np.ndarray, masks: np.ndarray | None = None,
-              row_weights: np.ndarray | None = None, epoch: int | None = None
-              ) -> Iterator[dict[str, jax.Array]]:
-    """`batch` of each block [S, B] in order, the next `read_ahead` blocks decoding in the
-    workers and `prefetch_depth` on the devices ahead of the consumer."""
-    return readers.prefetched(self._decoded(row_blocks, masks, row_weights, epoch),
-                              self.prefetch_depth)
-
-  def _decoded(self, row_blocks, masks, row_weights, epoch) -> Iterator[dict[str, jax.Array]]:
+  def _batches(self, row_blocks, masks, row_weights, epoch) -> Iterator[dict[str, jax.Array]]:
     if len(row_blocks) == 0:
       return
     local = sharding.process_rows(self.mesh, row_blocks.shape[1])
@@ -92,50 +81,35 @@ class PreprocessReader(readers.HostReader):
   def _decode(self, local_blocks: np.ndarray, epoch: int | None) -> Iterator[np.ndarray]:
     """The images of each block of rows [S, L] in order, `read_ahead` blocks ahead."""
     if self.worker_kind == "thread" or local_blocks.shape[1] == 0:
-      return self._in_threads(local_blocks, epoch)
+      return self.read_ahead(local_blocks, lambda s, rows: self._in_threads(rows, epoch),
+                             lambda s, futures: _stacked(futures, self.transform))
     return self._in_processes(local_blocks, epoch)
 
-  def _in_threads(self, local_blocks, epoch) -> Iterator[np.ndarray]:
-    if self._threads is None:
-      self._threads = concurrent.futures.ThreadPoolExecutor(self.num_workers,
-                                                            thread_name_prefix="cpjax-decode")
-    pending: collections.deque = collections.deque()
-    try:
-      for rows in local_blocks:
-        self.rows_read += len(rows)
-        pending.append([self._threads.submit(decode_workers.transformed, self.source,
-                                             self.transform, int(row), epoch)
-                        for row in rows])
-        if len(pending) > self._read_ahead:
-          yield _stacked(pending.popleft(), self.transform)
-      while pending:
-        yield _stacked(pending.popleft(), self.transform)
-    finally:
-      for futures in pending:
-        for future in futures:
-          future.cancel()
+  def _in_threads(self, rows: np.ndarray, epoch: int | None) -> list[concurrent.futures.Future]:
+    """One thread task an image of `rows`."""
+    pool = self._thread_pool()
+    self.rows_read += len(rows)
+    return [pool.submit(decode_workers.transformed, self.source, self.transform, int(row),
+                        epoch) for row in rows]
 
   def _in_processes(self, local_blocks, epoch) -> Iterator[np.ndarray]:
+    """The blocks decoded by the worker processes, each block in flight in its own slot of
+    shared memory (read_ahead ahead of the one being waited on)."""
     pool = decode_workers.shared_pool(self.num_workers)
     if self._context is None:
       self._context = decode_workers.Context(self.source, self.transform)
     t = self.transform
     shape = (local_blocks.shape[1], t.size, t.size, t.channels)
-    pending: collections.deque = collections.deque()
-    # Blocks in flight: read_ahead ahead of the one being waited on, each in its own slot.
+
+    def submit(s: int, rows: np.ndarray) -> list[concurrent.futures.Future]:
+      self.rows_read += len(rows)
+      return pool.decode(self._context, slots, s, rows, epoch)
+
+    # Closing the read-ahead first cancels the tasks not started; those running write into
+    # slots that are unlinked after.
     with decode_workers.Slots(min(self._read_ahead + 1, len(local_blocks)), shape) as slots:
-      try:
-        for s, rows in enumerate(local_blocks):
-          self.rows_read += len(rows)
-          pending.append((s, pool.decode(self._context, slots, s, rows, epoch)))
-          if len(pending) > self._read_ahead:
-            yield _finished(pool, slots, *pending.popleft())
-        while pending:
-          yield _finished(pool, slots, *pending.popleft())
-      finally:  # Not started: cancelled; running: write into slots about to be unlinked.
-        for _, futures in pending:
-          for future in futures:
-            future.cancel()
+      yield from self.read_ahead(local_blocks, submit,
+                                 lambda s, futures: _finished(pool, slots, s, futures))
 
   def _block(self, row_blocks, masks, row_weights, s: int, images: np.ndarray):
     rows = row_blocks[s]
@@ -156,3 +130,23 @@ def _finished(pool: decode_workers.ProcessPool, slots: decode_workers.Slots, s: 
   """Block s's images, once its tasks are done, copied out of its slot."""
   pool.wait(futures)
   return slots.copy(s)
+
+
+def _readers(build: readers.Build) -> dict[str, PreprocessReader]:
+  """The host_stage kind's readers of a run (readers.choose): every split of the encoded
+  dataset, decoded by dataset.worker_kind's workers."""
+  dataset = build.dataset
+  transform = preprocess.from_config(dataset, build.spec.image_shape, build.seed)
+  by_name = {name: PreprocessReader(source, transform, build.mesh, dataset.num_workers,
+                                    dataset.prefetch_depth, worker_kind=dataset.worker_kind)
+             for name, source in sources.open_splits(dataset).items()}
+  logging.info("Dataset %s: %s, read from %s; images decoded to %s on the host by %d %s.",
+               dataset.name, {k: len(v) for k, v in by_name.items()},
+               sources.read_from(dataset), build.spec.image_shape,
+               by_name["train"].num_workers,
+               {"process": "worker processes", "thread": "threads"}[dataset.worker_kind])
+  return by_name
+
+
+readers.READERS.register(readers.ReaderKind(
+    "host_stage", "an encoded dataset decoded and cropped on the host's cores", _readers))

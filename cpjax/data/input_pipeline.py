@@ -1,14 +1,20 @@
-"""The edge of the input pipeline: datasets read once into host arrays through tfds, or
-indexed in array_record files; `load` gives a run its splits and their readers.
+"""The edge of the input pipeline: a run's datasets opened, prepared and read, and `load`,
+which gives a run its splits and their readers.
 
-Data is read once through tfds into host memory (CIFAR-size sets are a few
-hundred MB at most) as uint8 images, sorted by example id; normalisation and
-augmentation happen on the device inside the jitted step (cpjax.data.augment).
-cpjax's own builders (cpjax.data.datasets) read local files and never download;
-tfds's built-in ones download only when asked.
+A built-in dataset (cpjax.data.specs: digits, Fashion-MNIST, CIFAR-10/100, SVHN) is read
+through its tfds builder (cpjax's own builders, cpjax.data.datasets, read local files and
+never download; tfds's built-in ones download only when asked: `open_or_prepare`) into
+host memory as uint8 images sorted by example id (`get_datasets`; CIFAR-size sets are a
+few hundred MB at most), or, converted once by scripts/write_array_records.py, streamed
+from array_record files; normalisation and augmentation happen on the device inside the
+jitted step (cpjax.data.augment). An encoded dataset (a folder of images, tfds:NAME, or
+their converted records: cpjax.data.sources) holds labels and ids only; its images are
+decoded, cropped and flipped per batch, on the host (cpjax.data.host_stage) or on the
+devices (cpjax.data.device_stage). `load` builds the readers of whichever kind
+`readers.choose` picks.
 """
-
 import contextlib
+import functools
 import logging
 from typing import Any
 
@@ -18,12 +24,13 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.download import downloader as tfds_downloader
 
+# array_records, device_stage and host_stage register their kinds of reader
+# (readers.READERS), which `load` builds through readers.choose.
 from cpjax.data import (
-  array_records,
+  array_records,  # noqa: F401
   datasets,
-  device_stage,
-  host_stage,
-  preprocess,
+  device_stage,  # noqa: F401
+  host_stage,  # noqa: F401
   readers,
   sources,
   specs,
@@ -237,67 +244,14 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
 
 
 def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int = 0
-         ) -> tuple[dict[str, Split], dict[str, readers.HostReader]]:
+         ) -> tuple[dict[str, Split], dict[str, readers.Reader]]:
   """A run's splits (train, val, test, and meta_val with a meta_val_size) and the readers
-  (cpjax.data.readers) that put their batches on `mesh`. Streamed splits and those of a
-  source dataset (folder, tfds:NAME; read through the host stage, whose crops `seed` draws)
-  hold no images."""
-  spec = specs.DATASETS[dataset.name]
-  if spec.host_stage:
-    by_name = _source_readers(dataset, spec, mesh, seed)
-    return {name: r.split for name, r in by_name.items()}, by_name
-  if readers.streams(dataset):
-    names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
-    by_name = {name: array_records.stream_reader(dataset.stream_dir, name, mesh, dataset)
-               for name in names}
-    _log_reader("stream", dataset, sum(len(r) for r in by_name.values()) * 8)
-    return {name: r.split for name, r in by_name.items()}, by_name
-  if dataset.stream_dir:
-    logging.info("dataset.stream_dir=%s is not read: dataset.reader=%r and the training split "
-                 "fits dataset.host_memory_mb.", dataset.stream_dir, dataset.reader)
-  split_by_name = get_datasets(dataset)
-  num_bytes = readers.split_bytes(split_by_name)
-  # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
-  copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
-  kind = readers.choose(dataset.reader, num_bytes, dataset.device_memory_mb, copies)
-  _log_reader(kind, dataset, num_bytes)
-  return split_by_name, {name: readers.READERS[kind].create(split, mesh, dataset)
-                         for name, split in split_by_name.items()}
-
-
-def _source_readers(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
-                    mesh: jax.sharding.Mesh, seed: int) -> dict[str, readers.HostReader]:
-  """The readers of a source dataset's splits: the host stage's (dataset.decode cpu, or auto
-  where no GPU decoder can run), else the device stage's with its decoder (one for all)."""
-  transform = preprocess.from_config(dataset, spec.image_shape, seed)
-  opened = sources.open_splits(dataset)
-  decode = device_stage.resolve(dataset.decode, dataset.resize)
-  where = (f"its encoded records in {dataset.stream_dir}" if sources.reads_records(dataset)
-           else "the source")
-  sizes = {k: len(v) for k, v in opened.items()}
-  if decode != device_stage.HOST_STAGE:
-    decoder = device_stage.DECODERS[decode].create(spec.image_shape[2])
-    _log_reader("device_stage", dataset, sum(sizes.values()) * 8)
-    logging.info("Dataset %s: %s, read from %s; images decoded and resized to %s on the "
-                 "devices by %s.", dataset.name, sizes, where, spec.image_shape, decoder.name)
-    return {name: device_stage.DeviceStageReader(source, transform, mesh, decoder,
-                                                 dataset.num_workers, dataset.prefetch_depth)
-            for name, source in opened.items()}
-  by_name = {name: host_stage.PreprocessReader(source, transform, mesh, dataset.num_workers,
-                                               dataset.prefetch_depth,
-                                               worker_kind=dataset.worker_kind)
-             for name, source in opened.items()}
-  _log_reader("preprocess", dataset, sum(sizes.values()) * 8)
-  logging.info("Dataset %s: %s, read from %s; images decoded to %s on the host by %d "
-               "%s.", dataset.name, sizes, where, spec.image_shape, by_name["train"].num_workers,
-               {"process": "worker processes", "thread": "threads"}[dataset.worker_kind])
-  return by_name
-
-
-def _log_reader(kind: str, dataset: ml_collections.ConfigDict, num_bytes: int) -> None:
-  logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
-               "budget %.0f MiB.", kind, dataset.reader, num_bytes / 2**20,
-               dataset.device_memory_mb)
+  that put their batches on `mesh`, of the kind `readers.choose` picks for `dataset`
+  (config.dataset). Streamed splits and those of an encoded dataset (folder, tfds:NAME;
+  decoded per batch, the crops drawn from `seed`) hold no images."""
+  by_name = readers.choose(dataset, specs.DATASETS[dataset.name], mesh, seed,
+                           functools.partial(get_datasets, dataset))
+  return {name: reader.split for name, reader in by_name.items()}, by_name
 
 
 def _print_stats(name: str) -> None:

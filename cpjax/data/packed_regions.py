@@ -1,7 +1,7 @@
 """What the device stage's decoders share: an example as the host prepares it (`Item`), the
 packed layout of decoded regions on a device (`Placed`, `Decoded`, `packed`), and PIL's
-decode on the host, for the stand-in decoder and for the files a GPU decoder cannot read
-(`host_region`, `with_host_part`).
+decode on the host, for the stand-in decoder (`HostDecoder`) and for the files a GPU decoder
+cannot read (`host_region`, `with_host_part`).
 
 The layout is cpjax.data.device_resize's input: each example's decoded pixels (its whole
 image, or its crop box alone) uint8 [h, w, C] row-major, back to back in 1-D buffers on the
@@ -127,3 +127,19 @@ def with_host_part(items: Sequence[Item], placed: dict[int, Placed], device_part
                  len(rest) if fallback else 0)
 
 
+class HostDecoder:
+  """PIL on the host standing in for a GPU decoder (`dataset.decode=device_cpu`): each
+  example's box (or whole image) decoded in the reader's threads, packed, and put on the
+  device that the op runs on."""
+
+  def __init__(self, channels: int = 3, whole: bool = False):
+    del channels  # Every decoder is built from the channels; PIL's decode takes them per call.
+    self.whole = whole
+    self.name = "device_cpu (PIL on the host standing in for a GPU decoder)"
+
+  def prepare(self, item: Item, channels: int) -> tuple[np.ndarray, Placed]:
+    return host_region(item, channels, self.whole)
+
+  def decode(self, items, prepared, channels, device) -> Decoded:
+    return with_host_part(items, {}, None, channels, device, dict(enumerate(prepared)),
+                          fallback=False)

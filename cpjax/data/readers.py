@@ -1,27 +1,43 @@
-"""Readers: how rows of a split become a global batch on the device mesh.
+"""Readers: how rows of a split become a global batch on the device mesh, and `choose`, the
+one place where a run's kind of reader is picked.
 
-  host    the split stays in host memory; each process gathers its rows of a batch
-          there and transfers the images (`splits.batch_at`, then `sharding.to_global`).
-  device  the split's uint8 images, labels and ids are put on every device once
-          (replicated); a batch is gathered on the devices from int32 row indices,
-          so the host sends B int32 numbers instead of B images (`batches`: those of
-          all its batches at once, then one gather dispatch per batch), and no
-          host-side gathering slows the fresh scoring pass or evaluation.
-  stream  the images stay in array_record files (cpjax.data.array_records, written by
-          scripts/write_array_records.py); each process reads only its own rows of each
-          batch, by index, and grain's threads read the next batches ahead. Memory holds
-          labels and ids (8 bytes per example) and the read-ahead buffer, not the set.
-  preprocess  (source datasets: folder, tfds:NAME) rows read as encoded bytes, decoded and
-          cropped on the host in worker processes (or threads), each process its own rows
-          (cpjax.data.host_stage).
-  auto    stream when `dataset.stream_dir` is set and the training split is larger than
-          `dataset.host_memory_mb`; else device when the splits fit
-          `dataset.device_memory_mb` on each device (Fashion-MNIST: 52 MiB, CIFAR-10:
-          176 MiB; on CPU, where every device is host memory, all copies together);
-          else host.
+The kinds (entries of the registry `READERS`; each builds a run's readers, one a split):
 
-Each `dataset.reader` choice is a `ReaderKind` entry of the registry `READERS`
-(cpjax.registry); the in-memory ones (host, device) build their reader of a split.
+  host          the split stays in host memory; each process gathers its rows of a batch
+                there and transfers the images (`splits.batch_at`, then `sharding.to_global`).
+  device        the split's uint8 images, labels and ids are put on every device once
+                (replicated); a batch is gathered on the devices from int32 row indices, so
+                the host sends B int32 numbers instead of B images (`batches`: those of all
+                its batches at once, then one gather dispatch per batch), and no host-side
+                gathering slows the fresh scoring pass or evaluation.
+  stream        the images stay in array_record files (cpjax.data.array_records, written by
+                scripts/write_array_records.py); each process reads only its own rows of
+                each batch, by index, and grain's threads read the next batches ahead.
+                Memory holds labels and ids (8 bytes per example) and the read-ahead
+                buffer, not the set.
+  host_stage    an encoded dataset's rows (folder, tfds:NAME, their converted records) read
+                as encoded bytes, decoded, cropped and flipped on the host in worker
+                processes or threads (dataset.worker_kind), each process its own rows
+                (cpjax.data.host_stage).
+  device_stage  an encoded dataset's rows read as encoded bytes on the host, decoded on each
+                device by a `DECODERS` entry, cropped, resized and flipped there
+                (cpjax.data.device_stage).
+
+host and device are registered here, stream by cpjax.data.array_records, host_stage and
+device_stage by their modules (cpjax.data.input_pipeline imports them all). `choose` picks
+the kind from config.dataset and the dataset's facts:
+
+  an encoded dataset (`DatasetSpec.encoded`): by dataset.decode: cpu, host_stage; a decoder
+      (gpu: nvImageCodec, the gpu-decode extra; device_cpu: PIL standing in for it),
+      device_stage; auto, gpu where it can run (an NVIDIA GPU, nvImageCodec, and
+      dataset.resize the device op's: `decoder_problem`), else cpu. dataset.reader says what
+      the stage reads: the source (host), its converted records in dataset.stream_dir
+      (stream), or those where stream_dir is set (auto).
+  an in-memory dataset: by dataset.reader: stream, or auto when `dataset.stream_dir` is set
+      and the training split is larger than `dataset.host_memory_mb` (`streams`); else the
+      splits are read into memory and it is host, device, or for auto device when they fit
+      `dataset.device_memory_mb` on each device (Fashion-MNIST: 52 MiB, CIFAR-10: 176 MiB;
+      on CPU, where every device is host memory, all copies together), else host.
 
 Every reader gives the same batch dict (image, label, id, mask, and weight when
 given), bit for bit, so the steps cannot tell them apart. `batch` builds one
@@ -29,17 +45,19 @@ batch; `batches` a sequence of them (close the generator when leaving it early).
 `train_batches` is `batches` for the train step: the device reader's leave the gather to
 the step (a `RowsToGather` under "gather", which the step's `gathered` turns into the same
 batch inside its own program: one dispatch a step instead of a gather and a step).
-`input_pipeline.load` builds a run's readers.
+`input_pipeline.load` builds a run's readers through `choose`.
 
-Device prefetch (host and stream readers): `batches` builds the next `prefetch_depth`
-global batches (gathered or read, and put on the devices with their sharding) in a
+Device prefetch (all but the device reader): `batches` builds the next `prefetch_depth`
+global batches (gathered, read or decoded, and put on the devices with their sharding) in a
 background thread while the loop's current step runs, so an accelerator does not wait for
 the host between steps; the batches and their order are the same as without it. The device
 reader builds its batches on the devices, by a gather dispatched asynchronously: it needs
 none.
 """
 
-from collections.abc import Callable, Iterator, Mapping
+import collections
+from collections.abc import Callable, Iterable, Iterator, Mapping
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -53,13 +71,21 @@ import ml_collections
 import numpy as np
 
 from cpjax import registry
-from cpjax.data import specs, splits
+from cpjax.data import (
+  decode_workers,
+  device_resize,
+  nvimgcodec_decode,
+  packed_regions,
+  preprocess,
+  specs,
+  splits,
+)
 from cpjax.runtime import sharding
 
 DEFAULT_PREFETCH_DEPTH = 2  # Global batches put on the devices ahead of the step.
 
 
-class HostReader:
+class Reader:
   """Rows of `split` gathered in host memory, each process its own part of a batch."""
   kind = "host"
 
@@ -233,7 +259,7 @@ def gathered(batch: dict[str, Any]) -> dict[str, jax.Array]:
       _gather_block(rows.out_sharding, rows.arrays, rows.blocks, rows.index)), **rest}
 
 
-class DeviceReader(HostReader):
+class DeviceReader(Reader):
   """Rows of `split` gathered on the devices from a copy of the split on each of them."""
   kind = "device"
 
@@ -299,7 +325,7 @@ class RowImages(Protocol):
                  buffer_size: int) -> Iterator[np.ndarray]: ...
 
 
-class StreamReader(HostReader):
+class StreamReader(Reader):
   """Rows of a split read from its array_record files: each process reads the images of its
   own rows of each batch only (labels and ids, 8 bytes per example, are in memory)."""
   kind = "stream"
@@ -322,6 +348,60 @@ class StreamReader(HostReader):
                          None if row_weights is None else row_weights[row_blocks[s]])
 
 
+class SourceReader(Reader):
+  """Rows of an encoded dataset's source (folder, tfds:NAME, their records) read through
+  `transform`, each process its own rows of a batch: the base of the host stage's reader
+  (cpjax.data.host_stage) and the device stage's (cpjax.data.device_stage). `num_workers`
+  (0: the cores this process may use) read or decode; `read_ahead` blocks of rows are in
+  flight ahead of the one the consumer takes (`read_ahead`)."""
+  thread_name = "cpjax-read"  # Its thread pool's thread names.
+
+  def __init__(self, source, transform: preprocess.Transform, mesh: jax.sharding.Mesh,
+               num_workers: int = 0, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+               read_ahead: int = 2):
+    super().__init__(splits.Split(None, np.asarray(source.labels, np.int32),
+                                  np.asarray(source.ids, np.int32)), mesh, prefetch_depth)
+    self.source, self.transform = source, transform
+    self.num_workers = num_workers or decode_workers.usable_cores()
+    self._read_ahead = max(1, read_ahead)
+    self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+  def batches(self, row_blocks: np.ndarray, masks: np.ndarray | None = None,
+              row_weights: np.ndarray | None = None, epoch: int | None = None
+              ) -> Iterator[dict[str, jax.Array]]:
+    """`batch` of each block [S, B] in order (`epoch`: the training transform of that epoch;
+    None: the evaluation transform), the next `read_ahead` blocks in flight and
+    `prefetch_depth` batches put on the devices ahead of the consumer."""
+    return prefetched(self._batches(row_blocks, masks, row_weights, epoch), self.prefetch_depth)
+
+  def read_ahead(self, blocks: Iterable[Any],
+                 submit: Callable[[int, Any], list[concurrent.futures.Future]],
+                 finish: Callable[[int, list[concurrent.futures.Future]], Any]
+                 ) -> Iterator[Any]:
+    """finish(s, futures) of each block s of `blocks` in order, where futures = submit(s,
+    block) was called `read_ahead` blocks ahead of it. When the generator is closed before
+    the end (a consumer that leaves, an error), the futures of the blocks submitted and not
+    finished are cancelled: those not started never run."""
+    pending: collections.deque = collections.deque()
+    try:
+      for s, block in enumerate(blocks):
+        pending.append((s, submit(s, block)))
+        if len(pending) > self._read_ahead:
+          yield finish(*pending.popleft())
+      while pending:
+        yield finish(*pending.popleft())
+    finally:
+      for _, futures in pending:
+        for future in futures:
+          future.cancel()
+
+  def _thread_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    if self._threads is None:
+      self._threads = concurrent.futures.ThreadPoolExecutor(
+          self.num_workers, thread_name_prefix=self.thread_name)
+    return self._threads
+
+
 def split_bytes(split_by_name: Mapping[str, splits.Split]) -> int:
   """Bytes of images, labels and ids of every split: what the device reader puts on a device."""
   return sum(s.images.nbytes + s.labels.nbytes + s.ids.nbytes for s in split_by_name.values())
@@ -334,50 +414,153 @@ def train_bytes(dataset: ml_collections.ConfigDict) -> int:
 
 
 def streams(dataset: ml_collections.ConfigDict) -> bool:
-  """Whether a run of `dataset` reads its splits from array_record files (never a source
-  dataset's: the host stage reads those, cpjax.data.host_stage)."""
-  if specs.DATASETS[dataset.name].host_stage:
+  """Whether a run of `dataset` reads its splits from array_record files of pixels (never an
+  encoded dataset's: a stage reads those, its converted records too)."""
+  if specs.DATASETS[dataset.name].encoded:
     return False
   return dataset.reader == "stream" or (
       dataset.reader == "auto" and bool(dataset.stream_dir)
       and train_bytes(dataset) > dataset.host_memory_mb * 2**20)
 
 
+def in_memory_kind(reader: str, num_bytes: int, budget_mb: float, copies: int = 1) -> str:
+  """The in-memory kind `reader` (dataset.reader) asks for: host or device as named, or for
+  auto, device when `copies` copies of `num_bytes` fit `budget_mb` (CPU "devices" share host
+  memory: one copy each), else host."""
+  if reader not in IN_MEMORY_READERS:
+    raise ValueError(f"dataset.reader={reader!r}; valid: {', '.join(READER_CHOICES)}")
+  fits = num_bytes * copies <= budget_mb * 2**20
+  if reader == "device" and not fits:
+    logging.warning("dataset.reader='device' puts %.1f MiB x %d on the devices, over "
+                    "dataset.device_memory_mb=%.0f.", num_bytes / 2**20, copies, budget_mb)
+  if reader != "auto":
+    return reader
+  return "device" if fits else "host"
+
+
+# ------------------------------------------------------------- the device stage's decoders
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderKind:
+  """A device-stage decoder (`dataset.decode`)."""
+  name: str
+  # Why it cannot run here (one line naming what to install), or None.
+  problem: Callable[[], str | None]
+  create: Callable[[int], packed_regions.ImageDecoder]  # channels -> the decoder.
+  doc: str = ""
+  settings: tuple[registry.Setting, ...] = ()
+
+
+HOST_DECODE, AUTO = "cpu", "auto"  # dataset.decode's choices besides the DECODERS.
+DECODERS: registry.Registry[DecoderKind] = registry.Registry(
+    "image decoder", "dataset", hint=f"{HOST_DECODE} (the host stage), {AUTO}")
+DECODERS.register(DecoderKind("gpu", nvimgcodec_decode.problem, nvimgcodec_decode.Decoder,
+                              "nvImageCodec on each device's GPU (the gpu-decode extra)"))
+DECODERS.register(DecoderKind("device_cpu", lambda: None, packed_regions.HostDecoder,
+                              "PIL on the host standing in for the GPU's decoder (tests)"))
+
+
+def decode_choices() -> list[str]:
+  """dataset.decode's valid values."""
+  return [HOST_DECODE, AUTO, *DECODERS.names()]
+
+
+def decoder_problem(decode: str, resize: str) -> str | None:
+  """Why device-stage decoder `decode` cannot run here for dataset.resize `resize`, or None:
+  its own problem (what to install), else the device op's resize rule
+  (device_resize.resize_problem)."""
+  return DECODERS[decode].problem() or device_resize.resize_problem(resize)
+
+
+def resolved_decode(dataset: ml_collections.ConfigDict) -> str:
+  """dataset.decode with auto resolved, logged: gpu where it can run (`decoder_problem`),
+  else cpu."""
+  if dataset.decode != AUTO:
+    return dataset.decode
+  problem = decoder_problem("gpu", dataset.resize)
+  chosen = HOST_DECODE if problem else "gpu"
+  logging.info("dataset.decode=auto: %s%s.", chosen, f" (gpu {problem})" if problem else
+               " (NVIDIA GPU and nvImageCodec found)")
+  return chosen
+
+
+# ------------------------------------------------------------------- the kinds of reader
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+  """What a kind of reader builds a run's readers from (`choose`)."""
+  dataset: ml_collections.ConfigDict  # config.dataset.
+  spec: specs.DatasetSpec  # The dataset's facts.
+  mesh: jax.sharding.Mesh  # Where the batches go.
+  seed: int  # The run's seed: the stages draw each crop and flip from (seed, epoch, id).
+  decode: str  # An encoded dataset's dataset.decode, auto resolved: cpu or a DECODERS name.
+  in_memory: Mapping[str, splits.Split]  # host, device: the splits read into host memory.
+
+
 @dataclasses.dataclass(frozen=True)
 class ReaderKind:
-  """A `dataset.reader` choice (the module docstring)."""
+  """A kind of reader (the module docstring), registered in READERS by its module."""
   name: str
   doc: str
-  # (a split in host memory, the mesh, config.dataset) -> its reader; None where the reader
-  # is not built from an in-memory split (auto chooses one; stream reads array_record files:
-  # cpjax.data.array_records.stream_reader).
-  create: Callable[[splits.Split, jax.sharding.Mesh, ml_collections.ConfigDict],
-                   HostReader] | None = None
-  reads_sources: bool = False  # A choice for a source dataset (folder, tfds:NAME) too.
+  create: Callable[[Build], dict[str, Reader]]  # A run's readers, one a split.
   settings: tuple[registry.Setting, ...] = ()  # Its fields are config.dataset's own.
 
 
-READERS: registry.Registry[ReaderKind] = registry.Registry("data reader", "dataset")
-READERS.register(ReaderKind("auto", "stream, device or host by the data's size",
-                            reads_sources=True))
+READERS: registry.Registry[ReaderKind] = registry.Registry(
+    "kind of reader", "dataset", hint="(stream, host_stage and device_stage are registered "
+    "by cpjax.data.array_records, host_stage and device_stage: import them)")
 READERS.register(ReaderKind(
-    "host", "the split in host memory",
-    lambda split, mesh, dataset: HostReader(split, mesh, dataset.prefetch_depth),
-    reads_sources=True))
-READERS.register(ReaderKind("device", "the split on every device",
-                            lambda split, mesh, dataset: DeviceReader(split, mesh)))
-READERS.register(ReaderKind("stream", "the split's array_record files", reads_sources=True))
+    "host", "the splits in host memory",
+    lambda build: {name: Reader(split, build.mesh, build.dataset.prefetch_depth)
+                   for name, split in build.in_memory.items()}))
+READERS.register(ReaderKind(
+    "device", "the splits on every device",
+    lambda build: {name: DeviceReader(split, build.mesh)
+                   for name, split in build.in_memory.items()}))
+
+READER_CHOICES = ("auto", "host", "device", "stream")  # dataset.reader's valid values.
+IN_MEMORY_READERS = ("auto", "host", "device")  # Those of an in-memory run.
+# Those of an encoded dataset: host reads the source, stream its converted records
+# (dataset.stream_dir), auto the records where stream_dir is set, else the source.
+SOURCE_READERS = ("auto", "host", "stream")
 
 
-def choose(name: str, num_bytes: int, budget_mb: float, copies: int = 1) -> str:
-  """The in-memory reader a config asks for: `name`, or for auto, device when `copies` copies
-  of `num_bytes` fit `budget_mb` (CPU "devices" share host memory: one copy each)."""
-  if name not in READERS:
-    raise ValueError(f"dataset.reader={name!r}; valid: {', '.join(READERS)}")
-  fits = num_bytes * copies <= budget_mb * 2**20
-  if name == "device" and not fits:
-    logging.warning("dataset.reader='device' puts %.1f MiB x %d on the devices, over "
-                    "dataset.device_memory_mb=%.0f.", num_bytes / 2**20, copies, budget_mb)
-  if name != "auto":
-    return name
-  return "device" if fits else "host"
+def choose(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
+           mesh: jax.sharding.Mesh, seed: int,
+           read_splits: Callable[[], Mapping[str, splits.Split]]) -> dict[str, Reader]:
+  """A run's readers, one a split (train, val, test, and meta_val with a meta_val_size), of
+  the kind that config.dataset asks for: the one place where dataset.decode, dataset.reader
+  and the dataset's facts pick it (the module docstring), logged.
+
+  Args:
+    dataset: config.dataset.
+    spec: the dataset's facts (specs.DATASETS[dataset.name]).
+    mesh: the mesh the batches go to.
+    seed: the run's seed (the stages' crops and flips).
+    read_splits: reads the splits into host memory (cpjax.data.input_pipeline.get_datasets):
+      called for an in-memory kind only.
+  """
+  decode, in_memory = HOST_DECODE, {}
+  if spec.encoded:
+    decode = resolved_decode(dataset)
+    kind = "host_stage" if decode == HOST_DECODE else "device_stage"
+  elif streams(dataset):
+    kind = "stream"
+  else:
+    if dataset.stream_dir:
+      logging.info("dataset.stream_dir=%s is not read: dataset.reader=%r and the training "
+                   "split fits dataset.host_memory_mb.", dataset.stream_dir, dataset.reader)
+    in_memory = read_splits()
+    # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
+    copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
+    kind = in_memory_kind(dataset.reader, split_bytes(in_memory), dataset.device_memory_mb,
+                          copies)
+  by_name = READERS[kind].create(Build(dataset, spec, mesh, seed, decode, in_memory))
+  # Labels and ids (8 bytes an example) are all that the other kinds hold in memory.
+  num_bytes = split_bytes(in_memory) if in_memory else 8 * sum(map(len, by_name.values()))
+  logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
+               "budget %.0f MiB.", kind, dataset.reader, num_bytes / 2**20,
+               dataset.device_memory_mb)
+  return by_name

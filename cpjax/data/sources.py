@@ -149,7 +149,7 @@ def _describe_folder(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
                                              key=_folder_stats_key(root, train))
   return specs.DatasetSpec("", image_shape, len(classes), len(train.paths), mean, std,
                            local=True, test_split="test" if "test" in present else "",
-                           val_split="val" if "val" in present else "", host_stage=True,
+                           val_split="val" if "val" in present else "", encoded=True,
                            classes=tuple(folder_source.printable(name) for name in classes))
 
 
@@ -179,7 +179,7 @@ def _describe_tfds(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   return specs.DatasetSpec(info.name, (size, size, channels),
                            info.features[label_key].num_classes,
                            info.splits["train"].num_examples, mean, std, local=False,
-                           test_split=roles["test"], val_split=roles["val"], host_stage=True,
+                           test_split=roles["test"], val_split=roles["val"], encoded=True,
                            classes=tuple(info.features[label_key].names))
 
 
@@ -228,7 +228,7 @@ def _describe_records(dataset: ml_collections.ConfigDict) -> specs.DatasetSpec:
   return specs.DatasetSpec(facts["tfds_name"], (size, size, channels), len(facts["classes"]),
                            len(train), mean, std, local=dataset.name == "folder",
                            test_split="test" if "test" in roles else "",
-                           val_split="val" if "val" in roles else "", host_stage=True,
+                           val_split="val" if "val" in roles else "", encoded=True,
                            classes=tuple(facts["classes"]))
 
 
@@ -277,6 +277,12 @@ def reads_records(dataset: ml_collections.ConfigDict) -> bool:
   dataset.reader auto or stream) rather than the source itself."""
   return (is_source_name(dataset.name) and bool(dataset.stream_dir)
           and dataset.reader in ("auto", "stream"))
+
+
+def read_from(dataset: ml_collections.ConfigDict) -> str:
+  """Where a source dataset's run reads its rows, in words (the readers' log line)."""
+  return (f"its encoded records in {dataset.stream_dir}" if reads_records(dataset)
+          else "the source")
 
 
 def _kind(dataset: ml_collections.ConfigDict) -> SourceKind | None:

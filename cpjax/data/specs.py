@@ -28,9 +28,10 @@ class DatasetSpec:
   local: bool  # Built by a cpjax builder from local files: never downloads.
   test_split: str = "test"  # "": the dataset has none; test examples are carved from train.
   val_split: str = ""  # A split that holds validation; "": carved from train (val_size).
-  # Images are decoded and cropped on the host (cpjax.data.preprocess) to `image_shape`:
-  # variable-size or encoded sources (folder, tfds:NAME).
-  host_stage: bool = False
+  # Its images are encoded files of any size (folder, tfds:NAME), never held in memory as
+  # pixels: each batch's are decoded, cropped and flipped to `image_shape` as they are read,
+  # on the host or on the devices (dataset.decode; cpjax.data.readers).
+  encoded: bool = False
   classes: tuple[str, ...] = ()  # Class names in label order, where the dataset has them.
   # Its entry in DATASETS: the dataset's name (config.dataset.name; a source kind's `describe`
   # leaves it "": `register` sets it), a one-line doc and no settings of its own.

@@ -94,7 +94,7 @@ class Selection:
   def weighted(self) -> bool:
     """Whether `select` gives loss weights (infobatch, importance): weight each example's loss
     by them."""
-    return self.policy.weights_loss
+    return self.policy.returns_weights
 
   def init(self) -> State:
     """The state before any score is recorded: every score 0 (the trainer's buffer)."""

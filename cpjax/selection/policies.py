@@ -14,7 +14,7 @@ policy: docs/extending.md.
 
 from collections.abc import Callable, Mapping
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -24,6 +24,11 @@ from cpjax.selection import subsets
 
 FULL = "full"  # No selection: every epoch trains on all data.
 DIRECTIONS = ("hardest", "easiest")
+# How many examples a policy trains on in a selected epoch (`Policy.size`): "fixed", k =
+# subset_size(...) exactly; "expected", k in expectation (importance's independent draws);
+# "free", as many as it decides (full: all of them; infobatch: those it keeps).
+Size = Literal["fixed", "expected", "free"]
+SIZES: tuple[Size, ...] = ("fixed", "expected", "free")
 
 
 class Request(NamedTuple):
@@ -31,7 +36,7 @@ class Request(NamedTuple):
   scores: np.ndarray  # [N] priorities in the order of `ids`, highest first (direction applied).
   labels: np.ndarray  # [N] the examples' labels.
   ids: np.ndarray  # [N] the training examples' ids, increasing (ties go to the lower id).
-  k: int  # The subset size of fixed-size policies.
+  k: int  # The subset size: exact ("fixed" policies) or in expectation ("expected").
   seed: int  # The run's root seed (every random draw).
   epoch: int  # The 0-indexed epoch (per-epoch random draws).
   first_epoch: int = 0  # The first selected epoch (after the warm-up).
@@ -51,10 +56,10 @@ class Policy:
   doc: str  # One line for the docs' table.
   settings: tuple[registry.Setting, ...] = ()  # `config.selection.<name>` fields it reads.
   needs_scores: bool = True  # Ranks scores (the others need no scoring pass).
-  weights_loss: bool = False  # No fixed k: returns (ids, weights), the loss weighted per example.
-  # A weights_loss policy that draws k examples in expectation (importance): it reads k, the
-  # budget schedule and final_full_epochs as the fixed-size policies do.
-  expected_size: bool = False
+  # How many it trains on (SIZES): fixed and expected sizes read k, the budget schedule
+  # (fraction_end) and final_full_epochs.
+  size: Size = "fixed"
+  returns_weights: bool = False  # fn returns (ids, weights): the loss weighted per example.
   # Draws with probabilities proportional to the score: a score that can be negative
   # (scores.Score.nonnegative False) is refused by config validation.
   proportional: bool = False
@@ -68,6 +73,11 @@ class Policy:
   problems: ProblemsFn | None = None
   one_size: bool = False  # Its subsets need one k all run (no `fraction_end` schedule).
 
+  def __post_init__(self):
+    if self.size not in SIZES:
+      raise ValueError(f"selection policy {self.name!r}: size={self.size!r}; valid: "
+                       f"{', '.join(SIZES)}")
+
   @property
   def takes_target_scores(self) -> bool:
     """Ranks whatever scores a source gives (a target's too), not only its own train pass's."""
@@ -76,24 +86,25 @@ class Policy:
 
 POLICIES: registry.Registry[Policy] = registry.Registry("selection policy", "selection")
 POLICIES.register(Policy(FULL, lambda request: request.ids, "all data, every epoch",
-                         needs_scores=False))
+                         needs_scores=False, size="free"))
 
 
-def weights_loss(method: str) -> bool:
-  """Whether selection `method` gives each training example a loss weight (infobatch)."""
-  return method in POLICIES and POLICIES[method].weights_loss
+def returns_weights(method: str) -> bool:
+  """Whether selection `method` gives each training example a loss weight (infobatch,
+  importance)."""
+  return method in POLICIES and POLICIES[method].returns_weights
 
 
 def fixed_size(method: str) -> bool:
-  """Whether `method` trains on k = subset_size(...) examples per selected epoch."""
-  return method != FULL and not POLICIES[method].weights_loss
+  """Whether `method` trains on exactly k = subset_size(...) examples per selected epoch."""
+  return POLICIES[method].size == "fixed"
 
 
 def reads_k(method: str) -> bool:
   """Whether `method` trains on k = subset_size(...) examples per selected epoch, exactly
-  (`fixed_size`) or in expectation (`Policy.expected_size`): the budget schedule
-  (`fraction_end`) and `final_full_epochs` apply to it."""
-  return fixed_size(method) or (method in POLICIES and POLICIES[method].expected_size)
+  or in expectation (`Policy.size` fixed or expected): the budget schedule (`fraction_end`)
+  and `final_full_epochs` apply to it."""
+  return POLICIES[method].size in ("fixed", "expected")
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:
@@ -209,7 +220,8 @@ POLICIES.register(Policy(
               registry.Setting("infobatch_rescale", True, registry.boolean(),
                                "infobatch: kept below-mean examples weigh 1/(1-r); False: 1.",
                                arg="rescale")),
-    weights_loss=True, needs={"score": "loss", "scoring": "train_pass", "direction": "hardest"},
+    size="free", returns_weights=True,
+    needs={"score": "loss", "scoring": "train_pass", "direction": "hardest"},
     needs_reason="prunes by the train pass's own per-example loss",
     problems=_infobatch_problems))
 POLICIES.register(Policy(
@@ -226,7 +238,7 @@ POLICIES.register(Policy(
                                "importance: largest loss weight (normalized weighting)."),
               registry.Setting("weighting", "normalized", registry.choice(subsets.WEIGHTINGS),
                                "importance: normalized (mean 1, clipped) or unbiased (k/(N pi)).")),
-    weights_loss=True, expected_size=True, proportional=True, needs={"direction": "hardest"},
+    size="expected", returns_weights=True, proportional=True, needs={"direction": "hardest"},
     needs_reason="draws with probabilities that grow with the score"))
 
 
@@ -304,6 +316,6 @@ def select(method: str, request: Request, settings: Mapping[str, Any],
   if policy.needs_scores and direction == "easiest":
     request = request._replace(scores=-np.asarray(request.scores))  # NaN stays NaN.
   chosen = policy.fn(request, **settings)
-  if policy.weights_loss:
+  if policy.returns_weights:
     return chosen
   return np.sort(chosen), None

@@ -30,7 +30,7 @@ class Selector:
   """Chooses each epoch's training rows and keeps the selection state's accounting."""
 
   def __init__(self, selection: ml_collections.ConfigDict,
-               train_split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh,
+               train_split: splits.Split | readers.Reader, mesh: jax.sharding.Mesh,
                source: sources.ScoreSource, *, num_epochs: int, batch_size: int, seed: int,
                num_classes: int, num_ids: int, num_bins: int):
     """Binds the selection to the run's training split.

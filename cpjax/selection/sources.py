@@ -76,7 +76,7 @@ class ScoringPass:
   """
   learns_from_training = False
 
-  def __init__(self, score_fn, split: splits.Split | readers.HostReader,
+  def __init__(self, score_fn, split: splits.Split | readers.Reader,
                mesh: jax.sharding.Mesh, batch_size: int, rescore_every: int,
                target: "Target | None" = None):
     self._score_fn, self._split, self._mesh = score_fn, split, mesh
@@ -138,7 +138,7 @@ class WithIrreducibleLoss:
   and are never recomputed (a resumed run restores them with the state).
   """
 
-  def __init__(self, source: ScoreSource, loss_fn, split: splits.Split | readers.HostReader,
+  def __init__(self, source: ScoreSource, loss_fn, split: splits.Split | readers.Reader,
                mesh: jax.sharding.Mesh, batch_size: int, target: "Target"):
     self._source, self._loss_fn, self._split = source, loss_fn, split
     self._mesh, self._batch_size, self._target = mesh, batch_size, target
@@ -256,7 +256,7 @@ def _jit_score_step(model_name: str, dataset: ml_collections.ConfigDict, dtype: 
 
 
 def create_source(selection: ml_collections.ConfigDict,
-                  split: splits.Split | readers.HostReader, mesh: jax.sharding.Mesh, *,
+                  split: splits.Split | readers.Reader, mesh: jax.sharding.Mesh, *,
                   model_name: str, dataset: ml_collections.ConfigDict,
                   xla_cpu_options: str) -> ScoreSource:
   """The score source of `selection.scoring` for the training `split` (under
@@ -281,7 +281,7 @@ def create_source(selection: ml_collections.ConfigDict,
 
 # A score source's builder: (selection, training split, mesh, model_name, dataset,
 # xla_cpu_options) -> the source (`create_source`'s arguments).
-Create = Callable[[ml_collections.ConfigDict, splits.Split | readers.HostReader,
+Create = Callable[[ml_collections.ConfigDict, splits.Split | readers.Reader,
                    jax.sharding.Mesh, str, ml_collections.ConfigDict, str], ScoreSource]
 
 
