@@ -474,7 +474,7 @@ def test_main_on_a_users_folder_defaults_its_size_leaves_it_untouched_and_refuse
   shutil.copy(os.path.join(folder, "train", "bee", "img1.png"),
               os.path.join(folder, "train", "bee", "copy.png"))
   refused = run()
-  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert refused.returncode == 2, refused.stderr[-3000:]
   (line,) = [s for s in refused.stderr.splitlines() if s.startswith("FATAL")]
   assert (f"train/: 1 removed: {os.path.join('ant', 'img0.png')}; 1 added: "
           f"{os.path.join('bee', 'copy.png')}") in line
@@ -482,7 +482,7 @@ def test_main_on_a_users_folder_defaults_its_size_leaves_it_untouched_and_refuse
   shutil.copy(os.path.join(folder, "train", "bee", "img2.png"),
               os.path.join(folder, "train", "bee", "copy2.png"))
   refused = run()
-  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert refused.returncode == 2, refused.stderr[-3000:]
   assert f"2 added: {os.path.join('bee', 'copy.png')}, {os.path.join('bee', 'copy2.png')}" \
       in refused.stderr
   assert "does not fit this config" not in refused.stderr

@@ -181,7 +181,7 @@ def test_cifar10_without_cifar_or_svhn_fails_at_start_up_in_seconds(tmp_path):
                     timeout=120)
   seconds = time.monotonic() - start
   fatal = [line for line in result.stderr.splitlines() if line.startswith("FATAL")]
-  assert result.returncode == 1 and fatal, result.stderr[-3000:]
+  assert result.returncode == 2 and fatal, result.stderr[-3000:]
   problems = result.stderr[result.stderr.index("FATAL"):].splitlines()[1:]
   assert len(problems) == 2, result.stderr[-3000:]
   assert "tfds dataset 'cifar10' is not prepared" in problems[0]
