@@ -13,6 +13,7 @@ the choice is still refused by `validate`.
 
 from collections.abc import Collection
 import copy
+import json
 import os
 from typing import Any
 
@@ -229,6 +230,43 @@ def changed_fields(config: ml_collections.ConfigDict,
   reference_leaves = config_schema.leaves(reference)
   return {name for name, value in config_schema.leaves(config).items()
           if name not in reference_leaves or reference_leaves[name] != value}
+
+
+# Fields that set the run's length: the learning-rate schedule is a function of it.
+_LENGTH_FIELDS = ("num_epochs", "budget_steps")
+
+
+def resume_changes(saved_json: str, config: ml_collections.ConfigDict) -> str:
+  """What a resumed run changes from its checkpoint's config, as one warning ("" if
+  nothing): each changed field with both values, and, where the run's length or the
+  optimizer changed, that the learning-rate schedule is recomputed from them.
+
+  Args:
+    saved_json: the checkpoint's config (`to_json_best_effort(sort_keys=True)`).
+    config: this run's config.
+  """
+  def flat(text: str) -> dict[str, Any]:
+    return config_schema.leaves(ml_collections.ConfigDict(json.loads(text)))
+  saved, now = flat(saved_json), flat(config.to_json_best_effort(sort_keys=True))
+  names = sorted(n for n in set(saved) | set(now) if saved.get(n, _ABSENT) != now.get(n, _ABSENT))
+  if not names:
+    return ""
+  shown = "; ".join(f"{n} {saved.get(n, _ABSENT)!r} -> {now.get(n, _ABSENT)!r}" for n in names)
+  line = f"Resuming with a config that differs from the checkpoint's: {shown}."
+  length = [f"{n}={now[n]!r}" for n in _LENGTH_FIELDS if n in names and n in now]
+  if length or any(n.startswith("optimizer.") for n in names):
+    what = f"length ({', '.join(length)})" if length else "optimizer settings"
+    line += (f" The learning-rate schedule is recomputed for the new {what}: the epochs from "
+             "here take their rates from it, not from the checkpoint's schedule.")
+  return line
+
+
+class _Absent:
+  def __repr__(self) -> str:
+    return "(absent)"
+
+
+_ABSENT = _Absent()
 
 
 def implied_settings(config: ml_collections.ConfigDict,

@@ -252,6 +252,28 @@ def test_changed_fields_are_those_a_config_file_sets():
   assert config_validation.changed_fields(default.get_config(), default.get_config()) == set()
 
 
+def test_a_resume_names_each_changed_field_and_a_recomputed_schedule():
+  """The checkpoint's config as train saves it (JSON) against the resumed run's: each changed
+  field with both values, sorted by name; a changed length or optimizer setting adds that the
+  learning-rate schedule is recomputed; nothing changed, nothing to say."""
+  saved = tiny_config().to_json_best_effort(sort_keys=True)  # num_epochs 2, lr 0.05.
+  assert config_validation.resume_changes(saved, tiny_config()) == ""
+  longer = tiny_config(**{"num_epochs": 10, "dataset.flip": True})
+  assert config_validation.resume_changes(saved, longer) == (
+      "Resuming with a config that differs from the checkpoint's: dataset.flip False -> True; "
+      "num_epochs 2 -> 10. The learning-rate schedule is recomputed for the new length "
+      "(num_epochs=10): the epochs from here take their rates from it, not from the "
+      "checkpoint's schedule.")
+  faster = tiny_config(**{"optimizer.learning_rate": 0.1})
+  assert config_validation.resume_changes(saved, faster).endswith(
+      "optimizer.learning_rate 0.05 -> 0.1. The learning-rate schedule is recomputed for the "
+      "new optimizer settings: the epochs from here take their rates from it, not from the "
+      "checkpoint's schedule.")
+  seeded = tiny_config(seed=7)
+  assert config_validation.resume_changes(saved, seeded) == (
+      "Resuming with a config that differs from the checkpoint's: seed 0 -> 7.")
+
+
 def _run_main_fast(tmp_path, *flags):
   """main.py on configs/test.py with `flags`, for command lines that stop before training."""
   return subprocess.run(main_command(str(tmp_path / "w"), *flags), cwd=REPO,
