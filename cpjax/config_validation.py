@@ -7,7 +7,9 @@ does a combination of fields that cannot work together (checked here).
 `implied_settings` lists what a choice needs and the user left unset (main.py applies it
 before validating): a policy's declared needs (`selection.method='infobatch'` implies its
 score, scoring and direction);
-an `flgamma_*` loss implies a meta-validation split. An explicit setting that contradicts
+an `flgamma_*` loss implies a meta-validation split; a source dataset (a folder, tfds:NAME)
+implies no in-memory OOD set and, for a split it lacks, a validation or test carve-out that
+fits its size (a tenth of its training images at most). An explicit setting that contradicts
 the choice is still refused by `validate`.
 """
 
@@ -42,6 +44,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ConfigError: one line per bad, unknown or missing field.
   """
   import_modules(config)  # First: the names the modules register are valid choices below.
+  problems = _field_problems(config)
+  if not problems:
+    problems = _source_problems(config.dataset)
+  if not problems:
+    problems = _cross_field_problems(config)
+  if problems:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _field_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Each field on its own: unknown, missing, or a bad value (cpjax/config_schema.py)."""
   schema = config_schema.spine_schema()
   leaves = config_schema.leaves(config)
   problems = [config_schema.unknown_field(name, schema) for name in leaves if name not in schema]
@@ -50,12 +63,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for name, check in schema.items():
     if name in leaves and (problem := check(leaves[name])):
       problems.append(f"config.{name}: {problem}")
-  if not problems:
-    problems = _source_problems(config.dataset)
-  if not problems:
-    problems = _cross_field_problems(config)
-  if problems:
-    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+  return problems
 
 
 def import_modules(config: ml_collections.ConfigDict) -> None:
@@ -298,6 +306,35 @@ def implied_settings(config: ml_collections.ConfigDict,
     implied[name] = (default_meta_val_size(config.dataset, config.batch_size),
                      f"loss.name={config.loss.name!r} trains gamma-Net on held-out "
                      "meta-validation batches (10 % of the training examples)")
+  return {**_source_settings(config, explicit), **implied}
+
+
+def _source_settings(config: ml_collections.ConfigDict,
+                     explicit: Collection[str]) -> dict[str, tuple[Any, str]]:
+  """What a source dataset (a folder, tfds:NAME) needs of the defaults made for the built-in
+  ones: no in-memory OOD set (its test images are read per batch), and, for a split it lacks,
+  a carve-out that fits its training images (a tenth of them, at most the default; validation
+  at least calibrator_folds images). Nothing for a dataset that cannot be read yet (`validate`
+  names why)."""
+  dataset = config.dataset
+  if (not data_sources.is_source_name(dataset.name) or _field_problems(config)
+      or _source_problems(dataset)):
+    return {}
+  spec, implied = specs.DATASETS[dataset.name], {}
+  what = f"dataset.name={dataset.name!r}"
+  if config.evaluation.ood == "gaussian_noise" and "evaluation.ood" not in explicit:
+    implied["evaluation.ood"] = ("", f"{what} reads its test images per batch; the "
+                                 "gaussian_noise OOD set corrupts test images held in memory")
+  folds, tenth = config.evaluation.calibrator_folds, spec.num_train // 10
+  if (not spec.val_split and "dataset.val_size" not in explicit
+      and dataset.val_size > max(folds, tenth)):
+    implied["dataset.val_size"] = (max(folds, tenth), (
+        f"{what} has no validation split and {spec.num_train} training images: a tenth of "
+        f"them (at least evaluation.calibrator_folds={folds}) is carved out for validation"))
+  if not spec.test_split and "dataset.test_size" not in explicit and not dataset.test_size:
+    implied["dataset.test_size"] = (max(1, tenth), (
+        f"{what} has no test split and {spec.num_train} training images: a tenth of them is "
+        "carved out as the test set"))
   return implied
 
 
