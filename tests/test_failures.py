@@ -382,6 +382,14 @@ def test_stale_temporaries_are_removed_by_their_exact_name_only(tmp_path):
   assert read_metrics(str(tmp_path)) == [{"epoch": 0, "train_loss": 1.5}]
 
 
+@pytest.mark.parametrize("num_bytes, text", [
+    (0, "0 bytes"), (1, "1 byte"), (1023, "1023 bytes"), (1024, "1.0 KiB"),
+    (104857, "102.4 KiB"), (104858, "0.1 MiB"), (3 * 2**20, "3.0 MiB")])
+def test_sizes_in_messages_are_in_the_unit_that_shows_them(num_bytes, text):
+  """0.1 MiB = 104,857.6 bytes: below it KiB (a full disk's "0.0 MiB free" was untrue)."""
+  assert files.size_text(num_bytes) == text
+
+
 def _mount_tiny_tmpfs(folder: str, kib: int) -> None:
   os.makedirs(folder)
   result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", folder],

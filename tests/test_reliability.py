@@ -285,7 +285,7 @@ def test_no_room_for_a_checkpoint_fails_at_start_up(tmp_path, monkeypatch):
   monkeypatch.setattr(checkpoint_room.shutil, "disk_usage",
                       lambda path: usage._replace(free=2 * nbytes - 1))
   _fails_at_start_up(config, str(tmp_path / "w"), r"checkpoint folder .*/w/checkpoints has "
-                     r"[\d.]+ MiB free, a checkpoint needs [\d.]+ MiB")
+                     r"[\d.]+ (KiB|MiB) free, a checkpoint needs [\d.]+ (KiB|MiB)")
   monkeypatch.setattr(checkpoint_room.shutil, "disk_usage",
                       lambda path: usage._replace(free=2 * nbytes))
   preflight.check(config, str(tmp_path / "w"))  # Just enough.

@@ -318,13 +318,26 @@ def test_an_unreadable_file_is_named_at_start_up_or_left_out_and_listed(folder, 
   config = tiny_config(**{"dataset.name": "folder", "dataset.folder": folder,
                           "dataset.image_size": 16, "dataset.val_size": 5,
                           "evaluation.ood": ""})
-  with pytest.raises(config_validation.ConfigError, match="broken.jpg"):
+  train = os.path.join(folder, "train")
+  with pytest.raises(config_validation.ConfigError) as raised:
     config_validation.validate(config)
+  assert (f"1 file of {train} is not a readable image: {bad} (UnidentifiedImageError: not in "
+          "an image format PIL reads). Remove or replace it, or pass "
+          "--config.dataset.skip_bad_files=True to leave it out (it is then listed") in str(
+              raised.value)
+  empty = os.path.join(folder, "train", "bee", "empty.png")
+  open(empty, "wb").close()
+  with pytest.raises(config_validation.ConfigError) as raised:
+    config_validation.validate(config)
+  assert (f"2 files of {train} are not readable images: {bad} (UnidentifiedImageError: not in "
+          f"an image format PIL reads); {empty} (empty: 0 bytes). Remove or replace them") in str(
+              raised.value)
+  assert "<_io" not in str(raised.value)  # No Python object's repr.
   config.dataset.skip_bad_files = True
   config_validation.validate(config)
   assert specs.DATASETS["folder"].num_train == 18  # Left out.
-  (listed,) = sources.bad_files(config.dataset)
-  assert listed.startswith(bad)
+  listed = sources.bad_files(config.dataset)
+  assert len(listed) == 2 and listed[0].startswith(bad) and listed[1].startswith(empty)
 
 
 def test_damage_past_the_header_is_named_when_the_file_is_read(folder):
