@@ -30,6 +30,7 @@ from cpjax.data import (
   sources,
   specs,
   splits,
+  tensorflow_optional,
 )
 from cpjax.runtime import sharding
 from tests import helpers
@@ -518,11 +519,22 @@ def test_a_converted_tfds_dataset_holds_its_encoded_bytes(tmp_path, tfds_dir):
     assert len({image.tobytes() for image in decoded}) == len(expected[split])
 
 
-def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
+def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path, monkeypatch):
+  """Not prepared: how to prepare it; where TensorFlow is absent, in the same line, that
+  preparing it here needs TensorFlow and what to install."""
   config = tiny_config(**{"dataset.name": "tfds:mnist", "dataset.data_dir": str(tmp_path),
                           "evaluation.ood": ""})
-  with pytest.raises(config_validation.ConfigError, match="not prepared.*array_record"):
+  monkeypatch.setattr(tensorflow_optional, "installed", lambda: True)
+  with pytest.raises(config_validation.ConfigError, match="not prepared.*array_record") as raised:
     config_validation.validate(config)
+  assert "TensorFlow" not in str(raised.value)
+  monkeypatch.setattr(tensorflow_optional, "installed", lambda: False)
+  with pytest.raises(config_validation.ConfigError) as raised:
+    config_validation.validate(config)
+  (line,) = str(raised.value).splitlines()[1:]
+  assert "tfds dataset 'mnist' is not prepared" in line
+  assert line.endswith("; preparing it here needs TensorFlow, which is not installed: pip "
+                       "install -r requirements-tf.txt (or: pip install 'cpjax[tf]')"), line
   config.dataset.name = "tfds:no_such_dataset_anywhere"
   with pytest.raises(config_validation.ConfigError, match="no such dataset"):
     config_validation.validate(config)
