@@ -8,7 +8,10 @@
 Rerunning the same command resumes from the latest checkpoint in --workdir. A choice sets
 what it needs unless the command line or the config file sets it (logged): e.g.
 --config.selection.method=infobatch implies --config.selection.score=loss. A bad config
-(or a missing --config file) prints its problems and exits with status 2 (a usage error).
+(or a missing --config file or flag) prints its problems and exits with status 2 (a usage
+error), as does a run refused before it starts: its start-up checks (data not prepared, no
+room for a checkpoint), a workdir in use by another run, a dataset changed under its
+checkpoint.
 --config.import_modules=mypkg.extras imports a user's module first (before the config file
 is read), so the policies, datasets, models... it registers are choices like cpjax's own
 (docs/extending.md).
@@ -21,6 +24,7 @@ On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py
 import importlib.util
 import logging as std_logging
 import os
+import re
 import sys
 
 # TensorFlow is optional and never imported for training; where it is installed and something
@@ -35,7 +39,7 @@ from ml_collections import config_flags
 from configs import default
 from cpjax import config_schema, config_validation, preflight, train
 from cpjax.data import decode_workers, fingerprint
-from cpjax.runtime import checkpointing, distributed, failures, preemption
+from cpjax.runtime import checkpointing, distributed, failures, preemption, workdir_lock
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -51,15 +55,22 @@ flags.DEFINE_integer("heartbeat_timeout_s", distributed.HEARTBEAT_TIMEOUT_S,
                      "Multi-process runs: seconds after which a silent (dead) process is "
                      "declared lost and the others exit with an error instead of waiting.")
 flags.mark_flags_as_required(["config", "workdir"])
-USAGE_ERROR = 2  # Exit status of a bad command line or config (as absl's and argparse's).
+# Exit status of a run refused before it starts: a bad command line or config (as absl's and
+# argparse's), failed start-up checks, a busy workdir, a dataset changed under its checkpoint.
+USAGE_ERROR = 2
 
 
 def _quiet_library_info(record: std_logging.LogRecord) -> bool:
   """Keeps warnings and cpjax's own lines; drops orbax's per-save INFO lines, its warning
-  that a target run's checkpoints are opened read-only (cpjax asks for that), and JAX's
-  INFO probe for absent backends ("Unable to initialize backend 'tpu'") on CPU/GPU machines."""
+  that a target run's checkpoints are opened read-only (cpjax asks for that), its tracebacks
+  of a write that a full or read-only folder refused (each of its writing threads logs one;
+  the error reaches the save's caller, and the run's FATAL line names it), and JAX's INFO
+  probe for absent backends ("Unable to initialize backend 'tpu'") on CPU/GPU machines."""
   from_orbax = "/orbax/" in record.pathname
   if from_orbax and record.getMessage().startswith("Given directory is read only"):
+    return False
+  if from_orbax and record.exc_info and record.exc_info[1] is not None and (
+      failures.storage_error(record.exc_info[1]) is not None):
     return False
   if record.levelno >= std_logging.WARNING:
     return True
@@ -68,7 +79,8 @@ def _quiet_library_info(record: std_logging.LogRecord) -> bool:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    _usage_exit(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. "
+                "--config.num_epochs=4")
   logging.get_absl_handler().addFilter(_quiet_library_info)
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                          FLAGS.heartbeat_timeout_s, FLAGS.workdir)
@@ -83,11 +95,12 @@ def main(argv):
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
-  # One line per problem, no traceback: start-up checks, a dataset folder (or its records)
+  # Refused before the run starts, as a bad config is (status 2, one line per problem, no
+  # traceback): the start-up checks, a busy workdir, a dataset folder (or its records)
   # changed under its checkpoint.
-  except (preflight.StartupCheckError, fingerprint.DatasetChangedError) as err:
-    print(f"FATAL {err}", file=sys.stderr)
-    sys.exit(1)
+  except (preflight.StartupCheckError, workdir_lock.WorkdirLockedError,
+          fingerprint.DatasetChangedError) as err:
+    _usage_exit(str(err))
   except Exception as err:  # pylint: disable=broad-except  (a bug re-raises below)
     _exit_on_failure(err)
     raise
@@ -175,6 +188,19 @@ def _check_config_file(value: str) -> None:
               f"{configs}: {', '.join(names)}")
 
 
+def _flag_error_line(err: Exception) -> str:
+  """absl's error about the command line's flags as one line: the required flags that are
+  missing, named with the command that sets them, or absl's own message."""
+  missing = re.findall(r"Flag --(\w+) must have a value other than None", str(err))
+  if missing:
+    return (f"{' and '.join('--' + name for name in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} required: python main.py "
+            "--config=configs/default.py --workdir=DIR (any file of configs/, any folder for "
+            "the run's checkpoints, logs and report)")
+  return (f"Flags parsing error: {' '.join(str(err).split())} (python main.py --helpshort "
+          "lists the flags)")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a missing --config file or an unknown `--config.FIELD`
   reported as a one-line error."""
@@ -188,6 +214,8 @@ def parse_flags(argv: list[str]) -> list[str]:
       _usage_exit(f"--config.import_modules: {problem}")
   try:
     return FLAGS(argv)
+  except flags.Error as err:  # A missing required flag, an unknown flag, a bad flag value.
+    _usage_exit(_flag_error_line(err))
   except (AttributeError, KeyError) as err:  # ml_collections: the override's field is unknown.
     overrides = [a.split("=", 1)[0][len("--config."):] for a in argv if a.startswith("--config.")]
     config_path = _flag_value(argv, "config")

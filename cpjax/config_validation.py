@@ -7,12 +7,15 @@ does a combination of fields that cannot work together (checked here).
 `implied_settings` lists what a choice needs and the user left unset (main.py applies it
 before validating): a policy's declared needs (`selection.method='infobatch'` implies its
 score, scoring and direction);
-an `flgamma_*` loss implies a meta-validation split. An explicit setting that contradicts
+an `flgamma_*` loss implies a meta-validation split; a source dataset (a folder, tfds:NAME)
+implies no in-memory OOD set and, for a split it lacks, a validation or test carve-out that
+fits its size (a tenth of its training images at most). An explicit setting that contradicts
 the choice is still refused by `validate`.
 """
 
 from collections.abc import Collection
 import copy
+import json
 import os
 from typing import Any
 
@@ -41,6 +44,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ConfigError: one line per bad, unknown or missing field.
   """
   import_modules(config)  # First: the names the modules register are valid choices below.
+  problems = _field_problems(config)
+  if not problems:
+    problems = _source_problems(config.dataset)
+  if not problems:
+    problems = _cross_field_problems(config)
+  if problems:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _field_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Each field on its own: unknown, missing, or a bad value (cpjax/config_schema.py)."""
   schema = config_schema.spine_schema()
   leaves = config_schema.leaves(config)
   problems = [config_schema.unknown_field(name, schema) for name in leaves if name not in schema]
@@ -49,12 +63,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for name, check in schema.items():
     if name in leaves and (problem := check(leaves[name])):
       problems.append(f"config.{name}: {problem}")
-  if not problems:
-    problems = _source_problems(config.dataset)
-  if not problems:
-    problems = _cross_field_problems(config)
-  if problems:
-    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+  return problems
 
 
 def import_modules(config: ml_collections.ConfigDict) -> None:
@@ -231,6 +240,43 @@ def changed_fields(config: ml_collections.ConfigDict,
           if name not in reference_leaves or reference_leaves[name] != value}
 
 
+# Fields that set the run's length: the learning-rate schedule is a function of it.
+_LENGTH_FIELDS = ("num_epochs", "budget_steps")
+
+
+def resume_changes(saved_json: str, config: ml_collections.ConfigDict) -> str:
+  """What a resumed run changes from its checkpoint's config, as one warning ("" if
+  nothing): each changed field with both values, and, where the run's length or the
+  optimizer changed, that the learning-rate schedule is recomputed from them.
+
+  Args:
+    saved_json: the checkpoint's config (`to_json_best_effort(sort_keys=True)`).
+    config: this run's config.
+  """
+  def flat(text: str) -> dict[str, Any]:
+    return config_schema.leaves(ml_collections.ConfigDict(json.loads(text)))
+  saved, now = flat(saved_json), flat(config.to_json_best_effort(sort_keys=True))
+  names = sorted(n for n in set(saved) | set(now) if saved.get(n, _ABSENT) != now.get(n, _ABSENT))
+  if not names:
+    return ""
+  shown = "; ".join(f"{n} {saved.get(n, _ABSENT)!r} -> {now.get(n, _ABSENT)!r}" for n in names)
+  line = f"Resuming with a config that differs from the checkpoint's: {shown}."
+  length = [f"{n}={now[n]!r}" for n in _LENGTH_FIELDS if n in names and n in now]
+  if length or any(n.startswith("optimizer.") for n in names):
+    what = f"length ({', '.join(length)})" if length else "optimizer settings"
+    line += (f" The learning-rate schedule is recomputed for the new {what}: the epochs from "
+             "here take their rates from it, not from the checkpoint's schedule.")
+  return line
+
+
+class _Absent:
+  def __repr__(self) -> str:
+    return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
 def implied_settings(config: ml_collections.ConfigDict,
                      explicit: Collection[str]) -> dict[str, tuple[Any, str]]:
   """The fields that the config's choices need and the user did not set.
@@ -260,6 +306,35 @@ def implied_settings(config: ml_collections.ConfigDict,
     implied[name] = (default_meta_val_size(config.dataset, config.batch_size),
                      f"loss.name={config.loss.name!r} trains gamma-Net on held-out "
                      "meta-validation batches (10 % of the training examples)")
+  return {**_source_settings(config, explicit), **implied}
+
+
+def _source_settings(config: ml_collections.ConfigDict,
+                     explicit: Collection[str]) -> dict[str, tuple[Any, str]]:
+  """What a source dataset (a folder, tfds:NAME) needs of the defaults made for the built-in
+  ones: no in-memory OOD set (its test images are read per batch), and, for a split it lacks,
+  a carve-out that fits its training images (a tenth of them, at most the default; validation
+  at least calibrator_folds images). Nothing for a dataset that cannot be read yet (`validate`
+  names why)."""
+  dataset = config.dataset
+  if (not data_sources.is_source_name(dataset.name) or _field_problems(config)
+      or _source_problems(dataset)):
+    return {}
+  spec, implied = specs.DATASETS[dataset.name], {}
+  what = f"dataset.name={dataset.name!r}"
+  if config.evaluation.ood == "gaussian_noise" and "evaluation.ood" not in explicit:
+    implied["evaluation.ood"] = ("", f"{what} reads its test images per batch; the "
+                                 "gaussian_noise OOD set corrupts test images held in memory")
+  folds, tenth = config.evaluation.calibrator_folds, spec.num_train // 10
+  if (not spec.val_split and "dataset.val_size" not in explicit
+      and dataset.val_size > max(folds, tenth)):
+    implied["dataset.val_size"] = (max(folds, tenth), (
+        f"{what} has no validation split and {spec.num_train} training images: a tenth of "
+        f"them (at least evaluation.calibrator_folds={folds}) is carved out for validation"))
+  if not spec.test_split and "dataset.test_size" not in explicit and not dataset.test_size:
+    implied["dataset.test_size"] = (max(1, tenth), (
+        f"{what} has no test split and {spec.num_train} training images: a tenth of them is "
+        "carved out as the test set"))
   return implied
 
 

@@ -25,13 +25,24 @@ def is_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _range_text(low: float | None, high: float | None, low_open: bool = False,
+                high_open: bool = False) -> str:
+  """The allowed range in words where it has one end ("at least 1", "below 1.0"), else as
+  an interval ("in [0.0, 1.0)")."""
+  if high is None:
+    return f"{'above' if low_open else 'at least'} {low}"
+  if low is None:
+    return f"{'below' if high_open else 'at most'} {high}"
+  return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
 def integer(low: int | None = None, high: int | None = None) -> Check:
-  """An int in [low, high]."""
+  """An int in [low, high] (None: no bound)."""
   def check(value):
     if not is_int(value):
       return f"must be an int, got {value!r} ({type(value).__name__})"
     if (low is not None and value < low) or (high is not None and value > high):
-      return f"must be in [{low}, {high}], got {value}"
+      return f"must be {_range_text(low, high)}, got {value}"
     return None
   return check
 
@@ -47,8 +58,7 @@ def number(low: float | None = None, high: float | None = None,
     below = low is not None and (value <= low if low_open else value < low)
     above = high is not None and (value >= high if high_open else value > high)
     if below or above:
-      return (f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, "
-              f"got {value}")
+      return f"must be {_range_text(low, high, low_open, high_open)}, got {value}"
     return None
   return check
 

@@ -547,8 +547,8 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
   if restored is None:
     return initial, {}
   saved, meta = restored
-  if meta["config"] != config.to_json_best_effort(sort_keys=True):
-    logging.warning("Resuming with a config that differs from the checkpoint's.")
+  if changes := config_validation.resume_changes(meta["config"], config):
+    logging.warning(changes)
   logging.info("Resumed from %s at global step %d (epoch %d, step %d of it).",
                checkpointer.directory, meta.get("step", -1), meta["epoch"],
                meta.get("epoch_step", 0))

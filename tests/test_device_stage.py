@@ -397,11 +397,27 @@ def _problems(**dataset) -> str:
   return str(raised.value)
 
 
-def test_decode_gpu_without_a_gpu_stops_at_start_up_naming_what_to_install(folder):
-  message = _problems(**{**_dataset(folder).to_dict(), "decode": "gpu"})
-  line = next(line for line in message.splitlines() if "dataset.decode" in line)
-  assert "config.dataset.decode='gpu' needs an NVIDIA GPU" in line
-  assert "decode=cpu" in line
+def test_decode_gpu_without_a_gpu_stops_at_start_up_naming_what_to_install(folder,
+                                                                          monkeypatch):
+  """No GPU here: the line names jax[cuda13]; where nvImageCodec is missing too, the same
+  line names the gpu-decode extra (one install after the other would fail again)."""
+  for installed in (True, False):
+    monkeypatch.setattr(nvimgcodec_decode, "_nvimgcodec_installed", lambda i=installed: i)
+    message = _problems(**{**_dataset(folder).to_dict(), "decode": "gpu"})
+    (line,) = [line for line in message.splitlines() if "dataset.decode" in line]
+    assert "config.dataset.decode='gpu' needs an NVIDIA GPU" in line and "jax[cuda13]" in line
+    assert "decode=cpu" in line
+    assert ("it also needs nvImageCodec, which is not installed: pip install "
+            "'cpjax[gpu-decode]'" in line) is not installed, line
+
+
+def test_the_gpu_decoder_on_a_gpu_without_nvimgcodec_names_the_extra_alone(monkeypatch):
+  monkeypatch.setattr(nvimgcodec_decode, "_nvidia", lambda device: True)  # As on a GPU.
+  monkeypatch.setattr(nvimgcodec_decode, "_nvimgcodec_installed", lambda: False)
+  assert nvimgcodec_decode.problem() == (
+      f"needs nvImageCodec, which is not installed: {nvimgcodec_decode.INSTALL}")
+  monkeypatch.setattr(nvimgcodec_decode, "_nvimgcodec_installed", lambda: True)
+  assert nvimgcodec_decode.problem() is None
 
 
 def test_decode_choices_are_checked_and_fit_the_dataset(folder):

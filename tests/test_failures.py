@@ -382,6 +382,14 @@ def test_stale_temporaries_are_removed_by_their_exact_name_only(tmp_path):
   assert read_metrics(str(tmp_path)) == [{"epoch": 0, "train_loss": 1.5}]
 
 
+@pytest.mark.parametrize("num_bytes, text", [
+    (0, "0 bytes"), (1, "1 byte"), (1023, "1023 bytes"), (1024, "1.0 KiB"),
+    (104857, "102.4 KiB"), (104858, "0.1 MiB"), (3 * 2**20, "3.0 MiB")])
+def test_sizes_in_messages_are_in_the_unit_that_shows_them(num_bytes, text):
+  """0.1 MiB = 104,857.6 bytes: below it KiB (a full disk's "0.0 MiB free" was untrue)."""
+  assert files.size_text(num_bytes) == text
+
+
 def _mount_tiny_tmpfs(folder: str, kib: int) -> None:
   os.makedirs(folder)
   result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", folder],
@@ -530,3 +538,45 @@ def test_a_missing_config_file_is_one_line_and_exit_status_2(tmp_path):
   # still fails on the field (exit 2), not on the file.
   result = run_main(workdir, "--config.no_such_field=1", timeout=120)
   assert result.returncode == 2 and "no_such_field" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow  # A main.py process.
+def test_main_without_flags_is_one_line_naming_the_required_flags(tmp_path):
+  """`python main.py` alone, as a new user first types it: one line naming --config and
+  --workdir with a command that sets them, exit 2 (a usage error), no traceback, and no
+  absl usage text."""
+  result = subprocess.run(main_command(str(tmp_path))[:2], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines() == [
+      "FATAL --config and --workdir are required: python main.py --config=configs/default.py "
+      "--workdir=DIR (any file of configs/, any folder for the run's checkpoints, logs and "
+      "report)"], result.stderr[-3000:]
+  assert not result.stdout
+
+
+@pytest.mark.slow  # A main.py process on a mounted tmpfs.
+def test_a_full_disk_before_the_first_checkpoint_ends_in_the_fatal_line_alone(tmp_path):
+  """The workdir on a 160 KiB tmpfs: room for the start-up check (twice the checkpoint's
+  arrays) and the first log lines, not for orbax's files of the first checkpoint. orbax's
+  writing threads each log the refused write with a traceback; the run ends with its FATAL
+  line alone (exit 1): no traceback, no error line of orbax's before it, nothing after it,
+  and no checkpoint committed."""
+  workdir = str(tmp_path / "tiny")
+  _mount_tiny_tmpfs(workdir, 160)
+  try:
+    result = run_main(workdir, "--config.num_epochs=1", timeout=300)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    left = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
+  finally:
+    subprocess.run(["umount", workdir], check=True)
+  assert result.returncode == 1, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  fatal = [line for line in lines if line.startswith("FATAL")]
+  assert len(fatal) == 1 and lines[-1] == fatal[0], result.stderr[-3000:]
+  assert "No space left on device" in fatal[0] and "no checkpoint is committed" in fatal[0]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert not [line for line in lines if line.startswith("E")], result.stderr[-3000:]
+  # orbax began the first checkpoint and the full disk stopped it (its temporary folder
+  # stays, uncommitted): the case whose tracebacks are kept out.
+  assert left and all(name.endswith(".orbax-checkpoint-tmp") for name in left), left

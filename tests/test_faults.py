@@ -252,6 +252,23 @@ def test_a_second_run_on_a_held_workdir_fails_fast_naming_the_holder(tmp_path):
   assert workdir_lock.read_holder(os.path.join(workdir, workdir_lock.LOCK_FILE)) is None
 
 
+@pytest.mark.slow  # A main.py process.
+def test_main_on_a_held_workdir_is_one_fatal_line_naming_the_holder(tmp_path):
+  """The second run of a busy workdir, as users start it: the holder named in one line,
+  exit 2 (refused before it starts), no traceback; the holder's lock untouched."""
+  workdir = str(tmp_path / "w")
+  with workdir_lock.WorkdirLock(workdir) as lock:
+    result = subprocess.run(main_command(workdir), cwd=REPO, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert workdir_lock.read_holder(lock.path)["pid"] == os.getpid()
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert lines[-1].startswith(f"FATAL --workdir {workdir!r} is in use by PID {os.getpid()} on "
+                              f"host {socket.gethostname()}"), result.stderr[-3000:]
+  assert lines[-1].endswith("wait for it, stop it, or use another --workdir.")
+  assert "Traceback" not in result.stderr and len([s for s in lines if "FATAL" in s]) == 1
+
+
 @pytest.mark.slow
 def test_a_killed_holder_never_blocks_the_rerun(tmp_path):
   """SIGKILL gives no chance to clean up: the kernel drops the flock with the process."""

@@ -97,6 +97,58 @@ def test_varying_sizes_get_the_median_shorter_side_rounded_down_to_8_logged_once
   assert sources.resolve(_dataset(large, image_size=32)).image_shape == (32, 32, 3)
 
 
+# ---------------------------------------------------------------- defaults that fit a small folder
+
+
+def test_a_small_folder_gets_carve_outs_that_fit_it_and_no_in_memory_ood_set(tmp_path):
+  """configs/default.py with only the folder named, as the README's sentence runs it: its
+  defaults were made for digits (val_size 180, test_size 0, ood 'gaussian_noise'). For a
+  folder of 2 x 30 training images: validation 6 images (a tenth of 60; the default 180
+  would take them all), a test set of 6 where test/ is absent, no OOD set; the config is
+  then valid. What the user sets stays and is still refused when it cannot work; a folder
+  with its own val/ keeps val_size (unused)."""
+  shapes = [(8, 8)] * 30
+  with_test = _generated_folder(str(tmp_path / "a"), {"ant": shapes, "bee": shapes},
+                                test_per_class=2)
+  only_train = _generated_folder(str(tmp_path / "b"), {"ant": shapes, "bee": shapes})
+
+  def folder_config(folder, **overrides):
+    config = default.get_config()
+    config.dataset.name, config.dataset.folder = "folder", folder
+    config.update_from_flattened_dict(overrides)
+    return config
+
+  named = {"dataset.name", "dataset.folder"}
+  implied = config_validation.implied_settings(folder_config(with_test), named)
+  assert {k: v for k, (v, _) in implied.items()} == {"evaluation.ood": "",
+                                                     "dataset.val_size": 6}
+  assert "60 training images: a tenth of them" in implied["dataset.val_size"][1]
+  implied = config_validation.implied_settings(folder_config(only_train), named)
+  assert {k: v for k, (v, _) in implied.items()} == {"evaluation.ood": "",
+                                                     "dataset.val_size": 6,
+                                                     "dataset.test_size": 6}
+  config = config_validation.with_settings(folder_config(only_train),
+                                           {k: v for k, (v, _) in implied.items()})
+  config_validation.validate(config)  # Valid as implied.
+  # At least calibrator_folds validation images: 5 of 2 x 20 (a tenth would be 4).
+  small = _generated_folder(str(tmp_path / "c"), {"ant": shapes[:20], "bee": shapes[:20]},
+                            test_per_class=1)
+  assert config_validation.implied_settings(folder_config(small), named)[
+      "dataset.val_size"][0] == 5
+  # Set by the user: kept, and refused with its reason.
+  config = folder_config(with_test, **{"dataset.val_size": 180})
+  implied = config_validation.implied_settings(config, named | {"dataset.val_size"})
+  assert "dataset.val_size" not in implied
+  with pytest.raises(config_validation.ConfigError,
+                     match=r"val_size=180 must be below the train split size 60"):
+    config_validation.validate(config_validation.with_settings(
+        config, {k: v for k, (v, _) in implied.items()}))
+  for name in ("ant", "bee"):
+    _save_png(os.path.join(with_test, "val", name, "img0.png"), 8, 8)
+  implied = config_validation.implied_settings(folder_config(with_test), named)
+  assert {k: v for k, (v, _) in implied.items()} == {"evaluation.ood": ""}
+
+
 # ---------------------------------------------------------------- class folders
 
 
@@ -474,7 +526,7 @@ def test_main_on_a_users_folder_defaults_its_size_leaves_it_untouched_and_refuse
   shutil.copy(os.path.join(folder, "train", "bee", "img1.png"),
               os.path.join(folder, "train", "bee", "copy.png"))
   refused = run()
-  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert refused.returncode == 2, refused.stderr[-3000:]
   (line,) = [s for s in refused.stderr.splitlines() if s.startswith("FATAL")]
   assert (f"train/: 1 removed: {os.path.join('ant', 'img0.png')}; 1 added: "
           f"{os.path.join('bee', 'copy.png')}") in line
@@ -482,7 +534,7 @@ def test_main_on_a_users_folder_defaults_its_size_leaves_it_untouched_and_refuse
   shutil.copy(os.path.join(folder, "train", "bee", "img2.png"),
               os.path.join(folder, "train", "bee", "copy2.png"))
   refused = run()
-  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert refused.returncode == 2, refused.stderr[-3000:]
   assert f"2 added: {os.path.join('bee', 'copy.png')}, {os.path.join('bee', 'copy2.png')}" \
       in refused.stderr
   assert "does not fit this config" not in refused.stderr

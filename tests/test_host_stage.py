@@ -323,6 +323,14 @@ def test_shared_memory_that_does_not_fit_is_refused_with_the_ways_out(monkeypatc
                            r"--shm-size.*worker_kind=thread"):
     decode_workers.Slots(2, (256, 32, 32, 3))
   assert len(made) == 1 and not os.path.exists(f"/dev/shm/{made[0].name}")  # Unlinked.
+  # Small sizes in the units that show them: a slot of 1 x 4 x 4 x 3 bytes, 3 free 4 KiB
+  # blocks.
+  monkeypatch.setattr(decode_workers.os, "statvfs",
+                      lambda path: os.statvfs_result((4096, 4096, 9, 3, 3, 9, 3, 3, 0, 255)))
+  with pytest.raises(decode_workers.SharedMemoryFullError,
+                     match=r"need 48 bytes more shared memory for 2 batches of 1 image, and "
+                           r"/dev/shm has 12\.0 KiB free"):
+    decode_workers.Slots(2, (1, 4, 4, 3))
 
 
 def test_worker_kind_is_checked_with_its_choices():

@@ -124,9 +124,9 @@ def test_download_offline_fails_after_few_attempts_naming_the_dataset(tmp_path, 
 
 def test_without_tensorflow_a_catalog_dataset_stops_in_one_line_saying_what_to_install(
     tmp_path, monkeypatch):
-  """TensorFlow absent (as `tensorflow_optional.installed` says): preparing CIFAR-10, or
-  reading one prepared in tfds's default tfrecord format, stops before any download or read
-  with one line naming the dataset and the requirements file."""
+  """TensorFlow absent (as `tensorflow_optional.installed` says): preparing CIFAR-10, not
+  having it prepared, or reading one prepared in tfds's default tfrecord format, stops before
+  any download or read with one line naming the dataset and the requirements file."""
   import tensorflow_datasets as tfds
   monkeypatch.setattr(tensorflow_optional, "installed", lambda: False)
   with pytest.raises(input_pipeline.DataNotFoundError) as preparing:
@@ -134,6 +134,16 @@ def test_without_tensorflow_a_catalog_dataset_stops_in_one_line_saying_what_to_i
                                                val_size=5000, download=True))
   assert "preparing tfds dataset 'cifar10'" in str(preparing.value)
   assert "requirements-tf.txt" in str(preparing.value) and "\n" not in str(preparing.value)
+  # Not prepared and not to be prepared (no download, no manual_dir): the ways to prepare it,
+  # and, in the same line, that preparing it here needs TensorFlow.
+  with pytest.raises(input_pipeline.DataNotFoundError) as missing:
+    input_pipeline.get_datasets(dataset_config(name="cifar10", data_dir=str(tmp_path),
+                                               val_size=5000))
+  assert "tfds dataset 'cifar10' is not prepared" in str(missing.value)
+  assert str(missing.value).endswith(
+      "pass --config.dataset.download=True; preparing it here needs TensorFlow, which is not "
+      "installed: pip install -r requirements-tf.txt (or: pip install 'cpjax[tf]').")
+  assert "\n" not in str(missing.value)
   with mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", return_value=True), \
        pytest.raises(input_pipeline.DataNotFoundError) as reading:
     input_pipeline.get_datasets(dataset_config(name="cifar10", data_dir=str(tmp_path),

@@ -122,3 +122,12 @@ def test_requirements_pin_every_declared_distribution():
       r"^([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==", (ROOT / "requirements.txt").read_text(), re.M)}
   unpinned = sorted(_declared() - pinned)
   assert not unpinned, f"pyproject.toml dependencies without a pin in requirements.txt: {unpinned}"
+
+
+def test_every_line_of_the_optional_requirement_files_is_pinned():
+  """An extra's requirements file pins all it installs (nvImageCodec and nvJPEG together),
+  as requirements.txt does."""
+  for _, requirements in OPTIONAL.values():
+    lines = [line.split("#")[0].strip() for line in (ROOT / requirements).read_text().splitlines()]
+    unpinned = [line for line in lines if line and "==" not in line]
+    assert not unpinned, f"{requirements}: {unpinned}"

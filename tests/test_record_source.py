@@ -247,6 +247,34 @@ def test_a_conversion_stopped_midway_is_refused_not_half_read(folder, tmp_path, 
     sources.resolve(records)
 
 
+def test_records_without_their_identity_file_are_refused_where_the_checkpoint_knew_it(
+    folder, tmp_path, caplog):
+  """The conversion writes one identity file a split. With the training split's deleted,
+  the records name it as missing; a checkpoint that recorded the rows' digests refuses the
+  resume naming that file (the rows cannot be checked, so they may be other rows); a run
+  without such a checkpoint goes on unchecked, with a warning naming the file."""
+  out = str(tmp_path / "rec")
+  _converted(folder, out)
+  whole = record_source.identity(out)
+  assert not whole.missing and sorted(whole.listing) == ["test", "train"]
+  missing = os.path.join(out, "train.identity.npz")
+  os.remove(missing)
+  found = record_source.identity(out)
+  assert found.missing == missing and found.listing == {}
+  meta = {"step": 7, "data_digests": fingerprint.digests(whole.listing)}
+  with pytest.raises(fingerprint.DatasetChangedError) as raised:
+    fingerprint.check_resume(found, [whole.listing], meta, str(tmp_path))
+  assert str(raised.value).startswith(
+      f"the records in dataset.stream_dir={out!r} lack {missing}, though checkpoint 7 recorded "
+      "their rows' identity")
+  assert "Convert the files as they were into them again" in str(raised.value)
+  assert "new --workdir" in str(raised.value)
+  for meta in (None, {"step": 7}):  # No checkpoint, or one saved without digests.
+    caplog.clear()
+    assert fingerprint.check_resume(found, [], meta, str(tmp_path)) is None
+    assert f"lack {missing}" in caplog.text and "cannot check" in caplog.text
+
+
 def _records_run_config(stream_dir: str = "", folder: str = "") -> ml_collections.ConfigDict:
   """configs/test.py on the generated folder's records (or the folder itself): 1 epoch of the
   tiny model in batches of 8, a small report."""
@@ -266,7 +294,8 @@ def test_a_resume_onto_records_of_a_changed_folder_is_refused_naming_the_file(fo
   replaced (another generated image) the rerun is refused before anything is restored,
   naming the records, the file that changed and the way back, and so is a run reading the
   changed folder itself: the records keep the identity of the files they were converted
-  from. The run's metrics are left as they were."""
+  from, and so are the changed records with their identity files deleted. The run's metrics
+  are left as they were."""
   out, workdir = str(tmp_path / "rec"), str(tmp_path / "run")
   sources.write_records(_dataset(folder), out, num_shards=2)
   train.train_and_evaluate(_records_run_config(stream_dir=out), workdir)
@@ -287,4 +316,11 @@ def test_a_resume_onto_records_of_a_changed_folder_is_refused_naming_the_file(fo
   with pytest.raises(fingerprint.DatasetChangedError,
                      match=r"train/: 1 changed \(size or content\): bee/img3\.jpg"):
     train.train_and_evaluate(_records_run_config(folder=folder), workdir)
+  # The changed records with their identity files deleted: still refused, naming the file
+  # (not trained on as unchecked rows).
+  for split in ("train", "test"):
+    os.remove(os.path.join(out, f"{split}.identity.npz"))
+  with pytest.raises(fingerprint.DatasetChangedError,
+                     match=rf"lack {out}/train\.identity\.npz, though checkpoint \d+ recorded"):
+    train.train_and_evaluate(_records_run_config(stream_dir=out), workdir)
   assert read_metrics(workdir) == metrics

@@ -53,7 +53,7 @@ def test_a_policy_registered_in_a_test_selects_with_its_declared_setting():
     config_validation.validate(config)
     config.selection.toy_stride = 0
     with pytest.raises(config_validation.ConfigError,
-                       match=r"config.selection.toy_stride: must be in \[1, None\], got 0"):
+                       match=r"config.selection.toy_stride: must be at least 1, got 0"):
       config_validation.validate(config)
   assert "every_nth" not in policies.POLICIES  # Gone again after the block.
   with pytest.raises(config_validation.ConfigError, match="config.selection.method: got "
@@ -99,6 +99,20 @@ def test_a_score_and_a_loss_registered_in_a_test_are_valid_choices_with_their_se
     ce = [np.log1p(np.exp(-1.0)), np.log1p(np.exp(-1.5))]  # -log softmax of the label.
     np.testing.assert_allclose(jax.jit(losses.get_loss(config.loss))(logits, labels),
                                2 * np.array(ce), rtol=1e-6)
+
+
+@pytest.mark.parametrize("check, good, bad, expected", [
+    (registry.integer(1), 1, 0, "must be at least 1, got 0"),
+    (registry.integer(None, 5), 5, 6, "must be at most 5, got 6"),
+    (registry.integer(1, 5), 5, 6, "must be in [1, 5], got 6"),
+    (registry.number(0.0, low_open=True), 1e-9, 0.0, "must be above 0.0, got 0.0"),
+    (registry.number(None, 1.0, high_open=True), 0.5, 1.0, "must be below 1.0, got 1.0"),
+    (registry.number(0.0, 1.0, high_open=True), 0.0, 1.0, "must be in [0.0, 1.0), got 1.0"),
+])
+def test_a_range_with_one_end_is_said_in_words(check, good, bad, expected):
+  """One bound: "at least 1", not "in [1, None]"; two: the interval."""
+  assert check(good) is None
+  assert check(bad) == expected
 
 
 def test_unknown_names_get_the_closest_registered_one():

@@ -181,7 +181,7 @@ def test_cifar10_without_cifar_or_svhn_fails_at_start_up_in_seconds(tmp_path):
                     timeout=120)
   seconds = time.monotonic() - start
   fatal = [line for line in result.stderr.splitlines() if line.startswith("FATAL")]
-  assert result.returncode == 1 and fatal, result.stderr[-3000:]
+  assert result.returncode == 2 and fatal, result.stderr[-3000:]
   problems = result.stderr[result.stderr.index("FATAL"):].splitlines()[1:]
   assert len(problems) == 2, result.stderr[-3000:]
   assert "tfds dataset 'cifar10' is not prepared" in problems[0]
@@ -285,7 +285,7 @@ def test_no_room_for_a_checkpoint_fails_at_start_up(tmp_path, monkeypatch):
   monkeypatch.setattr(checkpoint_room.shutil, "disk_usage",
                       lambda path: usage._replace(free=2 * nbytes - 1))
   _fails_at_start_up(config, str(tmp_path / "w"), r"checkpoint folder .*/w/checkpoints has "
-                     r"[\d.]+ MiB free, a checkpoint needs [\d.]+ MiB")
+                     r"[\d.]+ (KiB|MiB) free, a checkpoint needs [\d.]+ (KiB|MiB)")
   monkeypatch.setattr(checkpoint_room.shutil, "disk_usage",
                       lambda path: usage._replace(free=2 * nbytes))
   preflight.check(config, str(tmp_path / "w"))  # Just enough.

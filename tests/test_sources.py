@@ -30,6 +30,7 @@ from cpjax.data import (
   sources,
   specs,
   splits,
+  tensorflow_optional,
 )
 from cpjax.runtime import sharding
 from tests import helpers
@@ -318,13 +319,26 @@ def test_an_unreadable_file_is_named_at_start_up_or_left_out_and_listed(folder, 
   config = tiny_config(**{"dataset.name": "folder", "dataset.folder": folder,
                           "dataset.image_size": 16, "dataset.val_size": 5,
                           "evaluation.ood": ""})
-  with pytest.raises(config_validation.ConfigError, match="broken.jpg"):
+  train = os.path.join(folder, "train")
+  with pytest.raises(config_validation.ConfigError) as raised:
     config_validation.validate(config)
+  assert (f"1 file of {train} is not a readable image: {bad} (UnidentifiedImageError: not in "
+          "an image format PIL reads). Remove or replace it, or pass "
+          "--config.dataset.skip_bad_files=True to leave it out (it is then listed") in str(
+              raised.value)
+  empty = os.path.join(folder, "train", "bee", "empty.png")
+  open(empty, "wb").close()
+  with pytest.raises(config_validation.ConfigError) as raised:
+    config_validation.validate(config)
+  assert (f"2 files of {train} are not readable images: {bad} (UnidentifiedImageError: not in "
+          f"an image format PIL reads); {empty} (empty: 0 bytes). Remove or replace them") in str(
+              raised.value)
+  assert "<_io" not in str(raised.value)  # No Python object's repr.
   config.dataset.skip_bad_files = True
   config_validation.validate(config)
   assert specs.DATASETS["folder"].num_train == 18  # Left out.
-  (listed,) = sources.bad_files(config.dataset)
-  assert listed.startswith(bad)
+  listed = sources.bad_files(config.dataset)
+  assert len(listed) == 2 and listed[0].startswith(bad) and listed[1].startswith(empty)
 
 
 def test_damage_past_the_header_is_named_when_the_file_is_read(folder):
@@ -505,11 +519,22 @@ def test_a_converted_tfds_dataset_holds_its_encoded_bytes(tmp_path, tfds_dir):
     assert len({image.tobytes() for image in decoded}) == len(expected[split])
 
 
-def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
+def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path, monkeypatch):
+  """Not prepared: how to prepare it; where TensorFlow is absent, in the same line, that
+  preparing it here needs TensorFlow and what to install."""
   config = tiny_config(**{"dataset.name": "tfds:mnist", "dataset.data_dir": str(tmp_path),
                           "evaluation.ood": ""})
-  with pytest.raises(config_validation.ConfigError, match="not prepared.*array_record"):
+  monkeypatch.setattr(tensorflow_optional, "installed", lambda: True)
+  with pytest.raises(config_validation.ConfigError, match="not prepared.*array_record") as raised:
     config_validation.validate(config)
+  assert "TensorFlow" not in str(raised.value)
+  monkeypatch.setattr(tensorflow_optional, "installed", lambda: False)
+  with pytest.raises(config_validation.ConfigError) as raised:
+    config_validation.validate(config)
+  (line,) = str(raised.value).splitlines()[1:]
+  assert "tfds dataset 'mnist' is not prepared" in line
+  assert line.endswith("; preparing it here needs TensorFlow, which is not installed: pip "
+                       "install -r requirements-tf.txt (or: pip install 'cpjax[tf]')"), line
   config.dataset.name = "tfds:no_such_dataset_anywhere"
   with pytest.raises(config_validation.ConfigError, match="no such dataset"):
     config_validation.validate(config)

@@ -149,3 +149,25 @@ def test_a_prepared_tfds_dataset_trains_without_tensorflow(tmp_path):
   (record,) = helpers.read_metrics(workdir)
   assert record["epoch"] == 0 and 0.0 <= record["test_accuracy"] <= 1.0
   assert os.path.exists(os.path.join(workdir, "report", "results.json"))
+
+
+@pytest.mark.slow  # Two main.py processes.
+@pytest.mark.parametrize("name", ["cifar10", "tfds:mnist"])
+def test_an_unprepared_tfds_dataset_without_tensorflow_says_preparing_needs_it(name, tmp_path):
+  """Nothing prepared in data_dir and no TensorFlow, a catalog dataset (checked at start-up)
+  or one named tfds:NAME (checked with the config): both refused before the run starts (exit
+  2, no traceback, the workdir not created), the dataset's line saying that preparing it
+  here needs TensorFlow and what to install, without asking for a download first."""
+  empty, workdir = str(tmp_path / "tfds"), str(tmp_path / "run")
+  os.makedirs(empty)
+  result = run_main_without_tensorflow(workdir, f"--config.dataset.name={name}",
+                                       f"--config.dataset.data_dir={empty}",
+                                       "--config.evaluation.ood=")
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  fatal = lines.index(next(line for line in lines if line.startswith("FATAL")))
+  (problem,) = lines[fatal + 1:]  # One line per problem under the FATAL heading.
+  assert "is not prepared in" in problem, problem
+  assert "preparing it here needs TensorFlow, which is not installed: pip install -r " \
+      "requirements-tf.txt" in problem, problem
+  assert "Traceback" not in result.stderr and not os.path.exists(workdir)

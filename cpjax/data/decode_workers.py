@@ -61,6 +61,7 @@ import weakref
 import numpy as np
 
 from cpjax.data import preprocess
+from cpjax.runtime import files
 from cpjax.runtime.advised import AdvisedError
 
 WORKER_KINDS = ("process", "thread")  # config.dataset.worker_kind's choices.
@@ -137,9 +138,10 @@ def _created(num_bytes: int, what: str) -> shared_memory.SharedMemory:
     _unlinked(shm)
     stats = os.statvfs(SHM_DIR)
     raise SharedMemoryFullError(
-        f"the host stage's worker processes need {num_bytes / 2**20:.1f} MiB more shared "
-        f"memory for {what}, and {SHM_DIR} has {stats.f_bavail * stats.f_frsize / 2**20:.1f} "
-        f"MiB free ({err.strerror}): give the container more (docker run --shm-size=8g, or "
+        f"the host stage's worker processes need {files.size_text(num_bytes)} more shared "
+        f"memory for {what}, and {SHM_DIR} has "
+        f"{files.size_text(stats.f_bavail * stats.f_frsize)} free ({err.strerror}): give the "
+        "container more (docker run --shm-size=8g, or "
         "--ipc=host), lower dataset.batch_size, or decode in threads "
         "(--config.dataset.worker_kind=thread)") from err
   finally:
@@ -192,7 +194,8 @@ class Slots:
     self._shms = []
     try:
       for _ in range(count):
-        self._shms.append(_created(size, f"{count} batches of {self.shape[0]} images"))
+        self._shms.append(_created(size, f"{count} batch{'es' * (count != 1)} of "
+                                         f"{self.shape[0]} image{'s' * (self.shape[0] != 1)}"))
     except BaseException:
       self.close()
       raise

@@ -84,6 +84,9 @@ class Identity:
   listing: dict[str, list[Entry]]  # {split: its rows' entries, in row order}
   what: str  # What they are, for messages: "the files of dataset.folder='/data/x'".
   way_back: str  # What resuming needs: "put the files back as they were".
+  # The file that should hold the rows' identity and does not (records converted before it
+  # was recorded, or its file deleted): the rows cannot be checked; `listing` is empty.
+  missing: str = ""
 
 
 def sampled_ranges(size: int) -> list[tuple[int, int]]:
@@ -339,6 +342,21 @@ def noting_damage(workdir: str) -> Iterator[None]:
     raise
 
 
+def _unchecked(identity: Identity, meta: Mapping | None) -> None:
+  """Rows whose identity file is missing: refused (DatasetChangedError) when the checkpoint
+  recorded their digests, as the rows may then be other rows; else run unchecked, with a
+  warning."""
+  if meta is not None and meta.get("data_digests") is not None:
+    raise DatasetChangedError(
+        f"{identity.what} lack {identity.missing}, though checkpoint {meta.get('step', -1)} "
+        "recorded their rows' identity: without it the resume cannot check that they are the "
+        f"checkpoint's rows. {identity.way_back[0].upper()}{identity.way_back[1:]} to resume, "
+        "or start a new run in a new --workdir on the data as it is now.")
+  logging.warning("%s lack %s (converted before cpjax recorded their rows' identity, or the "
+                  "file was deleted): a resume cannot check that they are the checkpoint's. "
+                  "Convert them again to have it checked.", identity.what, identity.missing)
+
+
 def check_resume(identity: Identity | None, listings: Sequence[Mapping[str, Sequence[Entry]]],
                  meta: Mapping | None, workdir: str) -> dict[str, str] | None:
   """At a run's start: refuses a resume onto other rows (`check_unchanged` against the
@@ -346,9 +364,12 @@ def check_resume(identity: Identity | None, listings: Sequence[Mapping[str, Sequ
   process 0, writes this run's listing, followed by the checkpoint's while a damaged file's
   replacement has been accepted (a second resume from that checkpoint accepts it again), and
   forgets the damaged files otherwise. Returns the digests that this run's checkpoints
-  record; None for a dataset without an identity (`identity` None)."""
+  record; None for a dataset without an identity (`identity` None, or its identity file
+  missing: refused where the checkpoint recorded the rows' digests)."""
   if identity is None:
     return None
+  if identity.missing:
+    return _unchecked(identity, meta)
   now = digests(identity.listing)
   saved = (meta or {}).get("data_digests")
   checkpoints = next((listing for listing in listings if digests(listing) == saved),

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 
 import numpy as np
 
@@ -87,7 +88,8 @@ def _check_no_empty_class(split_dir: str, classes: tuple[str, ...], labels: np.n
   counts = np.bincount(labels, minlength=len(classes))
   empty = [printable(os.path.join(split_dir, classes[i])) for i in np.flatnonzero(counts == 0)]
   if empty:
-    raise FolderError(f"{len(empty)} class folders hold no image files "
+    raise FolderError(f"{_count(len(empty), 'class folder')} "
+                      f"{'holds' if len(empty) == 1 else 'hold'} no image files "
                       f"({', '.join(IMAGE_EXTENSIONS)}): {', '.join(empty[:MAX_NAMED])}; add "
                       "images to them or remove them (every class folder of train/ is a class)")
 
@@ -114,14 +116,25 @@ def _list_images(split_dir: str, classes: tuple[str, ...]) -> tuple[list[str], l
 
 
 def header_problem(path: str) -> str | None:
-  """Why PIL's lazy open (magic bytes, header) refuses `path`, or None if it opens."""
+  """Why PIL's lazy open (magic bytes, header) refuses `path`, or None if it opens. The
+  caller names the file: PIL's text about it (the file object's repr) is left out."""
   try:
+    if os.path.getsize(path) == 0:
+      return "empty: 0 bytes"
     with open(path, "rb") as f:
       with preprocess.Image.open(f) as image:
         image.size  # pylint: disable=pointless-statement  The header is parsed by open.
     return None
+  except preprocess.Image.UnidentifiedImageError:
+    return "UnidentifiedImageError: not in an image format PIL reads"
   except Exception as err:  # pylint: disable=broad-except  Any failure names the file.
-    return printable(f"{type(err).__name__}: {str(err)[:120]}")  # PIL's text names the file.
+    text = re.sub(r" ?<_io\.\w+ name=.*?>", "", str(err))  # PIL's repr of the file object.
+    return printable(f"{type(err).__name__}: {text[:120]}")
+
+
+def _count(count: int, noun: str) -> str:
+  """"1 file", "2 files"."""
+  return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _check_headers(root: str, split: str, paths: list[str], limit: int) -> dict[str, str]:
@@ -166,8 +179,8 @@ def listing(root: str, split: str, check_files: int, skip_bad_files: bool) -> Li
   split_dir = os.path.join(root, split)
   paths, ignored = _list_images(split_dir, classes)
   if ignored:
-    logging.warning("%s: %d files without an image extension (%s) are not read, e.g. %s",
-                    printable(split_dir), len(ignored), ", ".join(IMAGE_EXTENSIONS),
+    logging.warning("%s: %s without an image extension (%s) not read, e.g. %s",
+                    printable(split_dir), _count(len(ignored), "file"), ", ".join(IMAGE_EXTENSIONS),
                     ", ".join(printable(p) for p in ignored[:3]))
   if not paths:
     raise FolderError(f"{printable(split_dir)} holds no image files "
@@ -176,14 +189,16 @@ def listing(root: str, split: str, check_files: int, skip_bad_files: bool) -> Li
   if bad and not skip_bad_files:
     named = "; ".join(f"{printable(os.path.join(split_dir, p))} ({why})" for p, why in
                       list(bad.items())[:MAX_NAMED])
-    raise FolderError(f"{len(bad)} files of {printable(split_dir)} are not readable images: "
-                      f"{named}. "
-                      "Remove or replace them, or pass --config.dataset.skip_bad_files=True "
-                      "to leave them out (they are then listed in the log and in "
-                      "workdir/bad_files.txt)")
+    one = len(bad) == 1
+    it, is_ = ("it", "is") if one else ("them", "are")
+    raise FolderError(f"{_count(len(bad), 'file')} of {printable(split_dir)} {is_} not "
+                      f"{'a readable image' if one else 'readable images'}: {named}. Remove "
+                      f"or replace {it}, or pass --config.dataset.skip_bad_files=True to leave "
+                      f"{it} out ({'it is' if one else 'they are'} then listed in the log and "
+                      "in workdir/bad_files.txt)")
   if bad:
-    logging.warning("%s: leaving out %d unreadable files (dataset.skip_bad_files): %s",
-                    printable(split_dir), len(bad),
+    logging.warning("%s: leaving out %s (dataset.skip_bad_files): %s",
+                    printable(split_dir), _count(len(bad), "unreadable file"),
                     ", ".join(printable(p) for p in list(bad)[:MAX_NAMED]))
     paths = [p for p in paths if p not in bad]
   index = {name: i for i, name in enumerate(classes)}

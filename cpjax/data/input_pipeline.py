@@ -109,7 +109,7 @@ def _not_prepared(spec: specs.DatasetSpec, builder) -> DataNotFoundError:
       "data_dir='DIR').download_and_prepare()\"` and copy DIR here, passing "
       "--config.dataset.data_dir=DIR; (b) put the original archive in a folder and pass "
       "--config.dataset.manual_dir=FOLDER; or (c) with network, pass "
-      "--config.dataset.download=True.")
+      f"--config.dataset.download=True{tensorflow_optional.preparing_note()}.")
 
 
 def open_or_prepare(name: str, config: ml_collections.ConfigDict) -> None:

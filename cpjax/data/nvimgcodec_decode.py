@@ -55,16 +55,22 @@ JPEG_END = b"\xff\xd9"  # The EOI marker: a JPEG without it is truncated (PIL na
 
 def problem() -> str | None:
   """Why the gpu decoder cannot run here (an NVIDIA GPU visible to JAX and nvImageCodec
-  installed), in one line naming what to install; None when it can."""
+  installed), in one line naming everything to install; None when it can."""
   devices = jax.local_devices()
+  missing = ("" if _nvimgcodec_installed() else
+             f"needs nvImageCodec, which is not installed: {INSTALL}")
   if not any(_nvidia(d) for d in devices):
     return (f"needs an NVIDIA GPU; JAX's devices here are {sorted({d.platform for d in devices})}"
-            " (install jax[cuda13] or jax[cuda12] on a GPU machine)")
+            " (install jax[cuda13] or jax[cuda12] on a GPU machine)"
+            + (f"; it also {missing}" if missing else ""))
+  return missing or None
+
+
+def _nvimgcodec_installed() -> bool:
   try:
-    found = importlib.util.find_spec("nvidia.nvimgcodec") is not None
+    return importlib.util.find_spec("nvidia.nvimgcodec") is not None
   except ModuleNotFoundError:  # No `nvidia` package at all.
-    found = False
-  return None if found else f"needs nvImageCodec, which is not installed: {INSTALL}"
+    return False
 
 
 def _nvidia(device: jax.Device) -> bool:

@@ -29,7 +29,6 @@ refused naming them, and a run may switch between a folder and its records.
 
 from collections.abc import Iterator
 import json
-import logging
 import os
 import threading
 
@@ -81,29 +80,28 @@ def _write_identity(directory: str, split: str, entries: list[tuple[str, int, st
            digests=np.asarray([digest for _, _, digest in entries], "S16"))
 
 
-def identity(directory: str) -> fingerprint.Identity | None:
-  """The identity of the rows of the records in `directory` (see the module docstring);
-  None, with a warning, for records written before it was recorded."""
+def identity(directory: str) -> fingerprint.Identity:
+  """The identity of the rows of the records in `directory` (see the module docstring); for
+  records without it (written before it was recorded, or its file deleted), one that names
+  the missing file (`missing`: cpjax.data.fingerprint.check_resume decides)."""
   with open(os.path.join(directory, MANIFEST)) as f:
     split_names = json.load(f)["splits"]
+  what = f"the records in dataset.stream_dir={directory!r}"
+  way_back = ("convert the files as they were into them again (python -m "
+              "scripts.write_array_records; a file this run found damaged: a readable copy of "
+              "it)")
   listing = {}
   for split in split_names:
     path = os.path.join(directory, f"{split}.identity.npz")
     if not os.path.exists(path):
-      logging.warning("%s holds no %s: records converted before cpjax recorded their rows' "
-                      "identity; a resume cannot check that they are the checkpoint's. Convert "
-                      "them again to have it checked.", directory, os.path.basename(path))
-      return None
+      return fingerprint.Identity({}, what, way_back, missing=path)
     with np.load(path) as saved:
       blob, offsets = saved["names"].tobytes(), saved["offsets"]
       listing[split] = [(os.fsdecode(blob[offsets[i]:offsets[i + 1]]), int(size),
                          digest.decode("ascii"), 0)
                         for i, (size, digest) in enumerate(zip(saved["sizes"],
                                                                saved["digests"]))]
-  return fingerprint.Identity(
-      listing, f"the records in dataset.stream_dir={directory!r}",
-      "convert the files as they were into them again (python -m scripts.write_array_records; "
-      "a file this run found damaged: a readable copy of it)")
+  return fingerprint.Identity(listing, what, way_back)
 
 
 def clear_manifest(directory: str) -> None:

@@ -18,3 +18,11 @@ def installed() -> bool:
 def missing_message(what: str) -> str:
   """The line for `what` ("reading tfds dataset 'cifar10' (tfrecord files)") without TF."""
   return f"{what} needs TensorFlow, which is not installed here: {INSTALL}"
+
+
+def preparing_note() -> str:
+  """What an unprepared tfds dataset's message adds where TensorFlow is absent (tfds encodes
+  the images with it while preparing: a download, a manual_dir): "" where it is installed."""
+  if installed():
+    return ""
+  return f"; preparing it here needs TensorFlow, which is not installed: {INSTALL}"

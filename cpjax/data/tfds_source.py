@@ -57,7 +57,8 @@ def builder(name: str, data_dir: str, download: bool, manual_dir: str):
         download_config=tfds.download.DownloadConfig(manual_dir=manual_dir or None))
   if not found.is_prepared():
     raise TfdsSourceError(f"tfds dataset {name!r} is not prepared in {found.data_dir!r} and "
-                          f"cpjax does not download unless asked; {_prepare_hint(name)}")
+                          f"cpjax does not download unless asked; {_prepare_hint(name)}"
+                          f"{tensorflow_optional.preparing_note()}")
   if found.info.file_format.value != "array_record":
     raise TfdsSourceError(
         f"tfds dataset {name!r} in {found.data_dir!r} is stored as "

@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from cpjax.runtime import files
+
 
 class CheckpointSaveError(RuntimeError):
   """orbax declined to write a checkpoint that was asked for."""
@@ -55,5 +57,5 @@ def check_room(directory: str, needed_bytes: int) -> None:
   free = shutil.disk_usage(where).free
   if free < needed_bytes:
     raise CheckpointSaveError(
-        f"checkpoint folder {directory} has {free / 2**20:.1f} MiB free, a checkpoint needs "
-        f"{needed_bytes / 2**20:.1f} MiB; free space there or pass another --workdir")
+        f"checkpoint folder {directory} has {files.size_text(free)} free, a checkpoint needs "
+        f"{files.size_text(needed_bytes)}; free space there or pass another --workdir")

@@ -1,5 +1,6 @@
-"""Atomic file writes (a reader sees the old file or the new one, never half of one), and
-where cpjax caches what it derives from a dataset (`user_cache_dir`)."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of one), where
+cpjax caches what it derives from a dataset (`user_cache_dir`), and sizes in words
+(`size_text`)."""
 
 from collections.abc import Callable
 import contextlib
@@ -66,3 +67,13 @@ def user_cache_dir(name: str) -> str:
   be read-only or shared."""
   base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
   return os.path.join(base, "cpjax", name)
+
+
+def size_text(num_bytes: int | float) -> str:
+  """A size as messages give it: MiB with one decimal from 0.1 MiB, else KiB from 1 KiB,
+  else bytes ("0 bytes", "12.5 KiB", "3.0 MiB"): never "0.0 MiB" for a few KiB."""
+  if num_bytes >= 0.1 * 2**20:
+    return f"{num_bytes / 2**20:.1f} MiB"
+  if num_bytes >= 2**10:
+    return f"{num_bytes / 2**10:.1f} KiB"
+  return f"{int(num_bytes)} byte{'' if int(num_bytes) == 1 else 's'}"
