@@ -42,6 +42,10 @@ FLAGS = ("--config=configs/fashion_mnist_long.py", "--config.num_epochs=3",
          "--config.eval_every_epochs=1", "--config.evaluation.bootstrap_resamples=100",
          "--config.evaluation.calibrator_resamples=0", "--config.selection.method=top_k",
          "--config.selection.fraction=0.37", "--config.selection.warmup_epochs=1")
+# --tiny (the suite's smoke run): configs/test.py for 2 epochs, this checkout on both sides.
+TINY_FLAGS = ("--config=configs/test.py", "--config.num_epochs=2",
+              "--config.selection.method=top_k", "--config.selection.fraction=0.5",
+              "--config.selection.warmup_epochs=1")
 TARGETS = {"warm": 0.5, "cold": 0.6}
 # The parts every epoch's record (or the last one's) held before the anatomy.
 RECORD_PARTS = {"training": "training_seconds", "eval": "eval_seconds",
@@ -49,11 +53,12 @@ RECORD_PARTS = {"training": "training_seconds", "eval": "eval_seconds",
                 "checkpoint": "checkpoint_seconds", "report": "report_seconds"}
 
 
-def run_once(repo: str, workdir: str, cache: str, timeout: float) -> dict:
+def run_once(repo: str, workdir: str, cache: str, timeout: float,
+             flags: tuple[str, ...] = FLAGS) -> dict:
   """One run of the command in `repo` (its own cpjax); its wall clock and last records."""
   env = {k: v for k, v in os.environ.items()  # The config's cache folder, not a user's.
          if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
-  command = [sys.executable, "main.py", *FLAGS, f"--workdir={workdir}",
+  command = [sys.executable, "main.py", *flags, f"--workdir={workdir}",
              f"--config.compilation_cache_dir={cache}"]
   started = time.perf_counter()
   result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True,
@@ -79,19 +84,21 @@ def baseline_tree(commit: str, root: str) -> str:
   return path
 
 
-def measure(sides: dict[str, str], repeats: int, timeout: float) -> dict:
+def measure(sides: dict[str, str], repeats: int, timeout: float,
+            flags: tuple[str, ...] = FLAGS, prime: bool = True) -> dict:
   """{side: {"cold": [runs], "warm": [runs]}}, the sides alternating."""
   out = {side: {"cold": [], "warm": []} for side in sides}
   scratch = tempfile.mkdtemp(prefix="fixed_costs_")
   try:
-    for side, repo in sides.items():  # Untimed: each side's data files made, imports warmed.
+    for side, repo in sides.items() if prime else ():  # Untimed: data files made, imports warm.
       run_once(repo, os.path.join(scratch, f"prime-{side}"), os.path.join(scratch, "prime"),
-               timeout)
+               timeout, flags)
     for i in range(repeats):
       for side, repo in sides.items():
         cache = os.path.join(scratch, f"cache-{side}-{i}")
         for kind in ("cold", "warm"):
-          run = run_once(repo, os.path.join(scratch, f"{side}-{i}-{kind}"), cache, timeout)
+          run = run_once(repo, os.path.join(scratch, f"{side}-{i}-{kind}"), cache, timeout,
+                         flags)
           out[side][kind].append(run)
           print(f"{side:8s} {kind} #{i + 1}: {run['wall']:.1f} s", flush=True)
   finally:
@@ -145,9 +152,15 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=600)
   parser.add_argument("--worktree-root", default=tempfile.gettempdir())
   parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+  parser.add_argument("--tiny", action="store_true",
+                      help="configs/test.py, this checkout on both sides, 1 repeat, unprimed")
   args = parser.parse_args()
-  sides = {"baseline": baseline_tree(args.baseline, args.worktree_root), "current": REPO}
-  summary = summarise(measure(sides, args.repeats, args.timeout), args.baseline)
+  if args.tiny:
+    sides = {"baseline": REPO, "current": REPO}
+    summary = summarise(measure(sides, 1, args.timeout, TINY_FLAGS, prime=False), "itself")
+  else:
+    sides = {"baseline": baseline_tree(args.baseline, args.worktree_root), "current": REPO}
+    summary = summarise(measure(sides, args.repeats, args.timeout), args.baseline)
   machine = long_schedule.machine()  # The machine's name as the study records give it.
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "fixed_costs.json"), "w") as f:

@@ -170,3 +170,20 @@ def test_decode_difference_compares_the_device_stage_with_the_host_stage(tmp_pat
   for transform in ("train", "eval"):
     same_rule = rows["device_cpu, no draft"][transform]
     assert same_rule["max_abs"] <= 1 and same_rule["share_within_1"] == 1.0, transform
+
+
+@pytest.mark.slow
+def test_fixed_costs_tables_two_sides_and_the_anatomy(tmp_path):
+  """benchmarks.fixed_costs at tiny size (this checkout on both sides): its table and JSON,
+  the parts of the records, and this side's anatomy with no compilation after epoch 0."""
+  _module("benchmarks.fixed_costs", "--tiny", f"--out={tmp_path}", timeout=600)
+  with open(tmp_path / "fixed_costs.json") as f:
+    summary = json.load(f)
+  for kind in ("cold", "warm"):
+    current = summary["best"]["current"][kind]
+    assert current["anatomy"]["perf/compilations_after_first_epoch"] == 0
+    assert current["anatomy"]["perf/wall_seconds"] < current["wall"]  # Inside the process's.
+    assert summary["ratios"][kind] == pytest.approx(
+        current["wall"] / summary["best"]["baseline"][kind]["wall"])
+  assert summary["met"]["no_compilation_after_first_epoch"] is True
+  assert (tmp_path / "fixed_costs.md").read_text().startswith("# Fixed costs")
