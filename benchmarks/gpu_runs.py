@@ -34,10 +34,16 @@ metrics.jsonl and report/results.json:
 Compilation cache: (a) runs as a user runs it (cpjax's default cache); (b) and (c) with none,
 so every run compiles its own steps and no arm loads what another one compiled.
 
+Each run's anatomy, its wall clock by part (start-up, opening the data, compiling and the
+compilations counted, steady and warm-up steps, input wait, evaluation, scoring, selection,
+checkpoints, report, the rest) from its last metrics.jsonl record, is tabled per run of (a)
+and (c) and per arm of (b) (the mean over its seeds); "-" where a record has no such key.
+
 Time: `--budget-seconds` (520 s by default, the whole command) decides only whether another
 seed of (b) is run, after (c), from the slowest seed so far; each run has a time limit and is
-killed past it (its status "timeout"). The table is printed and written as JSON and markdown
-to --out (benchmarks/results/gpu_runs_<card>.json and .md; _tiny added at tiny sizes).
+killed past it with its worker processes (its status "timeout"). The table is printed and
+written as JSON and markdown to --out (benchmarks/results/gpu_runs_<card>.json and .md;
+_tiny added at tiny sizes). benchmarks.gpu_check runs these runs' kinds within 6 minutes.
 Targets on one H100 or H200: the whole command <= 9 minutes; (b) the chosen design's
 wall-clock <= 0.6 x full data's; (c) the trainer's training images/s >= 0.8 x the bare
 step's, the report at K = 1,000 <= 60 s. Exit status 1 if a run failed.
@@ -50,6 +56,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -149,6 +156,27 @@ def cache_dir(sizes: Sizes, root: str) -> str:
   return os.path.join(root, "xla_cache") if sizes.shared_cache else ""
 
 
+def run_process(command: list[str], timeout: float, env: dict[str, str], log_path: str
+                ) -> int | str:
+  """`command` in a fresh process group (its worker processes too), its output in `log_path`:
+  the exit status, or "timeout" when it ran past `timeout` seconds and its group was killed
+  (a run past its time leaves no worker behind to slow the next one)."""
+  with open(log_path, "w") as log:
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      return process.wait(timeout=max(timeout, 0.0))
+    except subprocess.TimeoutExpired:
+      os.killpg(process.pid, signal.SIGKILL)
+      process.wait()
+      return "timeout"
+
+
+def log_tail(log_path: str) -> str:
+  with open(log_path, errors="replace") as log:
+    return log.read()[-3000:]
+
+
 def run_main(config_file: str, workdir: str, flags: list[str], timeout: float,
              env: dict[str, str]) -> dict[str, Any]:
   """`python main.py --config=config_file --workdir=workdir *flags` in a fresh process, its
@@ -156,17 +184,11 @@ def run_main(config_file: str, workdir: str, flags: list[str], timeout: float,
   process's seconds and, when it succeeded, its metrics.jsonl records and report."""
   command = ["main.py", f"--config={config_file}", f"--workdir={workdir}", *flags]
   start = time.perf_counter()
-  with open(f"{workdir}.log", "w") as log:
-    try:
-      status = subprocess.run([sys.executable, *command], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-      status = "timeout"
+  status = run_process([sys.executable, *command], timeout, env, f"{workdir}.log")
   run = {"command": " ".join(["python", *command]), "exit_status": status,
          "seconds": time.perf_counter() - start, "log": f"{workdir}.log"}
   if status != 0:
-    with open(f"{workdir}.log", errors="replace") as log:
-      run["log_tail"] = log.read()[-3000:]
+    run["log_tail"] = log_tail(f"{workdir}.log")
     return run
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     run["records"] = [json.loads(line) for line in f]
@@ -184,18 +206,66 @@ def _done(run: dict[str, Any]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# A run's anatomy: where its wall clock went, from its last metrics.jsonl record.
+
+
+# The keys of a run's last record that split its wall clock (records of older trainers lack
+# them: "-" in the table), with their column names.
+ANATOMY = (("perf/wall_seconds", "wall"), ("perf/startup_seconds", "start-up"),
+           ("perf/data_open_seconds", "data open"), ("perf/compile_seconds", "compiling"),
+           ("perf/compilations", "compilations"),
+           ("perf/compilations_after_first_epoch", "after epoch 0"),
+           ("perf/steady_step_seconds", "steady steps"),
+           ("perf/warmup_step_seconds", "warm-up steps"),
+           ("perf/run_input_wait_seconds", "input wait"), ("perf/run_eval_seconds", "evaluation"),
+           ("perf/run_scoring_seconds", "scoring"), ("perf/run_selection_seconds", "selection"),
+           ("perf/run_checkpoint_seconds", "checkpoints"), ("perf/run_report_seconds", "report"),
+           ("perf/other_seconds", "other"))
+ANATOMY_KEYS = tuple(key for key, _ in ANATOMY)
+
+
+def anatomy(run: dict[str, Any]) -> dict[str, float | None]:
+  """ANATOMY_KEYS from a finished run's last record (None where it lacks one)."""
+  last = run["records"][-1]
+  return {key: (float(last[key]) if key in last else None) for key in ANATOMY_KEYS}
+
+
+def mean_anatomy(parts: list[dict[str, float | None]]) -> dict[str, float | None]:
+  """Each key's mean over runs' anatomies (None unless every run has it)."""
+  return {key: (float(np.mean([p[key] for p in parts]))
+                if parts and all(p.get(key) is not None for p in parts) else None)
+          for key in ANATOMY_KEYS}
+
+
+def anatomy_lines(rows: list[tuple[str, dict[str, float | None] | None]]) -> list[str]:
+  """A markdown table of runs' anatomies, a (label, anatomy) each: seconds, or counts for the
+  compilations; "-" where a record lacks the key, or the run has no record."""
+  def cell(key, value):
+    if value is None:
+      return "-"
+    return f"{value:.0f}" if "compilations" in key else f"{value:.2f}"
+  return ["Each run's wall clock by part, from its last metrics.jsonl record (seconds; "
+          "compilations counted; \"-\": the record has no such key).", "",
+          *table(["run", *(name for _, name in ANATOMY)],
+                 [[label, *(cell(key, (part or {}).get(key)) for key in ANATOMY_KEYS)]
+                  for label, part in rows]), ""]
+
+
+# ---------------------------------------------------------------------------------------------
 # (a) the default job.
 
 
-def default_job(sizes: Sizes, root: str) -> dict[str, Any]:
-  """The default job as a user runs it (cpjax's own compilation cache)."""
+def default_job(sizes: Sizes, root: str, timeout: float | None = None) -> dict[str, Any]:
+  """The default job as a user runs it (cpjax's own compilation cache); killed past `timeout`
+  seconds (default sizes.run_timeout)."""
   config = grid.apply(default.get_config(), dict(sizes.default_job))
   run = run_main("configs/default.py", os.path.join(root, "default"),
-                 override_flags(config, default.get_config()), sizes.run_timeout,
-                 child_env(cache=True))
+                 override_flags(config, default.get_config()),
+                 sizes.run_timeout if timeout is None else timeout, child_env(cache=True))
   row = {k: run[k] for k in ("command", "exit_status", "seconds")}
   if _done(run):
-    row.update(test_accuracy=test_accuracy(run), epochs=len(run["records"]))
+    row.update(test_accuracy=test_accuracy(run), epochs=len(run["records"]),
+               anatomy=anatomy(run))
   else:
     row["log_tail"] = run["log_tail"]
   return row
@@ -205,22 +275,25 @@ def default_job(sizes: Sizes, root: str) -> dict[str, Any]:
 # (b) Fashion-MNIST: the frontier study's arms.
 
 
-def fashion_configs(sizes: Sizes, root: str, fashion_mnist_dir: str) -> dict[str, Any]:
-  """ARMS' configs without their seed: studies/frontier.py's base run and arm overrides,
-  the data prepared once in root/tfds, no compilation cache."""
+def fashion_configs(sizes: Sizes, root: str, fashion_mnist_dir: str,
+                    names: tuple[str, ...] = ARMS) -> dict[str, Any]:
+  """The configs of the arms `names` without their seed: studies/frontier.py's base run and
+  arm overrides, the data prepared once in root/tfds, no compilation cache."""
   base = grid.apply(frontier.base_config(), {
       **dict(sizes.fashion), "dataset.data_dir": os.path.join(root, "tfds"),
       "dataset.manual_dir": fashion_mnist_dir, "compilation_cache_dir": cache_dir(sizes, root)})
   arms = {arm.name: arm for arm in frontier.search_arms(base)}
-  return {name: grid.apply(base, arms[name].overrides) for name in ARMS}
+  return {name: grid.apply(base, arms[name].overrides) for name in names}
 
 
-def fashion_run(config, name: str, seed: int, root: str, sizes: Sizes) -> dict[str, Any]:
-  """One arm at one seed: its seconds by part, example passes and test accuracy."""
+def fashion_run(config, name: str, seed: int, root: str, sizes: Sizes,
+                timeout: float | None = None) -> dict[str, Any]:
+  """One arm at one seed: its seconds by part, example passes, test accuracy and anatomy;
+  killed past `timeout` seconds (default sizes.run_timeout)."""
   config = grid.apply(config, {"seed": seed})
   run = run_main("configs/fashion_mnist_long.py", os.path.join(root, f"{name}_seed{seed}"),
-                 override_flags(config, fashion_mnist_long.get_config()), sizes.run_timeout,
-                 child_env(cache=False))
+                 override_flags(config, fashion_mnist_long.get_config()),
+                 sizes.run_timeout if timeout is None else timeout, child_env(cache=False))
   row = {"arm": name, "seed": seed, "exit_status": run["exit_status"],
          "wall_seconds": run["seconds"], "command": run["command"]}
   if not _done(run):
@@ -231,21 +304,24 @@ def fashion_run(config, name: str, seed: int, root: str, sizes: Sizes) -> dict[s
           "eval_seconds": sum(r.get("eval_seconds", 0.0) for r in records),
           "report_seconds": last["report_seconds"],
           "passes": float(long_schedule.example_passes(config, records)[-1]),
-          "test_accuracy": test_accuracy(run), "epochs": len(records)}
+          "test_accuracy": test_accuracy(run), "epochs": len(records), "anatomy": anatomy(run)}
 
 
 FASHION_COLUMNS = ("wall_seconds", "training_seconds", "scoring_seconds", "selection_seconds",
                    "eval_seconds", "report_seconds", "passes", "test_accuracy")
 
 
-def arm_means(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-  """Per arm: the finished seeds and each column's mean over them."""
+def arm_means(rows: list[dict[str, Any]], names: tuple[str, ...] = ARMS
+              ) -> dict[str, dict[str, Any]]:
+  """Per arm of `names`: the finished seeds, each column's mean over them and their mean
+  anatomy."""
   out = {}
-  for name in ARMS:
+  for name in names:
     done = [r for r in rows if r["arm"] == name and r["exit_status"] == 0]
     out[name] = {"seeds": [r["seed"] for r in done],
                  **{c: float(np.mean([r[c] for r in done])) if done else math.nan
-                    for c in FASHION_COLUMNS}}
+                    for c in FASHION_COLUMNS},
+                 "anatomy": mean_anatomy([r["anatomy"] for r in done])}
   return out
 
 
@@ -266,13 +342,20 @@ def paired(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
   return out
 
 
+def arm_settings(configs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """Per arm: its selection settings, epochs and batch size (the fields its name stands for)."""
+  return {name: {k: v for k, v in sorted(config_schema.leaves(c).items())
+                 if k.startswith(("selection.", "num_epochs", "batch_size"))}
+          for name, c in configs.items()}
+
+
 def fashion_round(configs: dict, seed: int, root: str, sizes: Sizes,
                   rows: list[dict[str, Any]]) -> float:
   """ARMS at `seed`, appended to `rows`; returns the round's seconds."""
   start = time.perf_counter()
   for name in ARMS:
     rows.append(fashion_run(configs[name], name, seed, root, sizes))
-    _progress(f"(b) {name} seed {seed}", rows[-1]["exit_status"], rows[-1]["wall_seconds"])
+    progress(f"(b) {name} seed {seed}", rows[-1]["exit_status"], rows[-1]["wall_seconds"])
   return time.perf_counter() - start
 
 
@@ -280,28 +363,45 @@ def fashion_round(configs: dict, seed: int, root: str, sizes: Sizes,
 # (c) the ImageNet-shaped run and the bare step.
 
 
-def imagenet_part(sizes: Sizes, root: str) -> dict[str, Any]:
-  """The generated folder, the run over it, and the bare step's rate in its own process."""
+def write_imagenet_folder(sizes: Sizes, root: str) -> dict[str, Any]:
+  """(c)'s generated JPEGs in root/imagenet_shaped: the folder, its seconds and what is in it."""
   folder, start = os.path.join(root, "imagenet_shaped"), time.perf_counter()
   feeds.write_folder(folder, sizes.train_images, *sizes.source_size, classes=sizes.classes)
-  part = {"folder_seconds": time.perf_counter() - start, "classes": sizes.classes,
-          "train_images": sizes.train_images, "source_size": list(sizes.source_size),
+  return {"folder": folder, "folder_seconds": time.perf_counter() - start,
+          "classes": sizes.classes, "train_images": sizes.train_images,
+          "source_size": list(sizes.source_size),
           "images": "generated (smooth random colour fields with noise), not photographs"}
+
+
+def imagenet_run(sizes: Sizes, root: str, folder: str, name: str, overrides: dict[str, Any],
+                 cache: str, timeout: float) -> dict[str, Any]:
+  """configs/imagenet.py over `folder` as (c) sets it (IMAGENET_RUN, sizes.imagenet, then
+  `overrides`), workdir root/name, compilation cache folder `cache` ("" none): its command,
+  status and seconds, and when it finished its numbers (`imagenet_numbers`) and anatomy."""
   config = grid.apply(imagenet.get_config(), {
       **dict(IMAGENET_RUN), **dict(sizes.imagenet), "dataset.folder": folder,
-      "compilation_cache_dir": cache_dir(sizes, root)})
-  run = run_main("configs/imagenet.py", os.path.join(root, "imagenet"),
-                 override_flags(config, imagenet.get_config()), sizes.imagenet_timeout,
-                 child_env(cache=False))
-  _progress("(c) ImageNet-shaped run", run["exit_status"], run["seconds"])
-  part.update(command=run["command"], exit_status=run["exit_status"], seconds=run["seconds"])
+      "compilation_cache_dir": cache, **overrides})
+  run = run_main("configs/imagenet.py", os.path.join(root, name),
+                 override_flags(config, imagenet.get_config()), timeout, child_env(cache=False))
+  progress(f"(c) ImageNet-shaped run {name}", run["exit_status"], run["seconds"])
+  row = {**{key: run[key] for key in ("command", "exit_status", "seconds")},
+         "classes": sizes.classes}
   if _done(run):
-    part.update(imagenet_numbers(run))
+    row.update(imagenet_numbers(run), anatomy=anatomy(run))
   else:
-    part["log_tail"] = run["log_tail"]
+    row["log_tail"] = run["log_tail"]
+  return row
+
+
+def imagenet_part(sizes: Sizes, root: str) -> dict[str, Any]:
+  """The generated folder, the run over it, and the bare step's rate in its own process."""
+  part = write_imagenet_folder(sizes, root)
+  run = imagenet_run(sizes, root, part["folder"], "imagenet", {}, cache_dir(sizes, root),
+                     sizes.imagenet_timeout)
+  part.update(run)
   part["bare_step"] = bare_step_rate(sizes, root)
-  _progress("(c) bare train step", part["bare_step"].get("exit_status"),
-            part["bare_step"]["seconds"])
+  progress("(c) bare train step", part["bare_step"].get("exit_status"),
+           part["bare_step"]["seconds"])
   bare = part["bare_step"].get("images_per_s")
   if bare and _done(run):
     part["trainer_over_bare"] = part["epochs"][-1]["images_per_s"] / bare
@@ -325,26 +425,23 @@ def imagenet_numbers(run: dict[str, Any]) -> dict[str, Any]:
           "test_accuracy": test_accuracy(run)}
 
 
-def bare_step_rate(sizes: Sizes, root: str) -> dict[str, Any]:
+def bare_step_rate(sizes: Sizes, root: str, timeout: float | None = None) -> dict[str, Any]:
   """benchmarks.bare_step (gpu_table's bare flax train step) at (c)'s model, size, batch and
-  classes, in a fresh process of this command: images/s on batches already on the device."""
+  classes, in a fresh process of this command: images/s on batches already on the device;
+  killed past `timeout` seconds (default sizes.run_timeout)."""
   out = os.path.join(root, "bare_step.json")
   command = [sys.executable, "-m", "benchmarks.bare_step", f"--model={sizes.bare_model}",
              f"--image-size={sizes.bare_size}", f"--batch-size={sizes.bare_batch}",
              f"--classes={sizes.classes}", f"--json={out}", *(["--tiny"] if sizes.tiny else [])]
   start = time.perf_counter()
-  try:
-    result = subprocess.run(command, cwd=REPO, env=child_env(cache=False), capture_output=True,
-                            text=True, timeout=sizes.run_timeout)
-    status = result.returncode
-  except subprocess.TimeoutExpired:
-    result, status = None, "timeout"
+  status = run_process(command, sizes.run_timeout if timeout is None else timeout,
+                       child_env(cache=False), os.path.join(root, "bare_step.log"))
   row = {"exit_status": status, "seconds": time.perf_counter() - start}
   if status == 0:
     with open(out) as f:
       row.update(json.load(f))
   else:
-    row["log_tail"] = result.stderr[-3000:] if result else ""
+    row["log_tail"] = log_tail(os.path.join(root, "bare_step.log"))
   return row
 
 
@@ -375,13 +472,13 @@ print(json.dumps({"backend": jax.default_backend(), "card": jax.devices()[0].dev
 """
 
 
-def machine(argv: list[str]) -> dict[str, Any]:
+def machine(argv: list[str], module: str = "benchmarks.gpu_runs") -> dict[str, Any]:
   """The card and library versions, from a fresh process (this one starts no JAX backend:
-  the JPEG folder is written by forked processes)."""
+  the JPEG folder is written by forked processes), and the command `python -m module *argv`."""
   result = subprocess.run([sys.executable, "-c", MACHINE_PROBE], cwd=REPO, capture_output=True,
                           text=True, timeout=300, check=True)
   info = json.loads(result.stdout.strip().splitlines()[-1])
-  info["command"] = " ".join(["python -m benchmarks.gpu_runs", *argv])
+  info["command"] = " ".join(["python -m", module, *argv])
   return info
 
 
@@ -411,7 +508,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
   return out
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
   if value is None or (isinstance(value, float) and not np.isfinite(value)):
     return "-"
   if isinstance(value, float):
@@ -423,50 +520,60 @@ def _interval(triple, digits: int = 2, sign: str = "+") -> str:
   """'mean [low, high]' (`sign` "+": signed, a difference; "": a ratio)."""
   mean, low, high = triple
   if not np.isfinite(low):
-    return _fmt(mean, digits)
+    return fmt(mean, digits)
   form = f"{sign}.{digits}f"
   return f"{mean:{form}} [{low:{form}}, {high:{form}}]"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
   return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
           *["| " + " | ".join(r) + " |" for r in rows]]
 
 
+def machine_lines(m: dict[str, Any], title: str) -> list[str]:
+  """The heading `title` on the card, then its date, versions, CPU and the command."""
+  return [f"## {title} on {m['card']} ({m['devices']} device(s)), {m['cores']} cores", "",
+          f"{m['date']}; Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}, flax "
+          f"{m['flax']}, optax {m['optax']}, orbax-checkpoint {m['orbax-checkpoint']}, "
+          f"tensorflow-datasets {m['tensorflow-datasets']}, torch "
+          f"{m['torch'] or 'not installed'}, tensorflow {m['tensorflow'] or 'not installed'}; "
+          f"CPU {m['cpu']}.", "", f"    {m['command']}", ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
   m, tiny = results["machine"], results["sizes"]["tiny"]
-  lines = [f"## python main.py on {m['card']} ({m['devices']} device(s)), {m['cores']} cores"
-           + (" - tiny sizes" if tiny else ""), "",
-           f"{m['date']}; Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}, flax "
-           f"{m['flax']}, optax {m['optax']}, orbax-checkpoint {m['orbax-checkpoint']}, "
-           f"tensorflow-datasets {m['tensorflow-datasets']}, torch "
-           f"{m['torch'] or 'not installed'}, tensorflow {m['tensorflow'] or 'not installed'}; "
-           f"CPU {m['cpu']}.", "",
-           f"    {m['command']}", "", f"Whole command: {results['seconds']:.0f} s.", ""]
-  lines += _default_lines(results["default_job"])
-  lines += _fashion_lines(results["fashion"], tiny)
+  lines = machine_lines(m, "python main.py" + (" - tiny sizes" if tiny else ""))
+  lines += [f"Whole command: {results['seconds']:.0f} s.", ""]
+  lines += default_lines(results["default_job"])
+  lines += fashion_lines(results["fashion"], tiny)
   lines += _imagenet_lines(results["imagenet"])
+  fashion = results["fashion"]["means"]
+  lines += ["### Run anatomy", ""] + anatomy_lines(
+      [("(a) default job", results["default_job"].get("anatomy")),
+       *((f"(b) `{name}`, mean of seeds {','.join(map(str, m['seeds'])) or '-'}",
+          m["anatomy"]) for name, m in fashion.items()),
+       ("(c) ImageNet-shaped", results["imagenet"].get("anatomy"))])
   lines += ["### Targets" + (" (for one H100 or H200: not for tiny sizes on a CPU)"
                              if tiny else ""), ""]
-  lines += _table(["target", "value", "bound", "met"],
-                  [[t["target"], _fmt(t["value"], 2), t["bound"],
-                    "-" if t["met"] is None else ("yes" if t["met"] else "no")]
-                   for t in results["targets"]])
+  lines += table(["target", "value", "bound", "met"],
+                 [[t["target"], fmt(t["value"], 2), t["bound"],
+                   "-" if t["met"] is None else ("yes" if t["met"] else "no")]
+                  for t in results["targets"]])
   return "\n".join(lines) + "\n"
 
 
-def _default_lines(row: dict[str, Any]) -> list[str]:
+def default_lines(row: dict[str, Any]) -> list[str]:
   return ["### (a) The default job", "",
-          *_table(["command", "exit status", "seconds", "test accuracy"],
-                  [[f"`{_without_workdir(row['command'])}`", str(row["exit_status"]),
-                    _fmt(row["seconds"]), _fmt(row.get("test_accuracy"), 4)]]), ""]
+          *table(["command", "exit status", "seconds", "test accuracy"],
+                 [[f"`{_without_workdir(row['command'])}`", str(row["exit_status"]),
+                   fmt(row["seconds"]), fmt(row.get("test_accuracy"), 4)]]), ""]
 
 
 def _without_workdir(command: str) -> str:
   return " ".join(w for w in command.split() if not w.startswith("--workdir="))
 
 
-def _fashion_lines(part: dict[str, Any], tiny: bool) -> list[str]:
+def fashion_lines(part: dict[str, Any], tiny: bool) -> list[str]:
   size = ("tiny: 512 training images in batches of 32, 200 validation images" if tiny
           else "54,000 training images, 6,000 validation, small_cnn, batch 128")
   lines = [f"### (b) Fashion-MNIST, the selection study's schedule: {part['num_epochs']} epochs",
@@ -475,23 +582,23 @@ def _fashion_lines(part: dict[str, Any], tiny: bool) -> list[str]:
            "seconds are means over the seeds, the process's wall clock and its parts from "
            "metrics.jsonl (evaluation: every evaluation pass, the final one included).", ""]
   means = part["means"]
-  lines += _table(["arm", "seeds", "wall s", "training s", "scoring s", "selection s",
-                   "evaluation s", "report s", "example passes (x full)", "test accuracy"],
-                  [[f"`{name}`", ",".join(map(str, m["seeds"])), _fmt(m["wall_seconds"]),
-                    _fmt(m["training_seconds"]), _fmt(m["scoring_seconds"], 2),
-                    _fmt(m["selection_seconds"], 2), _fmt(m["eval_seconds"]),
-                    _fmt(m["report_seconds"]),
-                    f"{m['passes']:,.0f} ({m['passes'] / means[FULL]['passes']:.3f})"
-                    if np.isfinite(m["passes"]) else "-", _fmt(m["test_accuracy"], 4)]
-                   for name, m in means.items()])
+  lines += table(["arm", "seeds", "wall s", "training s", "scoring s", "selection s",
+                  "evaluation s", "report s", "example passes (x full)", "test accuracy"],
+                 [[f"`{name}`", ",".join(map(str, m["seeds"])), fmt(m["wall_seconds"]),
+                   fmt(m["training_seconds"]), fmt(m["scoring_seconds"], 2),
+                   fmt(m["selection_seconds"], 2), fmt(m["eval_seconds"]),
+                   fmt(m["report_seconds"]),
+                   f"{m['passes']:,.0f} ({m['passes'] / means[FULL]['passes']:.3f})"
+                   if np.isfinite(m["passes"]) else "-", fmt(m["test_accuracy"], 4)]
+                  for name, m in means.items()])
   lines += ["", "Paired with full data, same seeds (mean [90 % t interval]):", ""]
-  lines += _table(["arm", "seeds", "test accuracy, points", "wall-clock ratio",
-                   "training-seconds ratio", "example-pass ratio"],
-                  [[f"`{name}`", ",".join(map(str, p["seeds"])),
-                    _interval(p["accuracy_points"]), _interval(p["wall_seconds_ratio"], 3, ""),
-                    _interval(p["training_seconds_ratio"], 3, ""),
-                    _interval(p["passes_ratio"], 3, "")]
-                   for name, p in part["paired"].items()])
+  lines += table(["arm", "seeds", "test accuracy, points", "wall-clock ratio",
+                  "training-seconds ratio", "example-pass ratio"],
+                 [[f"`{name}`", ",".join(map(str, p["seeds"])),
+                   _interval(p["accuracy_points"]), _interval(p["wall_seconds_ratio"], 3, ""),
+                   _interval(p["training_seconds_ratio"], 3, ""),
+                   _interval(p["passes_ratio"], 3, "")]
+                 for name, p in part["paired"].items()])
   failed = [r for r in part["runs"] if r["exit_status"] != 0]
   lines += [""] + [f"- failed: {r['arm']} seed {r['seed']}, status {r['exit_status']}"
                    for r in failed] + ([""] if failed else [])
@@ -499,47 +606,62 @@ def _fashion_lines(part: dict[str, Any], tiny: bool) -> list[str]:
 
 
 def _imagenet_lines(part: dict[str, Any]) -> list[str]:
-  bare = part["bare_step"]
-  lines = ["### (c) ImageNet-shaped: generated JPEGs, not photographs", "",
-           f"{part['train_images']:,} generated {part['source_size'][0]} x "
-           f"{part['source_size'][1]} JPEGs in {part['classes']:,} classes (written in "
-           f"{part['folder_seconds']:.0f} s); exit status {part['exit_status']}, "
-           f"{part['seconds']:.0f} s.", "", f"    {part['command']}", ""]
-  if "epochs" in part:
-    lines += _table(["epoch", "images", "training s", "images/s", "input-wait share",
-                     "scoring s", "selection s", "evaluation s"],
-                    [[str(e["epoch"]), f"{e['images']:,}", _fmt(e["training_seconds"], 2),
-                      _fmt(e["images_per_s"], 0), _fmt(e["input_wait_share"], 3),
-                      _fmt(e["scoring_seconds"], 2), _fmt(e["selection_seconds"], 3),
-                      _fmt(e["eval_seconds"], 2)] for e in part["epochs"]])
-    peak = part["peak_device_memory_bytes"]
-    lines += ["", f"Epoch 0's training includes the train step's compile. Final checkpoint: "
-              f"{part['checkpoint_seconds']:.2f} s (save and commit). Report at K = "
-              f"{part['classes']:,}: {part['report_seconds']:.1f} s "
-              f"({part['report_build_seconds']:.1f} s building it, the rest its files and "
-              f"logs). Peak device memory: "
-              + (f"{peak / 2**30:.2f} GiB." if peak else "not counted by this backend.")]
-  lines += ["", f"Bare flax train step ({bare.get('model', '-')}, batch "
-            f"{bare.get('batch', '-')}, batches on the device; its own process): "
-            + (f"{bare['images_per_s']:,.0f} images/s; the trainer's last epoch / bare: "
-               f"{_fmt(part.get('trainer_over_bare'), 3)}." if "images_per_s" in bare
-               else f"failed (status {bare['exit_status']})."), ""]
-  return lines
+  return ["### (c) ImageNet-shaped: generated JPEGs, not photographs", "",
+          folder_line(part), "", *imagenet_run_lines(part),
+          bare_step_line(part["bare_step"]) + (
+              f" The trainer's last epoch / bare: {fmt(part.get('trainer_over_bare'), 3)}."
+              if "images_per_s" in part["bare_step"] else ""), ""]
+
+
+def folder_line(part: dict[str, Any]) -> str:
+  return (f"{part['train_images']:,} generated {part['source_size'][0]} x "
+          f"{part['source_size'][1]} JPEGs in {part['classes']:,} classes (written in "
+          f"{part['folder_seconds']:.0f} s).")
+
+
+def imagenet_run_lines(run: dict[str, Any]) -> list[str]:
+  """One run of (c) (`imagenet_run`): its status, seconds and command; once finished, its
+  epochs, final checkpoint, report and peak device memory."""
+  lines = [f"Exit status {run['exit_status']}, {run['seconds']:.0f} s.", "",
+           f"    {run['command']}", ""]
+  if "epochs" not in run:
+    return lines
+  lines += table(["epoch", "images", "training s", "images/s", "input-wait share",
+                  "scoring s", "selection s", "evaluation s"],
+                 [[str(e["epoch"]), f"{e['images']:,}", fmt(e["training_seconds"], 2),
+                   fmt(e["images_per_s"], 0), fmt(e["input_wait_share"], 3),
+                   fmt(e["scoring_seconds"], 2), fmt(e["selection_seconds"], 3),
+                   fmt(e["eval_seconds"], 2)] for e in run["epochs"]])
+  peak = run["peak_device_memory_bytes"]
+  return lines + [
+      "", f"Epoch 0's training includes the train step's compile. Final checkpoint: "
+      f"{run['checkpoint_seconds']:.2f} s (save and commit). Report at K = "
+      f"{run['classes']:,}: "
+      f"{run['report_seconds']:.1f} s ({run['report_build_seconds']:.1f} s building it, the "
+      "rest its files and logs). Peak device memory: "
+      + (f"{peak / 2**30:.2f} GiB." if peak else "not counted by this backend."), ""]
+
+
+def bare_step_line(bare: dict[str, Any]) -> str:
+  return (f"Bare flax train step ({bare.get('model', '-')}, batch {bare.get('batch', '-')}, "
+          "batches on the device; its own process): "
+          + (f"{bare['images_per_s']:,.0f} images/s." if "images_per_s" in bare
+             else f"failed (status {bare['exit_status']})."))
 
 
 # ---------------------------------------------------------------------------------------------
 # The command.
 
 
-def _progress(what: str, status: Any, seconds: float) -> None:
+def progress(what: str, status: Any, seconds: float) -> None:
   print(f"{what}: status {status}, {seconds:.1f} s", flush=True)
 
 
 def run_all(sizes: Sizes, root: str, fashion_mnist_dir: str, start: float) -> dict[str, Any]:
   """(a), (b)'s first seeds, (c), then (b)'s further seeds while the budget lasts."""
   results = {"default_job": default_job(sizes, root)}
-  _progress("(a) default job", results["default_job"]["exit_status"],
-            results["default_job"]["seconds"])
+  progress("(a) default job", results["default_job"]["exit_status"],
+           results["default_job"]["seconds"])
   configs = fashion_configs(sizes, root, fashion_mnist_dir)
   prepare = time.perf_counter()
   input_pipeline.open_or_prepare("fashion_mnist", configs[FULL].dataset)
@@ -556,9 +678,7 @@ def run_all(sizes: Sizes, root: str, fashion_mnist_dir: str, start: float) -> di
     seed += 1
   fashion.update(means=arm_means(rows),
                  paired={name: paired(rows, name) for name in (CHOSEN, NEIGHBOUR)},
-                 arms={name: {k: v for k, v in sorted(config_schema.leaves(c).items())
-                              if k.startswith(("selection.", "num_epochs", "batch_size"))}
-                       for name, c in configs.items()})
+                 arms=arm_settings(configs))
   results["fashion"] = fashion
   return results
 
@@ -569,12 +689,42 @@ def all_succeeded(results: dict[str, Any]) -> bool:
   return all(r["exit_status"] == 0 for r in runs)
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+  """--tiny, --out (the folder for `name`_<card>.json and .md), --fashion-mnist-dir and
+  --workdir-root."""
   parser.add_argument("--tiny", action="store_true",
                       help="Tiny sizes (a CPU test); the default where JAX finds no GPU.")
   parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"),
-                      help="Folder for gpu_runs_<card>.json and .md.")
+                      help=f"Folder for {name}_<card>.json and .md.")
+  parser.add_argument("--fashion-mnist-dir", default=carry.FASHION_MNIST_DIR,
+                      help="The four Fashion-MNIST IDX files (gzipped or not).")
+  parser.add_argument("--workdir-root", default="",
+                      help="Where the runs' workdirs and the JPEG folder go (default: a "
+                      "temporary folder, removed at the end unless a run failed).")
+
+
+def write_results(results: dict[str, Any], text: str, stem: str) -> None:
+  """The table `text` printed, and written with `results` to stem.md and stem.json."""
+  print("\n" + text, flush=True)
+  with open(f"{stem}.json", "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  with open(f"{stem}.md", "w") as f:
+    f.write(text)
+
+
+def clean_up(root: str, ok: bool, keep: bool) -> int:
+  """The command's exit status (0: every run succeeded); removes the runs' folder `root`
+  unless a run failed (its logs are there) or `keep`."""
+  if ok and not keep:
+    shutil.rmtree(root, ignore_errors=True)
+  elif not ok:
+    print(f"A run failed or timed out: its log is kept under {root}", file=sys.stderr)
+  return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_common_arguments(parser, "gpu_runs")
   parser.add_argument("--budget-seconds", type=float, default=None,
                       help="The whole command's time budget: another seed of (b) only while "
                       "it fits (default 520 s; --tiny: none beyond the two seeds).")
@@ -583,11 +733,6 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--imagenet-images", type=int, default=None,
                       help="(c)'s generated training images, whole classes (default 20,000 "
                       "in 1,000 classes; --tiny 40 in 10).")
-  parser.add_argument("--fashion-mnist-dir", default=carry.FASHION_MNIST_DIR,
-                      help="The four Fashion-MNIST IDX files (gzipped or not).")
-  parser.add_argument("--workdir-root", default="",
-                      help="Where the runs' workdirs and the JPEG folder go (default: a "
-                      "temporary folder, removed at the end unless a run failed).")
   args = parser.parse_args(argv)
   argv = sys.argv[1:] if argv is None else argv
   start = time.perf_counter()
@@ -610,21 +755,11 @@ def main(argv: list[str] | None = None) -> int:
              **run_all(sizes, root, os.path.abspath(args.fashion_mnist_dir), start)}
   results["seconds"] = time.perf_counter() - start
   results["targets"] = targets(results)
-  ok = all_succeeded(results)
-  text = markdown(results)
-  print("\n" + text)
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, f"gpu_runs_{device_slug(info, tiny)}")
-  with open(f"{stem}.json", "w") as f:
-    json.dump(results, f, indent=1, default=str)
-  with open(f"{stem}.md", "w") as f:
-    f.write(text)
+  write_results(results, markdown(results), stem)
   print(f"Wrote {stem}.json and {stem}.md")
-  if ok and not args.workdir_root:
-    shutil.rmtree(root, ignore_errors=True)
-  elif not ok:
-    print(f"A run failed: its log is kept under {root}", file=sys.stderr)
-  return 0 if ok else 1
+  return clean_up(root, all_succeeded(results), bool(args.workdir_root))
 
 
 if __name__ == "__main__":

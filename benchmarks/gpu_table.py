@@ -666,18 +666,20 @@ def finish(table: Table, sizes: Sizes, argv: list[str], out: str) -> dict:
   return results
 
 
-def _hard_stop(table: Table, sizes: Sizes, argv: list[str], out: str, root: str) -> None:
+def _hard_stop(table: Table, sizes: Sizes, argv: list[str], out: str, root: str,
+               margin: float) -> None:
   """The watchdog's end of a run past its budget (a row that hangs): the rows so far are
-  written, the running one as an error, and the process exits with status 3."""
+  written, the running one as an error, and the process exits with status 3. `root`: the
+  folder to remove ("" to keep it)."""
   if table.running:
     table.rows[table.running[0]] = {"label": table.running[1], "error": "stopped: the run "
-                                    f"passed its hard limit ({HARD_MARGIN_SECONDS:.0f} s "
-                                    "after the budget)"}
+                                    f"passed its hard limit ({margin:.0f} s after the budget)"}
   print(f"hard time limit: stopping in row {table.running}", flush=True)
   try:
     finish(table, sizes, argv, out)
   finally:
-    shutil.rmtree(root, ignore_errors=True)
+    if root:
+      shutil.rmtree(root, ignore_errors=True)
     os._exit(3)  # pylint: disable=protected-access  Worker threads may hold the interpreter.
 
 
@@ -691,26 +693,38 @@ def main(argv: list[str] | None = None) -> dict:
                       "(default all), e.g. r50_train,host_stage.")
   parser.add_argument("--budget-seconds", type=float, default=None,
                       help="Time budget of the rows (default 400; --tiny 600); a watchdog "
-                      f"ends the run {HARD_MARGIN_SECONDS:.0f} s after it.")
+                      "ends the run --hard-margin-seconds after it.")
+  parser.add_argument("--hard-margin-seconds", type=float, default=HARD_MARGIN_SECONDS,
+                      help="Seconds after the budget at which the watchdog writes the rows "
+                      f"done and exits (default {HARD_MARGIN_SECONDS:.0f}).")
+  parser.add_argument("--estimate-scale", type=float, default=None,
+                      help="Scale of the rows' estimated seconds, which decide whether a row "
+                      "starts (default 1; --tiny 0); 0 starts every row while the budget lasts.")
+  parser.add_argument("--folder", default="",
+                      help="A folder written by benchmarks.feeds.write_folder (with enough "
+                      "train/ images) to read instead of writing one; kept afterwards.")
   args = parser.parse_args(argv)
   argv = sys.argv[1:] if argv is None else argv
   sizes = TINY if args.tiny else Sizes()
-  if args.budget_seconds is not None:
-    sizes = dataclasses.replace(sizes, budget_seconds=args.budget_seconds)
+  chosen = {"budget_seconds": args.budget_seconds, "estimate_scale": args.estimate_scale}
+  sizes = dataclasses.replace(sizes, **{k: v for k, v in chosen.items() if v is not None})
   table = Table(sizes, tuple(r for r in args.rows.split(",") if r))
-  root = tempfile.mkdtemp(prefix="cpjax_gpu_table_")
-  watchdog = threading.Timer(sizes.budget_seconds + HARD_MARGIN_SECONDS, _hard_stop,
-                             (table, sizes, argv, args.out, root))
+  root = args.folder or tempfile.mkdtemp(prefix="cpjax_gpu_table_")
+  own = "" if args.folder else root  # The folder this run removes.
+  watchdog = threading.Timer(sizes.budget_seconds + args.hard_margin_seconds, _hard_stop,
+                             (table, sizes, argv, args.out, own, args.hard_margin_seconds))
   watchdog.daemon = True
   watchdog.start()
   try:
-    feeds.write_folder(root, max(sizes.host_images, sizes.wait_images), *sizes.source_size)
+    if own:
+      feeds.write_folder(root, max(sizes.host_images, sizes.wait_images), *sizes.source_size)
     if torch_peers is None:
       print(f"note: {TORCH_MISSING}: the PyTorch rows are skipped")
     run_rows(table, sizes, root)
   finally:
     watchdog.cancel()
-    shutil.rmtree(root, ignore_errors=True)
+    if own:
+      shutil.rmtree(own, ignore_errors=True)
   return finish(table, sizes, argv, args.out)
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import feeds, xla_cpu_variants
+from benchmarks import feeds, gpu_check, gpu_runs, xla_cpu_variants
 from tests import helpers, test_without_tensorflow
 from tests.helpers import REPO, subprocess_env
 
@@ -335,34 +335,46 @@ def _test_accuracy(workdir) -> float:
     return json.load(f)["metrics"]["test"]["before_ts"]["accuracy"]
 
 
-def test_gpu_runs_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
-  """`benchmarks.gpu_runs --tiny` end to end on a CPU: every run is main.py's (workdir,
-  checkpoints, metrics.jsonl, report; TensorFlow absent throughout), and the table's numbers
-  are the workdirs' and the hand counts': Fashion-MNIST's 8-epoch tiny schedule is 16 steps
-  of 32 an epoch on 512 images;
-  topk_anneal-45 keeps round(0.23 x 512) = 118 images (4 steps) in epochs 1-5 and all in the
-  last 2, topk_anneal-55 round(0.37 x 512) = 189 (6 steps); a step is 3 passes of 32."""
+def _last_record(workdir) -> dict:
+  return helpers.read_metrics(str(workdir))[-1]
+
+
+def test_gpu_check_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
+  """`benchmarks.gpu_check --tiny` end to end on a CPU (its runs are benchmarks.gpu_runs'; it
+  stands for gpu_runs' own tiny run too): every run is main.py's (workdir, checkpoints,
+  metrics.jsonl, report; TensorFlow absent throughout), and the table's numbers are the
+  workdirs' and the hand counts'. Fashion-MNIST's 8-epoch tiny schedule is 16 steps of 32 an
+  epoch on 512 images; topk_anneal-45 keeps round(0.23 x 512) = 118 images (4 steps) in
+  epochs 1-5 and all in the last 2; a step is 3 passes of 32. (c): 40 generated JPEGs, all in
+  epoch 0, then the top half (20) by one fresh scoring pass, in each of 2 more epochs."""
   helpers.require_fashion_mnist()
   out, runs = tmp_path / "out", tmp_path / "runs"
-  # TensorFlow absent, as on the GPU machine (its carried wheels bring tfds and clu).
-  result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_runs", "--tiny", f"--out={out}",
-                           f"--workdir-root={runs}"], cwd=REPO,
+  result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--tiny",
+                           f"--out={out}", f"--workdir-root={runs}"], cwd=REPO,
                           env=test_without_tensorflow.without_tensorflow_env(),
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=2400)
   assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
-  results = json.loads((out / "gpu_runs_cpu_tiny.json").read_text())
-  text = (out / "gpu_runs_cpu_tiny.md").read_text()
-  assert text in result.stdout and "generated JPEGs, not photographs" in text
+  results = json.loads((out / "gpu_check_cpu_tiny.json").read_text())
+  text = (out / "gpu_check_cpu_tiny.md").read_text()
+  assert text in result.stdout and result.stdout.count("## GPU check - tiny sizes") == 4
+  assert [(name, p["status"]) for name, p in results["parts"].items()] == [
+      ("default_job", "done"), ("fashion", "done"), ("imagenet", "done"),
+      ("device_stage", "done")]  # The table written after each of the four parts.
+  # Every run's anatomy is its last record's keys (None where the trainer writes none).
+  def assert_anatomy(anatomy, workdir):
+    last = _last_record(workdir)
+    assert anatomy == {k: last.get(k) for k in gpu_runs.ANATOMY_KEYS}, workdir
   # (a) the default job (tiny), its accuracy the report's.
   job = results["default_job"]
   assert job["exit_status"] == 0 and job["epochs"] == 2 and job["seconds"] > 0
   assert job["test_accuracy"] == _test_accuracy(runs / "default")
-  # (b) three arms x seeds 0 and 1, each a main.py run with its own report.
+  assert_anatomy(job["anatomy"], runs / "default")
+  # (b) full data and topk_anneal-45 x seeds 0 and 1, each a main.py run with its own report.
   fashion = results["fashion"]
-  assert sorted((r["arm"], r["seed"]) for r in fashion["runs"]) == sorted(
-      (a, s) for a in ("full", "topk_anneal-45", "topk_anneal-55") for s in (0, 1))
-  steps = {"full": 8 * 16, "topk_anneal-45": 3 * 16 + 5 * 4, "topk_anneal-55": 3 * 16 + 5 * 6}
-  kept = {"full": 512, "topk_anneal-45": 118, "topk_anneal-55": 189}
+  assert [(r["arm"], r["seed"]) for r in fashion["runs"]] == [
+      ("full", 0), ("topk_anneal-45", 0), ("full", 1), ("topk_anneal-45", 1)]
+  steps = {"full": 8 * 16, "topk_anneal-45": 3 * 16 + 5 * 4}
+  kept = {"full": 512, "topk_anneal-45": 118}
   for row in fashion["runs"]:
     workdir = runs / f"{row['arm']}_seed{row['seed']}"
     assert row["exit_status"] == 0, row
@@ -374,40 +386,72 @@ def test_gpu_runs_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
     parts = sum(row[f"{p}_seconds"] for p in ("training", "scoring", "selection", "eval",
                                                "report"))
     assert 0 < parts < row["wall_seconds"], row  # Parts of the process's time.
+    assert_anatomy(row["anatomy"], workdir)
   assert fashion["arms"]["topk_anneal-45"]["selection.fraction"] == 0.23  # The study's rule.
-  assert fashion["arms"]["topk_anneal-55"]["selection.final_full_epochs"] == 2
-  means = fashion["means"]
-  assert means["topk_anneal-45"]["passes"] < means["topk_anneal-55"]["passes"] < (
-      means["full"]["passes"])
-  for arm in ("topk_anneal-45", "topk_anneal-55"):
-    p = fashion["paired"][arm]
-    by_seed = [100 * (_test_accuracy(runs / f"{arm}_seed{s}")
-                      - _test_accuracy(runs / f"full_seed{s}")) for s in (0, 1)]
-    assert p["seeds"] == [0, 1] and p["per_seed"]["accuracy_points"] == pytest.approx(by_seed)
-    mean, low, high = p["accuracy_points"]
-    assert mean == pytest.approx(sum(by_seed) / 2) and low <= mean <= high
-    assert p["passes_ratio"][0] == pytest.approx(steps[arm] / steps["full"])
-  # (c) the ImageNet-shaped run: 40 generated JPEGs in 10 classes, top half after epoch 0.
+  assert sorted(fashion["means"]) == ["full", "topk_anneal-45"]
+  p = fashion["paired"]["topk_anneal-45"]
+  by_seed = [100 * (_test_accuracy(runs / f"topk_anneal-45_seed{s}")
+                    - _test_accuracy(runs / f"full_seed{s}")) for s in (0, 1)]
+  assert p["seeds"] == [0, 1] and p["per_seed"]["accuracy_points"] == pytest.approx(by_seed)
+  assert p["passes_ratio"][0] == pytest.approx(steps["topk_anneal-45"] / steps["full"])
+  walls = {(r["arm"], r["seed"]): r["wall_seconds"] for r in fashion["runs"]}
+  assert p["wall_seconds_ratio"][0] == pytest.approx(
+      sum(walls["topk_anneal-45", s] / walls["full", s] for s in (0, 1)) / 2)
+  # (c) two runs over one folder of 40 JPEGs in 10 classes, one compilation cache folder.
   part = results["imagenet"]
-  assert part["exit_status"] == 0 and [e["images"] for e in part["epochs"]] == [40, 20]
-  first, last = part["epochs"]
-  assert first["scoring_seconds"] == 0 < last["scoring_seconds"]  # A fresh scoring pass.
-  for epoch in part["epochs"]:
-    assert 0 <= epoch["input_wait_share"] <= 1 and epoch["eval_seconds"] > 0
-    assert epoch["images_per_s"] == pytest.approx(epoch["images"] / epoch["training_seconds"])
-  assert part["checkpoint_seconds"] > 0 and part["report_seconds"] >= part["report_build_seconds"]
-  assert part["peak_device_memory_bytes"] is None  # A CPU counts no device memory.
-  with open(runs / "imagenet" / "classes.json") as f:
-    assert len(json.load(f)["classes"]) == 10
   bare = part["bare_step"]
   assert bare["exit_status"] == 0 and bare["images_per_s"] > 0
-  assert part["trainer_over_bare"] == pytest.approx(last["images_per_s"] / bare["images_per_s"])
-  # The targets: each value the one measured above.
-  assert len(results["targets"]) == 4 and results["targets"][0]["value"] == results["seconds"]
-  assert results["targets"][1]["value"] == fashion["paired"]["topk_anneal-45"][
-      "wall_seconds_ratio"][0]
-  assert results["targets"][2]["value"] == part["trainer_over_bare"]
-  assert results["targets"][3]["value"] == part["report_seconds"]
+  assert sorted(part["runs"]) == ["decode_gpu", "host"]
+  for name, decode in (("host", "cpu"), ("decode_gpu", "device_cpu")):
+    run, workdir = part["runs"][name], runs / f"imagenet_{name}"
+    assert run["exit_status"] == 0 and run["decode"] == decode, run
+    assert f"--config.compilation_cache_dir={part['cache']}" in run["command"].split()
+    assert ("--config.dataset.decode=device_cpu" in run["command"].split()) == (
+        decode == "device_cpu")
+    records = helpers.read_metrics(str(workdir))
+    assert [r["selected_k"] for r in records] == [40, 20, 20]
+    with open(f"{workdir}.log") as f:  # One fresh scoring pass, before epoch 1.
+      assert [line.split("Scoring pass for ")[1][:7] for line in f
+              if "Scoring pass for epoch" in line and "done in" in line] == ["epoch 1"]
+    assert [e["images"] for e in run["epochs"]] == [40, 20, 20]
+    later = records[1:]
+    seconds = sum(r["training_seconds"] for r in later)
+    steady = run["steady"]
+    assert steady["images"] == 40 and steady["training_seconds"] == pytest.approx(seconds)
+    assert steady["images_per_s"] == pytest.approx(40 / seconds)
+    assert steady["input_wait_share"] == pytest.approx(
+        sum(r["input_wait_seconds"] for r in later) / seconds)
+    assert steady["over_bare"] == pytest.approx(40 / seconds / bare["images_per_s"])
+    assert steady["scoring_images_per_s"] == pytest.approx(40 / records[1]["scoring_seconds"])
+    assert records[0]["scoring_seconds"] == 0
+    assert run["checkpoint_seconds"] > 0 and run["peak_device_memory_bytes"] is None
+    assert_anatomy(run["anatomy"], workdir)
+    with open(workdir / "classes.json") as f:
+      assert len(json.load(f)["classes"]) == 10
+  assert os.listdir(part["cache"])  # The shared cache folder holds compiled programs.
+  # (d) gpu_table's device-stage rows over (c)'s folder, the PIL stand-in decoding.
+  device = results["device_stage"]
+  assert device["exit_status"] == 0 and sorted(device["rows"]) == sorted(gpu_check.DEVICE_ROWS)
+  assert f"--folder={part['folder']}" in device["command"].split()
+  rows = device["rows"]
+  for key, row in rows.items():
+    assert "error" not in row and "skipped" not in row, (key, row)
+    assert row["images_per_s"] > 0, key
+    if "device_stage" in key:
+      assert row["decoder"].startswith("device_cpu"), key
+  assert rows["input_wait_device_stage"]["input_wait_share"] < 1
+  assert device["ratios"]["scoring fed by the device stage / resident"] == pytest.approx(
+      rows["r50_score_fed_device_stage"]["images_per_s"] / rows["r50_score_cpjax"]["images_per_s"])
+  # The targets: each value the one measured above, none measured at tiny sizes on a CPU.
+  targets = results["targets"]
+  assert all(t["status"] == "not measured (tiny sizes, not a GPU)" for t in targets)
+  assert [t["value"] for t in targets[2:]] == pytest.approx([
+      p["wall_seconds_ratio"][0], part["runs"]["host"]["steady"]["over_bare"],
+      part["runs"]["decode_gpu"]["steady"]["over_bare"],
+      part["runs"]["decode_gpu"]["steady"]["input_wait_share"],
+      device["ratios"]["scoring fed by the device stage / resident"]])
+  assert targets[0]["value"] == results["seconds"] and "Run anatomy" in text
+  assert "ONE compilation cache folder" in text
 
 
 def test_bare_step_smoke(tmp_path):
@@ -426,12 +470,13 @@ def test_bare_step_smoke(tmp_path):
 
 
 def test_carry_pins_requirements_versions_and_names_groups():
-  """The carried wheels are requirements.txt's pinned versions wherever it pins them."""
+  """The carried wheels are requirements.txt's pinned versions wherever it pins them (the
+  gpu-decode group's, not installed here, as requirements-gpu-decode.txt states them)."""
   from benchmarks import carry  # pylint: disable=import-outside-toplevel
   with open(os.path.join(REPO, "requirements.txt")) as f:
     pins = dict(line.split("#")[0].strip().split("==") for line in f
                 if "==" in line.split("#")[0])
-  pinned = dict(r.split("==") for r in carry.pinned(tuple(carry.GROUPS)))
+  pinned = dict(r.split("==") for r in carry.pinned(tuple(carry.GROUPS)) if "==" in r)
   shared = set(pins) & set(pinned)
   assert {"ml-collections", "clu", "tensorflow-datasets", "grain", "array-record",
           "scikit-learn", "matplotlib", "opencv-python-headless"} <= shared
