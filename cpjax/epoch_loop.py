@@ -26,11 +26,11 @@ import optax
 from cpjax import compile_ahead, optim, run_context, run_state, steps
 from cpjax.calibration import losses
 from cpjax.run_context import NonFiniteLossError
-from cpjax.runtime import checkpointing, preemption, sharding
+from cpjax.runtime import checkpointing, periodic, preemption, sharding
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
 # An epoch's steps trained before a preemption (run_state.partial_from_checkpoint): none.
-NOTHING_DONE = {"steps": 0, "totals": None, "outputs": None}
+NOTHING_DONE = run_state.NOTHING_DONE
 
 
 class StalledTrainingError(RuntimeError):
@@ -65,7 +65,7 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
                 epoch: int, log_every: int, writer, progress,
                 checkpointer: checkpointing.Checkpointer, last_step: int,
                 compile_step: int = -1):
-  """Trains the epoch's steps done["steps"].. over `batches`, from global step `first_step`
+  """Trains the epoch's steps done.steps.. over `batches`, from global step `first_step`
   (the epoch's first) on; `learning_rates[i]`: step i's. The step at index `compile_step` is
   the process's first: its compile is timed and logged. `progress` is called there, at
   every multiple of `log_every` and at the run's `last_step` (where clu's report acts).
@@ -77,13 +77,13 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
     requested). A non-finite loss raises NonFiniteLossError at the logging point after its
     window's (or at the loop's end).
   """
-  totals = None if done["totals"] is None else jax.device_put(done["totals"])
-  outputs, window, i, stopped = [], [], done["steps"] - 1, False
+  totals = None if done.totals is None else jax.device_put(done.totals)
+  outputs, window, i, stopped = [], [], done.steps - 1, False
   # A logging point logs the previous point's window, whose copy to the host it started then:
   # it never waits for the device to finish the steps just dispatched (a wait would drain the
   # device's queue at every point). The same records, one window later in wall time.
   pending = None
-  for i, batch in enumerate(batches, start=done["steps"]):
+  for i, batch in enumerate(batches, start=done.steps):
     if i == compile_step:
       state, batch_metrics, per_example = _first_step(train_fn, state, batch, learning_rates[i],
                                                       loss_hparams)
@@ -100,8 +100,8 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
         pending = (_copy_to_host_async(stacked), first_step + i + 1, learning_rates[i],
                    (epoch, first_step, checkpointer))
       window = []
-    if ((first_step + i + 1) % log_every == 0 or first_step + i + 1 == last_step) \
-        and i != compile_step:
+    if (periodic.due_step(first_step + i + 1, log_every, last_step)
+        and i != compile_step):
       progress(first_step + i + 1)  # Steps/s and ETA, at the steps where it reports only.
     if checkpointer.reached_preemption(first_step + i + 1):
       stopped = True

@@ -7,7 +7,7 @@ nor the `run_context.Run`, so it can be built and tested alone). It answers two 
                           workdir/report.
 
 The split metrics are due every `eval_every_epochs` and after the last epoch
-(`run_context.due`, decided in cpjax.train's epoch); the report is written after the loop
+(`periodic.due`, decided in cpjax.train's epoch); the report is written after the loop
 (cpjax.train._write_report).
 
 Each takes the train state when called and returns its numbers (as big_vision's evaluators,

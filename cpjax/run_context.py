@@ -60,7 +60,3 @@ def last_good(checkpointer: checkpointing.Checkpointer) -> str:
   return f"The last good checkpoint is step {step} in {checkpointer.directory}."
 
 
-def due(epoch: int, every: int, num_epochs: int) -> bool:
-  """Whether a periodic action (eval, checkpoint) runs after 0-indexed `epoch`: every
-  `every` epochs and always after the last."""
-  return (epoch + 1) % every == 0 or epoch + 1 == num_epochs

@@ -16,6 +16,7 @@ turn an epoch's trained steps into the "partial" subtree and back. The "selectio
 is the selection package's (a layer above): it is passed in.
 """
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -80,20 +81,32 @@ def partial_tree(dataset: ml_collections.ConfigDict, batch_size: int,
   return partial
 
 
+@dataclasses.dataclass(frozen=True)
+class Done:
+  """The steps of an epoch trained before a preemption, as its checkpoint holds them: the
+  `done` of cpjax.train._train_epoch."""
+  steps: int  # Steps of the epoch trained.
+  totals: dict[str, np.ndarray] | None  # Their epoch sums (None: no step yet).
+  outputs: dict[str, np.ndarray] | None  # Their per-example outputs, in training order.
+
+
+NOTHING_DONE = Done(steps=0, totals=None, outputs=None)
+
+
 def partial_from_checkpoint(saved: dict[str, Any], epoch_step: int, batch_size: int
-                            ) -> dict[str, Any] | None:
-  """The trained part of an epoch (steps, totals, outputs: the `done` of cpjax.train._train_epoch)
-  from a checkpoint's "partial" subtree and its `epoch_step`; None at an epoch boundary."""
+                            ) -> Done | None:
+  """The trained part of an epoch from a checkpoint's "partial" subtree and its
+  `epoch_step`; None at an epoch boundary."""
   if not epoch_step:
     return None
   saved = jax.tree.map(np.asarray, saved)
   rows = epoch_step * batch_size
-  return {"steps": epoch_step,
-          # The extremes of the steps before the checkpoint are not saved: left unknown.
-          "totals": {**{k: saved[k] for k in PARTIAL_SUMS},
-                     "first_bad_step": np.int32(steps.NO_BAD_STEP),
-                     **{k: np.float32(v) for k, v in UNKNOWN_EXTREMES.items()}},
-          "outputs": {k: saved[f"each_{k}"][:rows] for k in PER_EXAMPLE}}
+  return Done(steps=epoch_step,
+              # The extremes of the steps before the checkpoint are not saved: left unknown.
+              totals={**{k: saved[k] for k in PARTIAL_SUMS},
+                      "first_bad_step": np.int32(steps.NO_BAD_STEP),
+                      **{k: np.float32(v) for k, v in UNKNOWN_EXTREMES.items()}},
+              outputs={k: saved[f"each_{k}"][:rows] for k in PER_EXAMPLE})
 
 
 def meta_parts(loss: ml_collections.ConfigDict, meta: ml_collections.ConfigDict,

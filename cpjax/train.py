@@ -5,7 +5,7 @@ checkpoint in `workdir` if there is one, and runs one loop over epochs, each of 
 function read top to bottom (`_train_epoch`): choose the epoch's rows (cpjax.selection), train
 them with the jitted train step (cpjax.epoch_loop, cpjax.steps; the loss's step and batches
 from cpjax.loss_steps), log train metrics every `log_every_steps`, evaluate and checkpoint
-when `run_context.due`. After the loop, once the last checkpoint has committed and the last
+when `periodic.due`. After the loop, once the last checkpoint has committed and the last
 epoch's record is in metrics.jsonl, `_write_report` writes the calibration report
 (cpjax.evaluation) and adds its numbers to that record, in a fresh run and in a rerun alike: a
 report that fails, or is killed, loses no training and no record, a signal stops it at once,
@@ -56,6 +56,7 @@ from cpjax.runtime import (
   compilation_cache,
   compiler_options,
   metric_writers,
+  periodic,
   run_logging,
   sharding,
   workdir_lock,
@@ -104,7 +105,6 @@ class Loop:
   epoch_steps: tuple[int, ...]  # Steps of each epoch the run trains.
   evaluator: evaluation.Evaluator  # val/test metrics and the final report.
   writer: metric_writers.MetricWriter  # TensorBoard and the log.
-  epoch_writer: metric_writers.MetricWriter  # The epoch records: TensorBoard and metrics.jsonl.
   epoch_log: run_logging.EpochLog  # metrics.jsonl.
   progress: metric_writers.ProgressReport  # Steps/s and ETA.
   clock: anatomy.RunClock  # Where the process's wall clock goes (cpjax.runtime.anatomy).
@@ -168,7 +168,7 @@ def _create_loop(config: ml_collections.ConfigDict, run: Run,
       selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx, chooser.weighted,
                                                      run.loss_kind),
       epoch_steps=epoch_steps, evaluator=_create_evaluator(config, run), writer=writer,
-      epoch_writer=run_logging.create_epoch_writer(writer, epoch_log), epoch_log=epoch_log,
+      epoch_log=epoch_log,
       progress=run_logging.create_progress_reporter(
           sum(epoch_steps), writer, config.log_every_steps), clock=clock)
 
@@ -200,7 +200,7 @@ def _compile_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
 
 def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch: int,
                  state: steps.TrainState, selection_state: bookkeeping.SelectionState,
-                 done: dict[str, Any] | None, first: bool = False
+                 done: run_state.Done | None, first: bool = False
                  ) -> tuple[steps.TrainState, bookkeeping.SelectionState, dict[str, Any],
                             float | None]:
   """One epoch, top to bottom: choose its rows, train its steps (their metrics folded and
@@ -217,26 +217,26 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
   loop.clock.move("selection", "scoring", timings["scoring_seconds"])
   order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
   order, done = order[:loop.epoch_steps[epoch]], done or epoch_loop.NOTHING_DONE
-  first_step = int(jax.device_get(state.step)) - done["steps"]  # The epoch's first step.
+  first_step = int(jax.device_get(state.step)) - done.steps  # The epoch's first step.
   learning_rates = epoch_loop.learning_rates(config.optimizer, epoch, first_step, len(order),
                                              loop.total_steps, config.num_epochs)
   hparams, train_start = epoch_loop.loss_hparams(config.loss, epoch), time.perf_counter()
   batches = run.train_batches(  # The train reader's (FL_gamma's joined by their own).
-      order[done["steps"]:], epoch=epoch, first_step=first_step + done["steps"],
+      order[done.steps:], epoch=epoch, first_step=first_step + done.steps,
       row_weights=_row_weights(rows, weights, len(run.splits["train"])))
   waiting = epoch_loop.InputWait(batches)  # The seconds the loop blocks on its next batch.
   # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
   # read-ahead. The transfer guard covers the step loop but its logging points.
-  with (loop.progress.timed("train"), loop.clock.training(len(order) - done["steps"]) as wait,
+  with (loop.progress.timed("train"), loop.clock.training(len(order) - done.steps) as wait,
         contextlib.closing(batches), epoch_loop.step_guard(config.step_transfer_guard)):
     state, totals, outputs, trained, stopped = epoch_loop.train_steps(
         loop.train_fn, state, waiting, learning_rates, hparams, done, first_step=first_step,
         epoch=epoch, log_every=config.log_every_steps, writer=loop.writer,
         progress=loop.progress, checkpointer=run.checkpointer,
-        last_step=loop.total_steps, compile_step=done["steps"] if first else -1)
+        last_step=loop.total_steps, compile_step=done.steps if first else -1)
     wait["input_wait"] = waiting.seconds
     jax.block_until_ready(state)  # The steps dispatched ahead: their compute is training's.
-  outputs, complete = epoch_loop.host_outputs(outputs, done["outputs"]), trained == len(order)
+  outputs, complete = epoch_loop.host_outputs(outputs, done.outputs), trained == len(order)
   record = {}
   if complete:
     record = epoch_loop.epoch_record(totals, epoch, len(order), first_step, run.checkpointer,
@@ -247,14 +247,14 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch:
           epoch, selection_state, order, outputs, timings, run.workdir)
     record = {**record, **selection_record, "epoch": epoch,
               "input_wait_seconds": waiting.seconds}
-    if run_context.due(epoch, config.eval_every_epochs, loop.num_epochs):
+    if periodic.due(epoch, config.eval_every_epochs, loop.num_epochs):
       # A non-finite logit stops the run here, before the state is saved.
       with loop.clock.part("eval"):
         numbers, record["eval_seconds"] = _timed(loop.evaluator.run, state, loop.writer,
                                                  first_step + len(order))
       record.update(numbers)
     record["epoch_seconds"] = time.time() - start
-    loop.epoch_writer.write_scalars(first_step + len(order), record)
+    run_logging.write_record(loop.writer, loop.epoch_log, first_step + len(order), record)
     partial = run_state.empty_partial(config.dataset, config.batch_size)
   else:  # Stopped mid-epoch: its sums and outputs go into the checkpoint.
     epoch_loop.raise_if_bad(totals, epoch, first_step, run.checkpointer)
@@ -275,7 +275,7 @@ def _save_when_due(config: ml_collections.ConfigDict, run: Run, loop: Loop,
   save_seconds = None
   # Where a resume starts: the next epoch, or this one's step after those trained.
   at_epoch, at_step = epoch + complete, 0 if complete else trained
-  if stopped or run_context.due(epoch, config.checkpoint_every_epochs, loop.num_epochs):
+  if stopped or periodic.due(epoch, config.checkpoint_every_epochs, loop.num_epochs):
     with loop.clock.part("checkpoint"):
       step, save_seconds = _timed(epoch_loop.save_checkpoint, run.checkpointer, run.mesh,
                                   run.checkpoint_meta, state, selection_state, partial,
@@ -363,12 +363,13 @@ def _write_report(run: Run, loop: Loop, state: steps.TrainState, epochs: int,
   numbers.update(peak_device_memory())
   numbers.update(_anatomy(loop))
   record = record or {}
-  # TensorBoard holds the epoch's record at this step (its epoch wrote it): the rest only.
-  loop.writer.write_scalars(step, {k: v for k, v in numbers.items() if k not in record})
-  # The last epoch's seconds take in its checkpoint's and its report's.
+  # The last epoch's seconds take in its checkpoint's and its report's. TensorBoard holds
+  # the epoch's record at this step (its epoch wrote it): the rest only. Last:
+  # metrics.jsonl's record marks the report complete.
+  new_keys = [k for k in numbers if k not in record]
   record = {**record, **numbers, "epoch": epoch,
             "epoch_seconds": record.get("epoch_seconds", 0.0) + sum(times.values())}
-  loop.epoch_log.write(record)  # Last: metrics.jsonl's record marks the report complete.
+  run_logging.write_record(loop.writer, loop.epoch_log, step, record, new_keys)
   return record
 
 
@@ -392,7 +393,7 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
       raise FileNotFoundError(f"no checkpoint in {run.checkpointer.directory} to evaluate; "
                               "train first or point --workdir at a trained run")
     return _create_evaluator(config, run).write_report(state, start_epoch,
-                                                       done["steps"] if done else 0)
+                                                       done.steps if done else 0)
 
 
 def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:

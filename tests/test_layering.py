@@ -40,6 +40,7 @@ RANKS = {
     "runtime.files": 0,
     "runtime.metric_writers": 0,
     "runtime.orbax_layout": 0,
+    "runtime.periodic": 0,
     "runtime.preemption": 0,
     "runtime.run_logging": 0,
     "runtime.sharding": 0,

@@ -137,10 +137,9 @@ def test_the_events_match_tensorflows_own_summaries(tmp_path):
 def test_an_epoch_record_reaches_jsonl_with_its_keys_and_tensorboard_tagged(tmp_path):
   recorder = _Recorder()
   epoch_log = run_logging.EpochLog(str(tmp_path))
-  writer = run_logging.create_epoch_writer(run_logging.TaggedWriter(recorder), epoch_log)
   record = {"epoch": 0, "train_loss": 2.5, "test_ece": float("nan"), "selected_k": 10,
             "subset_class_counts": [4, 6]}
-  writer.write_scalars(20, record)
+  run_logging.write_record(run_logging.TaggedWriter(recorder), epoch_log, 20, record)
   with open(tmp_path / "metrics.jsonl") as f:
     assert [json.loads(line) for line in f] == [
         {"epoch": 0, "train_loss": 2.5, "test_ece": None, "selected_k": 10,

@@ -33,6 +33,8 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
+from cpjax.runtime import periodic
+
 _FILE_NUMBERS = itertools.count()  # Two writers of one process in one second: two files.
 
 
@@ -225,8 +227,8 @@ class ProgressReport:
     if self._previous is None:
       self._previous = (step, t)
       return False
-    due = step % self._every_steps == 0 or step == self._num_train_steps
-    if not due or step == self._previous[0]:
+    if (not periodic.due_step(step, self._every_steps, self._num_train_steps)
+        or step == self._previous[0]):
       return False
     steps_per_sec = (step - self._previous[0]) / (t - self._previous[1])
     self._previous = (step, t)

@@ -2,8 +2,8 @@
 
 Only process 0 writes. Training metrics of every `log_every_steps` window go to
 the writer (TensorBoard and the log, `runtime.metric_writers`: no TensorFlow); one record
-per completed epoch goes through `create_epoch_writer`, a MultiWriter of that writer and
-`EpochLog` (metrics.jsonl, itself a MetricWriter). On resume, records of epochs after the
+per completed epoch goes through `write_record`: that writer, then `EpochLog`
+(metrics.jsonl). On resume, records of epochs after the
 restored checkpoint (written before a crash, then redone) are dropped, so the
 file never holds duplicates; see EpochLog for damaged files and NaN.
 
@@ -12,7 +12,7 @@ gets each scalar under a tag family (`tensorboard_tag`): train/, val/, test/,
 selection/, meta/ (gamma-Net's meta-learning) and perf/ (times, throughput).
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 import json
 import logging
 import os
@@ -172,10 +172,15 @@ def create_writer(workdir: str) -> metric_writers.MetricWriter:
       workdir, just_logging=jax.process_index() > 0))
 
 
-def create_epoch_writer(writer: metric_writers.MetricWriter,
-                        epoch_log: EpochLog) -> metric_writers.MetricWriter:
-  """The writer of epoch records: `writer` (TensorBoard, log) and metrics.jsonl together."""
-  return metric_writers.MultiWriter([writer, epoch_log])
+def write_record(writer: metric_writers.MetricWriter, epoch_log: EpochLog, step: int,
+                 record: dict[str, Any], tensorboard_keys: Iterable[str] | None = None) -> None:
+  """The one way an epoch's record goes out: its scalars to `writer` (TensorBoard, the log;
+  only `tensorboard_keys` where given: those TensorBoard does not hold yet), then the whole
+  record to metrics.jsonl, replacing the epoch's earlier one (the report's numbers join the
+  last epoch's record that way)."""
+  keys = record.keys() if tensorboard_keys is None else tensorboard_keys
+  writer.write_scalars(step, {k: record[k] for k in keys})
+  epoch_log.write(record)
 
 
 def flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
