@@ -47,6 +47,7 @@ TINY_FLAGS = ("--config=configs/test.py", "--config.num_epochs=2",
               "--config.selection.method=top_k", "--config.selection.fraction=0.5",
               "--config.selection.warmup_epochs=1")
 TARGETS = {"warm": 0.5, "cold": 0.6}
+EVAL_IMAGES = 1000 + 10000  # Validation and test images of each evaluation of FLAGS' run.
 # The parts every epoch's record (or the last one's) held before the anatomy.
 RECORD_PARTS = {"training": "training_seconds", "eval": "eval_seconds",
                 "scoring": "scoring_seconds", "selection": "selection_seconds",
@@ -69,9 +70,16 @@ def run_once(repo: str, workdir: str, cache: str, timeout: float,
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   parts = {name: sum(r.get(key, 0.0) for r in records) for name, key in RECORD_PARTS.items()}
+  # Images a second of training and of evaluation (its forward passes, metrics and figures;
+  # EVAL_IMAGES a pass) over the epochs after the first (the first compiled, before).
+  later = [r for r in records[1:] if r.get("eval_seconds")]
+  rates = {"train_images_per_second": sum(r["selected_k"] for r in later)
+           / max(sum(r["training_seconds"] for r in later), 1e-9),
+           "eval_images_per_second": EVAL_IMAGES * len(later)
+           / max(sum(r["eval_seconds"] for r in later), 1e-9)} if later else {}
   anatomy = {k: v for k, v in records[-1].items()
              if k.startswith("perf/") and ("seconds" in k or "compilations" in k)}
-  return {"wall": wall, "parts": parts, "anatomy": anatomy,
+  return {"wall": wall, "parts": parts, "anatomy": anatomy, "rates": rates,
           "test_accuracy": records[-1].get("test_accuracy")}
 
 
@@ -134,6 +142,12 @@ def markdown(summary: dict, machine: str) -> str:
     lines.append(f"| {name} (records) | " + " | ".join(
         f"{best[s][k]['parts'][name]:.2f}" for k in ("cold", "warm")
         for s in ("baseline", "current")) + " |")
+  rates = best["current"]["warm"]["rates"]
+  if rates and summary["baseline"] != "itself":  # --tiny evaluates other images.
+    lines += ["", f"This side, warm, epochs after the first: training "
+              f"{rates['train_images_per_second']:,.0f} images/s, evaluation "
+              f"{rates['eval_images_per_second']:,.0f} images/s (forward passes, metrics and "
+              "figures)."]
   lines += ["", f"Ratio this / baseline: cold {summary['ratios']['cold']:.2f} (target <= "
             f"{TARGETS['cold']}), warm {summary['ratios']['warm']:.2f} (target <= "
             f"{TARGETS['warm']}). Met: {summary['met']}.", "",
