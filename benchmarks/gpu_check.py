@@ -256,7 +256,7 @@ def _target(name: str, value: float | None, bound: float, sense: str, why: str =
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-  """The issue's GPU targets from what ran (tiny sizes: none is measured)."""
+  """The GPU targets (module docstring) from what ran (tiny sizes: none is measured)."""
   tiny = "tiny sizes, not a GPU" if results["tiny"] else ""
   fashion, imagenet = results.get("fashion", {}), results.get("imagenet", {})
   full = fashion.get("means", {}).get(gpu_runs.FULL, {}).get("anatomy") or {}
