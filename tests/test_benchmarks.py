@@ -52,6 +52,22 @@ def test_epoch_cost_smoke_on_real_fashion_mnist(fashion_mnist_tfds, tmp_path):
   assert "x full" in stdout
 
 
+def test_device_stage_smoke(tmp_path):
+  """The device op's programs: all compiled ahead on each of 2 devices, none during the
+  passes; the overlap part's seconds (no timing asserted)."""
+  results, stdout = _run("benchmarks.device_stage", "--cpu-devices=2", "--images=24",
+                         "--max-side=120", "--batch-size=4", "--epochs=1", "--batches=3",
+                         "--overlap-batch=2", "--decode-seconds=0.05", "--step-seconds=0.05",
+                         tmp_path=tmp_path)
+  programs = results["programs"]
+  assert programs["devices"] == 2 and programs["compile_ahead"]
+  assert programs["compiled_in_passes"] == 0 and programs["compiled_ahead"] >= 2
+  assert programs["compiled_ahead"] % 2 == 0  # The same programs on each device.
+  overlap = results["overlap"]
+  assert overlap["unpipelined_seconds"] >= 3 * 0.1  # Each batch's decode and step in turn.
+  assert overlap["pipelined_seconds"] > 0 and "device op programs:" in stdout
+
+
 def test_profile_step_smoke(tmp_path):
   """The trace is read back and the tiny net's ops land in named categories."""
   results, stdout = _run("benchmarks.profile_step", "--model=tiny", "--batch-size=16",

@@ -13,6 +13,8 @@ import logging
 import math
 import os
 import re
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -65,8 +67,9 @@ def _source_and_transform(folder: str, seed: int = 3, **transform):
   dataset = _dataset(folder)
   spec = sources.resolve(dataset)
   source = sources.open_splits(dataset)["train"]
-  return source, preprocess.Transform(size=spec.image_shape[0], channels=spec.image_shape[2],
-                                      flip=True, seed=seed, **transform)
+  return source, preprocess.Transform(**{"size": spec.image_shape[0], "channels":
+                                         spec.image_shape[2], "flip": True, "seed": seed,
+                                         **transform})
 
 
 def _host(images) -> np.ndarray:
@@ -167,6 +170,177 @@ def test_tap_count_and_bucket_by_hand():
   assert not device_resize.uses_area(100, 10, 16) and device_resize.uses_area(32, 16, 16)
   assert device_resize.bucket(1) == device_resize.MIN_BUCKET
   assert device_resize.bucket(3 * 2**20) == 4 * 2**20 and device_resize.bucket(2**22) == 2**22
+
+
+def test_buffer_lengths_and_tap_bounds_by_hand():
+  # One length a run: multiples of 64 KiB. 2 rows of 100 x 80 x 3 (48,000 bytes): 1 x 64 KiB;
+  # 3 rows (72,000): 2 x 64 KiB; pixels past the run's length get the next power of two.
+  assert device_resize.capacity(2 * 24_000) == 65_536
+  assert device_resize.capacity(3 * 24_000) == 131_072
+  assert device_resize.fitted(72_000, 131_072) == 131_072
+  assert device_resize.fitted(200_000, 131_072) == 262_144
+  # 16 px out: sides under 32 px never area-average (2 taps); 48 px shrink 3x (3 + 1 -> 4);
+  # 89 px 5.6x (6 + 1 -> 8); 2, 4, ..., the bound are the counts a smaller box can need.
+  assert device_resize.tap_bound(31, 16) == 2
+  assert device_resize.tap_bound(48, 16) == 4 and device_resize.tap_bound(89, 16) == 8
+  assert device_resize.tap_choices(8) == (2, 4, 8) and device_resize.tap_choices(2) == (2,)
+  sides = np.arange(1, 90)  # Every box of an 89 x 89 image needs at most its bound.
+  widths, heights = (a.ravel() for a in np.meshgrid(sides, sides))
+  assert device_resize.tap_count(widths, heights, 16) == device_resize.tap_bound(89, 16)
+
+
+class _Guard:
+  """Stands for a device op's output: logs the wait for it."""
+
+  def __init__(self, log: list, name: str):
+    self.log, self.name = log, name
+
+  def block_until_ready(self):
+    self.log.append(self.name)
+
+
+def test_device_buffers_are_reused_in_turn_once_the_op_that_read_them_is_done():
+  log = []
+  ring = packed_regions.DeviceBuffers(8, 2, jax.devices()[0])
+  first, release = ring.take()
+  release(_Guard(log, "op 1"))
+  second, release = ring.take()
+  release(_Guard(log, "op 2"))
+  assert first is not second and log == []  # Nothing waited for: fresh buffers.
+  again, release_again = ring.take()
+  assert again is first and log == ["op 1"]  # The op that read it has finished first.
+  release_again(None)  # Read by no op (a failed decode): free at once.
+  busy, release_busy = ring.take()
+  assert busy is second and log == ["op 1", "op 2"]
+  taken, _ = ring.take()  # The first buffer again; now both are taken, neither released.
+  assert taken is first and log == ["op 1", "op 2"]
+  got = []
+  waiting = threading.Thread(target=lambda: got.append(ring.take()))
+  waiting.start()
+  waiting.join(0.3)
+  assert waiting.is_alive() and not got  # A taken buffer is not given out twice.
+  release_busy(_Guard(log, "op 4"))
+  waiting.join(10)
+  assert got[0][0] is second and log == ["op 1", "op 2", "op 4"]
+
+
+class _Compiles:
+  """Backend compiles of the device op from construction until `close` (jax.monitoring)."""
+
+  def __init__(self):
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+
+  def _on(self, event, duration, **kwargs):
+    del duration
+    if (event == "/jax/core/compile/backend_compile_duration"
+        and kwargs.get("fun_name") == "jit(crop_resize_flip)"):
+      self.count += 1
+
+  def close(self):
+    jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+def test_a_pass_over_images_of_several_sizes_compiles_nothing_after_compile_ahead(folder):
+  """Training epochs and an evaluation pass over 20-90 px images, 2 devices, output 24 px:
+  compile_ahead compiles the device op's programs (one buffer length; taps 2, 4, 8: the
+  89 px side's bound, found here from the files themselves) before the first batch, and the
+  passes compile none."""
+  source, transform = _source_and_transform(folder, size=24)
+  longest = 0
+  for row in range(len(source)):
+    with Image.open(source.where(row)) as image:
+      longest = max(longest, *image.size)
+  bound = 2  # By hand: ceil(side / 24) + 1 taps, to a power of two, where it area-averages.
+  if longest >= 2 * 24:
+    bound = 1 << (math.ceil(longest / 24)).bit_length()
+  mesh = sharding.create_mesh(jax.devices()[:2])
+  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
+                                          num_threads=2)
+  compiles = _Compiles()
+  try:
+    ahead = reader.compile_ahead(4, training=True) + reader.compile_ahead(4, training=False)
+    compiled_ahead = compiles.count
+    blocks = np.random.default_rng(0).permutation(len(source))[:16].reshape(4, 4)
+    for epoch in (0, 1, None):
+      for batch in reader.batches(blocks, epoch=epoch):
+        batch["image"].block_until_ready()
+  finally:
+    compiles.close()
+  assert longest > 48 and bound >= 4
+  taps = [2 ** k for k in range(1, bound.bit_length())]
+  # One length and one layout (the stand-in's one part), each tap count, on each device.
+  assert sorted(p[3] for p in ahead) == sorted(taps * 2)
+  assert len({p[1] for p in ahead}) == 1 and {p[0] for p in ahead} == {0, 1}
+  assert compiled_ahead <= len(ahead)  # Fewer where another test compiled one already.
+  assert compiles.count == compiled_ahead  # The passes compiled nothing.
+  assert reader.compile_ahead(4) == []  # Asked again: nothing more.
+
+
+def test_images_larger_than_the_scanned_ones_are_still_resized_and_said(folder, monkeypatch,
+                                                                         caplog):
+  """A header scan that saw the smallest image only: the shards of larger ones get a longer
+  buffer or more taps, compiled when met with a warning, and the same batches as after a
+  scan of every row."""
+  source, transform = _source_and_transform(folder)
+  mesh = sharding.create_mesh(jax.devices()[:1])
+  blocks = np.arange(16).reshape(4, 4)
+  scanned = device_stage.DeviceStageReader(source, transform, mesh,
+                                           packed_regions.HostDecoder())
+  full = _host(scanned.batches(blocks, epoch=1))
+  pixels = []
+  for row in range(len(source)):
+    with Image.open(source.where(row)) as image:
+      pixels.append(image.size[0] * image.size[1])
+  monkeypatch.setattr(device_stage.image_stats, "sample_rows",
+                      lambda num_rows, sample: np.array([int(np.argmin(pixels))]))
+  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder())
+  reader.compile_ahead(4)
+  assert reader.largest().pixels == min(pixels) < scanned.largest().pixels == max(pixels)
+  with caplog.at_level(logging.WARNING):
+    np.testing.assert_array_equal(_host(reader.batches(blocks, epoch=1)), full)
+  assert "beyond those compiled ahead" in caplog.text
+  assert "larger than the largest of the 1 headers scanned" in caplog.text
+
+
+class _SlowDecoder(packed_regions.HostDecoder):
+  """The stand-in decoder taking `seconds` more a shard: the time a GPU decode takes."""
+
+  def __init__(self, seconds: float):
+    super().__init__()
+    self.seconds = seconds
+
+  def decode(self, items, prepared, channels, device, buffers):
+    time.sleep(self.seconds)
+    return super().decode(items, prepared, channels, device, buffers)
+
+
+def _fed_seconds(reader, blocks: np.ndarray, step_seconds: float) -> float:
+  """Seconds to take the training batches of `blocks`, each followed by a stand-in step (its
+  images waited for, then `step_seconds` of sleep)."""
+  start = time.perf_counter()
+  for batch in reader.batches(blocks, epoch=1):
+    batch["image"].block_until_ready()
+    time.sleep(step_seconds)
+  return time.perf_counter() - start
+
+
+def test_decoding_the_next_batch_overlaps_the_step(folder):
+  """A decoder and a step of d seconds each, n batches: pipelined (prefetch_depth 2) the
+  decoder's time does not add to the steps' (about n d + d, under 0.75 of the same reader
+  unpipelined); with prefetch_depth 0 each batch is decoded then stepped, at least 2 n d."""
+  d, n = 0.15, 8
+  source, transform = _source_and_transform(folder)
+  mesh = sharding.create_mesh(jax.devices()[:1])
+  blocks = np.arange(4 * n).reshape(n, 4) % len(source)
+  seconds = {}
+  for depth in (2, 0):
+    reader = device_stage.DeviceStageReader(source, transform, mesh, _SlowDecoder(d),
+                                            num_threads=2, prefetch_depth=depth)
+    reader.compile_ahead(4)
+    seconds[depth] = _fed_seconds(reader, blocks, d)
+  assert seconds[0] >= 2 * n * d, seconds  # Decode, then step: the sleeps add up.
+  assert seconds[2] < 0.75 * seconds[0], seconds
 
 
 # ---------------------------------------------------------------- against the host stage
@@ -304,16 +478,19 @@ class _FakeGpu:
   def prepare(self, item, channels):
     del item, channels
 
-  def decode(self, items, prepared, channels, device):
+  def layouts(self, length):
+    return (length,), (length, device_resize.MIN_BUCKET), (length, length)
+
+  def decode(self, items, prepared, channels, device, buffers):
     chosen = [k for k, item in enumerate(items)
               if nvimgcodec_decode.gpu_readable(item) and not self.refuse(item)]
     regions = [packed_regions.host_region(items[k], channels) for k in chosen]
-    flat, offsets = packed_regions.packed([r for r, _ in regions])
+    flat, offsets = packed_regions.packed([r for r, _ in regions], length=buffers.length)
     placed = {k: packed_regions.Placed(o, p.height, p.width, p.x0, p.y0)
               for k, o, (_, p) in zip(chosen, offsets, regions)}
     part = jax.device_put(flat, device) if chosen else None
     return packed_regions.with_host_part(items, placed, part, channels, device, {},
-                                         fallback=True)
+                                         fallback=True, length=buffers.length)
 
 
 def test_files_a_gpu_decoder_cannot_read_are_decoded_by_pil_and_counted(folder, caplog):

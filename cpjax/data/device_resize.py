@@ -4,9 +4,17 @@ Layout of the input ("packed regions"): each example's decoded pixels, its whole
 crop box alone, uint8 [h, w, C] in row-major order, laid back to back in 1-D buffers (`parts`,
 read as one buffer in order: a GPU decoder's part, then the part decoded on the host), example
 k starting at `offsets[k]`, with its region's (h, w) in `shapes[k]` and its box (left, top,
-right, bottom, whole pixels) inside that region in `boxes[k]`. Images of any size share one
-compiled program: the buffers' lengths are rounded up to powers of two (`bucket`), and the
-op reads each example's pixels by index.
+right, bottom, whole pixels) inside that region in `boxes[k]`. The op reads each example's
+pixels by index, so a buffer's length changes nothing but the program: XLA compiles one per
+(part lengths, examples, taps), on each device.
+
+Few programs, compiled ahead (cpjax.data.device_stage's `compile_ahead`): a reader sizes every
+buffer of a run alike, `capacity` of its shard's rows times the largest image's bytes (from a
+header scan), so one length serves every batch of a size; the taps (`tap_count`, a power of
+two) are at most `tap_bound` of the largest image's longest side (`tap_choices`: 2 up to that
+bound); `compile_for` compiles one program ahead of its first call. A shard that needs more
+(an image larger than the scanned ones) gets `bucket` of its bytes and the taps it needs,
+compiled when met.
 
 The op, for an example whose box is n_x x n_y pixels, output S x S, K taps an axis:
 
@@ -58,6 +66,19 @@ def bucket(num_bytes: int) -> int:
   return max(MIN_BUCKET, 1 << max(0, int(num_bytes) - 1).bit_length())
 
 
+def capacity(num_bytes: int) -> int:
+  """A run's packed buffer length for up to `num_bytes` of pixels: `num_bytes` rounded up to a
+  multiple of MIN_BUCKET (one length for every batch of a size, so no power-of-two rounding)."""
+  return max(MIN_BUCKET, -(-int(num_bytes) // MIN_BUCKET) * MIN_BUCKET)
+
+
+def fitted(num_bytes: int, length: int) -> int:
+  """The buffer length for `num_bytes` of pixels where the run's buffers are `length` long:
+  `length` where they fit, else `bucket(num_bytes)` (a shard of images larger than those the
+  length was sized for: one more program)."""
+  return length if num_bytes <= length else bucket(num_bytes)
+
+
 def uses_area(widths: np.ndarray, heights: np.ndarray, size: int) -> np.ndarray:
   """bool [n]: whether each box (widths x heights) is area-averaged (else bilinear): both sides
   shrink and one by preprocess.AREA_FROM or more, as preprocess.cv2_resized decides."""
@@ -73,6 +94,17 @@ def tap_count(widths: np.ndarray, heights: np.ndarray, size: int) -> int:
   longest = np.maximum(np.asarray(widths), np.asarray(heights))
   need = np.where(area, np.ceil(longest / size) + 1, 2) if len(area) else np.array([2])
   return 1 << (int(need.max()) - 1).bit_length()
+
+
+def tap_bound(longest: int, size: int) -> int:
+  """The most taps (`tap_count`) a box inside an image whose sides are at most `longest`
+  pixels can need: that of a `longest` x `longest` box (need grows with the box's sides)."""
+  return tap_count(np.array([longest]), np.array([longest]), size)
+
+
+def tap_choices(bound: int) -> tuple[int, ...]:
+  """Every tap count `tap_count` can give up to `bound`: the powers of two 2, 4, ..., bound."""
+  return tuple(1 << k for k in range(1, max(2, bound).bit_length()))
 
 
 def _axis(n: jax.Array, area: jax.Array, size: int, taps: int) -> tuple[jax.Array, jax.Array]:
@@ -134,3 +166,18 @@ def crop_resize_flip(parts: tuple[jax.Array, ...], offsets: jax.Array, shapes: j
   out = jax.vmap(one, in_axes=(None, 0, 0, 0, 0, 0))(flat, offsets, shapes, boxes, area, flips)
   return jnp.clip(jnp.round(out), 0, 255).astype(jnp.uint8)
 
+
+def compile_for(device: jax.Device, part_lengths: tuple[int, ...], rows: int, size: int,
+                channels: int, taps: int) -> None:
+  """Compiles `crop_resize_flip` for `rows` examples packed in parts of `part_lengths` bytes on
+  `device` (its arguments as the device stage puts them there), ahead of its first call: that
+  call then finds the program compiled (jit's cache; nothing runs here)."""
+  on = jax.sharding.SingleDeviceSharding(device)
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+
+  crop_resize_flip.lower(
+      tuple(spec((n,), jnp.uint8) for n in part_lengths), spec((rows,), jnp.int32),
+      spec((rows, 2), jnp.int32), spec((rows, 4), jnp.int32), spec((rows,), jnp.bool_),
+      spec((rows,), jnp.bool_), size=size, channels=channels, taps=taps).compile()

@@ -1,19 +1,24 @@
 """What the device stage's decoders share: an example as the host prepares it (`Item`), the
-packed layout of decoded regions on a device (`Placed`, `Decoded`, `packed`), and PIL's
-decode on the host, for the stand-in decoder (`HostDecoder`) and for the files a GPU decoder
-cannot read (`host_region`, `with_host_part`).
+packed layout of decoded regions on a device (`Placed`, `Decoded`, `packed`), how the reader
+sizes a shard's buffers (`Buffers`), device buffers reused in turn by a decoder that writes
+into device memory (`DeviceBuffers`), and PIL's decode on the host, for the stand-in decoder
+(`HostDecoder`) and for the files a GPU decoder cannot read (`host_region`, `with_host_part`).
 
 The layout is cpjax.data.device_resize's input: each example's decoded pixels (its whole
 image, or its crop box alone) uint8 [h, w, C] row-major, back to back in 1-D buffers on the
-device, with an offset, a (h, w) and the region's origin in the image per example.
+device, with an offset, a (h, w) and the region's origin in the image per example. Every
+buffer of a run is `Buffers.length` long (one compiled program serves every batch of a
+size); a decoder's `layouts` says which part lengths it gives for it.
 """
 
 from collections.abc import Callable, Sequence
 import dataclasses
 import functools
+import threading
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cpjax.data import decode_workers, device_resize, preprocess
@@ -52,17 +57,76 @@ class Decoded:
   parts: tuple[jax.Array, ...]  # Packed buffers on the device, read as one in order.
   placed: tuple[Placed, ...]  # Per example, offsets into that one buffer.
   on_host: int = 0  # Examples the host decoded in a GPU decoder's place (fallbacks).
+  # Called with the device op's output (None if the op was not run) once it is dispatched:
+  # a decoder that keeps its buffers (`DeviceBuffers`) rewrites one only after that output.
+  release: Callable[[Any], None] | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffers:
+  """How the reader sizes a shard's packed buffers: each part `length` bytes (one length per
+  run and shard size: one compiled program; regions that do not fit get
+  `device_resize.fitted`'s larger length), and `depth`, the batches in flight: a decoder that
+  keeps device buffers (`DeviceBuffers`) keeps that many a device and length."""
+  length: int
+  depth: int = 2
 
 
 class ImageDecoder(Protocol):
   """How the device stage decodes: `prepare` runs on the host for each example (in the
-  reader's threads), `decode` puts a shard's regions on its device."""
+  reader's threads), `decode` puts a shard's regions on its device in buffers sized by
+  `buffers`, and `layouts` names the part lengths that `decode` gives for buffers of `length`
+  bytes when the regions fit (the programs the reader compiles ahead)."""
   name: str  # What decodes, for the log and the checkpoint (a resume compares it).
 
   def prepare(self, item: Item, channels: int) -> Any: ...
 
   def decode(self, items: Sequence[Item], prepared: Sequence[Any], channels: int,
-             device: jax.Device) -> Decoded: ...
+             device: jax.Device, buffers: Buffers) -> Decoded: ...
+
+  def layouts(self, length: int) -> tuple[tuple[int, ...], ...]: ...
+
+
+class DeviceBuffers:
+  """`depth` uint8 buffers of `length` bytes on `device`, given out in turn (`take`) to a
+  decoder that writes into device memory itself (nvImageCodec, through their
+  `__cuda_array_interface__`): allocated once, so no batch waits for an allocation queued
+  behind the device's running steps; a buffer is given out again only once the device op
+  that read it last has finished (the release's output is ready): the one host wait its reuse
+  needs, and with `depth` batches in flight that op has long finished."""
+
+  def __init__(self, length: int, depth: int, device: jax.Device):
+    self._buffers = [jnp.zeros((length,), jnp.uint8, device=device)
+                     for _ in range(max(1, depth))]
+    for buffer in self._buffers:
+      buffer.block_until_ready()  # Once: JAX has written it before anything else writes it.
+    self._guards: list[Any] = [None] * len(self._buffers)
+    self._busy = [False] * len(self._buffers)
+    self._next = 0
+    self._changed = threading.Condition()
+
+  def take(self) -> tuple[Any, Callable[[Any], None]]:
+    """The next buffer, once the op that read it last has finished, and its release: call it
+    with the output of the op that reads the buffer now (None: nothing read it)."""
+    with self._changed:
+      k = self._next
+      self._changed.wait_for(lambda: not self._busy[k])  # Taken and not yet released.
+      self._next = (k + 1) % len(self._buffers)
+      self._busy[k] = True
+      guard, self._guards[k] = self._guards[k], None
+    release = functools.partial(self._release, k)
+    try:
+      if guard is not None:
+        guard.block_until_ready()
+    except BaseException:
+      release(None)
+      raise
+    return self._buffers[k], release
+
+  def _release(self, k: int, guard: Any) -> None:
+    with self._changed:
+      self._guards[k], self._busy[k] = guard, False
+      self._changed.notify_all()
 
 
 def header_item(source, transform: preprocess.Transform, row: int,
@@ -95,29 +159,49 @@ def host_region(item: Item, channels: int, whole: bool = False) -> tuple[np.ndar
   return region, Placed(0, bottom - top, right - left, left, top)
 
 
-def packed(regions: Sequence[np.ndarray], start: int = 0) -> tuple[np.ndarray, list[int]]:
-  """The regions back to back in one uint8 buffer of `device_resize.bucket` length, and each
-  one's offset (plus `start`: where the buffer will begin in the op's joined buffer)."""
+def packed(regions: Sequence[np.ndarray], start: int = 0,
+           length: int | None = None) -> tuple[np.ndarray, list[int]]:
+  """The regions back to back in one uint8 buffer `length` bytes long (None:
+  `device_resize.bucket` of theirs; regions longer than `length` get `device_resize.fitted`'s
+  length), and each one's offset (plus `start`: where the buffer will begin in the op's
+  joined buffer)."""
   sizes = [r.size for r in regions]
   offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-  flat = np.zeros(device_resize.bucket(int(offsets[-1])), np.uint8)
+  total = int(offsets[-1])
+  flat = np.zeros(device_resize.bucket(total) if length is None
+                  else device_resize.fitted(total, length), np.uint8)
   for region, offset in zip(regions, offsets):
     flat[offset:offset + region.size] = region.ravel()
   return flat, [start + int(o) for o in offsets[:-1]]
 
 
+def host_length(num_bytes: int, length: int, after_device_part: bool) -> int:
+  """The host part's length: `device_resize.fitted` to the run's `length`; after a device
+  decoder's part (its fallbacks, few or none) MIN_BUCKET where they fit in it, so that a
+  batch without fallbacks sends no more. Two programs at most: (length,) alone, or
+  (length, MIN_BUCKET) and (length, length) after a device part."""
+  if after_device_part and num_bytes <= device_resize.MIN_BUCKET:
+    return device_resize.MIN_BUCKET
+  return device_resize.fitted(num_bytes, length)
+
+
 def with_host_part(items: Sequence[Item], placed: dict[int, Placed], device_part, channels: int,
                    device: jax.Device, regions: dict[int, tuple[np.ndarray, Placed]],
-                   fallback: bool) -> Decoded:
+                   fallback: bool, length: int | None = None) -> Decoded:
   """A shard's Decoded: the examples a device decoder placed in `device_part` (by index in
   `placed`), and the rest decoded on the host (`regions` where already decoded, else now),
-  packed after it and put on the device. `fallback`: those are a GPU decoder's failures."""
+  packed after it (`host_length` of the run's buffer `length`; None: a power of two) and put
+  on the device. `fallback`: those are a GPU decoder's failures."""
   rest = [k for k in range(len(items)) if k not in placed]
   for k in rest:
     if k not in regions:
       regions[k] = host_region(items[k], channels)
   start = 0 if device_part is None else int(device_part.shape[0])
-  flat, offsets = packed([regions[k][0] for k in rest], start)
+  pixels = [regions[k][0] for k in rest]
+  size = None
+  if length is not None:
+    size = host_length(sum(r.size for r in pixels), length, device_part is not None)
+  flat, offsets = packed(pixels, start, size)
   out = dict(placed)
   for k, offset in zip(rest, offsets):
     out[k] = dataclasses.replace(regions[k][1], offset=offset)
@@ -140,6 +224,9 @@ class HostDecoder:
   def prepare(self, item: Item, channels: int) -> tuple[np.ndarray, Placed]:
     return host_region(item, channels, self.whole)
 
-  def decode(self, items, prepared, channels, device) -> Decoded:
+  def decode(self, items, prepared, channels, device, buffers: Buffers) -> Decoded:
     return with_host_part(items, {}, None, channels, device, dict(enumerate(prepared)),
-                          fallback=False)
+                          fallback=False, length=buffers.length)
+
+  def layouts(self, length: int) -> tuple[tuple[int, ...], ...]:
+    return ((length,),)
