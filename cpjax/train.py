@@ -179,6 +179,7 @@ def _compile_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
   selected epochs' scoring step and ranking) in threads before the first epoch
   (cpjax.compile_ahead), for batches built as the loop builds them. Returns the seconds
   waited for them."""
+  _compile_readers_ahead(config, run)
   compiler = compile_ahead.Compiler()
   abstract_state = compile_ahead.abstract(state)
   train_rows = np.arange(min(config.batch_size, len(run.splits["train"])))[None]
@@ -196,6 +197,20 @@ def _compile_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
     compiler.submit("the eval step", run.eval_fn, abstract_state, batch)
   loop.selector.compile_ahead(compiler, state)
   return compiler.wait()
+
+
+def _compile_readers_ahead(config: ml_collections.ConfigDict, run: Run) -> None:
+  """A reader with programs of its own (the device stage's crop and resize, a program per
+  batch size and pass kind) compiles them first, in its threads, for every pass the loop
+  makes: training, evaluation and the fresh scoring pass."""
+  passes = [("train", config.batch_size, True),
+            *((name, config.eval_batch_size, False) for name in evaluation.SPLITS)]
+  if config.selection.scoring == "fresh":
+    passes.append(("train", config.selection.score_batch_size, False))
+  for name, batch_size, training in passes:
+    ahead = getattr(run.readers[name], "compile_ahead", None)
+    if ahead is not None:
+      ahead(batch_size, training)
 
 
 def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: Loop, epoch: int,

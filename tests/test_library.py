@@ -132,7 +132,8 @@ def test_record_keeps_an_ids_first_score_and_refuses_unknown_ids():
 @pytest.mark.parametrize("kwargs, message", [
     ({"method": "sampled", "temprature": 0.1}, "no setting 'temprature'; did you mean "
                                                "temperature"),
-    ({"method": "sampled", "temperature": -1.0}, "sampled setting temperature: must be at least 0.0"),
+    ({"method": "sampled", "temperature": -1.0},
+     "sampled setting temperature: must be at least 0.0"),
     ({"method": "top-k"}, "unknown selection policy 'top-k'; did you mean top_k"),
     ({"method": "infobatch", "direction": "easiest"}, "valid: 'hardest'"),
 ])
