@@ -37,9 +37,12 @@ import jax
 from ml_collections import config_flags
 
 from configs import default
-from cpjax import config_schema, config_validation, preflight, train
+from cpjax.config import preflight
+from cpjax.config import schema as config_schema
+from cpjax.config import validation as config_validation
 from cpjax.data import decode_workers, fingerprint
 from cpjax.runtime import checkpointing, distributed, failures, preemption, workdir_lock
+from cpjax.training import loop as train
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)

@@ -29,13 +29,13 @@ import numpy as np
 
 from benchmarks import feeds, throughput
 from cpjax.data import (
-  device_stage,
   host_stage,
-  nvimgcodec_decode,
-  packed_regions,
   preprocess,
   readers,
 )
+from cpjax.data.device_stage import nvimgcodec as nvimgcodec_decode
+from cpjax.data.device_stage import packed_regions
+from cpjax.data.device_stage import reader as device_stage
 from cpjax.runtime import sharding
 
 

@@ -70,12 +70,10 @@ class CompileCounter:
 
 def _reader(root: str, size: int, mesh, decoder=None, prefetch_depth: int = 2):
   # cpjax imported once main() has put this checkout first on the path.
-  from cpjax.data import (  # pylint: disable=import-outside-toplevel
-    device_stage,
-    folder_source,
-    packed_regions,
-    preprocess,
-  )
+  # pylint: disable=import-outside-toplevel
+  from cpjax.data import folder_source, preprocess
+  from cpjax.data.device_stage import packed_regions
+  from cpjax.data.device_stage import reader as device_stage
   source = folder_source.FolderSource(folder_source.listing(root, "train", 0, False))
   transform = preprocess.Transform(size=size, channels=3, flip=True, seed=0)
   return source, device_stage.DeviceStageReader(
@@ -121,7 +119,7 @@ class SlowDecoder:
   """The stand-in decoder taking `seconds` more a shard (a GPU decode's time), by sleeping."""
 
   def __init__(self, seconds: float):
-    from cpjax.data import packed_regions  # pylint: disable=import-outside-toplevel
+    from cpjax.data.device_stage import packed_regions  # pylint: disable=import-outside-toplevel
     self._inner, self.seconds = packed_regions.HostDecoder(), seconds
     self.name = f"{self._inner.name}, {seconds} s more a shard"
 

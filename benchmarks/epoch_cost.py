@@ -26,11 +26,13 @@ import numpy as np
 
 from benchmarks import loop_overhead, throughput
 from configs import default
-from cpjax import loss_steps, models, optim, steps, train
+from cpjax import models, optim, steps
 from cpjax.calibration import losses
 from cpjax.data import input_pipeline, readers, specs, splits
 from cpjax.runtime import compiler_options, sharding
 from cpjax.selection import bookkeeping, scores
+from cpjax.training import loop as train
+from cpjax.training import loss_steps, setup
 
 
 def _data(name: str, num_examples: int, data_dir: str = "") -> tuple[str, splits.Split]:
@@ -83,7 +85,7 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
                   splits={"train": split}, readers={"train": train_reader}, eval_fn=None,
                   loss_kind=loss_steps.for_loss(config.loss, config.meta, spec.num_classes),
                   train_batches=None)  # The selector reads neither the steps nor the batches.
-  chooser = train._create_selector(config, run)  # pylint: disable=protected-access
+  chooser = setup._create_selector(config, run)  # pylint: disable=protected-access
   result = {}
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
     if epoch == 1 and scoring_mode == "fresh" and method != "full":

@@ -67,8 +67,9 @@ import numpy as np
 
 from benchmarks import carry, feeds
 from configs import default, fashion_mnist_long, imagenet
-from cpjax import config_schema, config_validation
 from cpjax.calibration import report as calibration_report
+from cpjax.config import schema as config_schema
+from cpjax.config import validation as config_validation
 from cpjax.data import input_pipeline
 from studies import frontier, grid, long_schedule
 

@@ -5,10 +5,10 @@
 
 With a tiny model a step takes a millisecond or less, and whatever Python does per step
 becomes the bottleneck of a fast accelerator. This runs, in one process, the trainer's own
-step loop as cpjax.train's epoch runs it (`trainer_steps` below: `epoch_loop.train_steps` over
-the device reader's batches, gathered inside the train step, with the learning rates, metric
-sums, a logging point every `--log-every` steps, per-example outputs gathered at the epoch's
-end)
+step loop as cpjax.training.loop's epoch runs it (`trainer_steps` below:
+`step_loop.train_steps` over the device reader's batches, gathered inside the train step,
+with the learning rates, metric sums, a logging point every `--log-every` steps,
+per-example outputs gathered at the epoch's end)
 and a bare Python loop calling the same jitted train step on batches already on the
 devices, over the same number of steps, in turn, `--repeats` times (after an untimed epoch
 that compiles everything). The ratio of their steps per second (median, and best of the
@@ -31,10 +31,11 @@ import numpy as np
 
 from benchmarks import throughput
 from configs import test as test_config
-from cpjax import epoch_loop, loss_steps, models, optim, steps, train
+from cpjax import models, optim, steps
 from cpjax.data import readers, specs, splits
 from cpjax.runtime import metric_writers, preemption, sharding
 from cpjax.selection import policies
+from cpjax.training import loss_steps, setup, step_loop
 
 
 def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
@@ -49,7 +50,7 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
   model = models.create_model(model_name, spec.num_classes)
   tx = optim.create_optimizer(config.optimizer)
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
-  train_fn = train._jit_train_step(  # pylint: disable=protected-access
+  train_fn = setup._jit_train_step(  # pylint: disable=protected-access
       config, model, tx, policies.returns_weights(config.selection.method),
       loss_steps.for_loss(config.loss, config.meta, spec.num_classes))
   reader = readers.DeviceReader(split, mesh)
@@ -57,7 +58,7 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
 
 
 def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
-  """One epoch of `rows` through the step loop as cpjax.train's epoch runs it (no selection,
+  """One epoch of `rows` through the step loop as cpjax.training.loop's epoch runs it (no selection,
   evaluation or checkpoint): (state, order [steps, B], per-example outputs on the host)."""
   order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
   first_step = int(jax.device_get(state.step))
@@ -68,16 +69,16 @@ def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
   batches = loss_steps.PlainSteps(config.loss).train_batches({"train": reader}, config.seed,
                                                              config.batch_size)(
       order, epoch=epoch, row_weights=row_weights, first_step=first_step)
-  with epoch_loop.step_guard(config.step_transfer_guard):
-    state, _, outputs, _, _ = epoch_loop.train_steps(
+  with step_loop.step_guard(config.step_transfer_guard):
+    state, _, outputs, _, _ = step_loop.train_steps(
         train_fn, state, batches,
-        epoch_loop.learning_rates(config.optimizer, epoch, first_step, len(order), len(order),
-                                  config.num_epochs),
-        epoch_loop.loss_hparams(config.loss, epoch), epoch_loop.NOTHING_DONE,
+        step_loop.learning_rates(config.optimizer, epoch, first_step, len(order), len(order),
+                                 config.num_epochs),
+        step_loop.loss_hparams(config.loss, epoch), step_loop.NOTHING_DONE,
         first_step=first_step, epoch=epoch, log_every=config.log_every_steps,
         writer=metric_writers.MultiWriter([]), progress=lambda step: None,
         checkpointer=_NoCheckpoints(), last_step=-1)
-  return state, order, epoch_loop.host_outputs(outputs, None)
+  return state, order, step_loop.host_outputs(outputs, None)
 
 
 class _NoCheckpoints:

@@ -29,10 +29,11 @@ import jax.numpy as jnp
 
 from benchmarks import throughput
 from configs import default
-from cpjax import loss_steps, models, optim, run_state, steps, train
+from cpjax import models, optim, run_state, steps
 from cpjax.data import specs
 from cpjax.runtime import sharding
 from cpjax.selection import policies, scores, sources
+from cpjax.training import loss_steps, setup
 
 KINDS = ("train", "infobatch_train", "meta_train", "eval", "score")
 PLATFORMS = (("cuda",), ("tpu",))
@@ -70,7 +71,7 @@ class Step:
 
 def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size: int,
                mesh: jax.sharding.Mesh, image_size: int | None = None) -> Step:
-  """The loop's own jitted `kind` step (cpjax.train, cpjax.selection.sources) and abstract
+  """The loop's own jitted `kind` step (cpjax.training.loop, cpjax.selection.sources) and abstract
   (shape, dtype, sharding) arguments: replicated state, batch sharded on `data`.
 
   `image_size` replaces the dataset's image side (e.g. 224 for an ImageNet-stem ResNet on
@@ -89,14 +90,14 @@ def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size:
                                                           data.num_classes))
   batch = _abstract_batch(kind, image_shape, batch_size, mesh)
   if kind == "eval":
-    return Step(train._jit_eval_step(config, model), (state, batch))  # pylint: disable=protected-access
+    return Step(setup._jit_eval_step(config, model), (state, batch))  # pylint: disable=protected-access
   if kind == "score":
     score_fn = scores.forward_score(config.selection.score, config.selection)
     fn = sources._jit_score_step(  # pylint: disable=protected-access
         config.model.name, config.dataset, dtype, score_fn, config.xla_cpu_options)
     return Step(fn, (state, batch))
   learning_rate = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(mesh))
-  fn = train._jit_train_step(  # pylint: disable=protected-access
+  fn = setup._jit_train_step(  # pylint: disable=protected-access
       config, model, tx, policies.returns_weights(config.selection.method),
       loss_steps.for_loss(config.loss, config.meta, data.num_classes))
   return Step(fn, (state, batch, learning_rate, {}))

@@ -8,8 +8,8 @@
    "partial":   sums and per-example outputs of the steps of an epoch trained
                 before a preemption (zeros at an epoch boundary)}
 
-`checkpoint_tree` is the one spelling of it: the loop's save (cpjax.epoch_loop
-.save_checkpoint), its restore target (cpjax.train) and `abstract` (a `target` score source
+`checkpoint_tree` is the one spelling of it: the loop's save (cpjax.training.step_loop
+.save_checkpoint), its restore target (cpjax.training.setup) and `abstract` (a `target` score source
 restores another run's tree to score with its model, cpjax.selection.sources) all build it
 here, so they cannot disagree about its shape. `partial_tree` and `partial_from_checkpoint`
 turn an epoch's trained steps into the "partial" subtree and back. The "selection" subtree
@@ -33,7 +33,7 @@ from cpjax.runtime import sharding
 PER_EXAMPLE = ("score", "confidence", "correct")  # The train step's per-example outputs.
 PARTIAL_SUMS = ("loss_sum", "correct", "count")  # The epoch sums a mid-epoch checkpoint keeps.
 
-# Also kept over an epoch (cpjax.epoch_loop): the largest gradient norm and the smallest and
+# Also kept over an epoch (cpjax.training.step_loop): the largest gradient norm and the smallest and
 # largest batch mean loss. A mid-epoch checkpoint does not save them: a resumed epoch starts
 # them at these values, which mean "unknown" (they never show an epoch that learned nothing).
 UNKNOWN_EXTREMES = {"grad_norm_max": np.inf, "loss_min": -np.inf, "loss_max": np.inf}
@@ -84,7 +84,7 @@ def partial_tree(dataset: ml_collections.ConfigDict, batch_size: int,
 @dataclasses.dataclass(frozen=True)
 class Done:
   """The steps of an epoch trained before a preemption, as its checkpoint holds them: the
-  `done` of cpjax.train._train_epoch."""
+  `done` of cpjax.training.loop._train_epoch."""
   steps: int  # Steps of the epoch trained.
   totals: dict[str, np.ndarray] | None  # Their epoch sums (None: no step yet).
   outputs: dict[str, np.ndarray] | None  # Their per-example outputs, in training order.

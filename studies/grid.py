@@ -16,8 +16,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cpjax import train
 from cpjax.calibration import report as calibration_report
+from cpjax.training import loop as train
 
 COLUMNS = (("accuracy", "before_ts", "accuracy"), ("ece", "before_ts", "ece"),
            ("ece_left_closed", "before_ts", "ece_left_closed"), ("ece_after_ts", "after_ts", "ece"))

@@ -46,8 +46,8 @@ import time
 import numpy as np
 import scipy.stats
 
-from cpjax import train
 from cpjax.calibration import posthoc
+from cpjax.training import loop as train
 from studies import grid, long_schedule, meta_calibration
 
 METRICS = ("ece", "nll", "accuracy")

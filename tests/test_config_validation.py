@@ -15,8 +15,9 @@ from configs import (
   fashion_mnist_selection,
   fashion_mnist_study,
 )
-from cpjax import config_validation, train
+from cpjax.config import validation as config_validation
 from cpjax.data import input_pipeline
+from cpjax.training import loop as train
 from tests.helpers import REPO, main_command, subprocess_env, tiny_config
 
 

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpjax import config_validation, models, train
+from cpjax import models
+from cpjax.config import validation as config_validation
 from cpjax.models import custom
+from cpjax.training import loop as train
 from tests import helpers, toy_models
 
 TOY = "tests.toy_models:ToyNet"

@@ -22,18 +22,19 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from cpjax import config_validation, train
+from cpjax.config import validation as config_validation
 from cpjax.data import (
-  device_resize,
-  device_stage,
   host_stage,
-  nvimgcodec_decode,
-  packed_regions,
   preprocess,
   readers,
   sources,
 )
+from cpjax.data.device_stage import nvimgcodec as nvimgcodec_decode
+from cpjax.data.device_stage import packed_regions
+from cpjax.data.device_stage import reader as device_stage
+from cpjax.data.device_stage import resize as device_resize
 from cpjax.runtime import sharding
+from cpjax.training import setup
 from tests import helpers
 from tests.test_host_stage import _dataset
 
@@ -637,8 +638,8 @@ def test_the_resize_rule_is_one_check_for_its_three_users(folder, caplog):
 def test_the_checkpoint_names_the_decoder_and_a_resume_with_another_warns(caplog):
   reader = device_stage.DeviceStageReader.__new__(device_stage.DeviceStageReader)
   reader.decoder = packed_regions.HostDecoder()
-  assert train._decoder_meta(reader, {}) == {"decoder": reader.decoder.name}  # pylint: disable=protected-access
+  assert setup._decoder_meta(reader, {}) == {"decoder": reader.decoder.name}  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):
-    train._decoder_meta(reader, {"decoder": "gpu (nvImageCodec 0.9.0, ...)"})  # pylint: disable=protected-access
+    setup._decoder_meta(reader, {"decoder": "gpu (nvImageCodec 0.9.0, ...)"})  # pylint: disable=protected-access
   assert "from here the run mixes the two" in caplog.text
-  assert train._decoder_meta(object(), {"decoder": "x"}) == {}  # pylint: disable=protected-access
+  assert setup._decoder_meta(object(), {"decoder": "x"}) == {}  # pylint: disable=protected-access

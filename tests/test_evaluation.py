@@ -1,6 +1,6 @@
-"""The evaluators (cpjax.evaluation) built alone, without a run: from an eval step, a mesh and
-the val/test data. The whole path (a trained run's metrics and report) is tested through the
-trainer in test_train.py, test_reliability.py and test_gamma_net.py."""
+"""The evaluators (cpjax.training.evaluation) built alone, without a run: from an eval step, a
+mesh and the val/test data. The whole path (a trained run's metrics and report) is tested
+through the trainer in test_train.py, test_reliability.py and test_gamma_net.py."""
 
 import collections
 
@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from configs import default
-from cpjax import evaluation, run_context
 from cpjax.calibration import bootstrap, metrics, report
 from cpjax.data import splits
 from cpjax.runtime import sharding
+from cpjax.training import evaluation
+from cpjax.training import run as run_context
 
 State = collections.namedtuple("State", "step")  # All that the evaluators read of a state.
 NUM_CLASSES, LAST_GOOD = 10, "The last good checkpoint is step 3 in /nowhere."

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from cpjax import train
 from cpjax.data import decode_workers
 from cpjax.runtime import checkpointing, distributed, failures, files, run_logging, sharding
+from cpjax.training import loop as train
 from tests import test_reliability
 from tests.helpers import (
   REPO,

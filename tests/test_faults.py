@@ -21,9 +21,11 @@ import jax
 import numpy as np
 import pytest
 
-from cpjax import config_schema, train
+from cpjax.config import schema as config_schema
 from cpjax.runtime import checkpointing, preemption, run_logging, workdir_lock
 from cpjax.selection import score_files
+from cpjax.training import loop as train
+from cpjax.training import setup
 from tests.helpers import (
   REPO,
   SELECTED_FLAGS,
@@ -204,7 +206,7 @@ def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_
     train.train_and_evaluate(diverging, workdir)
   named = int(re.search(r"last good checkpoint is step (\d+) in", str(info.value)).group(1))
   assert checkpointing.Checkpointer(workdir, 1).latest_step() == named
-  state = train._setup(diverging, workdir)[1]  # Restores the newest checkpoint.
+  state = setup.setup_run(diverging, workdir)[1]  # Restores the newest checkpoint.
   assert int(state.step) == named
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.params))
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

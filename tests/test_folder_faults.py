@@ -19,7 +19,7 @@ from PIL import Image
 import pytest
 
 from configs import default
-from cpjax import config_validation
+from cpjax.config import validation as config_validation
 from cpjax.data import fingerprint, folder_source, host_stage, image_stats, preprocess, sources
 from cpjax.runtime import sharding
 from tests import helpers
@@ -420,7 +420,7 @@ def test_a_checkpoint_of_the_earlier_digests_resumes_and_still_sees_a_change(dat
 
 def _resumed(data: str, workdir: str, meta) -> dict:
   """check_resume at a (re)start in `workdir` with checkpoint metadata `meta` (None: no
-  checkpoint), as train._setup calls it."""
+  checkpoint), as cpjax.training.setup.setup_run calls it."""
   listings = fingerprint.saved_listings(workdir)
   folder_source.listing.cache_clear()
   identity = sources.identity(_dataset(data, image_size=12), listings[0] if listings else None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cpjax import config_validation
+from cpjax.config import validation as config_validation
 from studies import equivalence, frontier, grid, long_schedule
 
 

@@ -19,11 +19,13 @@ import numpy as np
 import optax
 import pytest
 
-from cpjax import config_validation, models, optim, run_state, steps, train
+from cpjax import models, optim, run_state, steps
 from cpjax.calibration import gamma_net, losses, report
+from cpjax.config import validation as config_validation
 from cpjax.data import augment, specs, splits
 from cpjax.runtime import preemption, sharding
 from cpjax.selection import scores
+from cpjax.training import loop as train
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
 

@@ -22,7 +22,7 @@ from PIL import Image
 import pytest
 
 from configs import default
-from cpjax import config_validation
+from cpjax.config import validation as config_validation
 from cpjax.data import decode_workers, host_stage, preprocess, sources
 from cpjax.runtime import sharding
 from tests import helpers

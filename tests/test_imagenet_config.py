@@ -11,8 +11,9 @@ from PIL import Image
 import pytest
 
 from configs import imagenet
-from cpjax import models, optim, train
+from cpjax import models, optim
 from cpjax.data import specs
+from cpjax.training import loop as train
 
 
 def test_warmup_then_cosine_by_hand():

@@ -8,7 +8,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cpjax import config_validation
+from cpjax.config import validation as config_validation
 from cpjax.data import specs, splits
 from cpjax.runtime import sharding
 from cpjax.selection import api, bookkeeping, policies, selector, sources

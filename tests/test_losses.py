@@ -12,12 +12,14 @@ import pytest
 from scipy.special import lambertw
 from scipy.special import log_softmax as np_log_softmax
 
-from cpjax import config_validation, models, optim, steps, train
+from cpjax import models, optim, steps
 from cpjax.calibration import losses
 from cpjax.calibration import surrogates as surr
+from cpjax.config import validation as config_validation
 from cpjax.data import augment
 from cpjax.runtime import sharding
 from cpjax.selection import scores
+from cpjax.training import loop as train
 from tests.helpers import read_metrics, tiny_config
 
 Z = jnp.array([[2.0, 1.0, 0.0]])

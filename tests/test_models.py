@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpjax import config_validation, models
+from cpjax import models
+from cpjax.config import validation as config_validation
 from cpjax.models import nets
 from tests import helpers
 

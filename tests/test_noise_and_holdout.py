@@ -5,7 +5,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cpjax import config_validation
+from cpjax.config import validation as config_validation
 from cpjax.data import input_pipeline, splits
 from cpjax.selection import sources
 from tests.helpers import tiny_config

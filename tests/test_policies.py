@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from cpjax import config_validation
+from cpjax.config import validation as config_validation
 from cpjax.runtime import sharding
 from cpjax.selection import policies, scores, subsets
 from tests.helpers import tiny_config

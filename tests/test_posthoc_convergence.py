@@ -18,8 +18,8 @@ import scipy.optimize
 import scipy.special
 import threadpoolctl
 
-from cpjax import config_schema
 from cpjax.calibration import newton, parametric, posthoc, report
+from cpjax.config import schema as config_schema
 
 # Every test here fits a map to convergence (seconds compiling and iterating): all `slow`.
 pytestmark = pytest.mark.slow

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from cpjax import config_validation, train
+from cpjax.config import validation as config_validation
 from cpjax.data import array_records, input_pipeline, readers
 from cpjax.runtime import sharding
+from cpjax.training import loop as train
 from tests import helpers
 
 

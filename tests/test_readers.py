@@ -13,17 +13,18 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from cpjax import config_validation, train
+from cpjax.config import validation as config_validation
 from cpjax.data import (
   array_records,
-  device_stage,
   host_stage,
   input_pipeline,
   readers,
   sources,
   specs,
 )
+from cpjax.data.device_stage import reader as device_stage
 from cpjax.runtime import preemption, sharding
+from cpjax.training import loop as train
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
 

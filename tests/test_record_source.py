@@ -15,7 +15,7 @@ from PIL import Image
 import pytest
 
 from configs import default
-from cpjax import config_validation, train
+from cpjax.config import validation as config_validation
 from cpjax.data import (
   array_records,
   fingerprint,
@@ -27,6 +27,7 @@ from cpjax.data import (
   splits,
 )
 from cpjax.runtime import sharding
+from cpjax.training import loop as train
 from tests.helpers import read_metrics, tiny_config
 
 

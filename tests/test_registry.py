@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpjax import config_validation, registry, train
+from cpjax import registry
 from cpjax.calibration import losses
+from cpjax.config import validation as config_validation
 from cpjax.selection import policies, scores
+from cpjax.training import loop as train
 from scripts import registry_tables
 from tests import helpers
 from tests.helpers import tiny_config

@@ -20,12 +20,15 @@ import tensorflow_datasets as tfds
 
 from configs import cifar10 as cifar10_config
 from configs import fashion_mnist as fashion_mnist_config
-from cpjax import epoch_loop, preflight, run_state, train
+from cpjax import run_state
 from cpjax.calibration import report
+from cpjax.config import preflight
 from cpjax.data import array_records, input_pipeline
 from cpjax.data.datasets import fashion_mnist_local
-from cpjax.runtime import checkpoint_room, sharding
+from cpjax.runtime import checkpoint_room, checkpointing, sharding
 from cpjax.selection import bookkeeping, score_files
+from cpjax.training import loop as train
+from cpjax.training import step_loop
 from tests import helpers, test_faults
 from tests.helpers import (
   REPO,
@@ -136,23 +139,23 @@ def test_a_run_that_learns_nothing_stops_with_a_clear_message(tmp_path):
     (-np.inf, np.inf, np.inf, 5, False),  # A resumed epoch's unknown extremes.
 ])
 def test_stall_rule_by_hand(loss_min, loss_max, grad_max, steps, stalls, tmp_path):
-  checkpointer = train.checkpointing.Checkpointer(str(tmp_path), 1)
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), 1)
   totals = {"loss_min": np.float32(loss_min), "loss_max": np.float32(loss_max),
             "grad_norm_max": np.float32(grad_max)}
   if stalls:
-    with pytest.raises(epoch_loop.StalledTrainingError):
-      epoch_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
+    with pytest.raises(step_loop.StalledTrainingError):
+      step_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
   else:
-    epoch_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
+    step_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
 
 
-# Start-up checks (cpjax.preflight): every failure is found before anything is written.
+# Start-up checks (cpjax.config.preflight): every failure is found before anything is written.
 
 
 def _fails_at_start_up(config, workdir: str, *expected: str, checks_only: bool = False) -> str:
   """train_and_evaluate(config) stops in its start-up checks with one line per problem,
   each matching one of `expected` in order, and leaves `workdir` as it found it.
-  `checks_only`: call those checks alone (cpjax.preflight.check, the first thing a run
+  `checks_only`: call those checks alone (cpjax.config.preflight.check, the first thing a run
   does), for a config whose training would take many minutes if the checks let it pass."""
   before = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None
   with pytest.raises(preflight.StartupCheckError) as info:

@@ -40,7 +40,7 @@ LAST_STEP = 2 * STEPS_PER_EPOCH
 #   hang          the report's first computation sleeps for 10 minutes instead.
 _AT_STAGE = """
 import os, runpy, signal, sys, time
-from cpjax import evaluation
+from cpjax.training import evaluation
 from cpjax.calibration import report
 stage = sys.argv[1]
 calls = []

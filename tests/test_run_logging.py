@@ -18,9 +18,10 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from cpjax import epoch_loop, steps
+from cpjax import steps
 from cpjax.runtime import failures, metric_writers, run_logging, sharding
 from cpjax.selection import bookkeeping, sources
+from cpjax.training import step_loop
 from tests import helpers, test_failures
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
 
@@ -246,12 +247,12 @@ def test_a_logging_window_logs_a_steps_own_metrics_by_their_names():
              "grad_norm": np.float32([1, 3]), "param_norm": np.float32([5, 6]),
              "gamma_sum": np.float32([2, 6]), "meta_loss": np.float32([0.5, 1.5])}
   writer = _Scalars()
-  epoch_loop._log_train_window(writer, (stacked, 10, np.float32(0.25), (0, 8, None)))
+  step_loop._log_train_window(writer, (stacked, 10, np.float32(0.25), (0, 8, None)))
   assert writer.written == [(10, {
       "train/loss": 0.75, "train/accuracy": 0.5, "train/learning_rate": 0.25,
       "train/grad_norm": 2.0, "train/param_norm": 6.0, "train/gamma_mean": 1.0,
       "train/meta_loss": 1.0})]
-  epoch_loop._log_train_window(writer, None)  # Nothing pending: nothing written.
+  step_loop._log_train_window(writer, None)  # Nothing pending: nothing written.
   assert len(writer.written) == 1
 
 

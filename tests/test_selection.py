@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from cpjax import models, run_state, steps, train
+from cpjax import models, run_state, steps
 from cpjax.data import augment, specs
 from cpjax.runtime import preemption, sharding
 from cpjax.selection import bookkeeping, policies, score_files, scores, selector, sources, subsets
+from cpjax.training import loop as train
 from tests import helpers
 from tests.helpers import read_metrics
 

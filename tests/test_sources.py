@@ -19,12 +19,11 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import default
-from cpjax import config_validation, steps
+from cpjax import steps
+from cpjax.config import validation as config_validation
 from cpjax.data import (
-  device_stage,
   folder_source,
   host_stage,
-  packed_regions,
   preprocess,
   record_source,
   sources,
@@ -32,6 +31,8 @@ from cpjax.data import (
   splits,
   tensorflow_optional,
 )
+from cpjax.data.device_stage import packed_regions
+from cpjax.data.device_stage import reader as device_stage
 from cpjax.runtime import sharding
 from tests import helpers
 from tests.helpers import tiny_config

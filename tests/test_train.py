@@ -17,9 +17,11 @@ import numpy as np
 import optax
 import pytest
 
-from cpjax import epoch_loop, optim, train
+from cpjax import optim
 from cpjax.calibration import posthoc
 from cpjax.calibration import report as report_lib
+from cpjax.training import loop as train
+from cpjax.training import setup, step_loop
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
 
@@ -60,7 +62,7 @@ def test_step_schedule_is_the_epoch_schedule_stretched_over_the_run_steps():
     ([422, 43, 43], 10_000, (422, 43, 43)),  # More than the run needs: unchanged.
 ])
 def test_epoch_steps_under_a_step_budget_by_hand(natural, budget, expected):
-  assert train._epoch_steps(natural, budget) == expected
+  assert setup._epoch_steps(natural, budget) == expected
 
 
 @pytest.mark.slow
@@ -229,7 +231,7 @@ def test_input_wait_counts_the_waits_for_batches_only():
     for i in range(3):
       time.sleep(0.02)
       yield i
-  waiting, got = epoch_loop.InputWait(slow_reader()), []
+  waiting, got = step_loop.InputWait(slow_reader()), []
   for batch in waiting:
     got.append(batch)
     time.sleep(0.15)  # The step: not input.

@@ -19,7 +19,8 @@ from jax._src import array as jax_array  # ArrayImpl: where every host read of a
 import numpy as np
 import pytest
 
-from cpjax import epoch_loop, train
+from cpjax.training import loop as train
+from cpjax.training import setup, step_loop
 from tests import helpers
 
 DEVICE_READER = {"dataset.reader": "device", "evaluation.ood": "",
@@ -42,8 +43,8 @@ def host_reads(monkeypatch):
         inside.pop()
     return context
 
-  monkeypatch.setattr(epoch_loop, "step_guard", scoped(epoch_loop.step_guard, True))
-  monkeypatch.setattr(epoch_loop, "host_point", scoped(epoch_loop.host_point, False))
+  monkeypatch.setattr(step_loop, "step_guard", scoped(step_loop.step_guard, True))
+  monkeypatch.setattr(step_loop, "host_point", scoped(step_loop.host_point, False))
   value, copy = jax_array.ArrayImpl._value, jax_array.ArrayImpl.copy_to_host_async  # pylint: disable=protected-access
 
   def note(kind, arr):
@@ -82,7 +83,7 @@ def test_epochs_run_without_per_step_host_reads(tmp_path, host_reads, overrides)
 def test_a_per_step_host_read_is_counted(tmp_path, host_reads, monkeypatch):
   """A loss read back after every step (as a `float(loss)` in the loop would) is counted once
   per step; the logging points' own reads (every 5 steps) are not."""
-  jit_train_step = train._jit_train_step  # pylint: disable=protected-access
+  jit_train_step = setup._jit_train_step  # pylint: disable=protected-access
 
   def syncing_step(*args, **kwargs):
     step = jit_train_step(*args, **kwargs)
@@ -93,7 +94,7 @@ def test_a_per_step_host_read_is_counted(tmp_path, host_reads, monkeypatch):
       return state, batch_metrics, per_example
     return run_and_read
 
-  monkeypatch.setattr(train, "_jit_train_step", syncing_step)
+  monkeypatch.setattr(setup, "_jit_train_step", syncing_step)
   config = helpers.tiny_config(**{**DEVICE_READER, "num_epochs": 1})
   train.train_and_evaluate(config, str(tmp_path))
   assert [kind for kind, _, _ in host_reads] == ["value"] * helpers.STEPS_PER_EPOCH

@@ -20,8 +20,10 @@ from PIL import Image
 import pytest
 from scipy import special
 
-from cpjax import config_schema, config_validation, models
+from cpjax import models
 from cpjax.calibration import parametric, posthoc, report
+from cpjax.config import schema as config_schema
+from cpjax.config import validation as config_validation
 from cpjax.data import preprocess, sources
 from cpjax.selection import policies
 from tests import helpers, toy_models

@@ -3,8 +3,8 @@
 that read one run form a group on one worker, see conftest.py) and its tests only read its
 workdir, or copy it.
 
-Kept out of conftest.py so that only the modules that train import cpjax.train, and with it
-TensorFlow (cpjax.evaluation's clu.metric_writers imports TensorFlow's summary writer): the
+Kept out of conftest.py so that only the modules that train import cpjax.training.loop, and with it
+TensorFlow (cpjax.training.evaluation's clu.metric_writers imports TensorFlow's summary writer): the
 pytest-xdist controller, which collects no tests, and a run of other test files start without.
 """
 
@@ -13,7 +13,9 @@ import functools
 
 import pytest
 
-from cpjax import steps, train
+from cpjax import steps
+from cpjax.training import loop as train
+from cpjax.training import setup
 from tests import helpers
 
 
@@ -37,7 +39,7 @@ def selected_run(tmp_path_factory) -> TrainedRun:
   workdir = str(tmp_path_factory.mktemp("selected"))
   config = helpers.selected_config()
   traces, jitted = [], []
-  real_step, real_jit = steps.train_step, train._jit_train_step  # pylint: disable=protected-access
+  real_step, real_jit = steps.train_step, setup._jit_train_step  # pylint: disable=protected-access
 
   @functools.wraps(real_step)
   def counted_step(*args, **kwargs):
@@ -50,7 +52,7 @@ def selected_run(tmp_path_factory) -> TrainedRun:
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(steps, "train_step", counted_step)
-    patch.setattr(train, "_jit_train_step", captured_jit)
+    patch.setattr(setup, "_jit_train_step", captured_jit)
     record = train.train_and_evaluate(config, workdir)
   assert len(jitted) == 1
   return TrainedRun(workdir, config, record, len(traces),

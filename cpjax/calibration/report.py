@@ -447,6 +447,6 @@ def write_report(report_dir: str, report: dict[str, Any],
     files.atomic_write(paths[-2], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))
     _gamma_figure(paths[-1], *gamma)
   # Last: a report killed while being written has no results.json describing it (a rerun
-  # that finds one takes the report as complete, cpjax.evaluation).
+  # that finds one takes the report as complete, cpjax.training.evaluation).
   files.atomic_write(paths[0], json.dumps(strict_json(report), indent=1, allow_nan=False))
   return paths

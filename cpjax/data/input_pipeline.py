@@ -29,7 +29,6 @@ from tensorflow_datasets.core.download import downloader as tfds_downloader
 from cpjax.data import (
   array_records,  # noqa: F401
   datasets,
-  device_stage,  # noqa: F401
   host_stage,  # noqa: F401
   readers,
   sources,
@@ -38,6 +37,7 @@ from cpjax.data import (
   splits,
   tensorflow_optional,
 )
+from cpjax.data.device_stage import reader as device_stage  # noqa: F401
 from cpjax.data.splits import Split
 
 

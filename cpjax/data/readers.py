@@ -73,13 +73,13 @@ import numpy as np
 from cpjax import registry
 from cpjax.data import (
   decode_workers,
-  device_resize,
-  nvimgcodec_decode,
-  packed_regions,
   preprocess,
   specs,
   splits,
 )
+from cpjax.data.device_stage import nvimgcodec as nvimgcodec_decode
+from cpjax.data.device_stage import packed_regions
+from cpjax.data.device_stage import resize as device_resize
 from cpjax.runtime import sharding
 
 DEFAULT_PREFETCH_DEPTH = 2  # Global batches put on the devices ahead of the step.

@@ -1,6 +1,6 @@
 """Whether a checkpoint can be written before it is: a writable folder with room for it.
 
-`check_room` runs at start-up (cpjax.preflight, for the run's whole checkpoint, read from
+`check_room` runs at start-up (cpjax.config.preflight, for the run's whole checkpoint, read from
 shapes) and before every save (cpjax.runtime.checkpointing), so a full or read-only disk is
 one clear error naming the folder, before orbax starts writing.
 """

@@ -5,7 +5,7 @@ records; cpjax.data.readers.choose reads it):
 
   cpu         the host stage (cpjax.data.host_stage): decode, crop, resize and flip on the
               host's cores; the default, unchanged
-  gpu         this stage with nvImageCodec (cpjax.data.nvimgcodec_decode): each device decodes
+  gpu         this stage with nvImageCodec (cpjax.data.device_stage.nvimgcodec): each device decodes
               its own shard of the batch on its GPU (the hardware JPEG decoder where the card
               has one); needs an NVIDIA GPU and the `gpu-decode` extra
   device_cpu  this stage with PIL decoding on the host standing in for the GPU's decoder
@@ -19,7 +19,7 @@ A decoder is an entry of `readers.DECODERS` (a registry). In this stage the host
 example's encoded bytes and header (threads, no decoding), draws its box and flip from (seed,
 epoch, id) with the host stage's own functions (preprocess.Transform.box_and_flip), each
 device decodes its rows' images (or boxes) into a packed buffer on itself, and one jitted op
-(cpjax.data.device_resize) crops, resizes and flips them there: the batch's images never
+(cpjax.data.device_stage.resize) crops, resizes and flips them there: the batch's images never
 come back to the host. The global batch is assembled from the devices' shards
 (jax.make_array_from_single_device_arrays).
 
@@ -60,13 +60,13 @@ import numpy as np
 
 from cpjax.data import (
   decode_workers,
-  device_resize,
   image_stats,
-  packed_regions,
   preprocess,
   readers,
   sources,
 )
+from cpjax.data.device_stage import packed_regions
+from cpjax.data.device_stage import resize as device_resize
 from cpjax.runtime import sharding
 
 SIZE_SAMPLE = image_stats.STATS_SAMPLE  # Headers scanned for the largest image (`largest`).

@@ -1,7 +1,8 @@
-"""What one run's loop shares: the `Run` of parts built at start-up (cpjax.train), the error a
-diverged run stops with, where its last good checkpoint is, and the periodic-action rule
-(also cpjax.evaluation's). Only cpjax.train reads the Run: the parts below it get the values
-and config sections they use."""
+"""What one run's loop shares: the `Run` of parts built at start-up (cpjax.training.setup),
+the error a diverged run stops with, where its last good checkpoint is, and the
+periodic-action rule (also cpjax.training.evaluation's). Only cpjax.training.loop and
+cpjax.training.setup read the Run: the parts below them get the values and config sections
+they use."""
 
 from collections.abc import Callable
 import dataclasses
@@ -11,9 +12,10 @@ import flax.linen as nn
 import jax
 import optax
 
-from cpjax import loss_steps, steps
+from cpjax import steps
 from cpjax.data import readers, splits
 from cpjax.runtime import checkpointing
+from cpjax.training import loss_steps
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -26,11 +28,11 @@ EvalFn = Callable[[steps.TrainState, dict[str, jax.Array]], jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """A run's parts built once at start-up (`cpjax.train._setup`), none of which changes while
-  it trains: no config (each part was built from the sections it uses) and no train state (its
-  buffers are donated by the first step: `_setup` returns the restored state beside the Run).
-  The loop's parts (selector, train step, evaluator, writers), which `evaluate_only` does not
-  need, are cpjax.train's `Loop`."""
+  """A run's parts built once at start-up (`cpjax.training.setup.setup_run`), none of which
+  changes while it trains: no config (each part was built from the sections it uses) and no
+  train state (its buffers are donated by the first step: `setup_run` returns the restored
+  state beside the Run). The loop's parts (selector, train step, evaluator, writers), which
+  `evaluate_only` does not need, are cpjax.training.setup's `Loop`."""
   workdir: str
   mesh: jax.sharding.Mesh
   model: nn.Module
@@ -39,8 +41,8 @@ class Run:
   splits: dict[str, splits.Split]  # Host copies: labels, ids, images (none when streamed).
   readers: dict[str, readers.Reader]  # The same splits as batches on the mesh.
   eval_fn: EvalFn  # jitted.
-  # The loss's steps (cpjax.loss_steps.for_loss, built once): its train step, its extra train
-  # state and (FL_gamma) the report's test gammas.
+  # The loss's steps (cpjax.training.loss_steps.for_loss, built once): its train step, its
+  # extra train state and (FL_gamma) the report's test gammas.
   loss_kind: loss_steps.LossSteps
   # The epoch's batches from the train reader (the loss's: FL_gamma's joined by meta-validation
   # batches; `loss_kind.train_batches`).

@@ -4,7 +4,7 @@ sizes a shard's buffers (`Buffers`), device buffers reused in turn by a decoder 
 into device memory (`DeviceBuffers`), and PIL's decode on the host, for the stand-in decoder
 (`HostDecoder`) and for the files a GPU decoder cannot read (`host_region`, `with_host_part`).
 
-The layout is cpjax.data.device_resize's input: each example's decoded pixels (its whole
+The layout is cpjax.data.device_stage.resize's input: each example's decoded pixels (its whole
 image, or its crop box alone) uint8 [h, w, C] row-major, back to back in 1-D buffers on the
 device, with an offset, a (h, w) and the region's origin in the image per example. Every
 buffer of a run is `Buffers.length` long (one compiled program serves every batch of a
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpjax.data import decode_workers, device_resize, preprocess
+from cpjax.data import decode_workers, preprocess
+from cpjax.data.device_stage import resize as device_resize
 
 
 @dataclasses.dataclass(frozen=True)

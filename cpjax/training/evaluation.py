@@ -1,5 +1,5 @@
 """Evaluation of a run's state by one `Evaluator`, built once at start-up from the parts it
-uses (cpjax.train builds it from the config and the data; it holds neither the whole config
+uses (cpjax.training.setup builds it from the config and the data; it holds neither the whole config
 nor the `run_context.Run`, so it can be built and tested alone). It answers two questions:
 
   Evaluator.run           accuracy, NLL and the ECE family of the validation and test splits;
@@ -7,8 +7,8 @@ nor the `run_context.Run`, so it can be built and tested alone). It answers two 
                           workdir/report.
 
 The split metrics are due every `eval_every_epochs` and after the last epoch
-(`periodic.due`, decided in cpjax.train's epoch); the report is written after the loop
-(cpjax.train._write_report).
+(`periodic.due`, decided in cpjax.training.loop's epoch); the report is written after the loop
+(cpjax.training.loop._write_report).
 
 Each takes the train state when called and returns its numbers (as big_vision's evaluators,
 `run(state) -> metrics`); TensorBoard images go to a writer passed in. A non-finite logit
@@ -27,10 +27,11 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
-from cpjax import run_context, steps
+from cpjax import steps
 from cpjax.calibration import figures, metrics, report
 from cpjax.data import corruptions, input_pipeline, readers, splits
 from cpjax.runtime import files, metric_writers, run_logging
+from cpjax.training import run as run_context
 
 SPLITS = ("val", "test")  # The splits evaluated, in this order.
 REPORT_KEY = "calibrator"  # A key every `report_record` has: marks an epoch record complete.
@@ -40,7 +41,7 @@ REPORT_KEY = "calibrator"  # A key every `report_record` has: marks an epoch rec
 class Evaluator:
   """Eval-mode logits of the validation and test splits: their calibration metrics after an
   epoch (`run`), and the final calibration report (`write_report`)."""
-  eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.train._jit_eval_step).
+  eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.training.setup._jit_eval_step).
   mesh: jax.sharding.Mesh
   split_readers: Mapping[str, readers.Reader]  # SPLITS as batches on the mesh.
   labels: Mapping[str, np.ndarray]  # SPLITS' labels, in row order.
@@ -56,7 +57,7 @@ class Evaluator:
   # config.dataset: an OOD set that is another dataset is read as this run's test split is.
   dataset: ml_collections.ConfigDict
   # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
-  # compile options (cpjax.loss_steps.MetaSteps.gamma_step); None for every other loss.
+  # compile options (cpjax.training.loss_steps.MetaSteps.gamma_step); None for every other loss.
   gamma_fn: Any = None
 
   def run(self, state: steps.TrainState, writer: metric_writers.MetricWriter | None = None,

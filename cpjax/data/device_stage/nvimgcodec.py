@@ -58,7 +58,9 @@ import jax
 import numpy as np
 from PIL import Image
 
-from cpjax.data import decode_workers, device_resize, packed_regions
+from cpjax.data import decode_workers
+from cpjax.data.device_stage import packed_regions
+from cpjax.data.device_stage import resize as device_resize
 
 INSTALL = ("pip install 'cpjax[gpu-decode]' (nvidia-nvimgcodec-cu13 and nvidia-nvjpeg; "
            "nvidia-nvimgcodec-cu12 for CUDA 12)")

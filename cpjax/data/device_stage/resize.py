@@ -8,7 +8,7 @@ right, bottom, whole pixels) inside that region in `boxes[k]`. The op reads each
 pixels by index, so a buffer's length changes nothing but the program: XLA compiles one per
 (part lengths, examples, taps), on each device.
 
-Few programs, compiled ahead (cpjax.data.device_stage's `compile_ahead`): a reader sizes every
+Few programs, compiled ahead (the reader's `compile_ahead`): a reader sizes every
 buffer of a run alike, `capacity` of its shard's rows times the largest image's bytes (from a
 header scan), so one length serves every batch of a size; the taps (`tap_count`, a power of
 two) are at most `tap_bound` of the largest image's longest side (`tap_choices`: 2 up to that

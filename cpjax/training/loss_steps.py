@@ -5,7 +5,7 @@ FL_gamma (meta-learned gamma, Wang & Golebiowski 2024) differs from every other 
 training batches as the reader gives them) or `MetaSteps` (FL_gamma: gamma-Net and its
 optimizer in the train state, the bilevel `steps.meta_train_step`, each training batch joined
 by a meta-validation batch, and the report's test gammas). Both answer the same questions,
-asked at start-up (cpjax.train's set-up builds one, kept in the Run), so the epoch never meets
+asked at start-up (cpjax.training.setup builds one, kept in the Run), so the epoch never meets
 either:
 
   extra_state       what `steps.create_train_state` adds to the train state (None: nothing);

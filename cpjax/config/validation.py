@@ -1,7 +1,7 @@
 """Checks every config field once, at start-up, before any data load or compile.
 
 An unknown field, a missing field, a wrong type or an out-of-range value (the checks of
-cpjax/config_schema.py) raises `ConfigError` naming the field and what would be valid; so
+cpjax/config/schema.py) raises `ConfigError` naming the field and what would be valid; so
 does a combination of fields that cannot work together (checked here).
 
 `implied_settings` lists what a choice needs and the user left unset (main.py applies it
@@ -22,8 +22,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from cpjax import config_schema, models
+from cpjax import models
 from cpjax.calibration import losses
+from cpjax.config import schema as config_schema
 from cpjax.data import readers, specs, splits
 from cpjax.data import sources as data_sources
 from cpjax.selection import policies, scores
@@ -54,7 +55,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def _field_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Each field on its own: unknown, missing, or a bad value (cpjax/config_schema.py)."""
+  """Each field on its own: unknown, missing, or a bad value (cpjax/config/schema.py)."""
   schema = config_schema.spine_schema()
   leaves = config_schema.leaves(config)
   problems = [config_schema.unknown_field(name, schema) for name in leaves if name not in schema]
