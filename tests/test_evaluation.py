@@ -3,6 +3,8 @@ mesh and the val/test data. The whole path (a trained run's metrics and report) 
 through the trainer in test_train.py, test_reliability.py and test_gamma_net.py."""
 
 import collections
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +13,12 @@ import numpy as np
 import pytest
 
 from configs import default
-from cpjax.calibration import bootstrap, metrics, report
+from cpjax.calibration import bootstrap, figures, metrics, report
 from cpjax.data import splits
 from cpjax.runtime import sharding
 from cpjax.training import evaluation
 from cpjax.training import run as run_context
+from tests import helpers
 
 State = collections.namedtuple("State", "step")  # All that the evaluators read of a state.
 NUM_CLASSES, LAST_GOOD = 10, "The last good checkpoint is step 3 in /nowhere."
@@ -98,3 +101,51 @@ def test_report_intervals_equal_the_generic_bootstrap(finite):
       else:
         assert ours[name][field] == value or (np.isnan(value) and np.isnan(ours[name][field])), (
             name, field)
+
+
+def _bins(scale, rows=400, seed=0):
+  rng = np.random.default_rng(seed)
+  bins = metrics.reliability_bins(metrics.softmax(rng.normal(size=(rows, 6)) * scale),
+                                  rng.integers(0, 6, rows), 15)
+  return {name: np.asarray(v).tolist() for name, v in bins._asdict().items()}
+
+
+def test_a_kept_figure_draws_the_pixels_of_a_figure_built_afresh():
+  """Each picture after a kind's first moves the kept figure's bars or steps and retitles it;
+  the RGB images and PNG bytes equal those of a figure built afresh for the same data, for
+  bins of every shape (empty bins, an almost empty set) and one to three scalings."""
+  cases = [_bins(scale, seed=i) for i, scale in enumerate((0.5, 3.0, 20.0))] + [
+      _bins(3.0, rows=3, seed=9)]
+
+  def pictures(bins, histogram_bins):
+    return (figures.reliability_image(bins, "test, step 7"), figures.reliability_png(
+        bins, "test, after ts"), figures.histogram_image(histogram_bins),
+            figures.histogram_png(histogram_bins))
+  for i, bins in enumerate(cases):
+    histogram_bins = {"before_ts": bins} if i % 2 else {
+        "before_ts": bins, "after_ts": cases[i - 1], "calibrated": cases[i - 2]}
+    kept = pictures(bins, histogram_bins)
+    saved = dict(figures._KEPT)  # pylint: disable=protected-access
+    figures._KEPT.clear()  # pylint: disable=protected-access
+    try:
+      fresh = pictures(bins, histogram_bins)
+    finally:
+      figures._KEPT.clear()  # pylint: disable=protected-access
+      figures._KEPT.update(saved)  # pylint: disable=protected-access
+    for ours, theirs in zip(kept, fresh):
+      assert (np.array_equal(ours, theirs) if isinstance(ours, np.ndarray) else ours == theirs)
+  assert kept[0].shape == (400, 400, 3) and kept[2].shape == (350, 500, 3)
+
+
+def test_the_training_path_imports_neither_scipy_nor_matplotlib_nor_sklearn():
+  """Only the report (and its pictures) needs them: importing the trainer, its evaluation and
+  its config checks leaves them unimported (each takes up to a second)."""
+  code = ("import sys\n"
+          "import cpjax.config_schema, cpjax.evaluation, cpjax.train\n"
+          "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'scipy', 'matplotlib', "
+          "'sklearn', 'threadpoolctl'})\n"
+          "assert not heavy, heavy\n")
+  result = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO,
+                          env=helpers.subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]

@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import scipy.optimize
+import scipy.special
 import scipy.stats
 from sklearn import metrics as sk_metrics
 
@@ -398,3 +399,56 @@ def test_classwise_ece_of_resamples_equals_the_resampled_rows(n, k):
   expected = [metrics.classwise_ece(probs[r], labels[r], k, 15) for r in rows]
   np.testing.assert_allclose(bootstrap.classwise_ece_of_resamples(probs, labels, k, 15, counts),
                              expected, rtol=0, atol=1e-13)
+
+
+def test_log_softmax_is_scipys_bit_for_bit():
+  """NumPy's log-softmax (the per-epoch evaluation imports no SciPy) against
+  scipy.special.log_softmax, operation for operation: the same numbers, bit for bit,
+  saturated and non-finite rows included."""
+  rng = np.random.default_rng(20)
+  logits = rng.normal(size=(500, 7)) * rng.uniform(0.1, 300, size=(500, 1))
+  logits[3, 2], logits[4], logits[5, 0] = np.inf, -np.inf, np.nan
+  with np.errstate(invalid="ignore"):
+    expected = scipy.special.log_softmax(logits, axis=-1)
+    np.testing.assert_array_equal(metrics.log_softmax(logits), expected)
+  np.testing.assert_array_equal(metrics.log_softmax(logits[0]),
+                                scipy.special.log_softmax(logits[0]))
+
+
+def test_smooth_ece_kernel_is_scipys_normal_density():
+  """The reflected Gaussian kernel from its distinct offsets against the sum of
+  scipy.stats.norm.pdf over the three images, bit for bit."""
+  resolution = 50
+  centres = (np.arange(resolution) + 0.5) / resolution
+  images = (centres, -centres, 2.0 - centres)
+  offsets = np.unique(np.stack([centres[:, None] - image[None, :] for image in images]),
+                      return_inverse=True)
+  for bandwidth in (1e-4, 0.013, 0.5, 1.0):
+    expected = np.zeros((resolution, resolution))
+    for image in images:
+      expected += scipy.stats.norm.pdf(centres[:, None], loc=image[None, :], scale=bandwidth)
+    np.testing.assert_array_equal(metrics._reflected_gaussian(offsets, bandwidth), expected)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("kind", ["equal_width", "seed", "adaptive"])
+def test_ece_of_rows_is_each_rows_ece_bit_for_bit(kind):
+  """ECE of many rows at once (the bootstrap's resamples) against the ECE functions of each
+  row alone: the same numbers bit for bit, a row with a NaN included."""
+  rng = np.random.default_rng(21)
+  probs = metrics.softmax(rng.normal(size=(6 * 300, 5)) * 3).reshape(6, 300, 5)
+  labels = rng.integers(0, 5, (6, 300))
+  pairs = [metrics.top_label(p, y) for p, y in zip(probs, labels)]
+  confidence, correct = (np.stack(v) for v in zip(*pairs))
+  confidence[4, 17] = np.nan
+  if kind == "equal_width":
+    ours = metrics.ece_of_rows(confidence, correct, metrics.equal_width_edges(15))
+    expected = [metrics.ece_from_confidences(c, k) for c, k in zip(confidence, correct)]
+  elif kind == "seed":
+    conf32 = confidence.astype(np.float32)
+    ours = metrics.ece_of_rows(conf32, correct, metrics.seed_edges(15), "left_closed")
+    expected = [metrics.seed_ece_from_confidences(c, k) for c, k in zip(conf32, correct)]
+  else:
+    ours = metrics.ece_of_rows(confidence, correct, metrics.adaptive_edges(confidence, 15))
+    expected = [metrics.adaptive_ece_from_confidences(c, k) for c, k in zip(confidence, correct)]
+  np.testing.assert_array_equal(ours, expected)
+  assert np.isnan(ours[4]) and np.all(np.isfinite(np.delete(ours, 4)))

@@ -15,7 +15,6 @@ The fits are NumPy; the applications take `xp` (numpy, or jax.numpy to run under
 """
 
 import numpy as np
-import scipy.optimize
 
 
 def bin_of(p, num_bins: int, xp=np):
@@ -52,6 +51,9 @@ def pool_adjacent_violators(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, n
   # SciPy's pool-adjacent-violators (C) on the tied means weighted by their counts: the same
   # unique least-squares fit as pooling in Python (up to rounding), ~100x faster, which a
   # report at ImageNet's K (a fit per class per fold) needs.
+  # Imported here: the training path imports this module (the config's map names), and only
+  # the report fits a map.
+  import scipy.optimize  # pylint: disable=g-import-not-at-top
   fitted = scipy.optimize.isotonic_regression(means, weights=counts.astype(np.float64)).x
   return ux, fitted
 

@@ -9,15 +9,15 @@ The percentile interval [q_lo, q_hi] is the alternative. The seed is explicit
 and recorded with the result.
 
 `resampled_values` computes the report's metrics over resamples without copying the [N, K]
-probabilities per resample: per-row statistics gathered per resample (bit for bit the metric
-of the resampled rows) and classwise ECE from each resample's row counts.
+probabilities per resample: per-row statistics gathered for a block of resamples at once and
+each metric computed for the block in one array operation (bit for bit the metric of each
+resample's rows), and classwise ECE from each resample's row counts.
 """
 
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
-import scipy.sparse
 
 from cpjax.calibration import metrics, ranking
 
@@ -105,37 +105,57 @@ def row_statistics(probs: np.ndarray, logits: np.ndarray, labels: np.ndarray
           "brier": metrics.brier_terms(probs, labels)}
 
 
-# name -> f(row statistics of a resample, num_bins): the metric of the resampled rows, bit for
-# bit (cpjax.calibration.report's columns).
+def _each(metric):
+  """A metric of one resample's statistics [N] as one of a block of resamples' ([C, N])."""
+  return lambda confidence, correct: np.array([metric(c, k) for c, k in zip(confidence,
+                                                                            correct)])
+
+
+# name -> (the row statistics it reads, f(them gathered for a block of resamples [C, N] each,
+# num_bins) -> its [C] values): the metric of each resample's rows, bit for bit (the same
+# sums in the same order, one array operation for the block; cpjax.calibration.report's
+# columns).
 FROM_ROW_STATISTICS = {
-    "accuracy": lambda s, m: float(np.mean(s["correct"])),
-    "ece": lambda s, m: metrics.ece_from_confidences(s["confidence"], s["correct"], m),
-    "ece_left_closed": lambda s, m: metrics.seed_ece_from_confidences(s["confidence32"],
-                                                                      s["correct32"], m),
-    "adaptive_ece": lambda s, m: metrics.adaptive_ece_from_confidences(s["confidence"],
-                                                                       s["correct"], m),
-    "nll": lambda s, m: float(-np.mean(s["label_log_prob"])),
-    "brier": lambda s, m: float(np.mean(s["brier"])),
-    "aurc": lambda s, m: ranking.aurc_from_confidences(s["confidence"], s["correct"]),
-    "e_aurc": lambda s, m: ranking.e_aurc_from_confidences(s["confidence"], s["correct"]),
+    "accuracy": (("correct",), lambda s, m: np.mean(s["correct"], axis=1)),
+    "ece": (("confidence", "correct", "bin"), lambda s, m: metrics.ece_of_rows(
+        s["confidence"], s["correct"], metrics.equal_width_edges(m), index=s["bin"])),
+    "ece_left_closed": (("confidence32", "correct32", "bin32"), lambda s, m: metrics.ece_of_rows(
+        s["confidence32"], s["correct32"], metrics.seed_edges(m), "left_closed", s["bin32"])),
+    "adaptive_ece": (("confidence", "correct"), lambda s, m: metrics.ece_of_rows(
+        s["confidence"], s["correct"], metrics.adaptive_edges(s["confidence"], m))),
+    "nll": (("label_log_prob",), lambda s, m: -np.mean(s["label_log_prob"], axis=1)),
+    "brier": (("brier",), lambda s, m: np.mean(s["brier"], axis=1)),
+    "aurc": (("confidence", "correct"), lambda s, m: _each(ranking.aurc_from_confidences)(
+        s["confidence"], s["correct"])),
+    "e_aurc": (("confidence", "correct"), lambda s, m: _each(ranking.e_aurc_from_confidences)(
+        s["confidence"], s["correct"])),
 }
 
 
 def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples
                      ) -> dict[str, np.ndarray]:
-  """[B] values of each named metric, over the resamples' [chunk, N] row blocks."""
+  """[B] values of each named metric, over the resamples' [chunk, N] row blocks: each
+  block's statistics gathered once, each metric computed for the whole block at once."""
   statistics = row_statistics(probs, logits, labels)
+  # Each row's bin of the fixed-edge ECEs, binned once (a resample's rows keep their bins).
+  statistics["bin"] = metrics.bin_index(statistics["confidence"],
+                                        metrics.equal_width_edges(num_bins), "right_closed")
+  statistics["bin32"] = metrics.bin_index(statistics["confidence32"],
+                                          metrics.seed_edges(num_bins), "left_closed")
+  needed = {key for name in names if name != "classwise_ece"
+            for key in FROM_ROW_STATISTICS[name][0]}
   values = {name: [] for name in names}
   for rows in resamples:
+    gathered = {key: statistics[key][rows] for key in needed}
     for name in names:
       if name == "classwise_ece":
-        counts = np.stack([np.bincount(r, minlength=len(labels)) for r in rows])
-        values[name].extend(classwise_ece_of_resamples(probs, labels, num_classes,
-                                                       num_bins, counts))
+        counts = np.bincount((rows + len(labels) * np.arange(len(rows))[:, None]).ravel(),
+                             minlength=rows.size).reshape(rows.shape)
+        values[name].append(classwise_ece_of_resamples(probs, labels, num_classes, num_bins,
+                                                       counts))
       else:
-        values[name].extend(FROM_ROW_STATISTICS[name](
-            {k: v[r] for k, v in statistics.items()}, num_bins) for r in rows)
-  return {name: np.asarray(v) for name, v in values.items()}
+        values[name].append(FROM_ROW_STATISTICS[name][1](gathered, num_bins))
+  return {name: np.concatenate(v) if v else np.zeros(0) for name, v in values.items()}
 
 
 def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classes: int,
@@ -158,6 +178,9 @@ def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classe
   slot = np.where(index[rows, classes] < 0, num_bins, index[rows, classes])  # M: no bin.
   columns = (slot - 1) * num_classes + classes  # Bins 1..M-1, then "no bin".
   event = np.asarray(labels)[rows] == classes
+  # Imported here: the training path imports this module (the config's interval kinds), and
+  # only the report resamples.
+  import scipy.sparse  # pylint: disable=g-import-not-at-top
   shape = (len(probs), num_bins * num_classes)
   sums = [counts @ scipy.sparse.csr_matrix((value, (rows, columns)), shape=shape)
           for value in (np.ones(len(rows)), probs[rows, classes], event.astype(np.float64))]

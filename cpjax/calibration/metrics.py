@@ -18,15 +18,20 @@ smooth ECE). The ranking metrics (OOD detection, selective prediction) are in
 from typing import NamedTuple
 
 import numpy as np
-import scipy.special
-import scipy.stats
 
 CONVENTIONS = ("right_closed", "left_closed")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-  """Row-wise log-softmax in float64."""
-  return scipy.special.log_softmax(np.asarray(logits, np.float64), axis=-1)
+  """Row-wise log-softmax in float64: SciPy's `special.log_softmax`, operation for operation
+  (the same numbers bit for bit), in NumPy alone, so the per-epoch evaluation imports no
+  SciPy."""
+  x = np.asarray(logits, np.float64)
+  x_max = np.max(x, axis=-1, keepdims=True)
+  x_max[~np.isfinite(x_max)] = 0.0
+  shifted = x - x_max
+  with np.errstate(divide="ignore"):  # log(0) = -inf: a row whose maximum is inf.
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -175,9 +180,13 @@ def seed_ece(logits: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> floa
 def seed_ece_from_confidences(confidences: np.ndarray, correct: np.ndarray,
                               num_bins: int = 15) -> float:
   """`seed_ece` from float32 top-label confidences [N] and 0/1 correctness [N]."""
-  edges = equal_width_edges(num_bins).astype(np.float32)  # Exact in float64 below.
-  return _weighted_gap(bin_statistics(confidences, correct, edges.astype(np.float64),
+  return _weighted_gap(bin_statistics(confidences, correct, seed_edges(num_bins),
                                       "left_closed"))
+
+
+def seed_edges(num_bins: int) -> np.ndarray:
+  """`seed_ece`'s edges: float32(m / M), held exactly in float64."""
+  return equal_width_edges(num_bins).astype(np.float32).astype(np.float64)
 
 
 def mce(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15,
@@ -201,9 +210,50 @@ def adaptive_ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> f
 def adaptive_ece_from_confidences(confidences: np.ndarray, correct: np.ndarray,
                                   num_bins: int = 15) -> float:
   """`adaptive_ece` from top-label confidences [N] and 0/1 correctness [N]."""
-  edges = np.interp(np.linspace(0, len(confidences), num_bins + 1),
-                    np.arange(len(confidences)), np.sort(confidences))
+  edges = adaptive_edges(np.asarray(confidences)[None], num_bins)[0]
   return _weighted_gap(bin_statistics(confidences, correct, edges, "right_closed"))
+
+
+def adaptive_edges(confidences: np.ndarray, num_bins: int) -> np.ndarray:
+  """[C, M + 1]: AdaECE's equal-mass edges of each row of confidences [C, N]."""
+  positions, ranks = np.linspace(0, confidences.shape[1], num_bins + 1), np.arange(
+      confidences.shape[1])
+  return np.stack([np.interp(positions, ranks, row) for row in np.sort(confidences, axis=1)])
+
+
+def ece_of_rows(confidences: np.ndarray, correct: np.ndarray, edges: np.ndarray,
+                convention: str = "right_closed", index: np.ndarray | None = None
+                ) -> np.ndarray:
+  """[C]: the binned gap (`ece_from_confidences`' sum_m |B_m| / total |acc - conf|) of each
+  row c of top-label confidences and 0/1 correctness [C, N], with `edges` [M + 1] or one row
+  of edges per row [C, M + 1] (`index`: each value's `bin_index`, if known): each row binned
+  and summed as `bin_statistics` bins and sums it alone (the same sums in the same order: the
+  same numbers bit for bit), all rows in one pass. A row with a non-finite value is NaN."""
+  confidences = np.asarray(confidences, np.float64)
+  correct = np.asarray(correct, np.float64)
+  num_rows, num_bins = len(confidences), np.shape(edges)[-1] - 1
+  if index is not None:
+    pass
+  elif np.ndim(edges) == 1:
+    index = bin_index(confidences, edges, convention)
+  else:
+    index = np.stack([bin_index(c, e, convention) for c, e in zip(confidences, edges)])
+  inside = (index >= 0) & (index < num_bins)
+  flat = index + num_bins * np.arange(num_rows)[:, None]  # Bin id per (row, bin).
+  if inside.all():  # No copies where every value is binned (a top-label confidence is > 0).
+    flat, confidences_in, correct_in = flat.ravel(), confidences.ravel(), correct.ravel()
+  else:
+    flat, confidences_in, correct_in = flat[inside], confidences[inside], correct[inside]
+  size = num_rows * num_bins
+  count = np.bincount(flat, minlength=size).astype(np.float64).reshape(num_rows, num_bins)
+  stats = BinStatistics(edges, count, np.bincount(flat, confidences_in, size).reshape(
+      num_rows, num_bins), np.bincount(flat, correct_in, size).reshape(num_rows, num_bins), 0.0)
+  total = (np.full(num_rows, float(confidences.shape[1])) if convention == "right_closed"
+           else count.sum(axis=1))
+  with np.errstate(invalid="ignore", divide="ignore"):
+    gap = np.where(total > 0, np.sum(stats.count * _gaps(stats), axis=1) / total, 0.0)
+  finite = np.all(np.isfinite(confidences), axis=1) & np.all(np.isfinite(correct), axis=1)
+  return np.where(finite, gap, np.nan)
 
 
 def classwise_ece(probs: np.ndarray, labels: np.ndarray, num_classes: int,
@@ -322,11 +372,23 @@ def s99(probs: np.ndarray, labels: np.ndarray, threshold: float = 0.99) -> tuple
   return share, float(np.mean(correct[confident])) if confident.any() else float("nan")
 
 
-def _reflected_gaussian(grid: np.ndarray, centres: np.ndarray, bandwidth: float) -> np.ndarray:
-  """Gaussian kernel on [0, 1] reflected at both ends, so it integrates to 1 there."""
-  kernel = np.zeros((len(grid), len(centres)))
-  for image in (centres, -centres, 2.0 - centres):
-    kernel += scipy.stats.norm.pdf(grid[:, None], loc=image[None, :], scale=bandwidth)
+_SQRT_2PI = np.sqrt(2 * np.pi)
+
+
+def _reflected_gaussian(offsets: tuple[np.ndarray, np.ndarray], bandwidth: float) -> np.ndarray:
+  """Gaussian kernel on [0, 1] reflected at both ends, so it integrates to 1 there: the sum
+  over the images of its centres (c, -c, 2 - c) of the normal density at t of mean the image.
+  `offsets`: the distinct values of t - image and, [3, T, C], where each (image, t, centre)'s
+  is among them. Each density is computed as `scipy.stats.norm.pdf(t, loc=image,
+  scale=bandwidth)` computes it (exp(-x^2 / 2) / sqrt(2 pi) / bandwidth, x = (t - image) /
+  bandwidth), once per distinct offset: the same numbers, ~5x faster (the bandwidth search
+  calls this 31 times; the offsets take ~1 % of the T C values)."""
+  unique, inverse = offsets
+  x = unique / bandwidth
+  density = (np.exp(-x ** 2 / 2.0) / _SQRT_2PI / bandwidth)[inverse]
+  kernel = np.zeros(density.shape[1:])
+  for image in density:
+    kernel += image
   return kernel
 
 
@@ -366,9 +428,12 @@ def smooth_ece(probs: np.ndarray, labels: np.ndarray, resolution: int = 200) -> 
   centres = (np.arange(resolution) + 0.5) / resolution
   cell = np.minimum((conf * resolution).astype(int), resolution - 1)
   residual = np.bincount(cell, correct - conf, resolution) / len(conf)
+  offsets = np.unique(np.stack([centres[:, None] - image[None, :]
+                                for image in (centres, -centres, 2.0 - centres)]),
+                      return_inverse=True)
 
   def smece_at(bandwidth):
-    return float(np.mean(np.abs(_reflected_gaussian(centres, centres, bandwidth) @ residual)))
+    return float(np.mean(np.abs(_reflected_gaussian(offsets, bandwidth) @ residual)))
 
   low, high = 1e-4, 1.0
   for _ in range(30):

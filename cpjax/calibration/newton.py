@@ -27,15 +27,18 @@ not drifting along a direction the objective hardly curves in), and the fit has 
 its rows. Nocedal & Wright, Numerical Optimization (2006), ch. 7.1 (line-search Newton-CG).
 """
 
+import concurrent.futures
 import dataclasses
 import functools
+import logging
+import threading
 
 import jax
-from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
 from cpjax.calibration import parametric
+from cpjax.runtime import compiler_options
 
 LINE_SEARCH_HALVINGS = 30
 ARMIJO = 1e-4  # Sufficient decrease: f(theta + t d) <= f(theta) + ARMIJO t g . d.
@@ -65,6 +68,13 @@ class Solver:
   gtol64: float = 1e-8  # The same in float64.
   xtol64: float = 1e-6
   dtype: str = "float32"  # Of the fit: float32, or float64 (needs JAX's x64 mode).
+  # A fit of at most this many rows x parameters is small (K = 10 classes, 1,000 rows: 1.1e5
+  # for matrix scaling): the cross-validation fits each strength's folds together
+  # (`minimise_batch`), and the solver is compiled for a short compile (`_executable`).
+  # Above it (matrix scaling at K = 100 on 5,000 rows: 5e7) each fit runs alone, so that a
+  # strength that cannot win is not fitted on its remaining folds, and the solver is
+  # compiled to run fast. 0: every fit alone.
+  small_fit: int = 1 << 22
 
   to_tolerance = True  # A fit is judged converged by the tolerances above.
 
@@ -83,171 +93,381 @@ class Solver:
   def minimise(self, key, init, inputs, labels, weights, strength) -> parametric.Fit:
     return minimise(key, init, inputs, labels, weights, strength, self)
 
+  def minimise_batch(self, key, inits, inputs, labels, weights, strengths
+                     ) -> list[parametric.Fit]:
+    return minimise_batch(key, inits, inputs, labels, weights, strengths, self)
 
-def _scores(key: str, params: dict, inputs):
-  if key == "vector_scaling":
-    return inputs * params["w"] + params["b"]
-  return inputs @ params["w"].T + params["b"]
+  def batches(self, rows: int, num_params: int) -> bool:
+    """Whether fits of this size are small (`small_fit`): batched, and compiled for a short
+    compile rather than a fast run."""
+    return rows * num_params <= self.small_fit
+
+
+# ----------------------------------------------------------------------------------------------
+# A batch of B fits of one map on the same rows, each with its own row weights, strength and
+# start: the flat parameters x [B, P] (ravel_pytree's order: the intercept b, then the
+# weights w), the per-fit scalars [B].
+
+
+def _select(mask, new, old):
+  """new where mask [B], else old (any trailing shape)."""
+  return jnp.where(mask.reshape(mask.shape + (1,) * (jnp.ndim(new) - 1)), new, old)
+
+
+def _vdot(a, b):
+  return jnp.sum(a * b, axis=1)
+
+
+class _Batch:
+  """`parametric.objective` of each of B fits over their flat parameters, with its gradient,
+  Hessian-vector product and Hessian diagonal written out: the mean NLL's gradient in the
+  scores is omega_i (q_i - e_{y_i}) per row and its Hessian omega_i (diag(q_i) - q_i q_i^T),
+  and the scores are linear in the parameters (J: their Jacobian). Written for a batch rather
+  than vmapped, and by hand rather than by automatic differentiation: a smaller program, so it
+  traces and compiles in less time; the same numbers up to rounding
+  (tests/test_posthoc_convergence.py checks them against JAX's derivatives). The scores and
+  everything per row and class are [B, K, N], classes before rows: each matrix product then
+  gives its result in the layout the next operation reads, with no transposes."""
+
+  def __init__(self, key: str, inputs, labels, weights, strength):
+    self.key, self.inputs = key, inputs  # [N, K]
+    self.k = inputs.shape[-1]
+    self.columns = inputs.T  # [K, N]
+    self.onehot = jnp.arange(self.k)[:, None] == labels[None, :]  # [K, N]
+    self.weights = weights  # [B, N]: 0/1 selects a fold's training rows.
+    self.omega = (weights / jnp.sum(weights, axis=1, keepdims=True))[:, None, :]  # [B, 1, N]
+    self.strength = strength  # [B]
+    # The off-diagonal weights masked, not sum(W^2) - sum(diag(W)^2): as `parametric.penalty`.
+    self.off = 1.0 - jnp.eye(self.k, dtype=inputs.dtype)
+    self.pairs = max(self.k * (self.k - 1), 1)
+
+  def unravel(self, x) -> dict:
+    w = x[:, self.k:]
+    return {"b": x[:, :self.k],
+            "w": w if self.key == "vector_scaling" else w.reshape(-1, self.k, self.k)}
+
+  @staticmethod
+  def ravel(tree: dict):
+    return jnp.concatenate([tree["b"], tree["w"].reshape(tree["b"].shape[0], -1)], axis=1)
+
+  def scores(self, params: dict):
+    """[B, K, N]; linear in the parameters: the scores' change along a direction is the
+    direction's scores."""
+    if self.key == "vector_scaling":
+      return self.columns * params["w"][:, :, None] + params["b"][:, :, None]
+    return jnp.einsum("bjk,kn->bjn", params["w"], self.columns) + params["b"][:, :, None]
+
+  def transposed(self, g) -> dict:
+    """J^T g for g [B, K, N]."""
+    if self.key == "vector_scaling":
+      return {"w": jnp.sum(g * self.columns, axis=2), "b": jnp.sum(g, axis=2)}
+    return {"w": jnp.einsum("bjn,nk->bjk", g, self.inputs), "b": jnp.sum(g, axis=2)}
+
+  def penalty(self, params: dict):
+    w = params["w"]
+    if self.key == "vector_scaling":
+      spread = jnp.mean((w - jnp.mean(w, axis=1, keepdims=True)) ** 2, axis=1)
+    else:
+      spread = jnp.sum((w * self.off) ** 2, axis=(1, 2)) / self.pairs
+    return spread + jnp.mean(params["b"] ** 2, axis=1)
+
+  def penalty_gradient(self, params: dict):
+    """The penalty's gradient at `params`, flat: a quadratic's, so also its Hessian times
+    `params`. Vector scaling's is 2 (d - mean d) / K with d = w - mean w: the second mean is
+    0 but for rounding, and keeping it keeps the gradient that of the penalty as float32
+    computes it (without it, at strength 1e6, the two differed by ~1e-2 and Newton's method
+    took twice the steps)."""
+    w = params["w"]
+    if self.key == "vector_scaling":
+      w = 2.0 * (w - jnp.mean(w, axis=1, keepdims=True)) / self.k
+      w = w - jnp.mean(w, axis=1, keepdims=True)
+    else:
+      w = 2.0 * w * self.off / self.pairs
+    return self.ravel({"w": w, "b": 2.0 * params["b"] / self.k})
+
+  def log_probs(self, x):
+    """[B, K, N]."""
+    s = self.scores(self.unravel(x))
+    s = s - jnp.max(s, axis=1, keepdims=True)
+    return s - jnp.log(jnp.sum(jnp.exp(s), axis=1, keepdims=True))
+
+  def nll(self, log_p):
+    """[B]: each fit's weighted mean NLL of log-probabilities [B, K, N]."""
+    return -jnp.sum(self.omega * jnp.where(self.onehot, log_p, 0.0), axis=(1, 2))
+
+  def value_and_grad(self, x):
+    """[B] values, [B, P] gradients and [B] NLLs (the values without the penalty)."""
+    params = self.unravel(x)
+    log_p = self.log_probs(x)
+    nll = self.nll(log_p)
+    g = self.omega * (jnp.exp(log_p) - self.onehot)
+    return (nll + self.strength * self.penalty(params),
+            (self.ravel(self.transposed(g))
+             + self.strength[:, None] * self.penalty_gradient(params)), nll)
+
+  def hvp(self, probs, v):
+    """H v at the parameters whose softmax(scores) is `probs` [B, K, N]."""
+    direction = self.unravel(v)
+    ds = self.scores(direction)
+    dg = self.omega * probs * (ds - jnp.sum(probs * ds, axis=1, keepdims=True))
+    return (self.ravel(self.transposed(dg))
+            + self.strength[:, None] * self.penalty_gradient(direction))
+
+  def hessian_diagonal(self, probs):
+    """The NLL's sum_i omega_i q_ik (1 - q_ik) x_ij^2 (x_ij := 1 for the intercept), plus the
+    penalty's constant one; flat."""
+    curvature = self.omega * probs * (1.0 - probs)  # [B, K, N]
+    strength = self.strength[:, None]
+    diagonal = {"b": jnp.sum(curvature, axis=2) + strength * 2.0 / self.k}
+    if self.key == "vector_scaling":
+      diagonal["w"] = (jnp.sum(curvature * self.columns ** 2, axis=2)
+                       + strength * 2.0 * (1.0 - 1.0 / self.k) / self.k)
+    else:
+      diagonal["w"] = (jnp.einsum("bjn,nk->bjk", curvature, self.inputs ** 2)
+                       + strength[:, :, None] * 2.0 * self.off / self.pairs)
+    return self.ravel(diagonal)
+
+  def probability_change(self, probs, step):
+    """[B]: max over fit rows of |first-order change of softmax(scores)| along `step`."""
+    ds = self.scores(self.unravel(step))
+    change = jnp.abs(probs * (ds - jnp.sum(probs * ds, axis=1, keepdims=True)))
+    return jnp.max(jnp.where(self.weights[:, None, :] > 0, change, 0.0), axis=(1, 2))
 
 
 def hessian_diagonal(key: str, params: dict, inputs, weights, strength):
-  """The diagonal of the objective's Hessian: the NLL's, sum_i omega_i q_ik (1 - q_ik) x_ij^2
-  (x_ij := 1 for the intercept), plus the penalty's constant one."""
-  k = inputs.shape[-1]
-  omega = weights / jnp.sum(weights)
-  probs = jax.nn.softmax(_scores(key, params, inputs), axis=-1)
-  curvature = omega[:, None] * probs * (1.0 - probs)  # [N, K]
-  diag_b = jnp.sum(curvature, 0) + strength * 2.0 / k
-  if key == "vector_scaling":
-    return {"w": jnp.sum(curvature * inputs ** 2, 0) + strength * 2.0 * (1.0 - 1.0 / k) / k,
-            "b": diag_b}
-  off = 1.0 - jnp.eye(k, dtype=inputs.dtype)
-  return {"w": curvature.T @ inputs ** 2 + strength * 2.0 * off / max(k * (k - 1), 1),
-          "b": diag_b}
+  """The diagonal of one fit's objective's Hessian at `params` (unbatched), as a dict."""
+  batch = _Batch(key, jnp.asarray(inputs), jnp.zeros(len(inputs), jnp.int32),
+                 jnp.asarray(weights)[None], jnp.asarray(strength)[None])
+  x = batch.ravel({n: jnp.asarray(v)[None] for n, v in params.items()})
+  probs = jnp.exp(batch.log_probs(x))
+  return {n: v[0] for n, v in batch.unravel(batch.hessian_diagonal(probs)).items()}
 
 
-def _probability_change(key: str, params: dict, step: dict, inputs, weights):
-  """max over fit rows of |first-order change of softmax(scores)| along `step` (the scores
-  are linear in the parameters: their change is the scores of `step`)."""
-  probs = jax.nn.softmax(_scores(key, params, inputs), axis=-1)
-  ds = _scores(key, step, inputs)
-  change = jnp.abs(probs * (ds - jnp.sum(probs * ds, axis=1, keepdims=True)))
-  return jnp.max(jnp.where(weights[:, None] > 0, change, 0.0))
-
-
-def _conjugate_gradients(hvp, rhs, precondition, tol, max_steps):
-  """Preconditioned CG for H x = rhs from 0, to |residual| <= tol or max_steps. H is
-  positive semi-definite; a direction of no curvature ends the iteration."""
-  def body(carry):
-    x, r, p, rz, i, _ = carry
-    hp = hvp(p)
-    curvature = jnp.vdot(p, hp)
-    flat = curvature <= 0.0
-    alpha = jnp.where(flat, 0.0, rz / jnp.where(flat, 1.0, curvature))
-    x, r = x + alpha * p, r - alpha * hp
-    z = precondition(r)
-    rz_new = jnp.vdot(r, z)
-    return x, r, z + rz_new / rz * p, rz_new, i + 1, flat
-
+def _conjugate_gradients(hvp, rhs, inverse_diagonal, tol, max_steps):
+  """Preconditioned CG for H x = rhs [B, P] from 0, each fit to |residual| <= tol or
+  max_steps [B] iterations. H is positive semi-definite; a direction of no curvature ends a
+  fit's iteration. Returns x and each fit's iterations."""
   def running(carry):
     _, r, _, rz, i, flat = carry
-    return (jnp.linalg.norm(r) > tol) & (i < max_steps) & ~flat & (rz > 0)
+    return (jnp.linalg.norm(r, axis=1) > tol) & (i < max_steps) & ~flat & (rz > 0)
 
-  z = precondition(rhs)
-  start = (jnp.zeros_like(rhs), rhs, z, jnp.vdot(rhs, z), 0, False)
-  x, _, _, _, steps, _ = jax.lax.while_loop(running, body, start)
+  def body(carry):
+    x, r, p, rz, i, _ = carry
+    active = running(carry)
+    hp = hvp(p)
+    curvature = _vdot(p, hp)
+    flat = curvature <= 0.0
+    alpha = jnp.where(flat, 0.0, rz / jnp.where(flat, 1.0, curvature))[:, None]
+    new_r = r - alpha * hp
+    z = inverse_diagonal * new_r
+    rz_new = _vdot(new_r, z)
+    new = (x + alpha * p, new_r, z + (rz_new / jnp.where(active, rz, 1.0))[:, None] * p,
+           rz_new, i + 1, flat)
+    return tuple(_select(active, n, o) for n, o in zip(new, carry))
+
+  z = inverse_diagonal * rhs
+  none = jnp.zeros(rhs.shape[:1], jnp.int32)
+  start = (jnp.zeros_like(rhs), rhs, z, _vdot(rhs, z), none, none > 0)
+  x, _, _, _, steps, _ = jax.lax.while_loop(lambda c: jnp.any(running(c)), body, start)
   return x, steps
 
 
-def _newton_direction(objective, key: str, unravel, x, grad, inputs, weights, strength, gtol,
-                      cg_steps: int, budget):
+def _newton_direction(batch: _Batch, x, grad, gtol, max_steps):
   """The Newton step d at `x` (H d = -g by CG preconditioned by H's damped diagonal, to the
-  forcing term's tolerance, at most min(`cg_steps`, `budget`) iterations), its CG iterations,
+  forcing term's tolerance, at most `max_steps` [B] iterations), its CG iterations,
   max |g_i| / max(1, H_ii) and the largest first-order change of a fit row's probability
-  along d (the module docstring's convergence tests)."""
-  _, exact_hvp = jax.linearize(jax.grad(objective), x)
-  diagonal, _ = ravel_pytree(hessian_diagonal(key, unravel(x), inputs, weights, strength))
-  damping = DAMPING * jnp.max(diagonal)
+  along d (the module docstring's convergence tests); per fit."""
+  probs = jnp.exp(batch.log_probs(x))
+  diagonal = batch.hessian_diagonal(probs)
+  damping = DAMPING * jnp.max(diagonal, axis=1, keepdims=True)
   diagonal = diagonal + damping
-
-  def hvp(v):
-    return exact_hvp(v) + damping * v
-  norm = jnp.linalg.norm(grad)
-  inverse_diagonal = 1.0 / jnp.maximum(diagonal, 1e-30)
+  norm = jnp.linalg.norm(grad, axis=1)
   # Eisenstat & Walker's forcing term, but no tighter than the gradient tolerance needs.
   tol = jnp.maximum(jnp.minimum(0.5, jnp.sqrt(norm)) * norm, 0.1 * gtol)
-  step, cg = _conjugate_gradients(hvp, -grad, lambda r: inverse_diagonal * r, tol,
-                                  jnp.minimum(cg_steps, budget))
-  scaled = jnp.max(jnp.abs(grad) / jnp.maximum(1.0, diagonal))
-  change = _probability_change(key, unravel(x), unravel(step), inputs, weights)
-  return step, cg, scaled, change
+  step, cg = _conjugate_gradients(lambda v: batch.hvp(probs, v) + damping * v, -grad,
+                                  1.0 / jnp.maximum(diagonal, 1e-30), tol, max_steps)
+  scaled = jnp.max(jnp.abs(grad) / jnp.maximum(1.0, diagonal), axis=1)
+  return step, cg, scaled, batch.probability_change(probs, step)
 
 
-def _line_search(value_and_grad, x, value, grad, step):
-  """Halves t from 1 until f(x + t step) meets Armijo's decrease or the slope test (module
-  docstring): (the point accepted, its value and gradient, halvings, whether it moved). The
-  value and gradient at the accepted point are the next Newton step's, not computed again."""
-  slope = jnp.vdot(grad, step)
+def _line_search(value_and_grad, point, step, skip):
+  """Halves each fit's t from 1 until f(x + t step) meets Armijo's decrease or the slope test
+  (module docstring), from `point` = (x, its value, gradient and NLL): (the points accepted
+  with theirs, halvings, whether each moved). The value and gradient at an accepted point are
+  the next Newton step's, not computed again. A fit in `skip` [B] (converged, or finished)
+  tries no point."""
+  x, value, grad, _ = point
+  slope = _vdot(grad, step)
 
   def rejected(carry):
-    _, _, _, i, accepted = carry
+    _, _, i, accepted = carry
     return ~accepted & (i < LINE_SEARCH_HALVINGS)
 
   def halve(carry):
-    t, _, _, i, _ = carry
+    t, _, i, _ = carry
+    active = rejected(carry)
     t = jnp.where(i > 0, 0.5 * t, t)
-    new_x = x + t * step
-    new_value, new_grad = value_and_grad(new_x)
+    new_x = x + t[:, None] * step
+    new_value, new_grad, new_nll = value_and_grad(new_x)
     accepted = ((new_value <= value + ARMIJO * t * slope)
-                | (jnp.vdot(new_grad, step) <= -SLOPE_DECREASE * slope))
-    return t, new_x, (new_value, new_grad), i + jnp.where(accepted, 0, 1), accepted
-  _, new_x, (new_value, new_grad), halvings, accepted = jax.lax.while_loop(
-      rejected, halve, (jnp.ones((), x.dtype), x, (value, grad), 0, False))
-  moved = accepted & (slope < 0.0)
-  return (jnp.where(moved, new_x, x), jnp.where(moved, new_value, value),
-          jnp.where(moved, new_grad, grad), halvings, moved)
+                | (_vdot(new_grad, step) <= -SLOPE_DECREASE * slope))
+    new = (t, (new_x, new_value, new_grad, new_nll), i + jnp.where(accepted, 0, 1), accepted)
+    return jax.tree.map(functools.partial(_select, active), new, carry)
+  start = (jnp.ones_like(value), point, jnp.zeros(value.shape, jnp.int32), skip)
+  _, tried, halvings, accepted = jax.lax.while_loop(lambda c: jnp.any(rejected(c)), halve,
+                                                    start)
+  moved = accepted & (slope < 0.0) & ~skip
+  return (jax.tree.map(functools.partial(_select, moved), tried, point),
+          jnp.where(skip, -1, halvings), moved)
 
 
-@functools.partial(jax.jit, static_argnames=("key", "newton_steps", "cg_steps", "max_evaluations"))
-def _newton(key, x0, inputs, labels, weights, strength, gtol, xtol, *, newton_steps,
+def _newton(key, x0, weights, strength, inputs, labels, gtol, xtol, *, newton_steps,
             cg_steps, max_evaluations):
-  """The jitted fit (module docstring) from the flat parameters x0: Newton steps
-  (`_newton_direction`, `_line_search`) until converged, stalled or out of steps or
-  evaluations."""
-  _, unravel = ravel_pytree(parametric.identity_params(key, inputs.shape[-1]))
-  unravel = functools.partial(_unravel_as, unravel, x0.dtype)
-
-  def objective(x):
-    return parametric.objective(key, unravel(x), inputs, labels, weights, strength)
-  value_and_grad = jax.value_and_grad(objective)
-
-  def body(carry):
-    x, value, grad, i, evaluations, _, _, _, _ = carry
-    step, cg, scaled, change = _newton_direction(objective, key, unravel, x, grad, inputs,
-                                                 weights, strength, gtol, cg_steps,
-                                                 max_evaluations - evaluations)
-    converged = (scaled <= gtol) & (change <= xtol)
-    x, value, grad, halvings, moved = jax.lax.cond(  # A converged fit stays where it is.
-        converged, lambda: (x, value, grad, -1, False),
-        lambda: _line_search(value_and_grad, x, value, grad, step))
-    # Evaluations: the Hessian's diagonal, CG's products, the line search's (value and
-    # gradient at each point tried).
-    return (x, value, grad, i + 1, evaluations + 1 + cg + halvings + 1, converged,
-            ~converged & ~moved, scaled, change)
+  """B fits (module docstring) from the flat parameters x0 [B, P], with row weights
+  weights [B, N] and strengths [B]: Newton steps (`_newton_direction`, `_line_search`) until
+  each has converged, stalled or run out of steps or evaluations. A fit that has ended takes
+  no more steps, CG iterations or line-search points while the others go on."""
+  batch = _Batch(key, inputs, labels, weights, strength)
 
   def running(carry):
-    _, _, _, i, evaluations, converged, stalled, _, _ = carry
+    _, i, evaluations, converged, stalled, _, _ = carry
     return (i < newton_steps) & ~converged & ~stalled & (evaluations < max_evaluations)
 
-  inf = jnp.asarray(jnp.inf, x0.dtype)
-  value, grad = value_and_grad(x0)
-  x, _, grad, steps, evaluations, converged, stalled, scaled, change = jax.lax.while_loop(
-      running, body, (x0, value, grad, 0, 1, False, False, inf, inf))
-  nll = parametric.objective(key, unravel(x), inputs, labels, weights, 0.0)
-  return x, steps, evaluations, converged, stalled, scaled, change, nll, jnp.max(jnp.abs(grad))
+  def body(carry):
+    point, i, evaluations, _, _, _, _ = carry
+    active = running(carry)
+    step, cg, scaled, change = _newton_direction(
+        batch, point[0], point[2], gtol,
+        jnp.where(active, jnp.minimum(cg_steps, max_evaluations - evaluations), 0))
+    converged = (scaled <= gtol) & (change <= xtol)
+    # A converged fit stays where it is.
+    point, halvings, moved = _line_search(batch.value_and_grad, point, step,
+                                          converged | ~active)
+    # Evaluations: the Hessian's diagonal, CG's products, the line search's (value and
+    # gradient at each point tried).
+    new = (point, i + 1, evaluations + 1 + cg + halvings + 1, converged, ~converged & ~moved,
+           scaled, change)
+    return jax.tree.map(functools.partial(_select, active), new, carry)
+
+  point = (x0, *batch.value_and_grad(x0))
+  zeros = jnp.zeros(point[1].shape, jnp.int32)
+  inf = jnp.full(point[1].shape, jnp.inf, x0.dtype)
+  (x, _, grad, nll), steps, evaluations, converged, stalled, scaled, change = (
+      jax.lax.while_loop(lambda c: jnp.any(running(c)), body,
+                         (point, zeros, zeros + 1, zeros > 0, zeros > 0, inf, inf)))
+  return (x, steps, evaluations, converged, stalled, scaled, change, nll,
+          jnp.max(jnp.abs(grad), axis=1))
 
 
-def _unravel_as(unravel, dtype, x):
-  return jax.tree.map(lambda v: v.astype(dtype), unravel(x))
+_STATIC = ("key", "newton_steps", "cg_steps", "max_evaluations")
+_newton_jit = jax.jit(_newton, static_argnames=_STATIC)
+_COMPILED: dict[tuple, concurrent.futures.Future] = {}  # One executable per fit shape.
+_COMPILED_LOCK = threading.Lock()
+
+
+def _executable(key: str, batch: int, rows: int, num_classes: int, solver: Solver):
+  """The compiled `_newton` of `batch` fits of `rows` rows and `num_classes` classes: compiled
+  once per shape and solver in a process (and loaded from JAX's persistent compilation cache
+  where that is on), by whichever thread asks first; the others wait for it.
+
+  A small fit (`Solver.batches`) is compiled with the "small_solver" options of
+  cpjax.runtime.compiler_options (on a CPU: LLVM's optimisations off, a third less compile
+  for fits ~10 % slower): the report's fits run for a fraction of a second. A large fit runs
+  long enough to want the default options."""
+  dtype = np.dtype(solver.dtype)
+  num_params = num_classes * (2 if key == "vector_scaling" else num_classes + 1)
+  fast_compile = solver.batches(rows, num_params)
+  entry = (key, batch, rows, num_classes, dtype.name, solver.newton_steps, solver.cg_steps,
+           solver.max_evaluations, fast_compile, jax.default_backend())  # What it compiles.
+  with _COMPILED_LOCK:
+    future = _COMPILED.get(entry)
+    owner = future is None
+    if owner:
+      future = _COMPILED[entry] = concurrent.futures.Future()
+  if owner:
+    try:
+      future.set_result(_compile(key, batch, rows, num_classes, dtype, solver, fast_compile))
+    except BaseException as error:  # The waiting threads see it too; the next call retries.
+      with _COMPILED_LOCK:
+        _COMPILED.pop(entry, None)
+      future.set_exception(error)
+      raise
+  return future.result()
+
+
+def _compile(key, batch, rows, num_classes, dtype, solver: Solver, fast_compile: bool):
+  shape = jax.ShapeDtypeStruct
+  num_params = num_classes * (2 if key == "vector_scaling" else num_classes + 1)
+  lowered = _newton_jit.lower(
+      key, shape((batch, num_params), dtype), shape((batch, rows), dtype), shape((batch,), dtype),
+      shape((rows, num_classes), dtype), shape((rows,), jnp.int32), shape((), dtype),
+      shape((), dtype), newton_steps=solver.newton_steps, cg_steps=solver.cg_steps,
+      max_evaluations=solver.max_evaluations)
+  options = compiler_options.compiler_options("small_solver") if fast_compile else {}
+  try:
+    return lowered.compile(options)
+  except jax.errors.JaxRuntimeError as error:  # An XLA that no longer knows an option.
+    if not options or "No such compile option" not in str(error):
+      raise
+    logging.info("Compiling the post-hoc solver without %s: %s", options, error)
+    return lowered.compile()
+
+
+def precompile(key: str, batch: int, rows: int, num_classes: int,
+               solver: Solver) -> concurrent.futures.Future:
+  """Starts compiling the solver of `batch` fits of that size in a background thread, so that
+  it compiles while the caller computes something else; the fits wait for it. Returns its
+  future."""
+  done = concurrent.futures.Future()
+
+  def run():
+    try:
+      done.set_result(_executable(key, batch, rows, num_classes, solver))
+    except BaseException as error:  # pylint: disable=broad-except  (the fits raise it again)
+      done.set_exception(error)
+  threading.Thread(target=run, name=f"compile-{key}").start()
+  return done
 
 
 def minimise(key: str, init: dict, inputs: np.ndarray, labels: np.ndarray,
              weights: np.ndarray, strength: float, solver: Solver) -> parametric.Fit:
   """`parametric.objective(key, ...)` (vector or matrix scaling; Dirichlet: matrix scaling of
-  log p) minimised from `init` by Newton-CG in JAX, in `solver.dtype`."""
+  log p) minimised from `init` by Newton-CG in JAX, in `solver.dtype`: a batch of one."""
+  return minimise_batch(key, [init], inputs, labels, np.asarray(weights)[None], [strength],
+                        solver)[0]
+
+
+def minimise_batch(key: str, inits: list[dict], inputs: np.ndarray, labels: np.ndarray,
+                   weights: np.ndarray, strengths, solver: Solver) -> list[parametric.Fit]:
+  """B fits on the same inputs [N, K] in one jitted call: fit b from inits[b] with row weights
+  weights[b] ([B, N]) and strength strengths[b]. Each fit's result is the one it would have
+  alone, up to rounding (its operations are batched)."""
   if solver.dtype not in ("float32", "float64"):
     raise ValueError(f"solver dtype={solver.dtype!r}; valid choices: float32, float64")
   if solver.dtype == "float64" and not jax.config.jax_enable_x64:
     raise ValueError("a float64 fit needs JAX's x64 mode (`with jax.enable_x64(True):`)")
   dtype = np.dtype(solver.dtype)
   gtol, xtol = solver.tolerances()
-  x0, unravel = ravel_pytree({n: jnp.asarray(v, dtype) for n, v in init.items()})
-  x, steps, evaluations, converged, stalled, scaled, change, nll, grad_norm = _newton(
-      key, x0, jnp.asarray(inputs, dtype), jnp.asarray(labels, jnp.int32),
-      jnp.asarray(weights, dtype), jnp.asarray(strength, dtype), jnp.asarray(gtol, dtype),
-      jnp.asarray(xtol, dtype), newton_steps=solver.newton_steps, cg_steps=solver.cg_steps,
-      max_evaluations=solver.max_evaluations)
-  params = {n: np.asarray(v) for n, v in unravel(x).items()}
+  names = sorted(inits[0])  # ravel_pytree's order: b, then w.
+  shapes = [np.shape(inits[0][n]) for n in names]
+  x0 = np.stack([np.concatenate([np.ravel(init[n]) for n in names]) for init in inits])
+  rows, num_classes = np.shape(inputs)
+  executable = _executable(key, len(inits), rows, num_classes, solver)
+  out = jax.device_get(executable(
+      jnp.asarray(x0, dtype), jnp.asarray(weights, dtype),
+      jnp.asarray(np.asarray(strengths, np.float64), dtype), jnp.asarray(inputs, dtype),
+      jnp.asarray(labels, jnp.int32), jnp.asarray(gtol, dtype), jnp.asarray(xtol, dtype)))
+  splits = np.cumsum([int(np.prod(shape)) for shape in shapes])[:-1]
+
+  def unravel(x):
+    return {n: part.reshape(shape) for n, part, shape in zip(names, np.split(x, splits), shapes)}
+  return [_result(solver, unravel(out[0][b]), gtol, xtol, *(v[b] for v in out[1:]))
+          for b in range(len(inits))]
+
+
+def _result(solver: Solver, params: dict, gtol, xtol, steps, evaluations, converged, stalled,
+            scaled, change, nll, grad_norm) -> parametric.Fit:
+  """One fit's outcome as a `parametric.Fit`, its message saying how it ended."""
   scaled, change, grad_norm = float(scaled), float(change), float(grad_norm)
   message = (f"{int(steps)} Newton steps; max |g_i| / max(1, H_ii) {scaled:.2g}, the Newton "
              f"step left moves a probability by {change:.2g}")

@@ -24,8 +24,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.optimize
-import scipy.sparse.linalg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +109,7 @@ def _ets_parts(xp, z, log_t):
   return xp.stack([log_softmax(xp, z / xp.exp(log_t)), log_softmax(xp, z), uniform], axis=0)
 
 
-def _penalty(method: str, params: dict, num_classes: int):
+def penalty(method: str, params: dict, num_classes: int):
   """ODIR: mean squared off-diagonal weight plus mean squared intercept (Kull et al. 2019);
   for vector scaling, its analogue for a diagonal map: the mean squared deviation of w from
   its mean (a shared scale, i.e. a temperature, stays free) plus the mean squared intercept."""
@@ -149,7 +147,7 @@ def objective(method: str, params: dict, inputs, labels, weights, strength):
   matrix scaling with inputs log p) or "ets_mixture" (inputs: ETS's three parts [3, N, K])."""
   log_p = log_probs(jnp, method, params, inputs)
   nll = -jnp.sum(weights * jnp.take_along_axis(log_p, labels[:, None], axis=-1)[:, 0])
-  return nll / jnp.sum(weights) + strength * _penalty(method, params, inputs.shape[-1])
+  return nll / jnp.sum(weights) + strength * penalty(method, params, inputs.shape[-1])
 
 
 def _scores(method: str, params: dict, inputs: np.ndarray) -> np.ndarray:
@@ -260,9 +258,10 @@ def _separates(key: str, params: dict, inputs, labels, weights) -> bool:
 def minimise(key: str, init: dict, inputs: np.ndarray, labels: np.ndarray,
              weights: np.ndarray, strength: float, solver: Solver) -> Fit:
   """`objective(key, ...)` minimised from `init` by `solver`."""
-  flat = _Flat(init)
-  count = [0]
-  cache = {}
+  # Imported here: the training path imports this module, and only the report fits a map.
+  import scipy.optimize  # pylint: disable=g-import-not-at-top
+  import scipy.sparse.linalg  # pylint: disable=g-import-not-at-top
+  flat, count, cache = _Flat(init), [0], {}
 
   def fun(x):
     count[0] += 1
@@ -361,3 +360,26 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray
     return result._replace(params=params)
   return Fit(params, result.converged and first.converged, result.grad_norm,
              result.evaluations + first.evaluations, result.message)
+
+
+BATCHED = ("vector_scaling", "matrix_scaling", "dirichlet")  # The maps `fit_batch` fits.
+
+
+def fit_batch(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray,
+              strengths, solver, starts: list[dict | None]) -> list[Fit]:
+  """B fits (`fit`) of vector, matrix or Dirichlet scaling: fit b on row weights weights[b]
+  ([B, N], e.g. a cross-validation's folds) at strengths[b] from starts[b] (None: the
+  identity), in one call of the solver's `minimise_batch` (cpjax.calibration.newton: one
+  jitted solve)."""
+  if method not in BATCHED:
+    raise ValueError(f"{method} is not fitted in batches; batched: {', '.join(BATCHED)}")
+  inits = [{**identity_params(method, logits.shape[-1]), **(start or {})} for start in starts]
+  inputs = log_softmax(np, logits) if method == "dirichlet" else logits  # As in `fit`.
+  return solver.minimise_batch(solver_key(method), inits, inputs, labels, weights,
+                               np.asarray(strengths, np.float64))
+
+
+def solver_key(method: str) -> str:
+  """The objective `fit_batch` minimises for `method`: Dirichlet calibration is matrix scaling
+  of the log-probabilities."""
+  return "matrix_scaling" if method == "dirichlet" else method

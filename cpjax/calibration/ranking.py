@@ -9,8 +9,6 @@ makes every selective metric NaN. Definitions: docs/methods.md#evaluation-metric
 """
 
 import numpy as np
-import scipy.special
-import scipy.stats
 
 from cpjax.calibration import metrics
 
@@ -23,6 +21,9 @@ def ood_scores(logits: np.ndarray) -> dict[str, np.ndarray]:
   2017); max_logit: -max_k z_k (Hendrycks et al. 2022); energy: the free
   energy -logsumexp_k z_k (Liu et al. 2020).
   """
+  # Imported here: the training path imports this module (the per-epoch metrics), and only
+  # the report's OOD section needs SciPy, whose import takes about a second.
+  import scipy.special  # pylint: disable=g-import-not-at-top
   logp = metrics.log_softmax(logits)
   return {"entropy": -np.sum(np.exp(logp) * logp, axis=-1),
           "max_softmax": -np.exp(logp.max(axis=-1)),
@@ -35,6 +36,7 @@ def auroc(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
 
   The Mann-Whitney U statistic from average ranks (ties count 1/2).
   """
+  import scipy.stats  # pylint: disable=g-import-not-at-top  (as in ood_scores)
   ranks = scipy.stats.rankdata(np.concatenate([in_scores, out_scores]))
   n_in, n_out = len(in_scores), len(out_scores)
   u = ranks[n_in:].sum() - n_out * (n_out + 1) / 2

@@ -79,7 +79,8 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
 
   The resamples never copy the [N, K] probabilities (at ImageNet's K that copy was the
   report's cost): each metric but classwise ECE is a function of per-row statistics
-  (`bootstrap.row_statistics`), gathered per resample, bit for bit the metric of the resampled rows;
+  (`bootstrap.row_statistics`), gathered for a block of resamples and computed for the
+  block at once, bit for bit the metric of each resample's rows;
   classwise ECE is summed from each resample's row counts (`bootstrap.
   classwise_ece_of_resamples`, equal up to float64 rounding). Non-finite probabilities take
   the generic `bootstrap.bootstrap_interval` (a resample without the bad rows is finite).
@@ -117,13 +118,15 @@ def _parameters_for_json(calibrator: posthoc.Calibrator) -> dict[str, Any]:
 
 
 def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
-                  num_classes: int, config: ml_collections.ConfigDict
-                  ) -> tuple[dict[str, Any], np.ndarray]:
+                  num_classes: int, config: ml_collections.ConfigDict,
+                  started: dict[str, Any] | None = None) -> tuple[dict[str, Any], np.ndarray]:
   """Every post-hoc map fitted on validation (strengths by k-fold CV there) and measured on
   test (but those `skip_reason` skips: row {"skipped": why}, also listed under "skipped"),
   with a bootstrap interval of every TABLE_METRICS column (`calibrator_resamples` resamples,
   0 = none: eight maps' intervals at the report's 1,000 would dominate its cost);
   the chosen one (`config.calibrator`, auto = lowest cross-validated validation NLL).
+  `started`: {map: a future of (its Calibrator, fit seconds)} of maps whose fits were started
+  already (`posthoc.fit_in_background`, with these folds and seed); the others are fitted here.
 
   Returns:
     (the report's "posthoc" section, the chosen map's test log-probabilities [N, K]).
@@ -135,10 +138,13 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
       logging.warning("Post-hoc map %s skipped: %s.", method, skipped)
       rows[method] = {"skipped": skipped}
       continue
-    started = time.perf_counter()
-    calibrators[method] = posthoc.fit(method, *val, folds=config.calibrator_folds,
-                                      seed=config.bootstrap_seed)
-    fit_seconds = time.perf_counter() - started
+    if method in (started or {}):  # Fitted in the background (`posthoc.fit_in_background`).
+      calibrators[method], fit_seconds = started[method].result()
+    else:
+      fit_started = time.perf_counter()
+      calibrators[method] = posthoc.fit(method, *val, folds=config.calibrator_folds,
+                                        seed=config.bootstrap_seed)
+      fit_seconds = time.perf_counter() - fit_started
     test_log_probs[method] = posthoc.apply(calibrators[method], test[0])
     rows[method] = {
         "hyper": {k: v for k, v in calibrators[method].hyper.items() if k in ("odir", "num_bins")},
@@ -191,6 +197,11 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     ("before_ts", "after_ts", "calibrated": the chosen map), timings.
   """
   started = report_started = time.perf_counter()
+  # The maps that JAX fits (their solvers compile first) are fitted in background threads
+  # while the metrics, the intervals and the other maps are computed here.
+  background = posthoc.fit_in_background(
+      [m for m in posthoc.MAPS if skip_reason(m, num_classes, config) is None], *val,
+      folds=config.calibrator_folds, seed=config.bootstrap_seed)
   fit = temperature.fit_temperature(*val, method=config.temperature_method,
                                     num_bins=config.num_bins)
   scalings = {"before_ts": 1.0, "after_ts": fit.temperature}
@@ -209,7 +220,8 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     report["intervals"][tag] = _intervals(test[0] / t, test[1], num_classes, config)
   bootstrap_seconds = time.perf_counter() - started
   started = time.perf_counter()
-  report["posthoc"], chosen_log_probs = posthoc_table(val, test, num_classes, config)
+  report["posthoc"], chosen_log_probs = posthoc_table(val, test, num_classes, config,
+                                                      background)
   bins = metrics.reliability_bins(np.exp(chosen_log_probs), test[1], config.num_bins)
   report["reliability"]["calibrated"] = {k: np.asarray(v).tolist()
                                          for k, v in bins._asdict().items()}
@@ -359,15 +371,13 @@ def _with_interval(row: dict[str, Any], name: str) -> str:
   return value if interval is None else f"{value} [{interval['low']:.4f}, {interval['high']:.4f}]"
 
 
-def _save_png(path: str, fig: Any) -> None:
-  files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+def _save_png(path: str, png: bytes) -> None:
+  files.atomic_write(path, png)
 
 
 def _gamma_figure(path: str, gamma: np.ndarray, correct: np.ndarray) -> None:
-  import matplotlib  # Heavy; only the drawing functions need it.
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.5))
+  fig = figures.new_figure(5, 3.5)  # Drawn once per report: not kept.
+  ax = fig.subplots()
   edges = np.linspace(0.0, max(float(np.max(gamma)), 1e-6), 41)
   for label, rows in (("correct", correct > 0.5), ("incorrect", correct <= 0.5)):
     if rows.any():  # Shares within each group: the incorrect ones are few.
@@ -376,8 +386,7 @@ def _gamma_figure(path: str, gamma: np.ndarray, correct: np.ndarray) -> None:
   ax.set(xlabel="gamma", ylabel="share of the group's test samples")
   ax.legend()
   fig.tight_layout()
-  files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
-  plt.close(fig)
+  _save_png(path, figures.png(fig))
 
 
 def strict_json(value: Any) -> Any:
@@ -435,13 +444,13 @@ def write_report(report_dir: str, report: dict[str, Any],
       "confidence_histogram.png")]
   if "calibrated" in report["reliability"]:
     paths.append(os.path.join(report_dir, "reliability_calibrated.png"))
-    _save_png(paths[-1], figures.reliability_figure(report["reliability"]["calibrated"],
-                                                    f"test, {report['posthoc']['chosen']}"))
+    _save_png(paths[-1], figures.reliability_png(report["reliability"]["calibrated"],
+                                                 f"test, {report['posthoc']['chosen']}"))
   files.atomic_write(paths[1], _markdown(report))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
-    _save_png(path, figures.reliability_figure(report["reliability"][tag],
-                                               f"test, {tag.replace('_', ' ')}"))
-  _save_png(paths[4], figures.histogram_figure(report["reliability"]))
+    _save_png(path, figures.reliability_png(report["reliability"][tag],
+                                            f"test, {tag.replace('_', ' ')}"))
+  _save_png(paths[4], figures.histogram_png(report["reliability"]))
   if gamma is not None:
     paths += [os.path.join(report_dir, name) for name in ("gamma_test.npz", "gamma_histogram.png")]
     files.atomic_write(paths[-2], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))

@@ -200,11 +200,11 @@ def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
   TensorBoard images (process 0 only: the others' writers only log)."""
   if jax.process_index() != 0:
     return
-  images = {f"test/reliability_{tag}": figures.reliability_figure(
+  images = {f"test/reliability_{tag}": figures.reliability_image(
       bins, f"test, {tag.replace('_', ' ')}, step {step}") for tag, bins in reliability.items()}
   if histogram:
-    images["test/confidence_histogram"] = figures.histogram_figure(reliability)
-  writer.write_images(step, {tag: figures.rgb(fig)[None] for tag, fig in images.items()})
+    images["test/confidence_histogram"] = figures.histogram_image(reliability)
+  writer.write_images(step, {tag: image[None] for tag, image in images.items()})
 
 
 def write_report_summaries(writer: metric_writers.MetricWriter, step: int,
