@@ -27,7 +27,7 @@ _LOCK = threading.Lock()
 def new_figure(width: float, height: float) -> Any:
   """A figure on its own Agg canvas."""
   # Imported here: matplotlib takes about a second to import, and only the pictures need it
-  # (the training path imports this module through cpjax.evaluation).
+  # (the training path imports this module through cpjax.training.evaluation).
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   fig = Figure(figsize=(width, height), dpi=100)
