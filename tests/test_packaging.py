@@ -71,7 +71,7 @@ def _declared() -> set[str]:
 def test_the_import_scan_sees_known_imports():
   imports = _package_imports()
   assert "cpjax/data/array_records.py" in imports["grain"]
-  assert "cpjax/calibration/report.py" in imports["matplotlib"]  # Imported inside a function.
+  assert "cpjax/calibration/figures.py" in imports["matplotlib"]  # Imported inside a function.
   assert "main.py" in imports["absl"]
   assert not {"os", "json", "cpjax"} & set(imports)
 
