@@ -516,3 +516,13 @@ def test_carry_check_names_what_a_machine_lacks(tmp_path):
   assert training.split("missing: ")[1] == "clu, grain"
   assert "report    all importable" in result.stdout
   assert "--groups=training" in result.stdout and "is blocked" in result.stdout
+
+
+def test_report_speed_smoke(tmp_path):
+  """Both cache modes of this checkout at a tiny size (no baseline: nothing to compare)."""
+  results, stdout = _run("benchmarks.report_speed", "--classes=3", "--val=60", "--test=100",
+                         "--bootstrap-resamples=5", "--repeats=1", tmp_path=tmp_path)
+  for mode in ("cold this", "warm this"):
+    seconds = results["seconds"][mode]
+    assert seconds["report"] > 0 and seconds["later_images"] > 0 and seconds["report_files"] > 0
+  assert results["differences"] == {} and "cold this" in stdout
