@@ -206,8 +206,9 @@ def test_tensorboard_shows_the_calibration_story(main_run):
 
 def test_the_log_reports_the_first_compile_and_the_report(main_run):
   log = main_run.log
-  assert "Compiling the train step (the first step waits for it)..." in log
-  assert "Train step compiled; the first step took" in log
+  assert "Compiling the loop's programs ahead (the train, eval and scoring steps)" in log
+  assert "The loop's programs are compiled (" in log
+  assert "The first step took" in log
   assert "Building the calibration report after epoch 4" in log
   assert "100 bootstrap resamples" in log
   assert "Report built: T = " in log

@@ -99,6 +99,8 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
   selected epochs' scoring step and ranking) in threads before the first epoch
   (cpjax.compile_ahead), for batches built as the loop builds them. Returns the seconds
   waited for them."""
+  logging.info("Compiling the loop's programs ahead (the train, eval and scoring steps), %d "
+               "at a time...", compile_ahead.THREADS)
   _compile_readers_ahead(config, run)
   compiler = compile_ahead.Compiler()
   abstract_state = compile_ahead.abstract(state)
@@ -116,7 +118,9 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
   for batch in {repr(b): b for b in batches}.values():  # One program for alike batches.
     compiler.submit("the eval step", run.eval_fn, abstract_state, batch)
   loop.selector.compile_ahead(compiler, state)
-  return compiler.wait()
+  waited = compiler.wait()
+  logging.info("The loop's programs are compiled (%.1f s waited for them).", waited)
+  return waited
 
 
 def _compile_readers_ahead(config: ml_collections.ConfigDict, run: Run) -> None:
