@@ -124,10 +124,15 @@ def _never_read():
   raise AssertionError("the splits were read into memory for a kind that streams or decodes")
 
 
+def _opener(dataset):
+  """An encoded dataset's splits opened as input_pipeline.load opens them for `choose`."""
+  return lambda: (sources.open_splits(dataset), sources.read_from(dataset))
+
+
 def _chosen(dataset, read_splits=_never_read) -> set[type]:
   """The classes of the readers `choose` builds for `dataset` (every split has one)."""
   by_name = readers.choose(dataset, specs.DATASETS[dataset.name], sharding.create_mesh(), 0,
-                           read_splits)
+                           read_splits, _opener(dataset))
   assert set(by_name) == {"train", "val", "test"}
   return {type(reader) for reader in by_name.values()}
 
@@ -174,7 +179,7 @@ def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
   sources.resolve(dataset)
   assert _chosen(dataset) == {kind}
   train = readers.choose(dataset, specs.DATASETS["folder"], sharding.create_mesh(), 0,
-                         _never_read)["train"]
+                         _never_read, _opener(dataset))["train"]
   opened = sources.open_splits(dataset)["train"]
   np.testing.assert_array_equal(train.labels, opened.labels)
   np.testing.assert_array_equal(train.ids, opened.ids)

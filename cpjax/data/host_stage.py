@@ -33,7 +33,7 @@ import logging
 import jax
 import numpy as np
 
-from cpjax.data import decode_workers, preprocess, readers, sources
+from cpjax.data import decode_workers, preprocess, readers
 from cpjax.runtime import sharding
 
 
@@ -137,12 +137,13 @@ def _readers(build: readers.Build) -> dict[str, PreprocessReader]:
   dataset, decoded by dataset.worker_kind's workers."""
   dataset = build.dataset
   transform = preprocess.from_config(dataset, build.spec.image_shape, build.seed)
+  opened, where = build.open_encoded()
   by_name = {name: PreprocessReader(source, transform, build.mesh, dataset.num_workers,
                                     dataset.prefetch_depth, worker_kind=dataset.worker_kind)
-             for name, source in sources.open_splits(dataset).items()}
+             for name, source in opened.items()}
   logging.info("Dataset %s: %s, read from %s; images decoded to %s on the host by %d %s.",
                dataset.name, {k: len(v) for k, v in by_name.items()},
-               sources.read_from(dataset), build.spec.image_shape,
+               where, build.spec.image_shape,
                by_name["train"].num_workers,
                {"process": "worker processes", "thread": "threads"}[dataset.worker_kind])
   return by_name

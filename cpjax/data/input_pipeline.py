@@ -250,7 +250,8 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
   (config.dataset). Streamed splits and those of an encoded dataset (folder, tfds:NAME;
   decoded per batch, the crops drawn from `seed`) hold no images."""
   by_name = readers.choose(dataset, specs.DATASETS[dataset.name], mesh, seed,
-                           functools.partial(get_datasets, dataset))
+                           functools.partial(get_datasets, dataset),
+                           lambda: (sources.open_splits(dataset), sources.read_from(dataset)))
   return {name: reader.split for name, reader in by_name.items()}, by_name
 
 

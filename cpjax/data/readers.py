@@ -497,6 +497,10 @@ class Build:
   seed: int  # The run's seed: the stages draw each crop and flip from (seed, epoch, id).
   decode: str  # An encoded dataset's dataset.decode, auto resolved: cpu or a DECODERS name.
   in_memory: Mapping[str, splits.Split]  # host, device: the splits read into host memory.
+  # host_stage, device_stage: opens the encoded dataset's splits -> ({split: its source},
+  # where they are read from, in words). Given by the caller, so that the stages do not
+  # import the sources (and tfds with them).
+  open_encoded: Callable[[], tuple[Mapping[str, Any], str]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,7 +533,9 @@ SOURCE_READERS = ("auto", "host", "stream")
 
 def choose(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
            mesh: jax.sharding.Mesh, seed: int,
-           read_splits: Callable[[], Mapping[str, splits.Split]]) -> dict[str, Reader]:
+           read_splits: Callable[[], Mapping[str, splits.Split]],
+           open_encoded: Callable[[], tuple[Mapping[str, Any], str]] | None = None
+           ) -> dict[str, Reader]:
   """A run's readers, one a split (train, val, test, and meta_val with a meta_val_size), of
   the kind that config.dataset asks for: the one place where dataset.decode, dataset.reader
   and the dataset's facts pick it (the module docstring), logged.
@@ -541,6 +547,8 @@ def choose(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
     seed: the run's seed (the stages' crops and flips).
     read_splits: reads the splits into host memory (cpjax.data.input_pipeline.get_datasets):
       called for an in-memory kind only.
+    open_encoded: opens an encoded dataset's splits (their sources, and where they are read
+      from in words): called for the stages' kinds only.
   """
   decode, in_memory = HOST_DECODE, {}
   if spec.encoded:
@@ -557,7 +565,8 @@ def choose(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
     copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
     kind = in_memory_kind(dataset.reader, split_bytes(in_memory), dataset.device_memory_mb,
                           copies)
-  by_name = READERS[kind].create(Build(dataset, spec, mesh, seed, decode, in_memory))
+  by_name = READERS[kind].create(Build(dataset, spec, mesh, seed, decode, in_memory,
+                                       open_encoded))
   # Labels and ids (8 bytes an example) are all that the other kinds hold in memory.
   num_bytes = split_bytes(in_memory) if in_memory else 8 * sum(map(len, by_name.values()))
   logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "

@@ -12,6 +12,7 @@ compiles their programs before the first epoch.
 """
 
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import functools
 import json
@@ -102,6 +103,10 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
   logging.info("Compiling the loop's programs ahead (the train, eval and scoring steps), %d "
                "at a time...", compile_ahead.THREADS)
   _compile_readers_ahead(config, run)
+  if specs.DATASETS[config.dataset.name].encoded:
+    # Its first batches would be decoded here, ahead of the loop (a damaged image then ends
+    # the run before its first checkpoint): its steps compile at their first call.
+    return 0.0
   compiler = compile_ahead.Compiler()
   abstract_state = compile_ahead.abstract(state)
   train_rows = np.arange(min(config.batch_size, len(run.splits["train"])))[None]
@@ -150,8 +155,9 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
   return (*natural[:last], budget - (int(cumulative[last - 1]) if last else 0))
 
 
-def setup_run(config: ml_collections.ConfigDict, workdir: str, clock: anatomy.RunClock
-           ) -> tuple[Run, steps.TrainState, Any, int, dict[str, Any] | None]:
+def setup_run(config: ml_collections.ConfigDict, workdir: str,
+              clock: anatomy.RunClock | None = None
+              ) -> tuple[Run, steps.TrainState, Any, int, dict[str, Any] | None]:
   """Builds the model and state, restores the latest checkpoint, reads the data.
 
   Returns:
@@ -180,7 +186,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, clock: anatomy.Ru
       checkpointer.latest_meta(), workdir)
   saved, meta = _restore(checkpointer, initial, config)
   eval_fn = _jit_eval_step(config, model)
-  with clock.part("data_open"):
+  with clock.part("data_open") if clock else contextlib.nullcontext():
     data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
   checkpoint_meta = {"config": config.to_json_best_effort(sort_keys=True),

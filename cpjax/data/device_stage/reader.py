@@ -63,7 +63,6 @@ from cpjax.data import (
   image_stats,
   preprocess,
   readers,
-  sources,
 )
 from cpjax.data.device_stage import packed_regions
 from cpjax.data.device_stage import resize as device_resize
@@ -311,14 +310,14 @@ def _readers(build: readers.Build) -> dict[str, DeviceStageReader]:
   dataset, one decoder (build.decode's) for all."""
   dataset = build.dataset
   transform = preprocess.from_config(dataset, build.spec.image_shape, build.seed)
-  opened = sources.open_splits(dataset)
+  opened, where = build.open_encoded()
   decoder = readers.DECODERS[build.decode].create(build.spec.image_shape[2])
   by_name = {name: DeviceStageReader(source, transform, build.mesh, decoder,
                                      dataset.num_workers, dataset.prefetch_depth)
              for name, source in opened.items()}
   logging.info("Dataset %s: %s, read from %s; images decoded and resized to %s on the "
                "devices by %s.", dataset.name, {k: len(v) for k, v in opened.items()},
-               sources.read_from(dataset), build.spec.image_shape, decoder.name)
+               where, build.spec.image_shape, decoder.name)
   return by_name
 
 
