@@ -1,8 +1,7 @@
 """Trains and evaluates a cpjax config: the command-line entry point.
 
   python main.py --config=configs/default.py --workdir=/tmp/cpjax
-  python main.py --config=configs/default.py --workdir=/tmp/cpjax \
-      --config.loss.name=cross_entropy --config.num_epochs=5
+  python main.py --config=configs/default.py --workdir=/tmp/cpjax --config.num_epochs=5
   python main.py --config=configs/default.py --workdir=/tmp/cpjax --mode=evaluate
 
 Rerunning the same command resumes from the latest checkpoint in --workdir. A choice sets
