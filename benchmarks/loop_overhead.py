@@ -76,6 +76,7 @@ def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
                                  config.num_epochs),
         step_loop.loss_hparams(config.loss, epoch), step_loop.NOTHING_DONE,
         first_step=first_step, epoch=epoch, log_every=config.log_every_steps,
+        window_steps=step_loop.window_steps(config.log_every_steps, (len(order),)),
         writer=metric_writers.MultiWriter([]), progress=lambda step: None,
         checkpointer=_NoCheckpoints(), last_step=-1)
   return state, order, step_loop.host_outputs(outputs, None)

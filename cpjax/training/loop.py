@@ -139,8 +139,8 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: setup.Loop, 
         contextlib.closing(batches), step_loop.step_guard(config.step_transfer_guard)):
     state, totals, outputs, trained, stopped = step_loop.train_steps(
         loop.train_fn, state, waiting, learning_rates, hparams, done, first_step=first_step,
-        epoch=epoch, log_every=config.log_every_steps, writer=loop.writer,
-        progress=loop.progress, checkpointer=run.checkpointer,
+        epoch=epoch, log_every=config.log_every_steps, window_steps=loop.window_steps,
+        writer=loop.writer, progress=loop.progress, checkpointer=run.checkpointer,
         last_step=loop.total_steps, compile_step=done.steps if first else -1)
     wait["input_wait"] = waiting.seconds
     jax.block_until_ready(state)  # The steps dispatched ahead: their compute is training's.

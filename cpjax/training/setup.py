@@ -65,6 +65,7 @@ class Loop:
   epoch_log: run_logging.EpochLog  # metrics.jsonl.
   progress: metric_writers.ProgressReport  # Steps/s and ETA.
   clock: anatomy.RunClock  # Where the process's wall clock goes (cpjax.runtime.anatomy).
+  window_steps: int  # Steps a logging window's metrics fold over (step_loop.window_steps).
 
   @property
   def num_epochs(self) -> int:
@@ -91,7 +92,8 @@ def create_loop(config: ml_collections.ConfigDict, run: Run,
       epoch_steps=epoch_steps, evaluator=create_evaluator(config, run), writer=writer,
       epoch_log=epoch_log,
       progress=run_logging.create_progress_reporter(
-          sum(epoch_steps), writer, config.log_every_steps), clock=clock)
+          sum(epoch_steps), writer, config.log_every_steps), clock=clock,
+      window_steps=step_loop.window_steps(config.log_every_steps, epoch_steps))
 
 
 def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
@@ -117,7 +119,7 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
   hparams = step_loop.loss_hparams(config.loss, 0)
   compiler.submit("the train step", loop.train_fn, abstract_state, compile_ahead.abstract(item),
                   np.float32(0), hparams,
-                  then=lambda c: step_loop.compile_windows_ahead(c, config.log_every_steps))
+                  then=lambda c: step_loop.compile_windows_ahead(c, loop.window_steps))
   batches = [compile_ahead.abstract(steps.first_predict_batch(
       run.readers[name], run.mesh, config.eval_batch_size)) for name in evaluation.SPLITS]
   for batch in {repr(b): b for b in batches}.values():  # One program for alike batches.

@@ -63,14 +63,15 @@ class InputWait:
 
 def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list,
                 loss_hparams: dict[str, np.float32], done: dict[str, Any], *, first_step: int,
-                epoch: int, log_every: int, writer, progress,
+                epoch: int, log_every: int, window_steps: int, writer, progress,
                 checkpointer: checkpointing.Checkpointer, last_step: int,
                 compile_step: int = -1):
   """Trains the epoch's steps done.steps.. over `batches`, from global step `first_step`
   (the epoch's first) on; `learning_rates[i]`: step i's. The step at index `compile_step` is
   the process's first: its compile is timed and logged. `progress` is called there, at
   every multiple of `log_every` and at the run's `last_step` (where clu's report acts).
-  After each step, `checkpointer.reached_preemption` says whether to stop.
+  After each step, `checkpointer.reached_preemption` says whether to stop. Each logging
+  window's metrics are folded in one program over `window_steps` steps (`window_steps()`).
 
   Returns:
     (state, totals: the epoch's sums on device, outputs: per-example outputs stacked per
@@ -94,7 +95,7 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
                                                    loss_hparams)
     window.append((batch_metrics, per_example))  # Summed at a logging point or the end.
     if (i + 1) % log_every == 0:
-      totals, stacked, window_outputs = _fold(totals, window, log_every)
+      totals, stacked, window_outputs = _fold(totals, window, window_steps)
       outputs.append(window_outputs)
       with host_point():
         _log_train_window(writer, pending)
@@ -110,7 +111,7 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
   with host_point():
     _log_train_window(writer, pending)
   if window:  # The steps after the last logging point.
-    totals, _, window_outputs = _fold(totals, window, log_every)
+    totals, _, window_outputs = _fold(totals, window, window_steps)
     outputs.append(window_outputs)
   return state, totals, outputs, i + 1, stopped
 
@@ -182,11 +183,18 @@ _COMBINE = {"first_bad_step": jnp.minimum, "loss_min": jnp.minimum,
             "grad_norm_max": jnp.maximum, "loss_max": jnp.maximum}
 
 
-def compile_windows_ahead(train_step: Any, log_every: int) -> None:
+def window_steps(log_every: int, epoch_steps: tuple[int, ...]) -> int:
+  """The steps a logging window's fold is padded to: `log_every`, or the run's longest epoch
+  where that is shorter (a window never spans two epochs), so that a large `log_every` does
+  not build a fold over steps no epoch has."""
+  return max(1, min(log_every, max(epoch_steps, default=1)))
+
+
+def compile_windows_ahead(train_step: Any, length: int) -> None:
   """Compiles `_fold_window` for the outputs of the compiled `train_step` (both its programs:
-  an epoch's first window and the later ones)."""
+  an epoch's first window and the later ones), windows padded to `length` steps."""
   _, metrics, per_example = compile_ahead.out_abstract(train_step)
-  window = [(metrics, per_example)] * log_every
+  window = [(metrics, per_example)] * length
   first = _fold_window.lower(None, window, np.int32(0)).compile()
   totals = compile_ahead.out_abstract(first)[0]
   _fold_window.lower(totals, window, np.int32(0)).compile()
@@ -211,19 +219,24 @@ def _fold_window(totals: dict[str, jax.Array] | None,
   """A window of steps in one dispatch (none a step): `totals` (None: nothing yet) plus the
   epoch sums of each of its first `real` steps, in order (the rest is padding); the steps'
   metrics stacked for the log and their per-example outputs stacked for the epoch's end
-  ([steps, ...] each, padding included)."""
-  for j, (batch_metrics, _) in enumerate(window):
-    mean_loss = batch_metrics["loss_sum"] / batch_metrics["count"]
-    sums = {**{k: batch_metrics[k] for k in EPOCH_SUMS}, "loss_min": mean_loss,
-            "grad_norm_max": batch_metrics["grad_norm"], "loss_max": mean_loss}
-    if totals is None:  # The first step, always real.
-      totals = sums
-      continue
-    totals = {k: jnp.where(j < real, _COMBINE.get(k, jnp.add)(v, sums[k]), v)
-              for k, v in totals.items()}
+  ([steps, ...] each, padding included). The steps are folded one after another in a scan
+  (the same additions, in the same order, as a Python loop would make), so the program's
+  size does not grow with the window's length."""
   stack = lambda *v: jnp.stack(v)  # noqa: E731
-  return (totals, jax.tree.map(stack, *[m for m, _ in window]),
-          jax.tree.map(stack, *[o for _, o in window]))
+  metrics = jax.tree.map(stack, *[m for m, _ in window])
+  mean_loss = metrics["loss_sum"] / metrics["count"]
+  sums = {**{k: metrics[k] for k in EPOCH_SUMS}, "loss_min": mean_loss,
+          "grad_norm_max": metrics["grad_norm"], "loss_max": mean_loss}
+  first = 0
+  if totals is None:  # The first step, always real.
+    totals, first = {k: v[0] for k, v in sums.items()}, 1
+
+  def add(carry, j):
+    return {k: jnp.where(j < real, _COMBINE.get(k, jnp.add)(v, sums[k][j]), v)
+            for k, v in carry.items()}, None
+
+  totals, _ = jax.lax.scan(add, totals, jnp.arange(first, len(window)))
+  return totals, metrics, jax.tree.map(stack, *[o for _, o in window])
 
 
 def host_outputs(outputs: list[dict[str, jax.Array]],
