@@ -79,11 +79,27 @@ def _quiet_library_info(record: std_logging.LogRecord) -> bool:
   return not from_orbax and not record.pathname.endswith("xla_bridge.py")
 
 
+def _quiet_closed_loop_callbacks(unraisable) -> None:
+  """`sys.unraisablehook`, dropping one kind of noise to the debug log: after a checkpoint
+  write that a full or read-only folder refused, tensorstore completes the save's other
+  writes into orbax's event loop, already closed, and each completion raises "Event loop is
+  closed" where no caller can catch it (a traceback each, before the FATAL line). The
+  refused write itself reaches the save's caller and the FATAL line names it. Every other
+  unraisable exception goes to Python's hook."""
+  error = unraisable.exc_value
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    logging.debug("A write's completion into a closed event loop, dropped: %r",
+                  unraisable.object)
+    return
+  sys.__unraisablehook__(unraisable)
+
+
 def main(argv):
   if len(argv) > 1:
     _usage_exit(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. "
                 "--config.num_epochs=4")
   logging.get_absl_handler().addFilter(_quiet_library_info)
+  sys.unraisablehook = _quiet_closed_loop_callbacks
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                          FLAGS.heartbeat_timeout_s, FLAGS.workdir)
   config = _config_with_implied_settings()

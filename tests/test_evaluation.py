@@ -3,6 +3,7 @@ mesh and the val/test data. The whole path (a trained run's metrics and report) 
 through the trainer in test_train.py, test_reliability.py and test_gamma_net.py."""
 
 import collections
+import dataclasses
 import subprocess
 import sys
 
@@ -75,6 +76,31 @@ def test_a_non_finite_logit_stops_the_run_naming_the_last_good_checkpoint():
       "the model diverged: 1 of 70 test examples have non-finite logits at global step 7; "
       f"the run stopped without saving this state. {LAST_GOOD} Lower the learning rate or "
       "enable gradient clipping.")
+
+
+def test_the_same_states_arrays_are_evaluated_once_and_a_new_state_again():
+  """The report of the state the last epoch evaluated reuses its logits; a state with other
+  arrays (the next step's), or host values, is evaluated anew."""
+  calls = []
+  jitted = jax.jit(_fake_eval_step)
+
+  def counted(state, batch):
+    calls.append(1)
+    return jitted(state, batch)
+  evaluator = dataclasses.replace(_evaluator(_fake_eval_step), eval_fn=counted)
+  batches = -(-50 // 16) + -(-70 // 16)  # One pass over val and test.
+  state = State(jnp.int32(7))
+  first = evaluator.run(state)
+  logits = evaluator.logits(state)
+  assert len(calls) == batches
+  assert evaluator.run(state) == first and len(calls) == batches
+  with pytest.raises(ValueError):
+    logits["test"][0, 0] = 1.0  # Shared: read-only.
+  evaluator.logits(State(jnp.int32(7)))  # Equal values, other arrays.
+  assert len(calls) == 2 * batches
+  evaluator.logits(State(np.int32(7)))  # Host values: never cached.
+  evaluator.logits(State(np.int32(7)))
+  assert len(calls) == 4 * batches
 
 
 @pytest.mark.parametrize("finite", [True, False])

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 from typing import Any
+import weakref
 
 import jax
 from jax.experimental import multihost_utils
@@ -59,14 +60,19 @@ class Evaluator:
   # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
   # compile options (cpjax.training.loss_steps.MetaSteps.gamma_step); None for every other loss.
   gamma_fn: Any = None
+  # The last logits computed and weak references to the arrays of the state they are of: the
+  # report of the state the last epoch evaluated reuses them (no second pass over val and
+  # test). Weak, so that a state the train step donated is never kept alive by the cache.
+  _last: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, compare=False,
+                                          repr=False)
 
   def run(self, state: steps.TrainState, writer: metric_writers.MetricWriter | None = None,
           step: int = 0) -> dict[str, float]:
     """{val,test}_{metric} of `state`; with `writer`, also the test split's reliability
     diagram and confidence histogram as images at global `step`."""
-    results = {}
+    results, all_logits = {}, self.logits(state)
     for name in SPLITS:
-      logits, labels = self.finite_logits(state, name), self.labels[name]
+      logits, labels = all_logits[name], self.labels[name]
       values = report.calibration_metrics(logits, labels, self.num_classes,
                                           self.evaluation.num_bins)
       results.update({f"{name}_{metric}": value for metric, value in values.items()})
@@ -78,8 +84,18 @@ class Evaluator:
     return results
 
   def logits(self, state: steps.TrainState) -> dict[str, np.ndarray]:
-    """The eval-mode logits of every split in SPLITS (the report's), each finite."""
-    return {name: self.finite_logits(state, name) for name in SPLITS}
+    """The eval-mode logits of every split in SPLITS (the report's), each finite: those of
+    the last call where `state` holds the very arrays it held then."""
+    if _same_arrays(self._last.get("refs", ()), state):
+      return dict(self._last["logits"])
+    logits = {name: self.finite_logits(state, name) for name in SPLITS}
+    self._last.clear()
+    refs = _weak_refs(state)
+    if refs is not None:
+      for values in logits.values():
+        values.flags.writeable = False  # Shared by the calls that reuse them.
+      self._last.update(refs=refs, logits=logits)
+    return dict(logits)
 
   def finite_logits(self, state: steps.TrainState, name: str) -> np.ndarray:
     """Eval-mode logits of split `name`; a non-finite one means the model diverged: stop."""
@@ -180,6 +196,23 @@ class Evaluator:
       return None
     out = self.predict(state, self.split_readers["test"], self.gamma_fn)
     return out[:, 0], out[:, 1]
+
+
+def _weak_refs(state: Any) -> tuple[weakref.ref, ...] | None:
+  """Weak references to the leaves of `state`; None where one is not a jax.Array (a host
+  value can change in place: nothing is cached for it)."""
+  leaves = jax.tree.leaves(state)
+  if not leaves or not all(isinstance(leaf, jax.Array) for leaf in leaves):
+    return None
+  return tuple(weakref.ref(leaf) for leaf in leaves)
+
+
+def _same_arrays(refs: tuple[weakref.ref, ...], state: Any) -> bool:
+  """Whether `state`'s leaves are the very arrays `refs` refer to (jax.Arrays are immutable:
+  the same objects hold the same values)."""
+  leaves = jax.tree.leaves(state)
+  return bool(refs) and len(refs) == len(leaves) and all(
+      ref() is leaf for ref, leaf in zip(refs, leaves))
 
 
 def _records_report(metrics_path: str, epoch: int) -> bool:
