@@ -586,8 +586,8 @@ def test_only_completions_into_a_closed_event_loop_are_kept_off_stderr():
 def test_a_full_disk_before_the_first_checkpoint_ends_in_the_fatal_line_alone(tmp_path):
   """The workdir on a tmpfs with room for 20 files (4 MiB of bytes): the lock, the events
   file, metrics.jsonl and the checkpoints folder, then some of orbax's files of the first
-  checkpoint; its next file is refused (ENOSPC, "No space left on device"), in orbax's
-  writing threads, while tensorstore still completes the save's other writes. Files, not
+  checkpoint; its next file is refused (ENOSPC), in orbax's writing threads, while
+  tensorstore still completes the save's other writes. Files, not
   bytes, run out: the events file's flushes, whose timing races the checkpoint's writes,
   need bytes only, so the checkpoint is always the write refused. orbax's threads each log
   the refused write with a traceback, and tensorstore's completions into orbax's closed
@@ -606,7 +606,11 @@ def test_a_full_disk_before_the_first_checkpoint_ends_in_the_fatal_line_alone(tm
   lines = result.stderr.strip().splitlines()
   fatal = [line for line in lines if line.startswith("FATAL")]
   assert len(fatal) == 1 and lines[-1] == fatal[0], result.stderr[-3000:]
-  assert "No space left on device" in fatal[0] and "no checkpoint is committed" in fatal[0]
+  # The error it names is orbax's first: the refused file ("No space left on device") or,
+  # as a loaded machine orders the writing threads, a write into a folder that refusal left
+  # uncreated.
+  assert fatal[0].startswith(f"FATAL writing a checkpoint in {checkpoints} failed ("), fatal
+  assert "no checkpoint is committed" in fatal[0], fatal
   assert "Traceback" not in result.stderr, result.stderr[-3000:]
   assert not [line for line in lines if line.startswith("E")], result.stderr[-3000:]
   # orbax began the first checkpoint and the full disk stopped it (its temporary folder
