@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,79 @@ def test_report_intervals_equal_the_generic_bootstrap(finite):
       else:
         assert ours[name][field] == value or (np.isnan(value) and np.isnan(ours[name][field])), (
             name, field)
+
+
+class _ImageRecorder:
+  """The writer calls an evaluation makes (images only), with the thread that made each."""
+
+  def __init__(self):
+    self.images = []
+
+  def write_images(self, step, images):
+    self.images.append((step, threading.current_thread(), dict(images)))
+
+
+def test_an_evaluations_images_are_drawn_in_the_background_and_written_by_the_caller(
+    monkeypatch):
+  """`run` returns while its images are still being drawn (a drawing held back by an event
+  here): their drawing does not add to the evaluation's time. The next evaluation, or
+  `write_images`, waits for them and writes them in the caller's thread, in step order."""
+  drawing, release, drawn_in = threading.Event(), threading.Event(), []
+
+  def slow_images(step, reliability, histogram=True):
+    drawing.set()
+    drawn_in.append(threading.current_thread())
+    assert release.wait(60)
+    return {f"test/reliability_{tag}": np.zeros((4, 5, 3), np.uint8) + step
+            for tag in reliability}
+  monkeypatch.setattr(evaluation, "calibration_images", slow_images)
+  evaluator, writer = _evaluator(_fake_eval_step), _ImageRecorder()
+  evaluator.run(State(np.int32(7)), writer, step=7)
+  assert drawing.wait(60) and writer.images == []  # Returned while the drawing waits.
+  assert drawn_in[0] is not threading.current_thread()
+  release.set()
+  evaluator.run(State(np.int32(9)), writer, step=9)  # Writes step 7's first.
+  ((step, thread, images),) = writer.images
+  assert step == 7 and thread is threading.current_thread()
+  assert images.keys() == {"test/reliability_before_ts"}
+  assert np.array_equal(images["test/reliability_before_ts"], np.full((1, 4, 5, 3), 7, np.uint8))
+  evaluator.write_images()
+  evaluator.write_images()  # Nothing pending: nothing written twice.
+  assert [step for step, _, _ in writer.images] == [7, 9]
+
+
+def test_a_failed_drawing_is_raised_where_its_images_are_written(monkeypatch, caplog):
+  """A drawing's error reaches the caller at the next `write_images` (or evaluation), not a
+  thread's traceback; a run already stopping on another error logs it instead."""
+  def broken(step, reliability, histogram=True):
+    raise RuntimeError(f"no font for step {step}")
+  monkeypatch.setattr(evaluation, "calibration_images", broken)
+  evaluator, writer = _evaluator(_fake_eval_step), _ImageRecorder()
+  evaluator.run(State(np.int32(7)), writer, step=7)
+  with pytest.raises(RuntimeError, match="no font for step 7"):
+    evaluator.write_images()
+  evaluator.run(State(np.int32(8)), writer, step=8)
+  evaluator.write_images(raise_errors=False)
+  assert writer.images == []
+  assert ("The calibration images of step 8 were not written (RuntimeError: no font for step "
+          "8).") in caplog.text
+
+
+def test_the_images_drawn_in_the_background_are_the_images_drawn_in_place():
+  """The images an evaluation writes equal `write_calibration_images`' of the same bins."""
+  evaluator = _evaluator(_fake_eval_step)
+  background, in_place = _ImageRecorder(), _ImageRecorder()
+  evaluator.run(State(np.int32(7)), background, step=7)
+  evaluator.write_images()
+  logits, labels = evaluator.logits(State(np.int32(7)))["test"], evaluator.labels["test"]
+  bins = metrics.reliability_bins(metrics.softmax(logits), labels, 15)
+  evaluation.write_calibration_images(in_place, 7, {"before_ts": {
+      k: np.asarray(v).tolist() for k, v in bins._asdict().items()}})
+  ((step, _, ours),), ((_, _, theirs),) = background.images, in_place.images
+  assert step == 7 and ours.keys() == theirs.keys() == {
+      "test/reliability_before_ts", "test/confidence_histogram"}
+  for tag in ours:
+    assert np.array_equal(ours[tag], theirs[tag]), tag
 
 
 def _bins(scale, rows=400, seed=0):

@@ -100,8 +100,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if start_epoch < loop.num_epochs or done is None:
         record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record,
                                save_seconds)
+      loop.evaluator.write_images()  # The last evaluation's, drawn while the report was built.
     finally:  # Also on errors: the last good checkpoint must finish writing.
       run.checkpointer.wait_until_finished()
+      loop.evaluator.write_images(raise_errors=False)  # Errors: the one stopping the run.
       writer.close()  # The event file: its last events written, the file closed.
   return record
 
