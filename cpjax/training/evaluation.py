@@ -11,7 +11,8 @@ The split metrics are due every `eval_every_epochs` and after the last epoch
 (cpjax.training.loop._write_report).
 
 Each takes the train state when called and returns its numbers (as big_vision's evaluators,
-`run(state) -> metrics`); TensorBoard images go to a writer passed in. A non-finite logit
+`run(state) -> metrics`); TensorBoard images go to a writer passed in, drawn in a background
+thread and written at the next evaluation or the run's end (`PendingImages`). A non-finite logit
 means the model diverged: the run stops with `run_context.NonFiniteLossError`, naming the
 last good checkpoint."""
 
