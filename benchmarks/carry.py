@@ -77,7 +77,9 @@ GROUPS = {
 DEFAULT_GROUPS = ("training", "digits", "report")
 # --for: what a command needs on the GPU machine measured (it has scikit-learn and
 # matplotlib), Fashion-MNIST as xz (unpacked there by --unpack).
-PRESETS = {"gpu_check": {"groups": ("training", "gpu-decode"), "fashion_format": "xz"}}
+PRESETS = {"gpu_check": {"groups": ("training", "gpu-decode"), "fashion_format": "xz"},
+           # studies/frontier_workers.sh: the frontier study's runs on Fashion-MNIST.
+           "frontier": {"groups": ("training",), "fashion_format": "xz"}}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The optional requirements of the gpu-decode group (not installed where the carry is made).
 GPU_DECODE_REQUIREMENTS = os.path.join(REPO, "requirements-gpu-decode.txt")
@@ -292,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", default="gpu_carry", help="The folder to fill.")
   parser.add_argument("--for", dest="preset", default="", choices=["", *PRESETS],
                       help="The groups and Fashion-MNIST's format a command needs "
-                      "(gpu_check: training,gpu-decode; xz), instead of --groups.")
+                      "(gpu_check: training,gpu-decode; frontier: training; both xz), instead "
+                      "of --groups.")
   parser.add_argument("--groups", default=",".join(DEFAULT_GROUPS),
                       help=f"Comma-separated, of: {', '.join(GROUPS)}.")
   parser.add_argument("--python-version", default="3.12", help="The GPU machine's Python.")

@@ -96,6 +96,10 @@ in studies/results/frontier_runs/; rerunning the command continues the study:
   python -m studies.frontier --out=studies/out/frontier --tiers H     # tier H
   python -m studies.frontier --out=studies/out/frontier --tiers N     # tier N
   python -m studies.frontier --tiers HN --dry-run   # the runs they would make, nothing trained
+  python -m studies.frontier --tiers N --seeds=23,28 # only these seeds' runs (one worker's)
+
+On a machine with cores and device memory to spare (a GPU box), studies/frontier_workers.sh
+runs a tier's seeds in parallel processes, one `--seeds` group each.
 """
 
 import argparse
@@ -116,7 +120,7 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from cpjax import registry  # noqa: E402
-from cpjax.data import splits  # noqa: E402
+from cpjax.data import input_pipeline, splits  # noqa: E402
 from cpjax.runtime import preemption  # noqa: E402
 from cpjax.selection import policies, subsets  # noqa: E402
 from studies import equivalence, grid, long_schedule  # noqa: E402
@@ -147,6 +151,10 @@ A2_POLICIES = tuple(f"importance-m{mix}" for mix in IMPORTANCE_MIXES) + ("infoba
 # Tiers H and N, declared before any of their runs (the module docstring).
 H_SEEDS = N_SEEDS = tuple(range(23, 33))
 H_PASSES = (0.5, 0.7)  # Tier H's candidates: at 50 to 70 % of full data's passes.
+# The seeds each tier trains (the default Arm seeds are SEARCH_SEEDS): --seeds' valid values.
+TIER_SEEDS = {"A": SEARCH_SEEDS, "A2": SEARCH_SEEDS, "B": SEARCH_SEEDS, "E": SEARCH_SEEDS,
+              "C": CONFIRM_SEEDS, "D": CONFIRM_SEEDS, "F": REPLICATE_SEEDS, "G": G_SEEDS,
+              "H": H_SEEDS, "N": N_SEEDS}
 H_CHOICE = "topk_anneal-55"  # `choose_h` on the records of tiers A, A' and B (tested).
 N_DESIGN = "topk_anneal-45"  # Tier D's design, whose exploratory +0.80 points tier N tests.
 
@@ -401,6 +409,21 @@ def parse_arms(text: str, base) -> list[str]:
       raise SystemExit(f"--arms: unknown arm {name!r}; {registry.did_you_mean(name, valid)}"
                        f"valid arms: {', '.join(valid)}")
   return names
+
+
+def parse_seeds(text: str, tier_seeds: set[int]) -> set[int]:
+  """--seeds' seeds; one that is not an integer, or that none of the chosen tiers runs, is
+  named with the seeds they run."""
+  valid = ", ".join(map(str, sorted(tier_seeds)))
+  seeds = set()
+  for item in (t.strip() for t in text.split(",")):
+    if not item:
+      continue
+    if not re.fullmatch(r"\d+", item) or int(item) not in tier_seeds:
+      raise SystemExit(f"--seeds: {item!r} is not a seed of the tiers chosen; their seeds: "
+                       f"{valid}")
+    seeds.add(int(item))
+  return seeds
 
 
 def run_overrides(arm: Arm, seed: int) -> dict:
@@ -1668,13 +1691,15 @@ def planned_runs(tier_arms: list[Arm]) -> list[tuple[Arm, int]]:
           for a in tier_arms if s in a.seeds]
 
 
-def plan_lines(tier: str, todo: list[tuple[Arm, int]], records: str, only: list[str]) -> list[str]:
+def plan_lines(tier: str, todo: list[tuple[Arm, int]], records: str, only: list[str],
+               seeds: set[int] = frozenset()) -> list[str]:
   """--dry-run's listing: per run its arm, seed, the overrides it trains with, and whether its
-  record exists (or --arms leaves it out)."""
+  record exists (or --arms or --seeds leaves it out)."""
   lines = [f"tier {tier}: {len(todo)} runs"]
   for i, (arm, seed) in enumerate(todo):
     state = ("recorded" if os.path.exists(_record(records, arm, seed))
-             else "left out by --arms" if only and arm.name not in only else "to train")
+             else "left out by --arms" if only and arm.name not in only
+             else "left out by --seeds" if seeds and seed not in seeds else "to train")
     lines.append(f"  {i + 1}/{len(todo)} {arm.name} seed {seed} ({state}): "
                  + " ".join(f"{k}={v}" for k, v in run_overrides(arm, seed).items()))
   return lines
@@ -1734,6 +1759,19 @@ def main():
   parser.add_argument("--arms", default="",
                       help="comma-separated arm names: run only these (e.g. a cut-down tier "
                            "B: --tiers B --arms topk_anneal-55,topk_anneal-70); default all")
+  parser.add_argument("--seeds", default="",
+                      help="comma-separated seeds: train only these of the tiers' runs, the "
+                           "others' records still read (e.g. one process per seed group, on "
+                           "a machine with cores and device memory to spare); default all")
+  parser.add_argument("--data-dir", default="",
+                      help="tfds data dir for the prepared Fashion-MNIST (default "
+                           "~/tensorflow_datasets); training is unchanged")
+  parser.add_argument("--manual-dir", default="",
+                      help="the folder of Fashion-MNIST's four IDX .gz files (default Debian's "
+                           "/usr/share/datasets/fashion-mnist); training is unchanged")
+  parser.add_argument("--prepare-data", action="store_true",
+                      help="prepare Fashion-MNIST in --data-dir from --manual-dir and stop: "
+                           "once, before parallel processes would each prepare it at once")
   parser.add_argument("--summarise-only", action="store_true",
                       help="rewrite the summary from finished runs, train nothing")
   parser.add_argument("--dry-run", action="store_true",
@@ -1747,14 +1785,20 @@ def main():
     write_readme_table(args.readme)
     return
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
-  base = base_config()
+  base = grid.apply(base_config(), {"dataset.data_dir": args.data_dir,
+                                     "dataset.manual_dir": args.manual_dir})
+  if args.prepare_data:
+    input_pipeline.open_or_prepare(base.dataset.name, base.dataset)
+    return
   command = f"python -m studies.frontier --out={args.out}"
   if not args.dry_run:
     os.makedirs(args.out, exist_ok=True)
   arms = search_arms(base) + a2_arms()
   only = parse_arms(args.arms, base)
+  tiers = parse_tiers(args.tiers)
+  seeds = parse_seeds(args.seeds, {s for t in tiers for s in TIER_SEEDS[t]})
   results, failures = {}, {}
-  for tier in parse_tiers(args.tiers):
+  for tier in tiers:
     tier_arms = _tier_arms(tier, arms, results, base)
     if tier_arms is None:
       print(f"[{time.strftime('%H:%M:%S')}] tier {tier} waits for tier "
@@ -1763,11 +1807,12 @@ def main():
     arms += [a for a in tier_arms if a not in arms]
     todo = planned_runs(tier_arms)
     if args.dry_run:
-      print("\n".join(plan_lines(tier, todo, args.records, only)), flush=True)
+      print("\n".join(plan_lines(tier, todo, args.records, only, seeds)), flush=True)
     for i, (arm, seed) in enumerate(todo):
       # An arm left out by --arms still reads its finished records (tier A's decide the
       # choice that the later tiers need); it trains nothing.
-      skip = args.summarise_only or args.dry_run or bool(only and arm.name not in only)
+      skip = (args.summarise_only or args.dry_run or bool(only and arm.name not in only)
+              or bool(seeds and seed not in seeds))
       _run(base, arm, seed, args.out, args.records, results, failures,
            f"tier {tier} run {i + 1}/{len(todo)}", skip, quiet=args.dry_run)
       if not skip:

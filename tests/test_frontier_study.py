@@ -3,6 +3,8 @@ hand-worked cases and a second implementation (SciPy's one-sample t-tests)."""
 
 import json
 import math
+import os
+import subprocess
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -992,6 +994,34 @@ def test_dry_run_plans_tiers_h_and_n_and_trains_nothing(tmp_path, monkeypatch, c
                                           frontier.run_overrides(arm, 23)))
 
 
+def test_seeds_option_trains_only_those_seeds_and_names_a_bad_one(tmp_path, monkeypatch,
+                                                                  capsys):
+  """`--tiers N --seeds=24,31 --arms=...`: the one arm at seeds 24 and 31 is all that trains,
+  in that order, with its own seed's noise draw; a seed outside tier N's 23-32, or not a
+  number, stops the study before anything trains, naming it and the tier's seeds."""
+  trained = []
+
+  def no_training(config, workdir):
+    trained.append((os.path.basename(os.path.dirname(workdir)), config.seed,
+                    config.dataset.label_noise_seed, config.dataset.data_dir))
+    raise RuntimeError("stop here")  # A failed run is reported; the study goes on.
+  monkeypatch.setattr(frontier.grid.train, "train_and_evaluate", no_training)
+  arm = "noisy_topk_anneal-45@confirm_n"
+  monkeypatch.setattr("sys.argv", ["frontier", f"--out={tmp_path / 'out'}", "--tiers=N",
+                                   "--seeds=31,24", f"--arms={arm}", "--data-dir=/elsewhere",
+                                   f"--records={tmp_path / 'records'}"])
+  frontier.main()
+  assert trained == [(arm, 24, 24, "/elsewhere"), (arm, 31, 31, "/elsewhere")]
+  for bad in ("3", "x", "23,40"):
+    monkeypatch.setattr("sys.argv", ["frontier", f"--out={tmp_path / 'out'}", "--tiers=N",
+                                     f"--seeds={bad}", f"--records={tmp_path / 'records'}"])
+    with pytest.raises(SystemExit) as stop:
+      frontier.main()
+    assert str(stop.value) == (f"--seeds: {bad.split(',')[-1]!r} is not a seed of the tiers "
+                               "chosen; their seeds: " + ", ".join(map(str, range(23, 33))))
+  assert len(trained) == 2
+
+
 def test_docs_studies_state_tier_hs_candidates_as_the_summary_has_them():
   """docs/studies.md's table of tier H's candidates: each arm's passes, interval and TOST p,
   as frontier.json has them, and the pick."""
@@ -1002,3 +1032,36 @@ def test_docs_studies_state_tier_hs_candidates_as_the_summary_has_them():
     row = (f"| `{c['arm']}` | {100 * c['passes_share']:.1f} | {_interval(c)} | {c['p']:.3f} |")
     assert row in text, row
   assert f"The rule picks `{out['tier_h']['rule_choice']}`" in text
+
+
+def test_workers_script_alternates_each_seeds_order_and_prepares_once(tmp_path):
+  """studies/frontier_workers.sh with a stand-in Python that logs its calls: the data is
+  prepared once before any worker; worker 0 (seeds 23, 28) runs seed 23 in the tier's order
+  and seed 28 with the selection arm first; worker 1 (seed 24) with the selection arm first;
+  every call carries FRONTIER_ARGS, the worker's seed, the records and its own out folder, and
+  each worker's device memory share is 0.8 / 2 workers."""
+  log = tmp_path / "calls.txt"
+  fake = tmp_path / "python"
+  fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec python3 "$@"; fi\n'
+                  f'echo "$XLA_PYTHON_CLIENT_MEM_FRACTION $*" >> {log}\n')
+  fake.chmod(0o755)
+  out, records, arm = tmp_path / "out", tmp_path / "records", "noisy_topk_anneal-45@confirm_n"
+  done = subprocess.run(
+      ["bash", "studies/frontier_workers.sh", "N", arm, str(records), str(out), "23,28", "24"],
+      env={**{k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"},
+           "PYTHON": str(fake), "FRONTIER_ARGS": "--data-dir=/d --manual-dir=/m"},
+      capture_output=True, text=True, timeout=60, check=False)
+  assert done.returncode == 0, done.stderr
+  calls = log.read_text().splitlines()
+  assert calls[0] == "0.4 -m studies.frontier --prepare-data --data-dir=/d --manual-dir=/m"
+
+  def call(worker, seed, *rest):
+    return (f"0.4 -m studies.frontier --tiers=N --seeds={seed} --records={records} "
+            f"--out={out}/worker{worker} --data-dir=/d --manual-dir=/m" + "".join(
+                f" {r}" for r in rest))
+  worker0 = [c for c in calls if f"{out}/worker0" in c]
+  worker1 = [c for c in calls if f"{out}/worker1" in c]
+  assert worker0 == [call(0, 23), call(0, 28, f"--arms={arm}"), call(0, 28)]
+  assert worker1 == [call(1, 24, f"--arms={arm}"), call(1, 24)]
+  assert len(calls) == 6 and sorted(p.name for p in out.iterdir()) == [
+      "worker0.log", "worker1.log"]
