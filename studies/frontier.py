@@ -570,8 +570,8 @@ def test_image_intervals(results: dict, arm: str, reference: str, seeds) -> dict
   over `seeds`, and of each seed's own difference. The test set's sampling uncertainty,
   beside the seed interval (which measures initialisation and data order)."""
   a, r = results[arm], results[reference]
-  if "correct" not in a or "correct" not in r:
-    return {}
+  if "correct" not in a or "correct" not in r or not len(seeds):
+    return {}  # No paired seed yet (e.g. one worker's arm before its full-data run).
   interval = long_schedule.test_interval
   per_seed = {int(s): [float(a["accuracy"][a["seed_index"][s]]
                              - r["accuracy"][r["seed_index"][s]]),
