@@ -830,6 +830,8 @@ def _seconds_line(seconds: dict) -> str:
     mean += (f"; {seconds['steady_wall_geomean']:.2f} ({seconds['steady_loop_geomean']:.2f}) "
              f"over the {len(steady)} of them with whole wall clocks at an even pace (seeds "
              f"{','.join(map(str, steady))}; the Time section's rules)")
+  elif seconds["same_machine_seeds"]:
+    mean += "; none of them with whole wall clocks at an even pace"
   return (f"- Seconds, the arm's over full data's, wall clock (loop seconds): {mean}. "
           f"Per seed (resumed: a wall clock of a last sitting; uneven: slowed by other work): "
           f"{per_seed}")
@@ -1574,7 +1576,8 @@ def _time_geomean_cell(v: dict) -> str:
   machines = sorted({p["machine"] for p in seconds["per_seed"].values() if p["same_machine"]})
   steady = seconds["steady_seeds"]
   even = (f"{seconds['steady_wall_geomean']:.2f} (geometric mean over seeds "
-          f"{','.join(map(str, steady))}, both runs whole and at an even pace; " if steady else "(")
+          f"{','.join(map(str, steady))}, both runs whole and at an even pace; " if steady
+          else "no pair both whole and at an even pace (")
   return (f"{even}{seconds['wall_geomean']:.2f} over all {seconds['same_machine_seeds']} pairs "
           f"run on one machine) on `{'`, `'.join(machines)}`")
 

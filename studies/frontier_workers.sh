@@ -7,16 +7,17 @@
 #   studies/frontier_workers.sh N 'noisy_topk_anneal-45@confirm_n' records out 23,28 24,29
 #
 # Each SEEDS (comma-separated) is one worker. A seed's two runs alternate their order between
-# seeds and workers (SECOND_ARM, the tier's selection arm, first where the worker index plus
-# the seed's place in its list is odd), so that at any time about as many full-data runs as
-# selection runs share the machine, and neither side owns the quiet tail when workers finish:
-# the wall-clock ratio of a shared machine is then not tilted towards either side. Extra
-# arguments for every `studies.frontier` call (e.g. --data-dir, --manual-dir) come from
+# seeds and workers (SECOND_ARM, the tier's selection arm, runs first where the worker index
+# plus the position of that seed in its list is odd), so that neither side always runs first,
+# on a cold compilation cache, or last, on a quieter machine. Even so, the seconds of runs
+# that shared a machine measure the sharing as much as the policy: the records mark them
+# uneven. A failed call stops its worker; rerunning the command continues from the records.
+# Extra arguments for every `studies.frontier` call (e.g. --data-dir, --manual-dir) come from
 # FRONTIER_ARGS. Each worker's output goes to OUT/worker<i>.log; the device memory each takes
 # is XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.8 / the number of workers).
 set -euo pipefail
 if [ $# -lt 5 ]; then
-  sed -n '2,16p' "$0" >&2
+  sed -n '2,17p' "$0" >&2
   exit 2
 fi
 tier=$1 second_arm=$2 records=$3 out=$4

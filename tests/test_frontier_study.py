@@ -461,9 +461,11 @@ def test_readme_budget_table_is_written_from_the_committed_summary():
 
 def test_budget_table_states_the_frontier_summary():
   """Every row's numbers as frontier.json has them, in the table's own formats: tier C's design
-  with F and the pool, tier G's, tier H's pick and tier N's design (not run yet), full data."""
+  with F and the pool, tier G's, tier H's pick (lossless) and tier N's design (not shown
+  better; its GPU pairs all shared the card, so no pair ran at an even pace), full data."""
   out = _committed()
   summary, found, g = out["summary"], out["verdicts"], out["verdict_g"]
+  h, n = out["tier_h"]["verdict"], out["tier_n"]["verdict"]
   rows = _table_rows(frontier.budget_table(out, frontier.base_config()))
   assert len(rows) == 5 and rows[4] == "| 100 % | full data |  |  |  |"
   time = summary["topk_anneal-45@confirm"]["time"]
@@ -496,10 +498,21 @@ def test_budget_table_states_the_frontier_summary():
                   "--config.selection.fraction=0.4971",  # (19 x 0.55 - 2) / 17 = 0.49706.
                   f"seeds 0-2: {_interval(summary['topk_anneal-55']['vs_full'])}, TOST p "
                   f"{summary['topk_anneal-55']['vs_full']['p']:.3f}",
-                  "| tier H: not run yet | not run yet |"],
+                  f"| tier H: **lossless**, {_interval(h)} (seeds 23-32, TOST p {h['p']:.3f}; "
+                  f"with the test images {_bracket(h['test_images']['seeds_and_images'])}) |",
+                  f"{h['seconds']['steady_wall_geomean']:.2f} (geometric mean over seeds "
+                  "26,27,28,29,31, both runs whole and at an even pace; "
+                  f"{h['seconds']['wall_geomean']:.2f} over all 10 pairs run on one machine) on "
+                  "`AMD EPYC, 2 cores, jax 0.10.2 on cpu` |"],
               3: [_share(summary["topk_anneal-45"]), "--config.selection.fraction=0.3853",
                   f"tier D's {_interval(found['noisy'])} (seeds 3-7) was exploratory",
-                  "| tier N: not run yet | not run yet |"]}
+                  f"| tier N: **not shown better**, {_interval(n)} (seeds 23-32, one-sided p "
+                  f"{n['p']:.3f}; with the test images "
+                  f"{_bracket(n['test_images']['seeds_and_images'])}) vs full data on the same "
+                  "noisy labels |",
+                  f"| no pair both whole and at an even pace ({n['seconds']['wall_geomean']:.2f} "
+                  "over all 10 pairs run on one machine) on `Intel(R) Xeon(R) Processor, 16 "
+                  "cores, jax 0.11.2 on gpu, 1 x NVIDIA H100 80GB HBM3` |"]}
   missing = [(i, e) for i, strings in expected.items() for e in strings if e not in rows[i]]
   assert not missing, f"the budget table lacks {missing}"
   assert "dataset.label_noise" not in rows[3]  # The row names the noise; its flags select.
@@ -905,7 +918,7 @@ def test_tier_h_rule_on_the_committed_records_picks_the_declared_arm():
   assert frontier.choose_h(summary) == out["tier_h"]["rule_choice"] == frontier.H_CHOICE
   assert [c["arm"] for c in out["tier_h"]["candidates"]] == [
       "infobatch-r70", "topk_anneal-55", "infobatch-r50"]
-  assert out["tier_h"]["verdict"] == {} and out["tier_n"]["verdict"] == {}
+  assert out["tier_h"]["verdict"]["arm"] == f"{frontier.H_CHOICE}@confirm_h"
 
 
 def _paired(name, reference, seeds, differences, passes=(50.0, 100.0)):
@@ -959,6 +972,28 @@ def test_tier_h_and_tier_n_verdicts_by_hand(tmp_path):
   empty = frontier.markdown({}, None, "cmd", {})
   assert "**Lossless on seeds 23-32: not run yet.**" in empty
   assert "**Better than full data under label noise: not run yet.**" in empty
+
+
+def test_declared_tiers_before_any_seed_has_both_runs():
+  """A parallel worker's summary while the selection arm has seed 24 alone and full data seeds
+  23 and 25 (no seed with both runs): the verdicts hold no pair and no test-image interval,
+  and the summary says undecided (it used to stop on an empty bootstrap)."""
+  base = frontier.base_config()
+  arms = frontier.h_arms(base) + frontier.n_arms(base)
+  results = _paired("noisy_topk_anneal-45@confirm_n", "noisy_full@confirm_n", (23, 24, 25),
+                    [0.004, 0.002, 0.003])
+  arm, full = results["noisy_topk_anneal-45@confirm_n"], results["noisy_full@confirm_n"]
+  for r in (arm, full):  # Per-test-image records, as the runs' records hold them.
+    r["correct"] = [[1, 0, 1, 1]] * 3
+    r["confidence"] = [[0.9, 0.6, 0.8, 0.7]] * 3
+  arm["seed_index"] = {24: arm["seed_index"][24]}
+  full["seed_index"] = {s: i for s, i in full["seed_index"].items() if s != 24}
+  summary = frontier.summarise(arms, results)
+  with np.errstate(all="ignore"):
+    n = frontier.n_verdict(summary, results)
+    text = frontier.markdown(summary, None, "cmd", {}, results)
+  assert n["seeds"] == [] and n["test_images"] == {} and not n["better"]
+  assert "under label noise: not decided yet (0 of 10 seeds).**" in text
 
 
 def test_dry_run_plans_tiers_h_and_n_and_trains_nothing(tmp_path, monkeypatch, capsys):
@@ -1065,3 +1100,86 @@ def test_workers_script_alternates_each_seeds_order_and_prepares_once(tmp_path):
   assert worker1 == [call(1, 24, f"--arms={arm}"), call(1, 24)]
   assert len(calls) == 6 and sorted(p.name for p in out.iterdir()) == [
       "worker0.log", "worker1.log"]
+
+
+def _tier_records(arm: str, reference: str) -> tuple[np.ndarray, np.ndarray]:
+  """Test accuracy of `arm` and `reference` on seeds 23-32, read straight from the committed
+  record files (the mean of each run's per-image correctness, not its stored accuracy)."""
+  def accuracy(name, seed):
+    with np.load(f"{frontier.RECORDS}/{name}/seed{seed}.npz") as f:
+      return np.unpackbits(f["correct"])[:int(f["num_test"])].mean()
+  seeds = range(23, 33)
+  return (np.array([accuracy(arm, s) for s in seeds]),
+          np.array([accuracy(reference, s) for s in seeds]))
+
+
+def test_tier_h_and_n_verdicts_recomputed_from_the_committed_records():
+  """Tiers H and N from their 40 record files with SciPy alone: per-image correctness averaged
+  per run, paired per seed; tier H's TOST at ±0.2 points as two one-sided t-tests and its
+  90 % t interval; tier N's one-sided t-test of mean <= 0. The committed summary states the
+  same numbers and the declared verdicts that follow from them."""
+  out = _committed()
+  arm, full = _tier_records("topk_anneal-55@confirm_h", "full@confirm_h")
+  d = arm - full
+  p_tost = max(stats.ttest_1samp(d, -0.002, alternative="greater").pvalue,
+               stats.ttest_1samp(d, 0.002, alternative="less").pvalue)
+  low, high = stats.t.interval(0.9, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
+  h = out["tier_h"]["verdict"]
+  assert h["seeds"] == list(range(23, 33))
+  assert (h["mean"], h["low"], h["high"], h["p"]) == pytest.approx(
+      (d.mean(), low, high, p_tost), abs=1e-9)
+  assert p_tost < 0.05 and -0.002 < low and high < 0.002 and d.mean() >= -0.001
+  assert h["lossless"] and h["met"]
+  arm, full = _tier_records("noisy_topk_anneal-45@confirm_n", "noisy_full@confirm_n")
+  d = arm - full
+  p_one_sided = stats.ttest_1samp(d, 0.0, alternative="greater").pvalue
+  low = stats.t.interval(0.9, len(d) - 1, loc=d.mean(), scale=stats.sem(d))[0]
+  n = out["tier_n"]["verdict"]
+  assert (n["mean"], n["low"], n["p"]) == pytest.approx((d.mean(), low, p_one_sided), abs=1e-9)
+  assert p_one_sided >= 0.05 and low <= 0 and not n["better"] and n["complete"]
+
+
+def test_readme_and_docs_state_tiers_h_and_n_as_the_summary_has_them():
+  """The README's advice under the table and docs/studies.md's outcomes quote tier H's and tier
+  N's intervals and p values as frontier.json has them."""
+  out = _committed()
+  h, n = out["tier_h"]["verdict"], out["tier_n"]["verdict"]
+  with open("README.md", encoding="utf-8") as f:
+    readme = " ".join(f.read().split("**What to use, from the two declared answers.**")[1]
+                      .split("On a GPU")[0].split())
+  with open("docs/studies.md", encoding="utf-8") as f:
+    docs = " ".join(f.read().split("**Tier H outcome")[1].split("**Time on a GPU.**")[0].split())
+  for text in (readme, docs):
+    assert f"{_interval(h)} points" in text and f"TOST p {h['p']:.3f}" in text
+    assert f"{_interval(n)} points" in text
+  assert f"one-sided p {n['p']:.3f}" in docs
+  assert f"[{100 * h['test_images']['seeds_and_images'][0]:+.2f}, " in docs
+  assert f"{h['seconds']['steady_wall_geomean']:.2f} of full data's" in readme
+
+
+def test_gpu_solo_timing_in_the_docs_from_its_records():
+  """The solo H200 pairs (studies/results/frontier_gpu_solo): each run's wall and loop seconds
+  and their ratios, read from the record files with json and NumPy, are the ones docs/studies.md
+  tabulates, and the geometric means the README and the docs quote."""
+  def seconds(name, seed):
+    with np.load(f"studies/results/frontier_gpu_solo/{name}/seed{seed}.npz") as f:
+      row = json.loads(str(f["row"]))
+    assert row["machine"].endswith("jax 0.11.2 on gpu, 1 x NVIDIA H200")
+    return row["wall_seconds"], row["scoring_seconds"] + row["selection_seconds"] + row[
+        "training_seconds"]
+  with open("docs/studies.md", encoding="utf-8") as f:
+    docs = f.read()
+  with open("README.md", encoding="utf-8") as f:
+    readme = " ".join(f.read().split())
+  walls, loops = [], []
+  for seed in (23, 24, 25):
+    (fw, fl), (aw, al) = (seconds("noisy_full@confirm_n", seed),
+                          seconds("noisy_topk_anneal-45@confirm_n", seed))
+    walls.append(aw / fw)
+    loops.append(al / fl)
+    assert (f"| {seed} | {fw:.1f} ({fl:.1f}) | {aw:.1f} ({al:.1f}) | {aw / fw:.2f} "
+            f"({al / fl:.2f}) |") in docs
+  wall, loop = np.exp(np.mean(np.log(walls))), np.exp(np.mean(np.log(loops)))
+  assert f"The geometric mean is {wall:.2f} of the wall clock and {loop:.2f} of the loop" in docs
+  assert f"took {wall:.2f} of full data's wall clock" in readme
+  assert f"Its loop took {loop:.2f} of full data's" in readme
