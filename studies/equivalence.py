@@ -23,7 +23,7 @@ def tost(differences, margin: float = MARGIN, alpha: float = ALPHA) -> dict:
   1 - 2 alpha t interval lying inside (-margin, margin)."""
   d = np.asarray(differences, np.float64)
   n = len(d)
-  mean = float(d.mean())
+  mean = float(d.mean()) if n else math.nan  # No pair yet (a worker's summary mid-tier).
   if n < 2:
     return {"n": n, "mean": mean, "p": math.nan, "equivalent": False,
             "low": math.nan, "high": math.nan}
@@ -46,7 +46,7 @@ def superiority(differences, alpha: float = ALPHA) -> dict:
   the 1 - 2 alpha = 90 % t interval (the TOST's interval) lying above 0."""
   d = np.asarray(differences, np.float64)
   n = len(d)
-  mean = float(d.mean())
+  mean = float(d.mean()) if n else math.nan  # No pair yet (a worker's summary mid-tier).
   if n < 2:
     return {"n": n, "mean": mean, "p": math.nan, "superior": False,
             "low": math.nan, "high": math.nan}
