@@ -1694,15 +1694,23 @@ def planned_runs(tier_arms: list[Arm]) -> list[tuple[Arm, int]]:
           for a in tier_arms if s in a.seeds]
 
 
+def left_out(arm: Arm, seed: int, only: list[str], seeds: set[int]) -> str:
+  """The option that leaves this run out ('--arms', '--seeds'), or '' when it is to run. A
+  run left out still reads its finished record (tier A's decide the choice that the later
+  tiers need); it trains nothing."""
+  return ("--arms" if only and arm.name not in only
+          else "--seeds" if seeds and seed not in seeds else "")
+
+
 def plan_lines(tier: str, todo: list[tuple[Arm, int]], records: str, only: list[str],
                seeds: set[int] = frozenset()) -> list[str]:
   """--dry-run's listing: per run its arm, seed, the overrides it trains with, and whether its
   record exists (or --arms or --seeds leaves it out)."""
   lines = [f"tier {tier}: {len(todo)} runs"]
   for i, (arm, seed) in enumerate(todo):
+    option = left_out(arm, seed, only, seeds)
     state = ("recorded" if os.path.exists(_record(records, arm, seed))
-             else "left out by --arms" if only and arm.name not in only
-             else "left out by --seeds" if seeds and seed not in seeds else "to train")
+             else f"left out by {option}" if option else "to train")
     lines.append(f"  {i + 1}/{len(todo)} {arm.name} seed {seed} ({state}): "
                  + " ".join(f"{k}={v}" for k, v in run_overrides(arm, seed).items()))
   return lines
@@ -1770,7 +1778,8 @@ def main():
                       help="tfds data dir for the prepared Fashion-MNIST (default "
                            "~/tensorflow_datasets); training is unchanged")
   parser.add_argument("--manual-dir", default="",
-                      help="the folder of Fashion-MNIST's four IDX .gz files (default Debian's "
+                      help="the folder of Fashion-MNIST's four IDX files, gzipped or not "
+                           "(default Debian's "
                            "/usr/share/datasets/fashion-mnist); training is unchanged")
   parser.add_argument("--prepare-data", action="store_true",
                       help="prepare Fashion-MNIST in --data-dir from --manual-dir and stop: "
@@ -1812,10 +1821,7 @@ def main():
     if args.dry_run:
       print("\n".join(plan_lines(tier, todo, args.records, only, seeds)), flush=True)
     for i, (arm, seed) in enumerate(todo):
-      # An arm left out by --arms still reads its finished records (tier A's decide the
-      # choice that the later tiers need); it trains nothing.
-      skip = (args.summarise_only or args.dry_run or bool(only and arm.name not in only)
-              or bool(seeds and seed not in seeds))
+      skip = args.summarise_only or args.dry_run or bool(left_out(arm, seed, only, seeds))
       _run(base, arm, seed, args.out, args.records, results, failures,
            f"tier {tier} run {i + 1}/{len(todo)}", skip, quiet=args.dry_run)
       if not skip:

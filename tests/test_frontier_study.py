@@ -1182,3 +1182,19 @@ def test_gpu_solo_timing_in_the_docs_from_its_records():
   assert f"The geometric mean is {wall:.2f} of the wall clock and {loop:.2f} of the loop" in docs
   assert f"took {wall:.2f} of full data's wall clock" in readme
   assert f"Its loop took {loop:.2f} of full data's" in readme
+
+
+def test_tier_seeds_are_the_seeds_each_tiers_arms_train():
+  """--seeds' valid values (TIER_SEEDS) against the arms: the search tiers' and A' arms, tiers
+  C-F for a chosen arm, tier G for an A' arm, and tiers H and N each train exactly the seeds
+  listed for their tier."""
+  base = frontier.base_config()
+  search = frontier.search_arms(base) + frontier.a2_arms()
+  chosen = next(a for a in search if a.name == "topk_anneal-45")
+  arms = (search + frontier.later_arms(chosen, base) + frontier.g_arms(frontier.a2_arms()[0])
+          + frontier.h_arms(base) + frontier.n_arms(base))
+  trained = {}
+  for arm in arms:
+    trained.setdefault(arm.tier, set()).update(arm.seeds)
+  assert set(trained) == set(frontier.TIERS)
+  assert trained == {t: set(s) for t, s in frontier.TIER_SEEDS.items()}
