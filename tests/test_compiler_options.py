@@ -21,10 +21,10 @@ def test_presets_per_kind_and_backend():
   for backend in ("gpu", "tpu"):
     assert compiler_options.compiler_options("train", "tuned", backend=backend) == {}
   assert compiler_options.compiler_options("inference", "xla_default", backend="cpu") == {}
-  small_solver = compiler_options.compiler_options("small_solver", backend="cpu")
-  assert small_solver["xla_backend_optimization_level"] == 0
-  assert compiler_options.compiler_options("small_solver", backend="gpu") == {}
-  with pytest.raises(ValueError, match="one of \\('train', 'inference', 'small_solver'\\), "
+  solver = compiler_options.compiler_options("solver", backend="cpu")
+  assert solver == {"xla_cpu_experimental_ynn_fusion_type": ""}
+  assert compiler_options.compiler_options("solver", backend="gpu") == {}
+  with pytest.raises(ValueError, match="one of \\('train', 'inference', 'solver'\\), "
                                        "got 'eval'"):
     compiler_options.compiler_options("eval")
   with pytest.raises(ValueError, match="one of \\('tuned', 'xla_default'\\), got 'fast'"):

@@ -106,11 +106,14 @@ def test_the_same_states_arrays_are_evaluated_once_and_a_new_state_again():
 
 @pytest.mark.parametrize("finite", [True, False])
 def test_report_intervals_equal_the_generic_bootstrap(finite):
-  """The report's intervals (per-row statistics, classwise ECE from resample counts) against
-  `bootstrap.bootstrap_interval` on the resampled [N, K] arrays: equal bit for bit, classwise
-  ECE to float64 rounding; non-finite logits take the generic path."""
+  """The report's intervals (each resample's draws counted: running sums along the sorted
+  confidences, tie groups, matrix products) against `bootstrap.bootstrap_interval` on the
+  resampled [N, K] arrays, which recomputes each metric on each resample's rows: equal to
+  float64 rounding; non-finite logits take the generic path (equal bit for bit)."""
   rng = np.random.default_rng(4)
   logits, labels = rng.normal(size=(300, 12)) * 3, rng.integers(0, 12, 300)
+  logits[:30] = logits[30:60]  # Tied confidences: AURC's tie groups, AdaECE's tied edges.
+  logits[60:64, 0] = 60.0  # Confidences of exactly 1.0 in float32: in no left-closed bin.
   if not finite:
     logits[7, 3] = np.nan
   config = default.get_config().evaluation
@@ -123,11 +126,29 @@ def test_report_intervals_equal_the_generic_bootstrap(finite):
         seed=config.bootstrap_seed)._asdict()
     assert ours[name].keys() == reference.keys()
     for field, value in reference.items():
-      if name == "classwise_ece" and isinstance(value, float) and finite:
-        assert ours[name][field] == pytest.approx(value, rel=0, abs=1e-13), (name, field)
+      if isinstance(value, float) and finite:
+        assert ours[name][field] == pytest.approx(value, rel=0, abs=1e-12), (name, field)
       else:
         assert ours[name][field] == value or (np.isnan(value) and np.isnan(ours[name][field])), (
             name, field)
+
+
+@pytest.mark.parametrize("name", report.TABLE_METRICS)
+def test_each_resamples_column_is_the_metric_of_its_rows(name):
+  """`bootstrap.resampled_values` against the metric of each resample's rows, resample by
+  resample (not only the interval's quantiles): generated logits with ties, saturated rows
+  and resamples of very unequal draws."""
+  rng = np.random.default_rng(9)
+  logits, labels = rng.normal(size=(200, 5)) * 4, rng.integers(0, 5, 200)
+  logits[:40] = logits[40:80]
+  logits[80:85, 1] = 70.0
+  probs = metrics.softmax(logits)
+  rows = rng.integers(0, 200, (6, 200))
+  rows[0] = rows[0] % 7  # A resample of 7 distinct rows.
+  values = bootstrap.resampled_values(probs, logits, labels, 5, 15, (name,), [rows])[name]
+  metric = report._metric_functions(5, 15)[name]  # pylint: disable=protected-access
+  expected = [metric(probs[r], logits[r], labels[r]) for r in rows]
+  np.testing.assert_allclose(values, expected, rtol=0, atol=1e-12)
 
 
 class _ImageRecorder:

@@ -401,6 +401,19 @@ def test_classwise_ece_of_resamples_equals_the_resampled_rows(n, k):
                              expected, rtol=0, atol=1e-13)
 
 
+def test_classwise_ece_of_resamples_in_blocks_equals_all_at_once(monkeypatch):
+  # Few entries gathered at a time (a block of 2 resamples here): the same sums, bit for bit.
+  rng = np.random.default_rng(5)
+  probs, labels = metrics.softmax(rng.normal(size=(80, 6)) * 4), rng.integers(0, 6, 80)
+  counts = np.stack([np.bincount(r, minlength=80) for r in rng.integers(0, 80, (7, 80))])
+  at_once = bootstrap.classwise_ece_of_resamples(probs, labels, 6, 15, counts)
+  entries = int(np.count_nonzero(metrics.bin_index(probs, metrics.equal_width_edges(15),
+                                                   "right_closed") != 0))
+  monkeypatch.setattr(bootstrap, "_GATHERED", 2 * entries)
+  np.testing.assert_array_equal(bootstrap.classwise_ece_of_resamples(probs, labels, 6, 15,
+                                                                     counts), at_once)
+
+
 def test_log_softmax_is_scipys_bit_for_bit():
   """NumPy's log-softmax (the per-epoch evaluation imports no SciPy) against
   scipy.special.log_softmax, operation for operation: the same numbers, bit for bit,

@@ -9,8 +9,6 @@ of the jax.numpy objective for the hand-written gradient and Hessian-vector prod
 forms for temperature and ensemble temperature scaling. All data here are generated.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 import scipy.optimize
@@ -19,9 +17,6 @@ from sklearn.calibration import calibration_curve
 from sklearn.isotonic import IsotonicRegression
 
 from cpjax.calibration import binning, metrics, newton, parametric, posthoc
-
-# The Newton solver with every fit alone, as large fits run (small ones are batched).
-ONE_AT_A_TIME = dataclasses.replace(posthoc.ODIR_SOLVER, small_fit=0)
 
 
 def _data(seed, n=600, k=4, scale=2.0, sharpen=1.6):
@@ -230,7 +225,7 @@ def test_objective_jits_and_matches_the_numpy_value_and_gradient():
 @pytest.mark.parametrize("diverging", ["the best", "every"])
 def test_a_diverged_final_fit_never_gives_non_finite_parameters(monkeypatch, diverging):
   z, y = _data(10, n=200, k=3)
-  real_fit, real_fit_batch = parametric.fit, parametric.fit_batch
+  real_fit = parametric.fit
   picked = posthoc.fit("dirichlet", z, y).hyper["odir"]
 
   def diverged(result, weights, strength):
@@ -244,14 +239,7 @@ def test_a_diverged_final_fit_never_gives_non_finite_parameters(monkeypatch, div
     return diverged(real_fit(method, logits, labels, weights, strength, *args, **kwargs),
                     weights, strength)
 
-  def fit_batch(method, logits, labels, weights, strengths, *args, **kwargs):
-    # Small fits are batched: each strength's folds in one call, the best refits in another.
-    return [diverged(r, w, strength) for r, w, strength in zip(
-        real_fit_batch(method, logits, labels, weights, strengths, *args, **kwargs), weights,
-        strengths)]
-
   monkeypatch.setattr(parametric, "fit", fit)
-  monkeypatch.setattr(parametric, "fit_batch", fit_batch)
   calibrator = posthoc.fit("dirichlet", z, y)
   assert all(np.all(np.isfinite(v)) for v in calibrator.params.values())
   if diverging == "every":  # The starting map, the identity, and no claim of a good fit.
@@ -283,29 +271,26 @@ def test_apply_in_jax_under_jit_matches_the_numpy_apply(method):
 
 
 def test_cross_validation_skips_folds_of_candidates_that_cannot_win(monkeypatch):
-  """Fits one at a time (as large fits run): a strength whose held-out NLL over its first
-  folds already exceeds the best complete strength's total is fitted on no more folds; the
-  choice and its cross-validated NLL equal those of each strength cross-validated on its own
-  (every fold fitted), and so do those of the batched fits (every fold of every strength)."""
+  """A strength whose held-out NLL over its first folds already exceeds the best complete
+  strength's total is fitted on no more folds; the choice and its cross-validated NLL equal
+  those of each strength cross-validated on its own (every fold fitted)."""
   rng = np.random.default_rng(3)
   logits, labels = rng.normal(size=(200, 10)) * 3, rng.integers(0, 10, 200)  # No signal.
-  alone = {c: posthoc.fit("matrix_scaling", logits, labels, odir=c, solver=ONE_AT_A_TIME).cv_nll
-           for c in posthoc.ODIR_GRID}
-  batched = posthoc.fit("matrix_scaling", logits, labels)
+  grid = posthoc.MAPS["matrix_scaling"].grid
+  alone = {c: posthoc.fit("matrix_scaling", logits, labels, odir=c).cv_nll for c in grid}
   fitted = []
   original = parametric.fit
   monkeypatch.setattr(parametric, "fit", lambda name, z, y, w, strength, *args, **kwargs: (
       fitted.append(strength), original(name, z, y, w, strength, *args, **kwargs))[1])
-  calibrator = posthoc.fit("matrix_scaling", logits, labels, solver=ONE_AT_A_TIME)
+  calibrator = posthoc.fit("matrix_scaling", logits, labels)
   chosen = min(alone, key=alone.get)
-  for fit in (calibrator, batched):
-    assert fit.hyper["odir"] == chosen
-    assert fit.cv_nll == pytest.approx(alone[chosen], rel=1e-5)
-  folds = {c: fitted[:-1].count(c) for c in posthoc.ODIR_GRID}  # The last: the refit.
+  assert calibrator.hyper["odir"] == chosen
+  assert calibrator.cv_nll == pytest.approx(alone[chosen], rel=1e-12)
+  folds = {c: fitted[:-1].count(c) for c in grid}  # The last: the refit.
   assert folds[chosen] == posthoc.DEFAULT_FOLDS
   # The weak strengths fit noise in 160 rows with 110 parameters: at least one stops early.
   assert min(folds.values()) < posthoc.DEFAULT_FOLDS, folds
-  assert len(fitted) - 1 < len(posthoc.ODIR_GRID) * posthoc.DEFAULT_FOLDS
+  assert len(fitted) - 1 < len(grid) * posthoc.DEFAULT_FOLDS
 
 
 @pytest.mark.parametrize("key", ["vector_scaling", "matrix_scaling"])
@@ -346,50 +331,6 @@ def test_the_batched_objectives_derivatives_are_jaxs(key):
       np.testing.assert_allclose(hvps[b], hvp, rtol=1e-9, atol=1e-12)
 
 
-def test_a_batch_of_fits_gives_each_fits_own_result():
-  """Fits of different rows, strengths and starts in one batched solve against each fitted
-  alone (a batch of one): the same converged parameters, to float32's rounding. The batch
-  runs until its slowest fit ends; a fit that ended first is not moved meanwhile."""
-  z, y = _data(15, n=300, k=4)
-  rng = np.random.default_rng(15)
-  weights = (rng.uniform(size=(3, 300)) < 0.8).astype(float)
-  strengths = [1e4, 1.0, 0.0]  # From a few Newton steps to many.
-  inits = [parametric.identity_params("matrix_scaling", 4) for _ in range(3)]
-  inits[1] = {"b": np.full(4, 0.3, np.float32), "w": np.eye(4, dtype=np.float32) * 0.5}
-  batched = newton.minimise_batch("matrix_scaling", inits, z, y, weights, strengths,
-                                  posthoc.ODIR_SOLVER)
-  for b, fit in enumerate(batched):
-    alone = newton.minimise("matrix_scaling", inits[b], z, y, weights[b], strengths[b],
-                            posthoc.ODIR_SOLVER)
-    assert fit.converged and alone.converged, (fit.message, alone.message)
-    for name in fit.params:
-      np.testing.assert_allclose(fit.params[name], alone.params[name], atol=1e-4)
-  assert len({fit.evaluations for fit in batched}) > 1  # They ended at different steps.
-
-
-@pytest.mark.slow  # Two cross-validated fits.
-@pytest.mark.parametrize("method", ["vector_scaling", "dirichlet"])
-def test_batched_cross_validation_matches_fitting_one_at_a_time(method):
-  """Small fits are batched (each strength's folds and refit in one solve, each started from
-  the same rows' fit of the previous strength); fitted one at a time instead (warm starts
-  across folds, the refit from the folds' mean), each is the converged fit of the same convex
-  objective: the same strength, and the same cross-validated NLL and map to the solver's
-  tolerance."""
-  z, y = _mixed(16, 500)
-  test_z = _mixed(17, 2000)[0]
-  batched = posthoc.fit(method, z, y)
-  alone = posthoc.fit(method, z, y, solver=ONE_AT_A_TIME)
-  assert batched.converged and alone.converged
-  assert batched.hyper == alone.hyper and not alone.at_edge  # A strength inside the grid.
-  assert batched.cv_nll == pytest.approx(alone.cv_nll, abs=1e-6)
-  for name in alone.params:
-    np.testing.assert_allclose(batched.params[name], alone.params[name], atol=1e-4)
-  # Converged: a Newton step left moves no probability by more than xtol32 = 1e-5.
-  np.testing.assert_allclose(np.exp(posthoc.apply(batched, test_z)),
-                             np.exp(posthoc.apply(alone, test_z)),
-                             atol=posthoc.ODIR_SOLVER.xtol32)
-
-
 def _mixed(seed, n, k=5):
   """Labels drawn from softmax(mu) and logits an over-confident, class-mixing, biased linear
   map of mu: every scaling map has something to fit, at a strength inside its grid."""
@@ -403,11 +344,9 @@ def _mixed(seed, n, k=5):
 
 @pytest.mark.slow  # Six cross-validated fits.
 def test_fits_in_the_background_are_the_fits_made_here():
-  """The report starts the maps that JAX fits in background threads (compiled first, or
-  ahead by `precompile`): the same calibrators, to the last bit, as fitting them here."""
+  """The report starts the cross-validated iterative fits in a background thread: the same
+  calibrators, to the last bit, as fitting them here."""
   z, y = _mixed(18, 300)
-  compiling = posthoc.precompile(posthoc.MAPS.names(), 300, 5, folds=3)
-  assert len(compiling) == 2  # Vector scaling's solver; matrix scaling's, Dirichlet's too.
   futures = posthoc.fit_in_background(posthoc.MAPS.names(), z, y, folds=3, seed=1)
   assert sorted(futures) == ["dirichlet", "matrix_scaling", "vector_scaling"]
   for method, future in futures.items():
@@ -416,4 +355,3 @@ def test_fits_in_the_background_are_the_fits_made_here():
     assert seconds > 0 and calibrator.hyper == here.hyper and calibrator.cv_nll == here.cv_nll
     for name in here.params:
       np.testing.assert_array_equal(calibrator.params[name], here.params[name])
-  assert all(future.done() for future in compiling)

@@ -18,7 +18,7 @@ import scipy.optimize
 import scipy.special
 import threadpoolctl
 
-from cpjax.calibration import newton, parametric, posthoc, report
+from cpjax.calibration import exact_newton, newton, parametric, posthoc, report
 from cpjax.config import schema as config_schema
 
 # Every test here fits a map to convergence (seconds compiling and iterating): all `slow`.
@@ -87,16 +87,36 @@ def test_the_reference_gradient_is_its_objectives():
     assert scipy.optimize.check_grad(lambda t: fun(t)[0], lambda t: fun(t)[1], theta) < 1e-6
 
 
-FLOAT64_SOLVER = dataclasses.replace(posthoc.ODIR_SOLVER, dtype="float64")
+CG = posthoc.ODIR_SOLVER.large  # Newton-CG in JAX, float32: the fits with many parameters.
+CG_FLOAT64 = dataclasses.replace(CG, dtype="float64")
 
 
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling", "dirichlet"])
 @pytest.mark.parametrize("strength", [0.1, 100.0])
-def test_float32_fits_match_a_converged_scipy_reference_k10(method, strength):
+def test_exact_newton_fits_match_a_converged_scipy_reference_k10(method, strength):
   z, y = _generated(2, 500, 10)
   reference, fun = _reference_fit(method, z, y, strength)
   calibrator = posthoc.fit(method, z, y, odir=strength)  # Pinned: no choice of strength.
-  assert calibrator.converged and calibrator.grad_norm <= posthoc.ODIR_SOLVER.gtol32
+  assert posthoc.ODIR_SOLVER.exact(parametric.solver_key(method), 500, 10)
+  assert calibrator.converged and calibrator.grad_norm <= posthoc.ODIR_SOLVER.gtol
+  ours = _flat(calibrator.params)
+  # Both float64 fits of one strictly convex objective (strength > 0 pins the intercept's
+  # and the off-diagonal's shifts): the objective to 1e-12, the parameters to 1e-5.
+  assert fun(ours)[0] == pytest.approx(fun(reference)[0], abs=1e-12)
+  np.testing.assert_allclose(ours, reference, atol=1e-5)
+  # And a stationary point of the objective written independently: max |gradient| < 1e-8.
+  assert np.max(np.abs(fun(ours)[1])) < 1e-8
+
+
+@pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling", "dirichlet"])
+@pytest.mark.parametrize("strength", [0.1, 100.0])
+def test_float32_newton_cg_fits_match_a_converged_scipy_reference_k10(method, strength):
+  z, y = _generated(2, 500, 10)
+  reference, fun = _reference_fit(method, z, y, strength)
+  calibrator = posthoc.fit(method, z, y, odir=strength, solver=CG)
+  # "Converged" means what the tolerance says: the fit's gradient measure (max |g_i| /
+  # max(1, H_ii), the one float32 resolves) is within gtol32.
+  assert calibrator.converged and calibrator.grad_norm <= CG.gtol32
   ours = _flat(calibrator.params)
   # The float32 fit, its objective measured in float64 by the reference: within 1e-9 of
   # SciPy's float64 optimum (measured: at most 4e-10), its parameters within 1e-4 (2e-5).
@@ -106,15 +126,13 @@ def test_float32_fits_match_a_converged_scipy_reference_k10(method, strength):
 
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling", "dirichlet"])
 @pytest.mark.parametrize("strength", [0.1, 100.0])
-def test_float64_fits_match_a_converged_scipy_reference_k10(method, strength):
+def test_float64_newton_cg_fits_match_a_converged_scipy_reference_k10(method, strength):
   z, y = _generated(2, 500, 10)
   reference, fun = _reference_fit(method, z, y, strength)
   with jax.enable_x64(True):
-    calibrator = posthoc.fit(method, z, y, odir=strength, solver=FLOAT64_SOLVER)
+    calibrator = posthoc.fit(method, z, y, odir=strength, solver=CG_FLOAT64)
   assert calibrator.converged and calibrator.grad_norm <= 1e-8
   ours = _flat(calibrator.params)
-  # Objective to 1e-12 and parameters to 1e-5: both are converged fits of one strictly
-  # convex objective (strength > 0 pins the intercept's and the off-diagonal's shifts).
   assert fun(ours)[0] == pytest.approx(fun(reference)[0], abs=1e-12)
   np.testing.assert_allclose(ours, reference, atol=1e-5)
 
@@ -122,7 +140,7 @@ def test_float64_fits_match_a_converged_scipy_reference_k10(method, strength):
 def test_a_float64_fit_outside_x64_mode_is_refused():
   z, y = _generated(2, 50, 3)
   with pytest.raises(ValueError, match="x64"):
-    posthoc.fit("vector_scaling", z, y, odir=1.0, solver=FLOAT64_SOLVER)
+    posthoc.fit("vector_scaling", z, y, odir=1.0, solver=CG_FLOAT64)
 
 
 @pytest.mark.parametrize("method", ["vector_scaling", "matrix_scaling", "dirichlet"])
@@ -137,8 +155,8 @@ def test_a_warm_start_reaches_the_cold_starts_optimum(method):
     start = parametric.fit(method, z, y, weights, other, posthoc.ODIR_SOLVER).params
     warm = parametric.fit(method, z, y, weights, 10.0, posthoc.ODIR_SOLVER, start)
     assert cold.converged and warm.converged
-    assert fun(_flat(warm.params))[0] == pytest.approx(fun(_flat(cold.params))[0], abs=1e-9)
-    np.testing.assert_allclose(_flat(warm.params), _flat(cold.params), atol=1e-4)
+    assert fun(_flat(warm.params))[0] == pytest.approx(fun(_flat(cold.params))[0], abs=1e-12)
+    np.testing.assert_allclose(_flat(warm.params), _flat(cold.params), atol=1e-6)
 
 
 def _random_problem(method: str, seed: int, rows: int):
@@ -163,18 +181,21 @@ def test_the_preconditioners_diagonal_is_the_hessians(method):
                                atol=1e-14)
 
 
-def test_the_jax_cross_validation_reproduces_the_scipy_one():
+def test_the_cross_validation_reproduces_the_scipy_one():
   # The same cross-validated fit by the float64 SciPy solver (cold and per-fold warm starts,
-  # every fold fitted) and by the float32 JAX one (warm starts across strengths and folds):
-  # the same strength, the same cross-validated NLL to float32's resolution, the same map.
+  # every fold fitted), by exact Newton (float64) and by Newton-CG in JAX (float32), both
+  # with warm starts across strengths and folds: the same strength, the same cross-validated
+  # NLL to each solver's resolution, the same map.
   z, y = _generated(14, 600, 6)
-  ours = posthoc.fit("dirichlet", z, y)
   reference = posthoc.fit("dirichlet", z, y, solver=posthoc.SCIPY_ODIR_SOLVER)
-  assert ours.converged and reference.converged
-  assert ours.hyper["odir"] == reference.hyper["odir"]
-  assert ours.cv_nll == pytest.approx(reference.cv_nll, abs=1e-6)
-  np.testing.assert_allclose(_flat(ours.params), _flat(reference.params), atol=1e-4)
-  assert ours.evaluations < reference.evaluations
+  for solver, nll_tolerance, param_tolerance in ((posthoc.ODIR_SOLVER, 1e-9, 1e-5),
+                                                 (CG, 1e-6, 1e-4)):
+    ours = posthoc.fit("dirichlet", z, y, solver=solver)
+    assert ours.converged and reference.converged
+    assert ours.hyper["odir"] == reference.hyper["odir"]
+    assert ours.cv_nll == pytest.approx(reference.cv_nll, abs=nll_tolerance)
+    np.testing.assert_allclose(_flat(ours.params), _flat(reference.params), atol=param_tolerance)
+    assert ours.evaluations < reference.evaluations
 
 
 @pytest.mark.slow  # Minutes: SciPy's reference over 10,100 parameters.
@@ -185,7 +206,7 @@ def test_fits_match_a_converged_scipy_reference_k100(method):
   reference, fun = _reference_fit(method, z, y, strength)
   # Dirichlet here has a nearly flat direction (below): float64's gradient tolerance takes
   # more than the default budget of evaluations along it.
-  solver = dataclasses.replace(FLOAT64_SOLVER, newton_steps=1000, max_evaluations=100_000)
+  solver = dataclasses.replace(CG_FLOAT64, newton_steps=1000, max_evaluations=100_000)
   with jax.enable_x64(True):
     fit = parametric.fit(method, z, y, np.ones(len(z)), strength, solver)
   assert fit.converged and fit.grad_norm <= 1e-8, fit.message
@@ -279,7 +300,8 @@ def test_separable_rows_are_reported_not_converged(caplog):
   lines = [r.getMessage() for r in caplog.records if "cross-validation fits" in r.getMessage()]
   assert len(lines) == 1
   stopped, fitted = map(int, re.search(r"in (\d+) of (\d+) cross-validation", lines[0]).groups())
-  assert stopped == len(posthoc.ODIR_GRID) and fitted < 3 * len(posthoc.ODIR_GRID)
+  grid = posthoc.MAPS["matrix_scaling"].grid
+  assert stopped == len(grid) and fitted < 3 * len(grid)
   row = {"hyper": {}, "converged": calibrator.converged, "at_edge": calibrator.at_edge}
   assert report._fit_flag(row) == "NOT CONVERGED"  # pylint: disable=protected-access
 
@@ -313,3 +335,46 @@ def test_the_registry_declares_every_map_and_feeds_the_config_and_the_docs():
   assert check("auto") is None and check("dirichlet") is None
   with open("docs/posthoc.md") as f:
     assert posthoc.markdown_table() in f.read()
+
+
+@pytest.mark.parametrize("key", ["vector_scaling", "matrix_scaling"])
+def test_the_exact_solvers_derivatives_are_jaxs(key):
+  """exact_newton's hand-written value, gradient and Hessian (on the fit rows, weights > 0)
+  against JAX's value_and_grad and hessian of `parametric.objective`, in float64."""
+  rng, z, y, weights, shape, params = _random_problem(key, 21, 50)
+  problem = exact_newton.PROBLEMS[key](z, y, weights, 0.3)
+  x = problem.flat(params)
+  value, grad, nll, q = problem.value_and_grad(x)
+  hessian = problem.hessian(q)
+  with jax.enable_x64(True):
+    def objective(flat, strength=0.3):
+      return parametric.objective(key, problem.params(flat), z, y, weights, strength)
+    ref_value, ref_grad = jax.value_and_grad(objective)(x)
+    ref_hessian = jax.hessian(objective)(x)
+    assert nll == pytest.approx(float(objective(x, 0.0)), rel=1e-12)
+  assert value == pytest.approx(float(ref_value), rel=1e-12)
+  np.testing.assert_allclose(grad, np.asarray(ref_grad), rtol=1e-9, atol=1e-13)
+  np.testing.assert_allclose(hessian, np.asarray(ref_hessian), rtol=1e-9, atol=1e-13)
+  for name, value in problem.params(x).items():  # The flat order round-trips.
+    np.testing.assert_array_equal(value, params[name])
+
+
+def test_the_exact_solver_hands_costly_hessians_to_newton_cg():
+  """A fit whose Hessian would cost more than `max_hessian_work` goes to `large` (Newton-CG
+  in JAX), here forced by a limit of 0; the same optimum to float32's resolution."""
+  z, y = _generated(22, 300, 5)
+  weights = np.ones(len(z))
+  calls = []
+
+  class Recording:
+    def minimise(self, *args):
+      calls.append(args[0])
+      return CG.minimise(*args)
+  forced = dataclasses.replace(posthoc.ODIR_SOLVER, max_hessian_work=0, large=Recording())
+  handed = parametric.fit("matrix_scaling", z, y, weights, 1.0, forced)
+  exact = parametric.fit("matrix_scaling", z, y, weights, 1.0, posthoc.ODIR_SOLVER)
+  assert calls == ["matrix_scaling"] and handed.converged and exact.converged
+  fun = _reference_objective("matrix_scaling", z, y, 1.0)
+  assert fun(_flat(handed.params))[0] == pytest.approx(fun(_flat(exact.params))[0], abs=1e-9)
+  assert not posthoc.ODIR_SOLVER.exact("matrix_scaling", 5000, 100)  # K = 100: Newton-CG.
+  assert posthoc.ODIR_SOLVER.exact("vector_scaling", 5000, 100)

@@ -53,3 +53,17 @@ def test_nll_rise_is_flagged(caplog):
 def test_unknown_method_is_named():
   with pytest.raises(ValueError, match="grid_ece, grid_nll, lbfgs_nll"):
     temperature.fit_temperature(np.zeros((2, 2)), np.zeros(2, int), method="platt")
+
+
+@pytest.mark.parametrize("objective", ["ece", "nll"])
+def test_grid_values_are_each_temperatures_metric_bit_for_bit(objective, monkeypatch):
+  # The vectorised grid against the metric of each T computed alone, in blocks of any size.
+  from cpjax.calibration import metrics  # pylint: disable=g-import-not-at-top
+  z, labels = _calibrated(3, n=300, k=7)
+  z[:5, 2] = 80.0  # Saturated rows: confidences of exactly 1.0 in float64.
+  alone = [metrics.ece(metrics.softmax(z / t), labels, 15) if objective == "ece"
+           else metrics.nll(z / t, labels) for t in temperature.GRID]
+  for block in (None, 7 * z.size):  # All at once; 7 temperatures per block.
+    if block:
+      monkeypatch.setattr(temperature, "_GRID_VALUES", block)
+    np.testing.assert_array_equal(temperature.grid_values(z, labels, objective, 15), alone)

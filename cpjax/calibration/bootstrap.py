@@ -9,9 +9,10 @@ The percentile interval [q_lo, q_hi] is the alternative. The seed is explicit
 and recorded with the result.
 
 `resampled_values` computes the report's metrics over resamples without copying the [N, K]
-probabilities per resample: per-row statistics gathered for a block of resamples at once and
-each metric computed for the block in one array operation (bit for bit the metric of each
-resample's rows), and classwise ECE from each resample's row counts.
+probabilities per resample: from how often each resample draws each row, means as one matrix
+product for a block of resamples, the ECE family and the AURCs from running sums along the
+rows sorted by confidence, classwise ECE from sparse sums per (bin, class); each equal to the
+metric of the resample's rows up to float64 rounding.
 """
 
 from collections.abc import Callable, Iterator
@@ -19,9 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cpjax.calibration import metrics, ranking
+from cpjax.calibration import metrics
 
 KINDS = ("basic", "percentile")
+_GATHERED = 1 << 22  # Entries gathered at once by `classwise_ece_of_resamples` (32 MiB).
 
 
 class Interval(NamedTuple):
@@ -105,56 +107,132 @@ def row_statistics(probs: np.ndarray, logits: np.ndarray, labels: np.ndarray
           "brier": metrics.brier_terms(probs, labels)}
 
 
-def _each(metric):
-  """A metric of one resample's statistics [N] as one of a block of resamples' ([C, N])."""
-  return lambda confidence, correct: np.array([metric(c, k) for c, k in zip(confidence,
-                                                                            correct)])
+def resample_counts(rows: np.ndarray, size: int) -> np.ndarray:
+  """[C, size]: how often each of C resamples (row indices [C, n]) draws each row."""
+  return np.bincount((rows + size * np.arange(len(rows))[:, None]).ravel(),
+                     minlength=len(rows) * size).reshape(len(rows), size)
 
 
-# name -> (the row statistics it reads, f(them gathered for a block of resamples [C, N] each,
-# num_bins) -> its [C] values): the metric of each resample's rows, bit for bit (the same
-# sums in the same order, one array operation for the block; cpjax.calibration.report's
-# columns).
-FROM_ROW_STATISTICS = {
-    "accuracy": (("correct",), lambda s, m: np.mean(s["correct"], axis=1)),
-    "ece": (("confidence", "correct", "bin"), lambda s, m: metrics.ece_of_rows(
-        s["confidence"], s["correct"], metrics.equal_width_edges(m), index=s["bin"])),
-    "ece_left_closed": (("confidence32", "correct32", "bin32"), lambda s, m: metrics.ece_of_rows(
-        s["confidence32"], s["correct32"], metrics.seed_edges(m), "left_closed", s["bin32"])),
-    "adaptive_ece": (("confidence", "correct"), lambda s, m: metrics.ece_of_rows(
-        s["confidence"], s["correct"], metrics.adaptive_edges(s["confidence"], m))),
-    "nll": (("label_log_prob",), lambda s, m: -np.mean(s["label_log_prob"], axis=1)),
-    "brier": (("brier",), lambda s, m: np.mean(s["brier"], axis=1)),
-    "aurc": (("confidence", "correct"), lambda s, m: _each(ranking.aurc_from_confidences)(
-        s["confidence"], s["correct"])),
-    "e_aurc": (("confidence", "correct"), lambda s, m: _each(ranking.e_aurc_from_confidences)(
-        s["confidence"], s["correct"])),
-}
+class _Sorted:
+  """Rows sorted by a confidence (ascending), and per resample the running sums along that
+  order of its draws' counts, outcomes and confidences: a resample's sums over a range of
+  confidences are differences of two entries."""
+
+  def __init__(self, confidence: np.ndarray, correct: np.ndarray):
+    self.order = np.argsort(confidence, kind="stable")
+    self.confidence, self.correct = confidence[self.order], correct[self.order]
+
+  def running(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[C, N + 1] each: sums of counts, counts x correct, counts x confidence over the first
+    j sorted rows, j = 0..N."""
+    drawn = counts[:, self.order].astype(np.float64)
+    pad = np.zeros((len(counts), 1))
+    return tuple(np.concatenate([pad, np.cumsum(x, axis=1)], axis=1)
+                 for x in (drawn, drawn * self.correct, drawn * self.confidence))
+
+
+def _binned_gaps(sums, positions: np.ndarray, total=None) -> np.ndarray:
+  """[C]: sum_m |B_m| |acc - conf| / total of bins holding the sorted rows positions[:, m] up
+  to positions[:, m + 1] ([C, M + 1]); total: the resample's size (None: the binned count)."""
+  count, correct, confidence = (np.diff(np.take_along_axis(x, positions, axis=1), axis=1)
+                                for x in sums)
+  total = count.sum(axis=1) if total is None else total
+  with np.errstate(invalid="ignore", divide="ignore"):  # |B_m| |acc - conf| = |sum - sum|.
+    return np.where(total > 0, np.abs(correct - confidence).sum(axis=1) / total, 0.0)
+
+
+def _fixed_edge_ece(rows: _Sorted, counts, edges, side: str, total) -> np.ndarray:
+  """ECE of fixed edges: right-closed bins (side "right": rows <= e_m are below bin m) or
+  left-closed ("left")."""
+  positions = np.searchsorted(rows.confidence, edges, side=side)
+  return _binned_gaps(rows.running(counts), np.broadcast_to(positions, (len(counts),
+                                                                       len(edges))), total)
+
+
+def _adaptive_ece(rows: _Sorted, counts, num_bins: int) -> np.ndarray:
+  """AdaECE of each resample: `metrics.adaptive_edges` of its sorted confidences (np.interp
+  of them at linspace(0, N, M + 1), as that function does) found from the running counts,
+  then right-closed bins."""
+  sums = rows.running(counts)
+  size = int(counts[0].sum())
+  at = np.linspace(0, size, num_bins + 1)
+  low = np.minimum(np.floor(at), size - 1).astype(np.int64)
+  high = np.minimum(low + 1, size - 1)
+  # The resample's k-th smallest confidence: the sorted row where the running count passes k.
+  def order_statistic(k):
+    return rows.confidence[np.stack([np.searchsorted(c[1:], k, side="right") for c in sums[0]])]
+  below, above = order_statistic(low), order_statistic(high)
+  fraction = np.where(at < size - 1, at - low, 0.0)
+  edges = np.where(fraction > 0, (above - below) * fraction + below, below)
+  positions = np.stack([np.searchsorted(rows.confidence, e, side="right") for e in edges])
+  return _binned_gaps(sums, positions, float(size))
+
+
+def _aurc(rows: _Sorted, counts, oracle: bool = False) -> np.ndarray:
+  """AURC (oracle: of the ranking that puts every error last) of each resample, in closed form
+  over its tie groups (`ranking.selective_risks`: within a group of s tied draws after a
+  drawn, the errors accrue linearly, so its risks sum to before (H(a + s) - H(a)) + errors /
+  s (s - a (H(a + s) - H(a))), H the harmonic numbers)."""
+  drawn = counts.astype(np.float64)
+  errors = drawn * (1.0 - rows.correct[np.argsort(rows.order)])  # In the rows' own order.
+  if oracle:  # Two groups: the correct draws first, then the errors.
+    size, error_total = drawn.sum(axis=1), errors.sum(axis=1)
+    group_sizes = np.stack([size - error_total, error_total], axis=1)
+    group_errors = np.stack([np.zeros_like(size), error_total], axis=1)
+  else:  # Tie groups of the descending confidence.
+    descending = rows.order[::-1]
+    _, starts = np.unique(-rows.confidence[::-1], return_index=True)
+    group_sizes = np.add.reduceat(drawn[:, descending], starts, axis=1)
+    group_errors = np.add.reduceat(errors[:, descending], starts, axis=1)
+  size = int(round(float(drawn[0].sum())))
+  harmonic = np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, size + 1))])
+  ahead = np.cumsum(group_sizes, axis=1) - group_sizes  # Draws before each group.
+  before = np.cumsum(group_errors, axis=1) - group_errors
+  first = ahead.astype(np.int64)
+  span = harmonic[first + group_sizes.astype(np.int64)] - harmonic[first]
+  with np.errstate(invalid="ignore", divide="ignore"):
+    within = np.where(group_sizes > 0, group_errors / group_sizes
+                      * (group_sizes - ahead * span), 0.0)
+  return (before * span + within).sum(axis=1) / size
+
+
+def _column(name: str, statistics: dict, counts: np.ndarray, num_bins: int) -> np.ndarray:
+  """[C]: the named TABLE_METRICS column of each resample (counts [C, N])."""
+  size = counts.sum(axis=1)
+  if name in ("accuracy", "nll", "brier"):  # Means of a per-row statistic.
+    key, sign = {"accuracy": ("correct", 1.0), "nll": ("label_log_prob", -1.0),
+                 "brier": ("brier", 1.0)}[name]
+    return sign * (counts @ statistics[key]) / size
+  if name == "ece":
+    return _fixed_edge_ece(statistics["sorted"], counts, metrics.equal_width_edges(num_bins),
+                           "right", size)
+  if name == "ece_left_closed":
+    return _fixed_edge_ece(statistics["sorted32"], counts, metrics.seed_edges(num_bins),
+                           "left", None)
+  if name == "adaptive_ece":
+    return _adaptive_ece(statistics["sorted"], counts, num_bins)
+  aurc = _aurc(statistics["sorted"], counts)
+  return aurc if name == "aurc" else aurc - _aurc(statistics["sorted"], counts, oracle=True)
 
 
 def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples
                      ) -> dict[str, np.ndarray]:
-  """[B] values of each named metric, over the resamples' [chunk, N] row blocks: each
-  block's statistics gathered once, each metric computed for the whole block at once."""
+  """[B] values of each named metric (finite probabilities), over the resamples' [chunk, N]
+  row blocks, from how often each resample draws each row (`resample_counts`): means as one
+  matrix product, the ECE family and the AURCs from running sums along the rows sorted by
+  confidence, classwise ECE from `classwise_ece_of_resamples`. Each equals the metric of the
+  resample's rows (`metrics`, `ranking`) up to float64 rounding: the same sums in another
+  order."""
   statistics = row_statistics(probs, logits, labels)
-  # Each row's bin of the fixed-edge ECEs, binned once (a resample's rows keep their bins).
-  statistics["bin"] = metrics.bin_index(statistics["confidence"],
-                                        metrics.equal_width_edges(num_bins), "right_closed")
-  statistics["bin32"] = metrics.bin_index(statistics["confidence32"],
-                                          metrics.seed_edges(num_bins), "left_closed")
-  needed = {key for name in names if name != "classwise_ece"
-            for key in FROM_ROW_STATISTICS[name][0]}
+  statistics["sorted"] = _Sorted(statistics["confidence"], statistics["correct"])
+  statistics["sorted32"] = _Sorted(statistics["confidence32"], statistics["correct32"])
   values = {name: [] for name in names}
   for rows in resamples:
-    gathered = {key: statistics[key][rows] for key in needed}
+    counts = resample_counts(rows, len(labels))
     for name in names:
-      if name == "classwise_ece":
-        counts = np.bincount((rows + len(labels) * np.arange(len(rows))[:, None]).ravel(),
-                             minlength=rows.size).reshape(rows.shape)
-        values[name].append(classwise_ece_of_resamples(probs, labels, num_classes, num_bins,
-                                                       counts))
-      else:
-        values[name].append(FROM_ROW_STATISTICS[name][1](gathered, num_bins))
+      values[name].append(
+          classwise_ece_of_resamples(probs, labels, num_classes, num_bins, counts)
+          if name == "classwise_ece" else _column(name, statistics, counts, num_bins))
   return {name: np.concatenate(v) if v else np.zeros(0) for name, v in values.items()}
 
 
@@ -166,10 +244,11 @@ def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classe
   Resample b's sums per (bin m, class k) are sum_i counts_bi x_ik over the entries (i, k)
   in bin m, x = 1, p_ik or 1[y_i = k]. At most M - 1 of a row's probabilities exceed 1 / M,
   so nearly every entry is in the lowest bin: the other entries (and those in no bin, p = 0)
-  are summed as a sparse product, and the lowest bin's sums are the class totals
+  are gathered per resample ([B, entries], sorted by their (bin, class) once) and summed per
+  (bin, class) by one `np.add.reduceat`, and the lowest bin's sums are the class totals
   (counts @ probs, the label counts) less theirs. Per (m, k), |B| |acc - conf| is
-  |sum of events - sum of p|. Equal to `metrics.classwise_ece` of the resampled rows up to float64
-  rounding (the sums are taken in another order). Finite probabilities only.
+  |sum of events - sum of p|. Equal to `metrics.classwise_ece` of the resampled rows up to
+  float64 rounding (the sums are taken in another order). Finite probabilities only.
   """
   probs, counts = np.asarray(probs, np.float64), np.asarray(counts, np.float64)
   edges = metrics.equal_width_edges(num_bins)
@@ -177,17 +256,21 @@ def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classe
   rows, classes = np.nonzero(index != 0)
   slot = np.where(index[rows, classes] < 0, num_bins, index[rows, classes])  # M: no bin.
   columns = (slot - 1) * num_classes + classes  # Bins 1..M-1, then "no bin".
-  event = np.asarray(labels)[rows] == classes
-  # Imported here: the training path imports this module (the config's interval kinds), and
-  # only the report resamples.
-  import scipy.sparse  # pylint: disable=g-import-not-at-top
-  shape = (len(probs), num_bins * num_classes)
-  sums = [counts @ scipy.sparse.csr_matrix((value, (rows, columns)), shape=shape)
-          for value in (np.ones(len(rows)), probs[rows, classes], event.astype(np.float64))]
+  order = np.argsort(columns, kind="stable")
+  rows, classes, columns = rows[order], classes[order], columns[order]
+  cells, starts = np.unique(columns, return_index=True)
+  values = (np.ones(len(rows)), probs[rows, classes],
+            (np.asarray(labels)[rows] == classes).astype(np.float64))
+  sums = [np.zeros((len(counts), num_bins * num_classes)) for _ in values]
+  block = max(1, _GATHERED // max(len(rows), 1))  # Resamples per gather of [block, entries].
+  for first in range(0, len(counts) if len(cells) else 0, block):
+    gathered = counts[first:first + block, rows]  # Each entry's row: drawn this many times.
+    for summed, value in zip(sums, values):
+      summed[first:first + block, cells] = np.add.reduceat(gathered * value, starts, axis=1)
   label_counts = np.stack([np.bincount(labels, c, num_classes) for c in counts])
   totals = (np.broadcast_to(counts.sum(1, keepdims=True), label_counts.shape),
             counts @ probs, label_counts)  # [B, K] each: count, confidence, event sums.
-  by_bin = [np.asarray(s).reshape(len(counts), num_bins, num_classes) for s in sums]
+  by_bin = [s.reshape(len(counts), num_bins, num_classes) for s in sums]
   lowest = [t - s.sum(1) for t, s in zip(totals, by_bin)]  # Bin 0: the rest.
   confidence = np.concatenate([lowest[1][:, None], by_bin[1][:, :-1]], 1)  # [B, M, K]
   events = np.concatenate([lowest[2][:, None], by_bin[2][:, :-1]], 1)

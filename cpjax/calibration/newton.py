@@ -1,4 +1,6 @@
-"""Newton's method in JAX for the convex post-hoc maps: vector, matrix and Dirichlet scaling.
+"""Newton-CG in JAX for the convex post-hoc maps with many parameters: matrix and Dirichlet
+scaling at large K (cpjax.calibration.exact_newton hands it the fits whose Hessian would be
+costly to form).
 
 The objective (`parametric.objective`: the weighted mean NLL + ODIR's penalty) is convex in
 these maps' parameters. One fit is one jitted call, on the default device (the accelerator
@@ -27,11 +29,10 @@ not drifting along a direction the objective hardly curves in), and the fit has 
 its rows. Nocedal & Wright, Numerical Optimization (2006), ch. 7.1 (line-search Newton-CG).
 """
 
-import concurrent.futures
 import dataclasses
 import functools
-import logging
 import threading
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,13 +69,6 @@ class Solver:
   gtol64: float = 1e-8  # The same in float64.
   xtol64: float = 1e-6
   dtype: str = "float32"  # Of the fit: float32, or float64 (needs JAX's x64 mode).
-  # A fit of at most this many rows x parameters is small (K = 10 classes, 1,000 rows: 1.1e5
-  # for matrix scaling): the cross-validation fits each strength's folds together
-  # (`minimise_batch`), and the solver is compiled for a short compile (`_executable`).
-  # Above it (matrix scaling at K = 100 on 5,000 rows: 5e7) each fit runs alone, so that a
-  # strength that cannot win is not fitted on its remaining folds, and the solver is
-  # compiled to run fast. 0: every fit alone.
-  small_fit: int = 1 << 22
 
   to_tolerance = True  # A fit is judged converged by the tolerances above.
 
@@ -93,14 +87,6 @@ class Solver:
   def minimise(self, key, init, inputs, labels, weights, strength) -> parametric.Fit:
     return minimise(key, init, inputs, labels, weights, strength, self)
 
-  def minimise_batch(self, key, inits, inputs, labels, weights, strengths
-                     ) -> list[parametric.Fit]:
-    return minimise_batch(key, inits, inputs, labels, weights, strengths, self)
-
-  def batches(self, rows: int, num_params: int) -> bool:
-    """Whether fits of this size are small (`small_fit`): batched, and compiled for a short
-    compile rather than a fast run."""
-    return rows * num_params <= self.small_fit
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,41 +347,25 @@ def _newton(key, x0, weights, strength, inputs, labels, gtol, xtol, *, newton_st
 
 _STATIC = ("key", "newton_steps", "cg_steps", "max_evaluations")
 _newton_jit = jax.jit(_newton, static_argnames=_STATIC)
-_COMPILED: dict[tuple, concurrent.futures.Future] = {}  # One executable per fit shape.
-_COMPILED_LOCK = threading.Lock()
+_COMPILED: dict[tuple, Any] = {}  # One executable per fit shape and solver, per process.
+_COMPILED_LOCK = threading.Lock()  # Fits run in the report's background thread too.
 
 
 def _executable(key: str, batch: int, rows: int, num_classes: int, solver: Solver):
   """The compiled `_newton` of `batch` fits of `rows` rows and `num_classes` classes: compiled
   once per shape and solver in a process (and loaded from JAX's persistent compilation cache
-  where that is on), by whichever thread asks first; the others wait for it.
-
-  A small fit (`Solver.batches`) is compiled with the "small_solver" options of
-  cpjax.runtime.compiler_options (on a CPU: LLVM's optimisations off, a third less compile
-  for fits ~10 % slower): the report's fits run for a fraction of a second. A large fit runs
-  long enough to want the default options."""
+  where that is on), with the "solver" options of cpjax.runtime.compiler_options (on a CPU,
+  YNNPACK's batched products were 12x slower than XLA's own)."""
   dtype = np.dtype(solver.dtype)
-  num_params = num_classes * (2 if key == "vector_scaling" else num_classes + 1)
-  fast_compile = solver.batches(rows, num_params)
   entry = (key, batch, rows, num_classes, dtype.name, solver.newton_steps, solver.cg_steps,
-           solver.max_evaluations, fast_compile, jax.default_backend())  # What it compiles.
+           solver.max_evaluations, jax.default_backend())  # What it compiles.
   with _COMPILED_LOCK:
-    future = _COMPILED.get(entry)
-    owner = future is None
-    if owner:
-      future = _COMPILED[entry] = concurrent.futures.Future()
-  if owner:
-    try:
-      future.set_result(_compile(key, batch, rows, num_classes, dtype, solver, fast_compile))
-    except BaseException as error:  # The waiting threads see it too; the next call retries.
-      with _COMPILED_LOCK:
-        _COMPILED.pop(entry, None)
-      future.set_exception(error)
-      raise
-  return future.result()
+    if entry not in _COMPILED:
+      _COMPILED[entry] = _compile(key, batch, rows, num_classes, dtype, solver)
+    return _COMPILED[entry]
 
 
-def _compile(key, batch, rows, num_classes, dtype, solver: Solver, fast_compile: bool):
+def _compile(key, batch, rows, num_classes, dtype, solver: Solver):
   shape = jax.ShapeDtypeStruct
   num_params = num_classes * (2 if key == "vector_scaling" else num_classes + 1)
   lowered = _newton_jit.lower(
@@ -403,76 +373,66 @@ def _compile(key, batch, rows, num_classes, dtype, solver: Solver, fast_compile:
       shape((rows, num_classes), dtype), shape((rows,), jnp.int32), shape((), dtype),
       shape((), dtype), newton_steps=solver.newton_steps, cg_steps=solver.cg_steps,
       max_evaluations=solver.max_evaluations)
-  options = compiler_options.compiler_options("small_solver") if fast_compile else {}
-  try:
-    return lowered.compile(options)
-  except jax.errors.JaxRuntimeError as error:  # An XLA that no longer knows an option.
-    if not options or "No such compile option" not in str(error):
-      raise
-    logging.info("Compiling the post-hoc solver without %s: %s", options, error)
-    return lowered.compile()
-
-
-def precompile(key: str, batch: int, rows: int, num_classes: int,
-               solver: Solver) -> concurrent.futures.Future:
-  """Starts compiling the solver of `batch` fits of that size in a background thread, so that
-  it compiles while the caller computes something else; the fits wait for it. Returns its
-  future."""
-  done = concurrent.futures.Future()
-
-  def run():
-    try:
-      done.set_result(_executable(key, batch, rows, num_classes, solver))
-    except BaseException as error:  # pylint: disable=broad-except  (the fits raise it again)
-      done.set_exception(error)
-  threading.Thread(target=run, name=f"compile-{key}").start()
-  return done
+  return lowered.compile(compiler_options.compiler_options("solver"))
 
 
 def minimise(key: str, init: dict, inputs: np.ndarray, labels: np.ndarray,
              weights: np.ndarray, strength: float, solver: Solver) -> parametric.Fit:
   """`parametric.objective(key, ...)` (vector or matrix scaling; Dirichlet: matrix scaling of
-  log p) minimised from `init` by Newton-CG in JAX, in `solver.dtype`: a batch of one."""
-  return minimise_batch(key, [init], inputs, labels, np.asarray(weights)[None], [strength],
-                        solver)[0]
-
-
-def minimise_batch(key: str, inits: list[dict], inputs: np.ndarray, labels: np.ndarray,
-                   weights: np.ndarray, strengths, solver: Solver) -> list[parametric.Fit]:
-  """B fits on the same inputs [N, K] in one jitted call: fit b from inits[b] with row weights
-  weights[b] ([B, N]) and strength strengths[b]. Each fit's result is the one it would have
-  alone, up to rounding (its operations are batched)."""
+  log p) minimised from `init` by Newton-CG in JAX, in `solver.dtype`: one jitted call (a
+  batch of one fit; the module's objective is written for a batch)."""
   if solver.dtype not in ("float32", "float64"):
     raise ValueError(f"solver dtype={solver.dtype!r}; valid choices: float32, float64")
   if solver.dtype == "float64" and not jax.config.jax_enable_x64:
     raise ValueError("a float64 fit needs JAX's x64 mode (`with jax.enable_x64(True):`)")
   dtype = np.dtype(solver.dtype)
   gtol, xtol = solver.tolerances()
-  names = sorted(inits[0])  # ravel_pytree's order: b, then w.
-  shapes = [np.shape(inits[0][n]) for n in names]
-  x0 = np.stack([np.concatenate([np.ravel(init[n]) for n in names]) for init in inits])
+  names = sorted(init)  # ravel_pytree's order: b, then w.
+  shapes = [np.shape(init[n]) for n in names]
+  x0 = np.concatenate([np.ravel(init[n]) for n in names])[None]
+  inputs, labels, weights = _fit_rows(inputs, labels, weights)
   rows, num_classes = np.shape(inputs)
-  executable = _executable(key, len(inits), rows, num_classes, solver)
+  executable = _executable(key, 1, rows, num_classes, solver)
   out = jax.device_get(executable(
-      jnp.asarray(x0, dtype), jnp.asarray(weights, dtype),
-      jnp.asarray(np.asarray(strengths, np.float64), dtype), jnp.asarray(inputs, dtype),
+      jnp.asarray(x0, dtype), jnp.asarray(weights[None], dtype),
+      jnp.asarray([strength], dtype), jnp.asarray(inputs, dtype),
       jnp.asarray(labels, jnp.int32), jnp.asarray(gtol, dtype), jnp.asarray(xtol, dtype)))
   splits = np.cumsum([int(np.prod(shape)) for shape in shapes])[:-1]
+  params = {n: part.reshape(shape) for n, part, shape in zip(names, np.split(out[0][0], splits),
+                                                             shapes)}
+  return _result(solver, params, gtol, xtol, *(v[0] for v in out[1:]))
 
-  def unravel(x):
-    return {n: part.reshape(shape) for n, part, shape in zip(names, np.split(x, splits), shapes)}
-  return [_result(solver, unravel(out[0][b]), gtol, xtol, *(v[b] for v in out[1:]))
-          for b in range(len(inits))]
+
+ROW_PADDING = 128  # A fit's rows are padded to a multiple of this: one compile for every fold.
+
+
+def _fit_rows(inputs, labels, weights):
+  """The rows a fit reads (weight > 0: a cross-validation fold's training rows), padded with
+  rows of weight 0 to a multiple of ROW_PADDING, so that the folds, whose sizes differ by at
+  most one, share one compiled solver; every row where all have weight (a refit) as given.
+  A fold's held-out rows cost a fit nothing then (a fifth of its products at 5 folds)."""
+  weights = np.asarray(weights)
+  kept = np.flatnonzero(weights > 0)
+  if len(kept) == len(weights):
+    return np.asarray(inputs), np.asarray(labels), weights
+  padded = -(-len(kept) // ROW_PADDING) * ROW_PADDING
+  rows = np.concatenate([kept, np.full(padded - len(kept), kept[0])])
+  padding = np.arange(padded) >= len(kept)
+  return (np.asarray(inputs)[rows], np.asarray(labels)[rows],
+          np.where(padding, 0.0, weights[rows]))
 
 
 def _result(solver: Solver, params: dict, gtol, xtol, steps, evaluations, converged, stalled,
             scaled, change, nll, grad_norm) -> parametric.Fit:
   """One fit's outcome as a `parametric.Fit`, its message saying how it ended."""
-  scaled, change, grad_norm = float(scaled), float(change), float(grad_norm)
+  scaled, change = float(scaled), float(change)
   message = (f"{int(steps)} Newton steps; max |g_i| / max(1, H_ii) {scaled:.2g}, the Newton "
              f"step left moves a probability by {change:.2g}")
+  # The fit's gradient measure is the one its tolerance bounds (max |g| is not: where H_ii
+  # exceeds 1, float32 resolves g_i only to ~eps H_ii |theta_i|).
+  del grad_norm
   if float(nll) < parametric.SEPARATION_NLL:
-    return parametric.Fit(params, False, grad_norm, int(evaluations), parametric.SEPARATED)
+    return parametric.Fit(params, False, scaled, int(evaluations), parametric.SEPARATED)
   if not bool(converged):
     reason = ("stalled: no step lowers the objective" if bool(stalled) else
               f"stopped at {solver.newton_steps} Newton steps or {solver.max_evaluations} "
@@ -480,4 +440,4 @@ def _result(solver: Solver, params: dict, gtol, xtol, steps, evaluations, conver
     if scaled <= gtol and change > xtol:
       reason = "undetermined: rows nearly separate"
     message = f"{reason}; {message}"
-  return parametric.Fit(params, bool(converged), grad_norm, int(evaluations), message)
+  return parametric.Fit(params, bool(converged), scaled, int(evaluations), message)

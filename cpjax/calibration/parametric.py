@@ -329,7 +329,7 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray
     weights: [N] row weights (0/1 selects a fold's training rows).
     strength: the regularisation strength (vector, matrix and Dirichlet scaling only).
     solver: how to minimise: a `Solver` (SciPy, float64) or any object with its `minimise`
-      method (cpjax.calibration.newton.Solver: Newton-CG in JAX).
+      method (cpjax.calibration.exact_newton.Solver: Newton's method, exact Hessian or CG).
     start: parameters to start from (a warm start); None = the identity map.
     log_t: ensemble_temperature only: a fixed log-temperature; None = fitted by NLL first,
       by `temperature_solver`.
@@ -362,24 +362,7 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray
              result.evaluations + first.evaluations, result.message)
 
 
-BATCHED = ("vector_scaling", "matrix_scaling", "dirichlet")  # The maps `fit_batch` fits.
-
-
-def fit_batch(method: str, logits: np.ndarray, labels: np.ndarray, weights: np.ndarray,
-              strengths, solver, starts: list[dict | None]) -> list[Fit]:
-  """B fits (`fit`) of vector, matrix or Dirichlet scaling: fit b on row weights weights[b]
-  ([B, N], e.g. a cross-validation's folds) at strengths[b] from starts[b] (None: the
-  identity), in one call of the solver's `minimise_batch` (cpjax.calibration.newton: one
-  jitted solve)."""
-  if method not in BATCHED:
-    raise ValueError(f"{method} is not fitted in batches; batched: {', '.join(BATCHED)}")
-  inits = [{**identity_params(method, logits.shape[-1]), **(start or {})} for start in starts]
-  inputs = log_softmax(np, logits) if method == "dirichlet" else logits  # As in `fit`.
-  return solver.minimise_batch(solver_key(method), inits, inputs, labels, weights,
-                               np.asarray(strengths, np.float64))
-
-
 def solver_key(method: str) -> str:
-  """The objective `fit_batch` minimises for `method`: Dirichlet calibration is matrix scaling
-  of the log-probabilities."""
+  """The objective a fit of `method` minimises: Dirichlet calibration is matrix scaling of the
+  log-probabilities."""
   return "matrix_scaling" if method == "dirichlet" else method

@@ -62,7 +62,6 @@ logged and flagged too (`Calibrator.at_edge`).
 from collections.abc import Callable
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -71,21 +70,27 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cpjax import registry
-from cpjax.calibration import binning, newton, parametric, temperature
+from cpjax.calibration import binning, exact_newton, parametric, temperature
 
 # Candidates of the cross-validated strengths. ODIR's penalty is a mean over the K (K - 1)
 # off-diagonal weights, so the strength that pins a map to its diagonal grows with K: the grid
 # reaches 1e6, where for K <= 100 each off-diagonal weight's penalty is >= 100 W_ij^2.
 ODIR_GRID = (0.0, 1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3, 1e4, 1e5, 1e6)
+# Matrix and Dirichlet scaling leave out strength 0: unregularised, their K^2 + K parameters
+# nearly separate a validation split's rows (digits, Fashion-MNIST), where the objective has
+# no determined minimiser and the fit scores nothing; 1e-2 is as weak as the grid goes.
+SQUARE_ODIR_GRID = ODIR_GRID[1:]
 BINS_GRID = (5, 10, 15, 20, 30)
 DEFAULT_FLOOR = 1e-6
 DEFAULT_FOLDS = 5
 # Temperature and ETS (one and three parameters): L-BFGS-B's own tests, at most 200 steps.
 SCALING_SOLVER = parametric.Solver(lbfgs_steps=200)
-# Vector, matrix and Dirichlet scaling: Newton-CG in JAX, float32, jitted, on the default
-# device (cpjax.calibration.newton). On large logits or many classes their objective is
-# ill-conditioned: L-BFGS-B took up to ~20,000 steps where Newton's method takes tens.
-ODIR_SOLVER = newton.Solver()
+# Vector, matrix and Dirichlet scaling: Newton's method with the exact Hessian in NumPy
+# float64 (cpjax.calibration.exact_newton) where it is cheap (vector scaling; matrix and
+# Dirichlet scaling up to K ~ 20), else Newton-CG in JAX, float32 (cpjax.calibration.newton).
+# On large logits or many classes their objective is ill-conditioned: L-BFGS-B took up to
+# ~20,000 steps where Newton's method takes tens.
+ODIR_SOLVER = exact_newton.Solver()
 # The fits these replaced (SciPy, float64, max |gradient| <= 1e-8): `fit(..., solver=
 # SCIPY_ODIR_SOLVER)` runs them, as the reference of the tests and benchmarks.
 SCIPY_ODIR_SOLVER = parametric.Solver(lbfgs_steps=100, newton_steps=100, gtol=1e-8)
@@ -119,11 +124,8 @@ class Map:
   apply: Callable[..., Any]
   setting: str | None = None  # The cross-validated hyper-parameter, if any.
   grid: tuple = ()  # Its candidates, in increasing order.
-  solver: Any = None  # Parametric maps only: a parametric.Solver or newton.Solver.
+  solver: Any = None  # Parametric maps only: a parametric.Solver or exact_newton.Solver.
   square: bool = False  # K^2 + K parameters: the report skips it above a number of classes.
-  # (logits, labels, row weights [B, N], B settings' values, B warm starts) -> B Fits, in one
-  # solve: the parametric maps whose solver batches (cpjax.calibration.newton); else None.
-  fit_batch: Callable[..., list[parametric.Fit]] | None = None
   settings: tuple[registry.Setting, ...] = ()  # None: config.evaluation's fields apply to all.
 
   @property
@@ -146,17 +148,11 @@ def _parametric_map(name: str, doc: str, solver, grid: tuple = (), square: bool 
     return parametric.fit(name, z, y, weights, strength or 0.0, solver, start,
                           temperature_solver=SCALING_SOLVER)
 
-  def fit_batch(z, y, weights, strengths, starts):
-    return parametric.fit_batch(name, z, y, weights, [s or 0.0 for s in strengths], solver,
-                                starts)
-
   def apply_map(params, z, xp, hyper):
     del hyper
     params = {k: xp.asarray(v) for k, v in params.items()}
     return parametric.log_softmax(xp, parametric.log_probs(xp, name, params, z))  # Exact rows.
-  batches = hasattr(solver, "minimise_batch") and name in parametric.BATCHED
-  return Map(name, doc, fit_rows, apply_map, "odir" if grid else None, grid, solver, square,
-             fit_batch if batches else None)
+  return Map(name, doc, fit_rows, apply_map, "odir" if grid else None, grid, solver, square)
 
 
 def with_solver(entry: Map, solver) -> Map:
@@ -187,9 +183,9 @@ for _map in (
     _parametric_map("vector_scaling", "s = w * z + b, ODIR's diagonal analogue (Guo et al. "
                     "2017)", ODIR_SOLVER, ODIR_GRID),
     _parametric_map("matrix_scaling", "s = W z + b, ODIR (Guo et al. 2017; Kull et al. 2019)",
-                    ODIR_SOLVER, ODIR_GRID, square=True),
+                    ODIR_SOLVER, SQUARE_ODIR_GRID, square=True),
     _parametric_map("dirichlet", "s = W log p + b, ODIR (Kull et al. 2019, NeurIPS)",
-                    ODIR_SOLVER, ODIR_GRID, square=True),
+                    ODIR_SOLVER, SQUARE_ODIR_GRID, square=True),
     _parametric_map("ensemble_temperature", "q = w1 softmax(z / T) + w2 softmax(z) + w3 / K "
                     "(Zhang, Kailkhura & Han 2020, ICML)", SCALING_SOLVER),
     _one_vs_rest_map("histogram_binning", "per-class equal-width bins (Zadrozny & Elkan 2001, "
@@ -263,17 +259,20 @@ def fit(method: str, logits: np.ndarray, labels: np.ndarray, *, folds: int = DEF
     raise ValueError(f"post-hoc method={method!r}; {registry.did_you_mean(method, MAPS.names())}"
                      f"valid choices: {', '.join(MAPS.names())}")  # In the docs' order.
   entry = MAPS[method] if solver is None else with_solver(MAPS[method], solver)
-  fit_entry = functools.partial(_fit, entry, logits, labels, folds=folds, seed=seed, floor=floor,
-                                pinned={"odir": odir, "num_bins": num_bins}, search=search)
-  if entry.fit_batch is not None:  # Fitted in JAX: no BLAS, and no process-wide state touched.
-    return fit_entry()
+  with one_blas_thread():
+    return _fit(entry, logits, labels, folds=folds, seed=seed, floor=floor,
+                pinned={"odir": odir, "num_bins": num_bins}, search=search)
+
+
+def one_blas_thread():
+  """A context in which NumPy's BLAS runs one thread (threadpoolctl, process-wide): the fits'
+  matrices are small, and OpenBLAS's threads waiting on each other made them ~10x slower on a
+  busy 2-core machine. Entered around a whole report too, so that the fits' nested entries,
+  from any thread, restore the same limit."""
   # Imported here: the training path imports this module (the config's map names), and only
   # the report fits a map.
   import threadpoolctl  # pylint: disable=g-import-not-at-top
-  # One BLAS thread: the fits' matrices are tiny, and OpenBLAS's threads waiting on each
-  # other made L-BFGS-B's steps ~10x slower on a busy 2-core machine.
-  with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
-    return fit_entry()
+  return threadpoolctl.threadpool_limits(limits=1, user_api="blas")
 
 
 def _fit(entry: Map, logits, labels, *, folds, seed, floor, pinned, search) -> Calibrator:
@@ -318,77 +317,10 @@ def _cross_validate(entry: Map, z, y, fold, candidates, hyper) -> Calibrator:
   complete candidate's sum over all folds cannot be chosen (no fold's NLL is negative): its
   remaining folds are not fitted, and it ranks by that partial sum (should the best one's
   refit fail). The weak strengths of the square maps, the costliest fits, are often such.
-
-  Small fits (`newton.Solver.batches`) are batched, each fit from the same start:
-  (`_cross_validate_batched`): a candidate's folds that start from their own fit of an
-  earlier candidate are one solve (`parametric.fit_batch`), and its remaining folds, whose
-  start is the previous fold's fit, are fitted in turn; a pruned candidate's folds are
-  fitted with the others but not scored. Then the best candidates (as many as there are
-  folds: the best, and those that replace it should its refit fail) are refitted on all rows
-  in one more solve, each from the mean of its folds' fits.
   """
   order = np.argsort([0.0 if c is None else float(c) for c in candidates])[::-1]
-  if entry.fit_batch is not None and entry.solver.batches(len(z), _num_params(entry, z)):
-    return _cross_validate_batched(entry, z, y, fold, candidates, order, hyper)
-
-  def fit_fold(c, f, start):
-    result = entry.fit(z, y, (fold != f).astype(np.float64), candidates[c], start)
-    return result, result.evaluations
-  scored = _score(entry, z, y, fold, candidates, order, hyper, fit_fold)
-  return _refit_best(entry, z, y, candidates, scored, hyper, 0, _refit_alone(entry, z, y,
-                                                                             candidates))
-
-
-def _num_params(entry: Map, z) -> int:
-  return int(sum(np.size(v) for v in parametric.identity_params(entry.name, z.shape[-1]).values()))
-
-
-def _refit_alone(entry: Map, z, y, candidates):
-  """refit(candidate, start) -> (its fit on all rows, the fit's evaluations)."""
-  def refit(c, start):
-    result = entry.fit(z, y, np.ones(len(z)), candidates[c], start)
-    return result, result.evaluations
-  return refit
-
-
-def _cross_validate_batched(entry: Map, z, y, fold, candidates, order, hyper) -> Calibrator:
-  """`_cross_validate` of a small fit, every fit from the start it has when fitted one at a
-  time: each candidate's folds that start from their own fit of an earlier candidate are
-  fitted together at the candidate's turn, a fold with no such fit alone from the previous
-  fold's (the strongest candidate's folds but the first); then the best candidates' refits
-  on all rows together, each from the mean of its folds' fits. Every solve is a batch of as
-  many fits as there are folds (one compiled solver), padded with copies of its first."""
-  num_folds = int(fold.max()) + 1
-  weights = (fold[None] != np.arange(num_folds)[:, None]).astype(np.float64)
-
-  def solve(rows, strengths, starts):
-    padding = num_folds - len(rows)
-    return entry.fit_batch(z, y, np.concatenate([rows, rows[:1].repeat(padding, 0)]),
-                           strengths + strengths[:1] * padding, starts + starts[:1] * padding
-                           )[:len(rows)]
-  fitted, evaluations = {}, [0]
-
-  def prefit(c, starts):  # At a candidate's turn: the folds with a start of their own.
-    known = [f for f in range(num_folds) if starts[f] is not None]
-    if known:
-      results = solve(weights[known], [candidates[c]] * len(known), [starts[f] for f in known])
-      fitted.update({(c, f): r for f, r in zip(known, results)})
-      evaluations[0] += sum(r.evaluations for r in results)
-
-  def fit_fold(c, f, start):
-    if (c, f) in fitted:
-      return fitted[c, f], 0
-    result = solve(weights[[f]], [candidates[c]], [start])[0]
-    return result, result.evaluations
-  scored = _score(entry, z, y, fold, candidates, order, hyper, fit_fold, prefit)
-  best = [c for c in np.argsort(scored.scores, kind="stable")
-          if np.isfinite(scored.scores[c])][:num_folds]  # In `_refit_best`'s order.
-  refits = dict(zip(best, solve(np.ones((len(best), len(z))), [candidates[c] for c in best],
-                                [scored.starts.get(c) for c in best]))) if best else {}
-  evaluations[0] += sum(r.evaluations for r in refits.values())
-  alone = _refit_alone(entry, z, y, candidates)
-  return _refit_best(entry, z, y, candidates, scored, hyper, evaluations[0],
-                     lambda c, start: (refits[c], 0) if c in refits else alone(c, start))
+  scored = _score(entry, z, y, fold, candidates, order, hyper)
+  return _refit_best(entry, z, y, candidates, scored, hyper)
 
 
 class _Scored(NamedTuple):
@@ -397,18 +329,13 @@ class _Scored(NamedTuple):
   evaluations: int  # Those of the fits made while scoring.
 
 
-def _score(entry: Map, z, y, fold, candidates, order, hyper, fit_fold,
-           prefit=None) -> _Scored:
-  """`_cross_validate`'s scores: fit_fold(candidate, fold, start) -> (fit, its evaluations
-  not counted yet); prefit(candidate, each fold's start or None), where given, at each
-  candidate's turn."""
+def _score(entry: Map, z, y, fold, candidates, order, hyper) -> _Scored:
+  """`_cross_validate`'s scores, each candidate's folds in turn."""
   scores, evaluations, unconverged, best = np.zeros(len(candidates)), 0, [], np.inf
   num_folds = int(fold.max()) + 1
   chained = _to_tolerance(entry)
   starts, means, fits = [None] * num_folds, {}, 0
   for c in order:
-    if prefit is not None:
-      prefit(c, starts if chained else [None] * num_folds)
     previous = None
     for f in range(num_folds):
       held = fold == f
@@ -416,8 +343,8 @@ def _score(entry: Map, z, y, fold, candidates, order, hyper, fit_fold,
       # this one: directions the data hardly determine differ between folds, and Newton's
       # method took twice the steps from there at weak strengths (K = 100).
       start = starts[f] if starts[f] is not None or not chained else previous
-      result, counted = fit_fold(c, f, start)
-      evaluations, fits = evaluations + counted, fits + 1
+      result = entry.fit(z, y, (fold != f).astype(np.float64), candidates[c], start)
+      evaluations, fits = evaluations + result.evaluations, fits + 1
       if not result.converged:
         unconverged.append((candidates[c], result))
       usable = _usable(entry, result)
@@ -443,19 +370,18 @@ def _running_mean(mean: dict | None, params: dict, count: int) -> dict:
   return {k: (mean[k] * count + params[k]) / (count + 1) for k in params}
 
 
-def _refit_best(entry: Map, z, y, candidates, scored: _Scored, hyper, evaluations,
-                refit) -> Calibrator:
-  """The best candidate refitted on all rows (refit(candidate, start) -> (fit, its
-  evaluations not counted yet), from the mean of its folds' fits where there is one)."""
+def _refit_best(entry: Map, z, y, candidates, scored: _Scored, hyper) -> Calibrator:
+  """The best candidate refitted on all rows, from the mean of its folds' fits where there is
+  one."""
   # The best candidate refitted on all rows; should that fit diverge (or, where the map is
   # fitted to convergence, not converge), the next best, and if every one does, the starting
   # map (cv_nll inf): never non-finite parameters, nor the solver's choice of a divergent map.
-  scores, evaluations = scored.scores, evaluations + scored.evaluations
+  scores, evaluations = scored.scores, scored.evaluations
   for best in np.argsort(scores, kind="stable"):
     if _to_tolerance(entry) and not np.isfinite(scores[best]):
       break  # No fold's fit of this strength, or of any after it, converged.
-    result, counted = refit(best, scored.starts.get(best))
-    evaluations += counted
+    result = entry.fit(z, y, np.ones(len(z)), candidates[best], scored.starts.get(best))
+    evaluations += result.evaluations
     _log_unconverged(entry, candidates[best], result, "all rows")
     if _usable(entry, result):
       if entry.setting is not None:
@@ -529,42 +455,21 @@ def _fit_temperature_grid(z, y, search, hyper) -> Calibrator:
                     total / len(z))
 
 
-def precompile(methods, num_rows: int, num_classes: int,
-               folds: int = DEFAULT_FOLDS) -> list[concurrent.futures.Future]:
-  """Starts compiling, each in a background thread, the solvers that `fit` of `methods` on
-  `num_rows` rows of `num_classes` logits with `folds` folds will run (the batched solves of
-  small fits, cpjax.calibration.newton), e.g. while a run's data opens; `fit` waits for them
-  where it needs them. Returns their futures."""
-  started, futures = set(), []
-  for method in methods:
-    entry = MAPS[method]
-    num_params = _num_params(entry, np.zeros((1, num_classes)))
-    key = parametric.solver_key(method)
-    if (entry.fit_batch is not None and key not in started
-        and entry.solver.batches(num_rows, num_params)):
-      started.add(key)
-      futures.append(newton.precompile(key, folds, num_rows, num_classes, entry.solver))
-  return futures
-
-
 def fit_in_background(methods, logits: np.ndarray, labels: np.ndarray,
                       **hyper) -> dict[str, concurrent.futures.Future]:
-  """Starts `fit(method, logits, labels, **hyper)` of those of `methods` that JAX fits
-  (vector, matrix and Dirichlet scaling: cpjax.calibration.newton) in background threads, the
-  maps that share a solver one after another in one thread, so that they compile and run
-  while the caller computes something else (their fits touch no process-wide state).
+  """Starts `fit(method, logits, labels, **hyper)` of those of `methods` whose strength is
+  cross-validated to a tolerance (vector, matrix and Dirichlet scaling: the costliest fits)
+  one after another in a background thread, so that they run while the caller computes
+  something else (their solvers' matrix products release the interpreter's lock). The caller
+  holds `one_blas_thread()` until the futures are done.
 
   Returns:
     {method: a future of (its Calibrator, the seconds its fit took)}, for those maps only.
   """
-  groups: dict[str, list[str]] = {}
-  for method in methods:
-    if MAPS[method].fit_batch is not None:
-      groups.setdefault(parametric.solver_key(method), []).append(method)
-  futures = {method: concurrent.futures.Future() for group in groups.values()
-             for method in group}
+  group = [method for method in methods if MAPS[method].grid and _to_tolerance(MAPS[method])]
+  futures = {method: concurrent.futures.Future() for method in group}
 
-  def run(group: list[str]) -> None:
+  def run() -> None:
     for method in group:
       started = time.perf_counter()
       try:
@@ -573,8 +478,8 @@ def fit_in_background(methods, logits: np.ndarray, labels: np.ndarray,
         futures[method].set_exception(error)
       else:
         futures[method].set_result((calibrator, time.perf_counter() - started))
-  for key, group in groups.items():
-    threading.Thread(target=run, args=(group,), name=f"posthoc-{key}").start()
+  if group:
+    threading.Thread(target=run, name="posthoc-fits").start()
   return futures
 
 

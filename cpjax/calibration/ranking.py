@@ -95,13 +95,18 @@ def e_aurc_from_confidences(confidences: np.ndarray, correct: np.ndarray) -> flo
 def selective_risk(probs: np.ndarray, labels: np.ndarray, coverage: float) -> float:
   """Error rate on the ceil(coverage N) most confident samples (ties broken at random, in
   expectation); NaN for non-finite probs."""
+  return selective_risk_from_confidences(*metrics.top_label(probs, labels), coverage)
+
+
+def selective_risk_from_confidences(confidences: np.ndarray, correct: np.ndarray,
+                                    coverage: float) -> float:
+  """`selective_risk` from top-label confidences [N] and 0/1 correctness [N]."""
   if not 0 < coverage <= 1:
     raise ValueError(f"coverage={coverage} must be in (0, 1]")
-  conf, correct = metrics.top_label(probs, labels)
-  if not metrics.all_finite(conf):
+  if not metrics.all_finite(confidences):
     return float("nan")
-  count = max(int(np.ceil(coverage * len(conf) - 1e-9)), 1)
-  return float(_expected_cumulative_errors(conf, correct)[count - 1] / count)
+  count = max(int(np.ceil(coverage * len(confidences) - 1e-9)), 1)
+  return float(_expected_cumulative_errors(confidences, correct)[count - 1] / count)
 
 
 def fpr_at_tpr(in_scores: np.ndarray, out_scores: np.ndarray, tpr: float = 0.95) -> float:

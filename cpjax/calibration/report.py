@@ -9,6 +9,7 @@ atomically. A dataset with class names (folder, tfds:NAME) has them in the run's
 (labels are indices into it). A built-in dataset has none, and its report is unchanged.
 """
 
+import functools
 import json
 import logging
 import os
@@ -34,26 +35,60 @@ CLASSES_FILE = "classes.json"  # In the workdir, beside report/ (written at the 
 CLASSES_SHOWN = 20  # Class names listed in results.md; the rest are in CLASSES_FILE.
 
 
-def _metric_functions(num_classes: int, num_bins: int):
-  """name -> f(probs, logits, labels) for every reported metric."""
+class _Rows:
+  """A split's logits [N, K] and labels [N], and what several metrics read computed once:
+  the float64 log-softmax and softmax, the top label's confidence and correctness (and of
+  the float32 softmax, `seed_ece`'s). Each metric gets the same numbers as from the arrays."""
+
+  def __init__(self, logits: np.ndarray, labels: np.ndarray, probs: np.ndarray | None = None):
+    self.logits, self.labels = np.asarray(logits), np.asarray(labels)
+    if probs is not None:
+      self.probs = probs
+
+  @functools.cached_property
+  def log_probs(self) -> np.ndarray:
+    return metrics.log_softmax(self.logits)
+
+  @functools.cached_property
+  def probs(self) -> np.ndarray:
+    return np.exp(self.log_probs)  # metrics.softmax.
+
+  @functools.cached_property
+  def top(self) -> tuple[np.ndarray, np.ndarray]:
+    return metrics.top_label(self.probs, self.labels)
+
+  @functools.cached_property
+  def top32(self) -> tuple[np.ndarray, np.ndarray]:
+    return metrics.top_label(metrics.softmax_float32(self.logits), self.labels)
+
+
+def _rows_metrics(num_classes: int, num_bins: int):
+  """name -> f(_Rows) for every reported metric."""
   return {
-      "accuracy": lambda p, z, y: metrics.accuracy(p, y),
-      "nll": lambda p, z, y: metrics.nll(z, y),
-      "ece": lambda p, z, y: metrics.ece(p, y, num_bins),
-      "ece_left_closed": lambda p, z, y: metrics.seed_ece(z, y, num_bins),  # float32.
-      "adaptive_ece": lambda p, z, y: metrics.adaptive_ece(p, y, num_bins),
-      "classwise_ece": lambda p, z, y: metrics.classwise_ece(p, y, num_classes, num_bins),
-      "mce": lambda p, z, y: metrics.mce(p, y, num_bins),
-      "smooth_ece": lambda p, z, y: metrics.smooth_ece(p, y),
-      "brier": lambda p, z, y: metrics.brier(p, y),
-      "top5_accuracy": lambda p, z, y: metrics.top_k_accuracy(z, y, min(5, num_classes)),
-      "s99_share": lambda p, z, y: metrics.s99(p, y)[0],
-      "s99_accuracy": lambda p, z, y: metrics.s99(p, y)[1],
-      "aurc": lambda p, z, y: ranking.aurc(p, y),
-      "e_aurc": lambda p, z, y: ranking.e_aurc(p, y),
-      "selective_risk_90": lambda p, z, y: ranking.selective_risk(p, y, 0.9),
-      "selective_risk_95": lambda p, z, y: ranking.selective_risk(p, y, 0.95),
+      "accuracy": lambda r: metrics.accuracy(r.probs, r.labels),
+      "nll": lambda r: float(-np.mean(r.log_probs[np.arange(len(r.labels)), r.labels])),
+      "ece": lambda r: metrics.ece_from_confidences(*r.top, num_bins),
+      "ece_left_closed": lambda r: metrics.seed_ece_from_confidences(*r.top32, num_bins),
+      "adaptive_ece": lambda r: metrics.adaptive_ece_from_confidences(*r.top, num_bins),
+      "classwise_ece": lambda r: metrics.classwise_ece(r.probs, r.labels, num_classes, num_bins),
+      "mce": lambda r: metrics.mce_from_confidences(*r.top, num_bins),
+      "smooth_ece": lambda r: metrics.smooth_ece(r.probs, r.labels),
+      "brier": lambda r: metrics.brier(r.probs, r.labels),
+      "top5_accuracy": lambda r: metrics.top_k_accuracy(r.logits, r.labels,
+                                                        min(5, num_classes)),
+      "s99_share": lambda r: metrics.s99_from_confidences(*r.top)[0],
+      "s99_accuracy": lambda r: metrics.s99_from_confidences(*r.top)[1],
+      "aurc": lambda r: ranking.aurc_from_confidences(*r.top),
+      "e_aurc": lambda r: ranking.e_aurc_from_confidences(*r.top),
+      "selective_risk_90": lambda r: ranking.selective_risk_from_confidences(*r.top, 0.9),
+      "selective_risk_95": lambda r: ranking.selective_risk_from_confidences(*r.top, 0.95),
   }
+
+
+def _metric_functions(num_classes: int, num_bins: int):
+  """name -> f(probs, logits, labels) for every reported metric (the generic bootstrap's)."""
+  return {name: (lambda p, z, y, f=f: f(_Rows(z, y, p)))
+          for name, f in _rows_metrics(num_classes, num_bins).items()}
 
 
 def calibration_metrics(logits: np.ndarray, labels: np.ndarray, num_classes: int,
@@ -66,10 +101,10 @@ def calibration_metrics(logits: np.ndarray, labels: np.ndarray, num_classes: int
   is `metrics.seed_ece`, the ECE of Tata et al. 2022's code, which takes a
   float32 softmax of the logits and left-closed bins, so a confidence that is
   exactly 1.0 in float32 (top-logit margin above ~17) is in no bin, as there.
+  The softmax and the top label are computed once for all of them.
   """
-  functions = _metric_functions(num_classes, num_bins)
-  probs = metrics.softmax(logits)
-  return {name: functions[name](probs, logits, labels) for name in names}
+  functions, rows = _rows_metrics(num_classes, num_bins), _Rows(logits, labels)
+  return {name: functions[name](rows) for name in names}
 
 
 def _intervals(logits, labels, num_classes, config, num_resamples: int | None = None,
@@ -78,12 +113,11 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
   seed), logits and probabilities together, so the NLL's interval is of the same data.
 
   The resamples never copy the [N, K] probabilities (at ImageNet's K that copy was the
-  report's cost): each metric but classwise ECE is a function of per-row statistics
-  (`bootstrap.row_statistics`), gathered for a block of resamples and computed for the
-  block at once, bit for bit the metric of each resample's rows;
-  classwise ECE is summed from each resample's row counts (`bootstrap.
-  classwise_ece_of_resamples`, equal up to float64 rounding). Non-finite probabilities take
-  the generic `bootstrap.bootstrap_interval` (a resample without the bad rows is finite).
+  report's cost): each is computed from how often it draws each row
+  (`bootstrap.resampled_values`: matrix products and running sums along the sorted
+  confidences, equal to the metric of the resample's rows up to float64 rounding).
+  Non-finite probabilities take the generic `bootstrap.bootstrap_interval` (a resample
+  without the bad rows is finite).
   """
   functions = _metric_functions(num_classes, config.num_bins)
   probs, logits = metrics.softmax(logits), np.asarray(logits)
@@ -94,9 +128,11 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
     return {name: bootstrap.bootstrap_interval(
         functions[name], (probs, logits, labels), num_resamples=num_resamples,
         **settings)._asdict() for name in names}
-  values = bootstrap.resampled_values(probs, logits, labels, num_classes, config.num_bins,
-                                      names, bootstrap.resampled_rows(len(labels), num_resamples,
-                                                      config.bootstrap_seed))
+  # Blocks of resamples of at most ~2^22 draws: the running sums are [block, N] each.
+  block = max(1, min(100, (1 << 22) // max(len(labels), 1)))
+  values = bootstrap.resampled_values(
+      probs, logits, labels, num_classes, config.num_bins, names,
+      bootstrap.resampled_rows(len(labels), num_resamples, config.bootstrap_seed, block))
   return {name: bootstrap.interval_from_values(functions[name](probs, logits, labels),
                                                values[name], **settings)._asdict()
           for name in names}
@@ -196,9 +232,14 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     (`posthoc_table`), OOD AUROCs and FPRs at 95 % TPR, reliability bins
     ("before_ts", "after_ts", "calibrated": the chosen map), timings.
   """
+  with posthoc.one_blas_thread():  # Held until the background fits are done.
+    return _build_report(val, test, num_classes, config, ood_logits)
+
+
+def _build_report(val, test, num_classes, config, ood_logits) -> dict[str, Any]:
   started = report_started = time.perf_counter()
-  # The maps that JAX fits (their solvers compile first) are fitted in background threads
-  # while the metrics, the intervals and the other maps are computed here.
+  # The cross-validated iterative fits run in a background thread while the metrics, the
+  # intervals and the other maps are computed here.
   background = posthoc.fit_in_background(
       [m for m in posthoc.MAPS if skip_reason(m, num_classes, config) is None], *val,
       folds=config.calibrator_folds, seed=config.bootstrap_seed)

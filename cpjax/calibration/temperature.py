@@ -43,8 +43,33 @@ class TemperatureFit(NamedTuple):
     return self.nll_after > self.nll_before
 
 
-def _grid_search(logits: np.ndarray, labels: np.ndarray, objective) -> float:
-  values = [objective(logits / t, labels) for t in GRID]
+_GRID_VALUES = 1 << 22  # Logits scaled at once by the grid search ([temperatures, N, K]).
+
+
+def grid_values(logits: np.ndarray, labels: np.ndarray, objective: str,
+                num_bins: int = 15) -> np.ndarray:
+  """[len(GRID)]: validation ECE ("ece", `num_bins` bins) or NLL ("nll") of logits / T for each
+  T of GRID. Blocks of temperatures at once, each value the same number, bit for bit, as
+  `metrics.ece(metrics.softmax(logits / T), ...)` or `metrics.nll(logits / T, labels)` (the same
+  operations, row by row; `metrics.ece_of_rows` bins each temperature's confidences as
+  `metrics.ece` bins them)."""
+  block = max(1, _GRID_VALUES // max(np.size(logits), 1))
+  rows = np.arange(len(labels))
+  values = []
+  for first in range(0, len(GRID), block):
+    temperatures = GRID[first:first + block]
+    log_p = metrics.log_softmax(logits[None] / temperatures[:, None, None])  # [T, N, K]
+    if objective == "nll":
+      # Contiguous rows: each mean then sums in the order of a 1-D mean (pairwise).
+      values.append(-np.mean(np.ascontiguousarray(log_p[:, rows, labels]), axis=1))
+    else:
+      confidence, correct = metrics.top_label(np.exp(log_p), labels)
+      values.append(metrics.ece_of_rows(confidence, correct, metrics.equal_width_edges(num_bins)))
+  return np.concatenate(values)
+
+
+def _grid_search(logits: np.ndarray, labels: np.ndarray, objective: str, num_bins: int) -> float:
+  values = grid_values(logits, labels, objective, num_bins)
   return float(GRID[int(np.argmin(values))])  # argmin returns the first (smallest T) tie.
 
 
@@ -92,9 +117,9 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray, method: str = "grid_
     return metrics.ece(metrics.softmax(z), y, num_bins)
 
   if method == "grid_ece":
-    temperature = _grid_search(logits, labels, ece_of)
+    temperature = _grid_search(logits, labels, "ece", num_bins)
   elif method == "grid_nll":
-    temperature = _grid_search(logits, labels, metrics.nll)
+    temperature = _grid_search(logits, labels, "nll", num_bins)
   else:
     temperature = _lbfgs_nll(logits, labels)
   fit = TemperatureFit(temperature, method, metrics.nll(logits, labels),

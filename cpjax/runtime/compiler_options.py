@@ -15,7 +15,7 @@ changes, and backends other than CPU get none. `config.xla_cpu_options =
 
 import jax
 
-KINDS = ("train", "inference", "small_solver")
+KINDS = ("train", "inference", "solver")
 PRESETS = ("tuned", "xla_default")
 
 _YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
@@ -23,15 +23,9 @@ _TUNED_CPU = {
     "train": {_YNN_FUSIONS: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
                             "LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"},
     "inference": {_YNN_FUSIONS: ""},
-    # The report's small post-hoc fits (cpjax.calibration.newton): three nested while loops
-    # that run for a fraction of a second once per report, so their compile is what costs.
-    # LLVM's optimisations off: a third less compile for ~10 % slower fits (the elementwise
-    # work and reductions go to YNNPACK, which needs no LLVM optimisation). XLA's older
-    # elemental emitters would cut the compile to a fifth, but they change the float32
-    # reductions' rounding enough to move where an ill-conditioned fit stops.
-    "small_solver": {"xla_backend_optimization_level": 0,
-                     _YNN_FUSIONS: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
-                                   "LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"},
+    # The report's post-hoc fits with many parameters (cpjax.calibration.newton): YNNPACK's
+    # batched products ran 12x slower than XLA's own on matrix scaling at K = 100.
+    "solver": {_YNN_FUSIONS: ""},
 }
 
 
@@ -40,8 +34,8 @@ def compiler_options(kind: str, preset: str = "tuned",
   """Options for `jax.jit(..., compiler_options=...)` of a `kind` step.
 
   Args:
-    kind: "train" (forward + backward + update), "inference" (forward only) or
-      "small_solver" (the report's small post-hoc fits).
+    kind: "train" (forward + backward + update), "inference" (forward only) or "solver"
+      (the report's post-hoc fits in JAX).
     preset: "tuned" (the measured CPU options) or "xla_default" (none).
     backend: the jax backend; default `jax.default_backend()`.
   """
