@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from cpjax.calibration import conformal
+from configs import default
+from cpjax.calibration import bootstrap, conformal, figures, metrics, posthoc, report
 
 RAPS = {"lam": 0.25, "k_reg": 1}  # Dyadic: every hand-worked score below is exact in binary.
 
@@ -352,3 +353,144 @@ def test_deterministic_aps_covers_at_least_one_minus_alpha():
   counts = _coverage_counts("aps", False, seed=12)
   z = (counts.mean() / TEST_ROWS - (1 - ALPHA)) / (math.sqrt(law.var() / DRAWS) / TEST_ROWS)
   assert z > scipy.stats.norm.ppf(LEVEL), z
+
+
+# ------------------------------------------------------------------------------------------
+# The report's section (cpjax.calibration.report.conformal_section), against the reference.
+
+
+def _report_inputs(seed=9, num_classes=6):
+  rng = np.random.default_rng(seed)
+
+  def logits(n):
+    labels = rng.integers(0, num_classes, n)
+    z = rng.normal(size=(n, num_classes)) + 2.0 * np.eye(num_classes)[labels]
+    return 2.5 * z, labels  # Over-confident: the temperature map has something to fit.
+  val, test = logits(200), logits(300)
+  calibrator = posthoc.fit("temperature", *val)
+  table = report.PosthocTable({"chosen": "temperature"}, calibrator,
+                              posthoc.apply(calibrator, test[0]))
+  return val, test, table, rng.normal(size=(80, num_classes))
+
+
+def _config(**overrides):
+  config = default.get_config().evaluation
+  config.bootstrap_resamples = 60
+  config.conformal_alpha = (0.1, 0.2)
+  config.update(overrides)
+  return config
+
+
+@pytest.mark.parametrize("randomised", [False, True])
+def test_the_report_section_equals_the_reference(randomised):
+  """Every set's threshold and test numbers (coverage overall and per class, the worst class,
+  mean and median size, singleton and empty shares, coverage by size) and the OOD mean size,
+  before and after the map, from the reference's sets of the same probabilities; the
+  intervals are the generic bootstrap's of the same rows (same seed), to float64 rounding."""
+  val, test, table, ood = _report_inputs()
+  config = _config(conformal_randomized=randomised, conformal_seed=4)
+  section = report.conformal_section(val, test, 6, config, table, ood)
+  probabilities = {
+      "uncalibrated": [metrics.softmax(z) for z in (val[0], test[0], ood)],
+      "calibrated": [np.exp(posthoc.apply(table.calibrator, z)) for z in (val[0], test[0], ood)]}
+  draws = [conformal.uniform_draws(4, split, n) if randomised else np.ones(n)
+           for split, n in enumerate((200, 300, 80))]
+  settings = {"lam": 0.01, "k_reg": 5}
+  assert section["alphas"] == [0.1, 0.2] and section["skipped"] == {}
+  assert section["calibrator"] == "temperature" and section["validation_rows"] == 200
+  for tag, (val_p, test_p, ood_p) in probabilities.items():
+    for name in ("lac", "aps", "raps"):
+      score_settings = settings if name == "raps" else {}
+      u = draws if name != "lac" else [np.ones(n) for n in (200, 300, 80)]
+      for alpha in (0.1, 0.2):
+        entry = section["sets"][tag][name][repr(alpha)]
+        q, _, sizes, covered = _reference_split(val_p, val[1], test_p, test[1], name, alpha,
+                                                u[0], u[1], score_settings)
+        _, _, ood_sizes, _ = _reference_split(val_p, val[1], ood_p, np.zeros(80, int), name,
+                                              alpha, u[0], u[2], score_settings)
+        _check_entry(entry, q, np.array(sizes), np.array(covered), test[1], ood_sizes, config)
+
+
+def _check_entry(entry, q, sizes, covered, labels, ood_sizes, config):
+  assert entry["threshold"] == q
+  got = entry["test"]
+  assert got["coverage"] == pytest.approx(covered.mean(), abs=1e-15)
+  assert got["mean_size"] == pytest.approx(sizes.mean(), abs=1e-15)
+  ordered = sorted(sizes.tolist())
+  assert got["median_size"] == (ordered[149] + ordered[150]) / 2  # 300 rows: the middle two.
+  assert got["singleton_share"] == pytest.approx(np.mean(sizes == 1), abs=1e-15)
+  assert got["empty_share"] == pytest.approx(np.mean(sizes == 0), abs=1e-15)
+  per_class = [covered[labels == k].mean() for k in range(6)]
+  assert got["class_coverage"] == pytest.approx(per_class, abs=1e-15)
+  assert got["worst_class"] == int(np.argmin(per_class))
+  present = sorted(set(sizes.tolist()))
+  assert got["by_size"]["size"] == present
+  assert got["by_size"]["rows"] == [int(np.sum(sizes == s)) for s in present]
+  assert got["by_size"]["coverage"] == pytest.approx(
+      [covered[sizes == s].mean() for s in present], abs=1e-15)
+  assert entry["ood"]["mean_size"] == pytest.approx(np.mean(ood_sizes), abs=1e-15)
+  rows = {"coverage": covered, "mean_size": sizes, "singleton_share": sizes == 1,
+          "empty_share": sizes == 0}
+  for stat, values in rows.items():
+    want = bootstrap.bootstrap_interval(np.mean, (values.astype(np.float64),),
+                                        num_resamples=config.bootstrap_resamples,
+                                        level=config.bootstrap_level,
+                                        kind=config.bootstrap_kind, seed=config.bootstrap_seed)
+    interval = entry["intervals"][stat]
+    for key in ("point", "low", "high", "mid"):
+      assert interval[key] == pytest.approx(getattr(want, key), rel=1e-12, abs=1e-14), stat
+    assert (interval["num_resamples"], interval["seed"]) == (want.num_resamples, want.seed)
+
+
+def test_the_section_reuses_the_reports_resamples_and_skips_an_unreached_alpha(caplog):
+  """The row counts the report's other intervals record (`_intervals`'s counts_out) give the
+  intervals the section draws itself; an alpha the validation rows do not reach (a dataset's
+  own validation split: known only here) is skipped, named and logged."""
+  val, test, table, _ = _report_inputs()
+  config = _config()
+  counts = []
+  report._intervals(test[0], test[1], 6, config, counts_out=counts)  # pylint: disable=protected-access
+  assert len(counts) == 1 and counts[0].shape == (60, 300) and counts[0].dtype == np.uint8
+  assert np.all(counts[0].sum(1) == 300)
+  shared = report.conformal_section(val, test, 6, config, table, None, counts)
+  drawn = report.conformal_section(val, test, 6, config, table)
+  for tag, by_name in drawn["sets"].items():
+    for name, by_alpha in by_name.items():
+      for key, entry in by_alpha.items():
+        for stat, interval in entry["intervals"].items():
+          assert shared["sets"][tag][name][key]["intervals"][stat] == pytest.approx(
+              interval, rel=1e-12, abs=1e-14)
+  config.conformal_alpha = (0.1, 0.004)  # n = 200: k = ceil(201 * 0.996) = 201.
+  section = report.conformal_section(val, test, 6, config, table)
+  assert section["alphas"] == [0.1] and list(section["skipped"]) == ["0.004"]
+  assert "1/(n + 1) = 1/201" in section["skipped"]["0.004"]
+  assert "Conformal prediction sets at alpha 0.004 skipped" in caplog.text
+  config.conformal_scores = ()
+  assert report.conformal_section(val, test, 6, config, table) is None
+
+
+def test_the_sections_markdown_record_and_figure():
+  """results.md: a table per alpha with a row per score and probabilities, the worst class by
+  name where the run has class names; metrics.jsonl: each set's test numbers and OOD mean
+  size; the set-size figure is drawn once for a section's PNG and its TensorBoard image."""
+  val, test, table, ood = _report_inputs()
+  section = report.conformal_section(val, test, 6, _config(), table, ood)
+  names = [f"name{k}" for k in range(6)]
+  text = "\n".join(report._conformal_markdown(section, names))  # pylint: disable=protected-access
+  for alpha in ("0.1", "0.2"):
+    assert f"### alpha = {alpha} (k = " in text
+  entry = section["sets"]["calibrated"]["raps"]["0.2"]
+  worst = entry["test"]["worst_class"]
+  row = next(line for line in text.splitlines() if line.startswith("| raps | calibrated | ")
+             and f"| {entry['threshold']:.6g} |" in line)
+  assert f"| {worst} name{worst}: {entry['test']['worst_class_coverage']:.4f} (" in row
+  assert row.endswith(f"| {entry['ood']['mean_size']:.3f} |")
+  record = report.conformal_record({"conformal": section})
+  assert len(record) == 2 * 3 * 2 * (len(report.CONFORMAL_RECORDED) + 1)
+  assert record["test_conformal_calibrated_raps_alpha0.2_coverage"] == entry["test"]["coverage"]
+  assert record["ood_conformal_calibrated_raps_alpha0.2_mean_size"] == entry["ood"]["mean_size"]
+  figures._KEPT.pop(("set_sizes",), None)  # pylint: disable=protected-access
+  image = figures.set_size_image(section)
+  kept = figures._KEPT[("set_sizes",)]["figure"]  # pylint: disable=protected-access
+  assert image.shape == (350, 500, 3) and figures.set_size_png(section)[:4] == b"\x89PNG"
+  assert figures._KEPT[("set_sizes",)]["figure"] is kept  # pylint: disable=protected-access

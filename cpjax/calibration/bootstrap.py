@@ -132,10 +132,12 @@ FROM_ROW_STATISTICS = {
 }
 
 
-def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples
-                     ) -> dict[str, np.ndarray]:
+def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples,
+                     counts_out: list | None = None) -> dict[str, np.ndarray]:
   """[B] values of each named metric, over the resamples' [chunk, N] row blocks: each
-  block's statistics gathered once, each metric computed for the whole block at once."""
+  block's statistics gathered once, each metric computed for the whole block at once.
+  `counts_out`, a list: each block's row counts (`row_counts`, `compact_counts`) are
+  appended to it, for other statistics of the same resamples (`resampled_means`)."""
   statistics = row_statistics(probs, logits, labels)
   # Each row's bin of the fixed-edge ECEs, binned once (a resample's rows keep their bins).
   statistics["bin"] = metrics.bin_index(statistics["confidence"],
@@ -147,15 +149,38 @@ def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamp
   values = {name: [] for name in names}
   for rows in resamples:
     gathered = {key: statistics[key][rows] for key in needed}
+    counts = (row_counts(rows, len(labels))
+              if "classwise_ece" in names or counts_out is not None else None)
+    if counts_out is not None:
+      counts_out.append(compact_counts(counts))
     for name in names:
       if name == "classwise_ece":
-        counts = np.bincount((rows + len(labels) * np.arange(len(rows))[:, None]).ravel(),
-                             minlength=rows.size).reshape(rows.shape)
         values[name].append(classwise_ece_of_resamples(probs, labels, num_classes, num_bins,
                                                        counts))
       else:
         values[name].append(FROM_ROW_STATISTICS[name][1](gathered, num_bins))
   return {name: np.concatenate(v) if v else np.zeros(0) for name, v in values.items()}
+
+
+def row_counts(rows: np.ndarray, size: int) -> np.ndarray:
+  """[C, size] how often each of C resamples (rows [C, N] of `resampled_rows`) draws each row."""
+  return np.bincount((rows + size * np.arange(len(rows))[:, None]).ravel(),
+                     minlength=len(rows) * size).reshape(len(rows), size)
+
+
+def compact_counts(counts: np.ndarray) -> np.ndarray:
+  """`counts` in the smallest unsigned integer type that holds them (uint8: a row drawn more
+  than 255 times in one resample of N >> 255 rows has probability below 1e-500)."""
+  return counts.astype(np.uint8 if counts.max(initial=0) <= 255 else np.uint32)
+
+
+def resampled_means(values: np.ndarray, counts) -> np.ndarray:
+  """[B, S] the mean of each column of `values` [N, S] over each resample, from the resamples'
+  row counts (blocks [C, N], `row_counts`): counts @ values / N, one matrix product a block.
+  Equal to the means of the resampled rows up to float64 rounding (another order of sums)."""
+  values = np.asarray(values, np.float64)
+  blocks = [np.asarray(c, np.float64) @ values for c in counts]
+  return (np.concatenate(blocks) if blocks else np.zeros((0, values.shape[1]))) / len(values)
 
 
 def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classes: int,
