@@ -1,7 +1,8 @@
-"""Conformal prediction sets (cpjax.calibration.conformal; docs/methods.md#conformal-prediction-
-sets): hand-worked cases, a second implementation written differently (NumPy, one row at a
-time, Python's own sort and sums), the JAX path, the threshold's finite-sample rule at its
-edges, and coverage on exchangeable generated data as a statistical test."""
+"""Conformal prediction sets (cpjax.calibration.conformal, the report's section;
+docs/methods.md#conformal-prediction-sets): hand-worked cases, a second implementation written
+differently (one row at a time, Python's own sort and sums), the JAX path, the threshold's
+finite-sample rule at its edges, and coverage on exchangeable generated data as a
+statistical test."""
 
 import math
 

@@ -184,8 +184,9 @@ class Evaluator:
       results["gamma"] = report.gamma_summary(*gamma)
     seconds = results["seconds"]
     logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s, "
-                 "post-hoc maps %.1f s; %.1f s in all.", results["temperature"]["temperature"],
-                 seconds["metrics_and_temperature"], seconds["bootstrap"], seconds["posthoc"],
+                 "post-hoc maps %.1f s, conformal sets %.1f s; %.1f s in all.",
+                 results["temperature"]["temperature"], seconds["metrics_and_temperature"],
+                 seconds["bootstrap"], seconds["posthoc"], seconds["conformal"],
                  seconds["total"])
     if jax.process_index() == 0:
       self._write(results, gamma, logits)
