@@ -376,11 +376,11 @@ def summary(covered: np.ndarray, sizes: np.ndarray, labels: np.ndarray,
 
 
 # The per-row statistics whose bootstrap intervals the report gives: name -> f(covered,
-# sizes) -> [N] (each statistic is the mean of its rows).
+# sizes) -> [N] non-negative integers (each statistic is the mean of its rows).
 ROW_STATISTICS = {
-    "coverage": lambda covered, sizes: covered.astype(np.float64),
-    "mean_size": lambda covered, sizes: sizes.astype(np.float64),
-    "singleton_share": lambda covered, sizes: (sizes == 1).astype(np.float64),
-    "empty_share": lambda covered, sizes: (sizes == 0).astype(np.float64),
+    "coverage": lambda covered, sizes: np.asarray(covered, np.int64),
+    "mean_size": lambda covered, sizes: np.asarray(sizes, np.int64),
+    "singleton_share": lambda covered, sizes: (np.asarray(sizes) == 1).astype(np.int64),
+    "empty_share": lambda covered, sizes: (np.asarray(sizes) == 0).astype(np.int64),
 }
 

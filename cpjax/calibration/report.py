@@ -291,7 +291,7 @@ def _conformal_intervals(measured: list, num_rows: int, config: ml_collections.C
   statistic (coverage, mean size, singleton and empty shares): the test rows resampled as
   for the report's other intervals (`bootstrap_resamples`, `bootstrap_seed`), the threshold
   fixed (it is the validation rows'). All statistics of all sets in one matrix product a
-  block of resamples (`bootstrap.resampled_means`)."""
+  block of resamples (`bootstrap.resampled_means`: each resample's means bit for bit)."""
   if not measured:
     return
   statistics = conformal.ROW_STATISTICS
