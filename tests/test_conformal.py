@@ -225,6 +225,29 @@ def test_the_driver_equals_the_reference_exactly(randomised, monkeypatch):
   assert sizes.min() == 0 and sizes.max() >= 5  # Empty and large sets are among the cases.
 
 
+def test_a_transform_block_by_block_equals_the_whole_probabilities(monkeypatch):
+  """Logits mapped by softmax (log-probabilities by exp) one block of rows at a time give the
+  sets of the whole split's probabilities: the maps are row-wise, so each row's numbers are
+  the same."""
+  monkeypatch.setattr(conformal, "BLOCK_ENTRIES", 32 * 7)  # Blocks of 32 rows.
+  rng = np.random.default_rng(8)
+  val_z, test_z, ood_z = (rng.normal(size=(n, 7)) * 3 for n in (150, 120, 70))
+  val_y, test_y = rng.integers(0, 7, 150), rng.integers(0, 7, 120)
+  args = (["lac", "aps", "raps"], [0.1, 0.3], {"raps": {"lam": 0.02, "k_reg": 2}})
+  whole = conformal.split_conformal((metrics.softmax(val_z), val_y),
+                                    (metrics.softmax(test_z), test_y), *args,
+                                    ood_probs=metrics.softmax(ood_z))
+  for transform, rows in ((metrics.softmax, lambda z: z),
+                          (np.exp, metrics.log_softmax)):
+    blocks = conformal.split_conformal((rows(val_z), val_y), (rows(test_z), test_y), *args,
+                                       ood_probs=rows(ood_z), transform=transform)
+    for key, sets in whole.items():
+      got = blocks[key]
+      assert got.threshold == sets.threshold and got.rank == sets.rank
+      for field in ("covered", "sizes", "ood_sizes"):
+        assert np.array_equal(getattr(got, field), getattr(sets, field)), (key, field)
+
+
 @pytest.mark.parametrize("name", ["lac", "aps", "raps"])
 def test_class_scores_equal_the_reference_on_every_class(name):
   rng = np.random.default_rng(5)

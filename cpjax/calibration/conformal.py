@@ -56,13 +56,15 @@ class Ranked(NamedTuple):
 
 def ranked(probs, xp=np) -> Ranked:
   """`probs` [N, K] with each row sorted (descending) and its cumulative sums."""
-  descending = -xp.sort(-probs, axis=-1)  # Negation is exact: the values themselves.
-  if xp is np:  # The sums written after a zero column, not copied there.
-    sums = np.zeros(descending.shape[:-1] + (descending.shape[-1] + 1,), descending.dtype)
-    np.cumsum(descending, axis=-1, out=sums[..., 1:])
-  else:
-    sums = xp.concatenate([xp.zeros_like(descending[..., :1]),
-                           xp.cumsum(descending, axis=-1)], axis=-1)
+  if xp is not np:
+    descending = -xp.sort(-probs, axis=-1)  # Negation is exact: the values themselves.
+    return Ranked(probs, descending, xp.concatenate(
+        [xp.zeros_like(descending[..., :1]), xp.cumsum(descending, axis=-1)], axis=-1))
+  descending = np.negative(probs)  # The same, in one array: negated, sorted, negated back.
+  descending.sort(axis=-1)
+  np.negative(descending, out=descending)
+  sums = np.zeros(descending.shape[:-1] + (descending.shape[-1] + 1,), descending.dtype)
+  np.cumsum(descending, axis=-1, out=sums[..., 1:])  # After a zero column, not copied there.
   return Ranked(probs, descending, sums)
 
 
@@ -277,29 +279,30 @@ def _blocks(num_rows: int, num_classes: int) -> list[slice]:
   return [slice(start, start + rows) for start in range(0, num_rows, rows)]
 
 
-def _blocks_of(probs, labels, u: dict[str, np.ndarray | None]):
-  """Per block of rows: (its `Ranked` view, its labels' rank positions [rows, 1] (0-based;
-  None without labels), {name: its u or None})."""
-  for rows in _blocks(len(probs), probs.shape[-1]):
-    view = ranked(np.asarray(probs[rows], np.float64))
+def _blocks_of(rows_of, labels, u: dict[str, np.ndarray | None], transform):
+  """Per block of rows: (its `Ranked` view of transform(rows_of[rows]), its labels' rank
+  positions [rows, 1] (0-based; None without labels), {name: its u or None})."""
+  for rows in _blocks(len(rows_of), rows_of.shape[-1]):
+    block = np.asarray(rows_of[rows], np.float64)
+    view = ranked(block if transform is None else np.asarray(transform(block), np.float64))
     at = None if labels is None else label_ranks(view.probs, labels[rows])[:, None] - 1
     yield view, at, {name: None if drawn is None else drawn[rows] for name, drawn in u.items()}
 
 
-def _calibration_scores(probs, labels, settings, u) -> dict[str, np.ndarray]:
+def _calibration_scores(rows_of, labels, settings, u, transform) -> dict[str, np.ndarray]:
   """{name: [n] the label scores of the calibration rows}."""
   out = {name: [] for name in settings}
-  for view, at, u_rows in _blocks_of(probs, labels, u):
+  for view, at, u_rows in _blocks_of(rows_of, labels, u, transform):
     for name, keywords_ in settings.items():
       out[name].append(SCORES[name].fn(view, u_rows[name], np, at, **keywords_)[:, 0])
   return {name: np.concatenate(parts) for name, parts in out.items()}
 
 
-def _measured(probs, labels, settings, u, thresholds) -> dict[tuple, tuple]:
-  """{(name, alpha): (covered [N] or None, sizes [N])} of rows `probs` (labels None: sizes
+def _measured(rows_of, labels, settings, u, thresholds, transform) -> dict[tuple, tuple]:
+  """{(name, alpha): (covered [N] or None, sizes [N])} of the rows (labels None: sizes
   only), block by block."""
   parts = {key: ([], []) for key in thresholds}
-  for view, at, u_rows in _blocks_of(probs, labels, u):
+  for view, at, u_rows in _blocks_of(rows_of, labels, u, transform):
     for name, keywords_ in settings.items():
       matrix = SCORES[name].fn(view, u_rows[name], np, None, **keywords_)  # Rank order.
       score = None if at is None else np.take_along_axis(matrix, at, axis=-1)[:, 0]
@@ -317,7 +320,9 @@ def split_conformal(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, 
                     names: Sequence[str], alpha_values: Sequence[float],
                     settings: dict[str, dict[str, Any]] | None = None,
                     draws: dict[int, np.ndarray] | None = None,
-                    ood_probs: np.ndarray | None = None) -> dict[tuple[str, float], Sets]:
+                    ood_probs: np.ndarray | None = None,
+                    transform: Callable[[np.ndarray], np.ndarray] | None = None
+                    ) -> dict[tuple[str, float], Sets]:
   """Split conformal of every score of `names` at every alpha: thresholds from the
   calibration rows, each test row's coverage and set size, each OOD row's set size.
 
@@ -329,6 +334,10 @@ def split_conformal(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, 
     settings: {name: its keywords} (`keywords`); missing: none.
     draws: {VALIDATION, TEST, OOD: u [rows]} for the randomised scores; None: u = 1.
     ood_probs: probabilities [M, K] of out-of-distribution rows, or None.
+    transform: a row-wise map to probabilities, applied block by block where the arrays
+      hold something else: `metrics.softmax` for logits, `np.exp` for log-probabilities (no
+      [N, K] probabilities are made whole: each block's stay in cache from the map to the
+      sets). None: the arrays are probabilities.
 
   Returns:
     {(name, alpha): Sets}, in the order of `names`, then of `alpha_values`.
@@ -338,13 +347,13 @@ def split_conformal(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, 
   def u_of(split: int) -> dict[str, np.ndarray | None]:
     drawn = None if draws is None else draws[split]
     return {name: drawn if SCORES[name].randomised else None for name in names}
-  calibration = _calibration_scores(*val, settings, u_of(VALIDATION))
+  calibration = _calibration_scores(*val, settings, u_of(VALIDATION), transform)
   ranks = {alpha: quantile_rank(len(val[1]), alpha) for alpha in alpha_values}
   thresholds = {(name, alpha): threshold(calibration[name], alpha)
                 for name in names for alpha in alpha_values}
-  measured = _measured(*test, settings, u_of(TEST), thresholds)
+  measured = _measured(*test, settings, u_of(TEST), thresholds, transform)
   ood = (None if ood_probs is None else
-         _measured(ood_probs, None, settings, u_of(OOD), thresholds))
+         _measured(ood_probs, None, settings, u_of(OOD), thresholds, transform))
   return {(name, alpha): Sets(ranks[alpha], float(thresholds[name, alpha]),
                               *measured[name, alpha], None if ood is None else ood[name, alpha][1])
           for name, alpha in thresholds}

@@ -210,16 +210,15 @@ def alpha_key(alpha: float) -> str:
   return repr(float(alpha))
 
 
-def _conformal_probabilities(val, test, ood_logits, table: PosthocTable
-                             ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-  """{tag: (validation, test, OOD or None probabilities)}: softmax of the logits
-  (uncalibrated), and exp of the chosen map's log-probabilities (calibrated)."""
+def _conformal_inputs(val, test, ood_logits, table: PosthocTable) -> dict[str, tuple]:
+  """{tag: (validation, test, OOD rows or None, their row-wise map to probabilities)}: the
+  logits and softmax (uncalibrated); the chosen map's log-probabilities and exp
+  (calibrated). `conformal.split_conformal` maps each block of rows as it reaches it."""
   def calibrated(logits):
-    return np.exp(posthoc.apply(table.calibrator, logits))
-  return {"uncalibrated": (metrics.softmax(val[0]), metrics.softmax(test[0]),
-                           None if ood_logits is None else metrics.softmax(ood_logits)),
-          "calibrated": (calibrated(val[0]), np.exp(table.test_log_probs),
-                         None if ood_logits is None else calibrated(ood_logits))}
+    return None if logits is None else posthoc.apply(table.calibrator, logits)
+  return {"uncalibrated": (val[0], test[0], ood_logits, metrics.softmax),
+          "calibrated": (calibrated(val[0]), table.test_log_probs, calibrated(ood_logits),
+                         np.exp)}
 
 
 def _conformal_draws(config: ml_collections.ConfigDict, num_val: int, num_test: int,
@@ -267,9 +266,9 @@ def conformal_section(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray
   draws = _conformal_draws(config, len(val[1]), len(test[1]),
                            0 if ood_logits is None else len(ood_logits))
   sets, measured = {tag: {name: {} for name in names} for tag in CONFORMAL_TAGS}, []
-  for tag, (v, t, o) in _conformal_probabilities(val, test, ood_logits, table).items():
+  for tag, (v, t, o, transform) in _conformal_inputs(val, test, ood_logits, table).items():
     found = conformal.split_conformal((v, val[1]), (t, test[1]), names, usable, settings,
-                                      draws, o)
+                                      draws, o, transform)
     for (name, alpha), result in found.items():
       entry = {"rank": result.rank, "threshold": result.threshold,
                "test": conformal.summary(result.covered, result.sizes, test[1], num_classes)}
