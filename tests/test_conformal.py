@@ -198,11 +198,14 @@ def _generated(rng, n, num_classes, ties=True):
 
 
 @pytest.mark.parametrize("randomised", [False, True])
-def test_the_driver_equals_the_reference_exactly(randomised, monkeypatch):
+@pytest.mark.parametrize("search", [False, True])
+def test_the_driver_equals_the_reference_exactly(randomised, search, monkeypatch):
   """Thresholds, every set's size, each label's coverage, at several alphas, on rows with
   ties and zeros, in blocks of 16 rows (the report's blocks of rows are the same functions
-  on fewer rows); randomised: both given the same u."""
+  on fewer rows); randomised: both given the same u; search: sizes and label ranks by binary
+  search along the sorted rows (the driver's way above SEARCH_ABOVE classes), else counted."""
   monkeypatch.setattr(conformal, "BLOCK_ENTRIES", 16 * 7)
+  monkeypatch.setattr(conformal, "SEARCH_ABOVE", 0 if search else 1000)
   rng = np.random.default_rng(3)
   (val_p, val_y), (test_p, test_y) = _generated(rng, 150, 7), _generated(rng, 120, 7)
   u_val = rng.random(150) if randomised else np.ones(150)
@@ -246,6 +249,27 @@ def test_a_transform_block_by_block_equals_the_whole_probabilities(monkeypatch):
       assert got.threshold == sets.threshold and got.rank == sets.rank
       for field in ("covered", "sizes", "ood_sizes"):
         assert np.array_equal(getattr(got, field), getattr(sets, field)), (key, field)
+
+
+def test_the_searches_equal_the_counts_at_many_classes():
+  """K = 300 (> SEARCH_ABOVE): label ranks and set sizes by binary search equal the counts
+  over every class, on rows with tied labels (both orders of the tie) and rows of ties."""
+  rng = np.random.default_rng(1)
+  probs = rng.dirichlet(np.full(300, 0.3), size=400)
+  probs[:50, 3] = probs[:50, 7]
+  probs[50:60] = 1 / 300
+  labels = rng.integers(0, 300, 400)
+  labels[:25], labels[25:50] = 7, 3
+  view = conformal.ranked(probs)
+  assert 300 > conformal.SEARCH_ABOVE
+  assert np.array_equal(conformal.sorted_label_ranks(view, labels),
+                        conformal.label_ranks(probs, labels))
+  u = rng.random(400)
+  for name, settings in (("lac", {}), ("aps", {}), ("raps", {"lam": 0.002, "k_reg": 3})):
+    matrix = conformal.rank_scores(name, probs, u, **settings)
+    for q in np.quantile(matrix[:, :40], [0.1, 0.5, 0.9]):
+      assert np.array_equal(conformal.sorted_set_sizes(name, view, q, u, **settings),
+                            conformal.set_sizes(matrix, q)), (name, q)
 
 
 @pytest.mark.parametrize("name", ["lac", "aps", "raps"])

@@ -45,6 +45,10 @@ from cpjax import registry
 
 VALIDATION, TEST, OOD = 0, 1, 2  # The streams of `uniform_draws`: one per split.
 BLOCK_ENTRIES = 1 << 20  # [rows, K] entries per block of `split_conformal` (8 MB in float64).
+# Above this many classes the NumPy driver finds set sizes and label ranks by binary search
+# along each sorted row (log2 K probes of one rank each) instead of counting all K entries:
+# at K = 1,000 a block's sizes and ranks took a fifth to a half of the time.
+SEARCH_ABOVE = 256
 
 
 class Ranked(NamedTuple):
@@ -223,6 +227,53 @@ def prediction_sets(name: str, probs, q, u=None, xp=np, **settings):
   return class_scores(name, probs, u, xp, **settings) <= q
 
 
+def _prefix_lengths(holds: Callable[[np.ndarray], np.ndarray], num_rows: int,
+                    num_positions: int) -> np.ndarray:
+  """[N] per row, how many of its positions 0..num_positions-1 satisfy `holds`, a predicate
+  of one position per row ([N, 1] -> [N, 1] bool) that holds on a prefix of each row: a
+  binary search, ceil(log2(num_positions + 1)) probes."""
+  low = np.zeros(num_rows, np.int64)
+  high = np.full(num_rows, num_positions, np.int64)
+  while (active := low < high).any():
+    middle = (low + high) // 2
+    ok = holds(np.minimum(middle, num_positions - 1)[:, None])[:, 0] & active
+    low = np.where(ok, middle + 1, low)
+    high = np.where(active & ~ok, middle, high)
+  return low
+
+
+def sorted_set_sizes(name: str, view: Ranked, q, u=None, **settings) -> np.ndarray:
+  """[N] `set_sizes` of score `name`'s scores from a `Ranked` view (NumPy): above
+  SEARCH_ABOVE classes by binary search along each row's ranks (the scores are
+  non-decreasing there), each probe the score's own formula at one rank; else counted."""
+  entry, num_classes = SCORES[name], view.sorted.shape[-1]
+  if num_classes <= SEARCH_ABOVE:
+    return set_sizes(entry.fn(view, u, np, None, **settings), q)
+  return _prefix_lengths(lambda at: entry.fn(view, u, np, at, **settings) <= q,
+                         len(view.sorted), num_classes)
+
+
+def sorted_label_ranks(view: Ranked, labels: np.ndarray) -> np.ndarray:
+  """[N] `label_ranks` from a `Ranked` view (NumPy): above SEARCH_ABOVE classes by binary
+  searches of p_y along each sorted row, the class-index rule applied to the rows where p_y
+  is tied only; else `label_ranks`."""
+  num_classes = view.sorted.shape[-1]
+  if num_classes <= SEARCH_ABOVE:
+    return label_ranks(view.probs, labels)
+  labels, rows = np.asarray(labels), len(view.sorted)
+  p_y = view.probs[np.arange(rows), labels][:, None]
+
+  def leading(compare):  # How many of the sorted row's entries lead p_y by `compare`.
+    return _prefix_lengths(lambda at: compare(np.take_along_axis(view.sorted, at, -1), p_y),
+                           rows, num_classes)
+  above = leading(np.greater)
+  tied = np.flatnonzero(leading(np.greater_equal) - above > 1)
+  before = np.zeros(rows, np.int64)
+  before[tied] = np.sum((view.probs[tied] == p_y[tied])
+                        & (np.arange(num_classes) < labels[tied, None]), axis=-1)
+  return 1 + above + before
+
+
 def uniform_draws(seed: int, stream: int, num_rows: int) -> np.ndarray:
   """The u of the randomised scores for `num_rows` rows of one split: uniform in [0, 1) from
   np.random.default_rng([seed, stream]) (VALIDATION, TEST or OOD)."""
@@ -285,7 +336,7 @@ def _blocks_of(rows_of, labels, u: dict[str, np.ndarray | None], transform):
   for rows in _blocks(len(rows_of), rows_of.shape[-1]):
     block = np.asarray(rows_of[rows], np.float64)
     view = ranked(block if transform is None else np.asarray(transform(block), np.float64))
-    at = None if labels is None else label_ranks(view.probs, labels[rows])[:, None] - 1
+    at = None if labels is None else sorted_label_ranks(view, labels[rows])[:, None] - 1
     yield view, at, {name: None if drawn is None else drawn[rows] for name, drawn in u.items()}
 
 
@@ -304,11 +355,12 @@ def _measured(rows_of, labels, settings, u, thresholds, transform) -> dict[tuple
   parts = {key: ([], []) for key in thresholds}
   for view, at, u_rows in _blocks_of(rows_of, labels, u, transform):
     for name, keywords_ in settings.items():
-      matrix = SCORES[name].fn(view, u_rows[name], np, None, **keywords_)  # Rank order.
-      score = None if at is None else np.take_along_axis(matrix, at, axis=-1)[:, 0]
+      score = None if at is None else SCORES[name].fn(view, u_rows[name], np, at,
+                                                       **keywords_)[:, 0]
       for alpha in (alpha for key_name, alpha in thresholds if key_name == name):
         q = thresholds[name, alpha]
-        parts[name, alpha][1].append(set_sizes(matrix, q))
+        parts[name, alpha][1].append(sorted_set_sizes(name, view, q, u_rows[name],
+                                                      **keywords_))
         if score is not None:
           parts[name, alpha][0].append(score <= q)
   return {key: (np.concatenate(covered) if covered else None,
