@@ -11,8 +11,10 @@ config's settings (lac, aps and raps at alpha = 0.1, not randomised, `bootstrap_
 threshold from the validation rows, each test row's coverage and set size, the summaries and
 the bootstrap intervals, whose resamples' row counts the report's other intervals recorded
 already (drawn here untimed, as the report's before-TS intervals draw them). Each number is
-the median of `--repeats` calls; beside it the part that `conformal.split_conformal` takes
-(both probabilities) and the section's time when it draws its resamples itself.
+the median of `--repeats` calls: the section's wall-clock and CPU seconds (the process's
+own: on a shared machine nearer to what an idle one takes than the wall clock), the part that
+`conformal.split_conformal` takes (both probabilities) and the section's time when it draws
+its resamples itself.
 
 The logits are generated (timing only): 10,000 validation rows (ImageNet's carve-out in
 configs/imagenet.py) and 50,000 test rows (its test set), a one-hot bump plus noise. The
@@ -42,13 +44,15 @@ def _generated(rows: int, num_classes: int, rng: np.random.Generator):
   return logits.astype(np.float32), labels
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  times = []
+def _median_seconds(fn, repeats: int) -> tuple[float, float]:
+  """(wall, CPU) seconds of `fn`, each the median of `repeats` calls."""
+  wall, cpu = [], []
   for _ in range(repeats):
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     fn()
-    times.append(time.perf_counter() - started)
-  return statistics.median(times)
+    wall.append(time.perf_counter() - started)
+    cpu.append(time.process_time() - cpu_started)
+  return statistics.median(wall), statistics.median(cpu)
 
 
 def measure(num_classes: int, num_val: int, num_test: int, repeats: int,
@@ -74,12 +78,13 @@ def measure(num_classes: int, num_val: int, num_test: int, repeats: int,
       conformal.split_conformal((val_rows, val[1]), (test_rows, test[1]), names, alphas,
                                 {"raps": conformal.keywords("raps", config)},
                                 transform=transform)
+  section = _median_seconds(lambda: report.conformal_section(
+      val, test, num_classes, config, table, None, counts), repeats)
   return {
-      "section": _median_seconds(lambda: report.conformal_section(
-          val, test, num_classes, config, table, None, counts), repeats),
-      "split_conformal": _median_seconds(both_split_conformals, repeats),
+      "section": section[0], "section_cpu": section[1],
+      "split_conformal": _median_seconds(both_split_conformals, repeats)[0],
       "section_drawing_resamples": _median_seconds(lambda: report.conformal_section(
-          val, test, num_classes, config, table), repeats),
+          val, test, num_classes, config, table), repeats)[0],
   }
 
 
@@ -107,15 +112,15 @@ def main():
   machine = _machine()
   print(f"{machine['cpu']}, {machine['cores']} cores, load average {machine['load_average']}; "
         f"{args.val} validation and {args.test} test rows, B = {args.resamples}")
-  print(f"{'K':>6} {'section s':>10} {'target s':>9} {'met':>4} {'split_conformal s':>18} "
-        f"{'drawing resamples s':>20}")
+  print(f"{'K':>6} {'section s':>10} {'its CPU s':>10} {'target s':>9} {'met':>4} "
+        f"{'split_conformal s':>18} {'drawing resamples s':>20}")
   rows = {}
   for num_classes in args.classes:
     seconds = measure(num_classes, args.val, args.test, args.repeats, args.resamples)
     target = TARGETS.get(num_classes)
     met = "" if target is None else ("yes" if seconds["section"] <= target else "no")
     rows[str(num_classes)] = {**seconds, "target": target}
-    print(f"{num_classes:>6} {seconds['section']:>10.3f} "
+    print(f"{num_classes:>6} {seconds['section']:>10.3f} {seconds['section_cpu']:>10.3f} "
           f"{'' if target is None else f'{target:.2f}':>9} {met:>4} "
           f"{seconds['split_conformal']:>18.3f} {seconds['section_drawing_resamples']:>20.3f}")
   if args.json:
