@@ -5,8 +5,9 @@ minutes on 2 CPU cores. Every other config starts from this one.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
-from cpjax.calibration import losses
+from cpjax.calibration import conformal, losses
 from cpjax.selection import policies, scores
 
 
@@ -191,6 +192,17 @@ def get_config() -> ml_collections.ConfigDict:
   # OOD set: "", gaussian_noise (corrupted test) or a dataset name.
   config.evaluation.ood = "gaussian_noise"
   config.evaluation.ood_severity = 5  # gaussian_noise severity 1..5 (CIFAR-10-C scales).
+  # Conformal prediction sets of the report (docs/evaluation.md): split conformal on the
+  # validation logits, before and after the chosen post-hoc map, measured on test. Scores of
+  # cpjax.calibration.conformal.SCORES (lac, aps, raps); () = none.
+  config.evaluation.conformal_scores = ("lac", "aps", "raps")
+  # Miscoverage alpha (coverage >= 1 - alpha): a number in (0, 1) or a tuple of them, each at
+  # least 1 / (validation rows + 1).
+  config.evaluation.conformal_alpha = config_dict.FieldReference(0.1, field_type=object)
+  # Each score's own settings (conformal_randomized, conformal_seed, conformal_raps_lambda,
+  # conformal_raps_k_reg), declared with their defaults and one-line docs beside the scores in
+  # cpjax/calibration/conformal.py (their table: docs/evaluation.md).
+  config.evaluation.update(conformal.SCORES.defaults())
 
   config.num_epochs = 8  # Training epochs.
   # Stop after this many optimizer steps in all, the epoch in which they run out cut short

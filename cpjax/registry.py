@@ -1,14 +1,14 @@
 """Registries of named entries and their declared settings: cpjax's one way to add a choice.
 
 Every named choice is an entry of a `Registry`: selection policies and scores, losses,
-models, dataset source kinds, host-stage training crops and post-hoc maps. An entry is a
-small frozen dataclass with a `name`, a one-line `doc` and the config `settings` it reads
-(`Setting`: the field name, default, check and a one-line doc; most kinds declare none),
-registered once, in the module that defines its function, or in a user's own module
-(`config.import_modules`, docs/extending.md). Config validation, configs/default.py's
-fields, the did-you-mean messages for unknown names and the docs' option tables are all
-read from the registries, so a new entry is one function and its registration. Checks
-return a problem description, or None.
+models, dataset source kinds, host-stage training crops, post-hoc maps and conformal scores.
+An entry is a small frozen dataclass with a `name`, a one-line `doc` and the config
+`settings` it reads (`Setting`: the field name, default, check and a one-line doc; most
+kinds declare none), registered once, in the module that defines its function, or in a
+user's own module (`config.import_modules`, docs/extending.md). Config validation,
+configs/default.py's fields, the did-you-mean messages for unknown names and the docs'
+option tables are all read from the registries, so a new entry is one function and its
+registration. Checks return a problem description, or None.
 """
 
 from collections.abc import Callable, Iterator, Sequence

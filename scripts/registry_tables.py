@@ -1,4 +1,4 @@
-"""Writes the docs' option tables of the registries (policies, scores, losses).
+"""Writes the docs' option tables of the registries (policies, scores, losses, conformal scores).
 
   python -m scripts.registry_tables          # rewrite the tables in docs/*.md
   python -m scripts.registry_tables --check  # exit 1 if a table differs from the registry
@@ -14,12 +14,12 @@ import re
 import sys
 
 from cpjax import registry
-from cpjax.calibration import losses
+from cpjax.calibration import conformal, losses
 from cpjax.selection import policies, scores
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = {"selection.method": "docs/selection.md", "selection.score": "docs/selection.md",
-         "loss.name": "docs/losses.md"}
+         "loss.name": "docs/losses.md", "evaluation.conformal_scores": "docs/evaluation.md"}
 
 
 def _yes(flag: bool) -> str:
@@ -38,6 +38,8 @@ def tables() -> dict[str, str]:
           "probability targets (mixup)": lambda spec: _yes(spec.soft_targets),
           "meta-objective settings": lambda spec: ", ".join(
               f"`{s.name}`" for s in spec.meta_settings)}),
+      "evaluation.conformal_scores": registry.markdown_table(conformal.SCORES, {
+          "randomisable": lambda s: _yes(s.randomised)}),
   }
 
 

@@ -527,3 +527,13 @@ def test_report_speed_smoke(tmp_path):
     seconds = results["seconds"][mode]
     assert seconds["report"] > 0 and seconds["later_images"] > 0 and seconds["report_files"] > 0
   assert results["differences"] == {} and "cold this" in stdout
+
+
+def test_conformal_speed_smoke(tmp_path):
+  results, stdout = _run("benchmarks.conformal_speed", "--classes", "3", "40", "--val=200",
+                         "--test=300", "--resamples=20", "--repeats=1", tmp_path=tmp_path)
+  for k in ("3", "40"):
+    seconds = results["seconds"][k]
+    assert seconds["section"] > 0 and seconds["split_conformal"] > 0, k
+    assert seconds["target"] is None
+  assert "section s" in stdout and results["machine"]["load_average"]

@@ -57,11 +57,39 @@ def test_shipped_configs_are_valid(module):
     ("xla_cpu_options", "fast", "valid choices: tuned, xla_default"),
     ("dataset.resize", "cv2", "config.dataset.resize: got 'cv2'"),
     ("dataset.resize", "bicubic", "valid choices: opencv, pil"),
+    ("evaluation.conformal_alpha", 0.0,
+     "config.evaluation.conformal_alpha: must be a number in (0, 1), got 0.0"),
+    ("evaluation.conformal_alpha", (0.1, 1.0),
+     "config.evaluation.conformal_alpha: must be a number in (0, 1), got 1.0"),
+    # configs/test.py carves 180 validation rows: k = ceil(181 * 0.999) = 181 > 180.
+    ("evaluation.conformal_alpha", 0.001,
+     "config.evaluation.conformal_alpha=0.001 needs the k-th smallest of the n = 180 validation "
+     "scores (dataset.val_size), k = ceil((n + 1)(1 - alpha)) = 181 > n: the smallest "
+     "reachable alpha is 1/(n + 1) = 1/181 (0.005525, rounded up); raise alpha or "
+     "dataset.val_size"),
+    ("evaluation.conformal_alpha", (0.1, 0.0055),
+     "config.evaluation.conformal_alpha=0.0055 needs the k-th smallest"),
+    ("evaluation.conformal_scores", ("lac", "apss"),
+     "config.evaluation.conformal_scores: got 'apss'; did you mean aps or raps? valid choices: "
+     "aps, lac, raps"),
+    ("evaluation.conformal_raps_k_reg", -1,
+     "config.evaluation.conformal_raps_k_reg: must be at least 0, got -1"),
+    ("evaluation.conformal_raps_lambda", -0.5,
+     "config.evaluation.conformal_raps_lambda: must be at least 0.0, got -0.5"),
 ])
 def test_bad_value_names_field_and_choices(field, value, expected):
   with pytest.raises(config_validation.ConfigError) as info:
     config_validation.validate(tiny_config(**{field: value}))
   assert expected in str(info.value)
+
+
+def test_conformal_alphas_the_validation_rows_reach_are_valid():
+  """1/(n + 1) = 1/181 is the smallest alpha of 180 validation rows (k = 180 = n); a tuple or
+  list of alphas is checked one by one; with no conformal score, alpha is not used."""
+  for alpha in (0.00553, (0.05, 0.1), [0.2, 0.00553]):
+    config_validation.validate(tiny_config(**{"evaluation.conformal_alpha": alpha}))
+  config_validation.validate(tiny_config(**{"evaluation.conformal_alpha": 0.001,
+                                            "evaluation.conformal_scores": ()}))
 
 
 @pytest.mark.parametrize("field, value, expected", [
@@ -289,6 +317,19 @@ def test_a_bad_config_prints_its_problem_alone_and_exits_with_a_usage_status(tmp
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert lines == ["FATAL invalid config:", "  config.num_epochs: must be at least 1, got 0"]
   assert not os.path.exists(tmp_path / "w")
+
+
+@pytest.mark.slow  # A main.py process.
+def test_an_unreachable_conformal_alpha_is_one_fatal_line_naming_the_smallest(tmp_path):
+  result = _run_main_fast(tmp_path, "--config.evaluation.conformal_alpha=(0.1, 0.002)")
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert lines == [
+      "FATAL invalid config:",
+      "  config.evaluation.conformal_alpha=0.002 needs the k-th smallest of the n = 180 "
+      "validation scores (dataset.val_size), k = ceil((n + 1)(1 - alpha)) = 181 > n: the "
+      "smallest reachable alpha is 1/(n + 1) = 1/181 (0.005525, rounded up); raise alpha or "
+      "dataset.val_size"]
 
 
 @pytest.mark.slow  # Two main.py processes.

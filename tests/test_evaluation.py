@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from cpjax.calibration import bootstrap, figures, metrics, report
+from cpjax.calibration import bootstrap, figures, metrics, posthoc, report
 from cpjax.data import splits
 from cpjax.runtime import sharding
 from cpjax.training import evaluation
@@ -270,3 +270,63 @@ def test_the_training_path_imports_neither_scipy_nor_matplotlib_nor_sklearn():
                           env=helpers.subprocess_env(), capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_report_saves_the_validation_logits_beside_the_test_logits(tmp_path, monkeypatch):
+  """report/val_logits.npz and test_logits.npz: each split's eval-mode logits (float32), labels
+  and ids in the split's order, so every post-hoc map and conformal set can be recomputed."""
+  monkeypatch.setattr(report, "write_report", lambda report_dir, results, gamma: [])
+  evaluator = dataclasses.replace(_evaluator(_fake_eval_step), workdir=str(tmp_path))
+  evaluator._write({}, None, evaluator.logits(State(np.int32(7))))  # pylint: disable=protected-access
+  for name, first_id in (("val", 0), ("test", 1000)):
+    split = evaluator.split_readers[name]
+    with np.load(tmp_path / "report" / f"{name}_logits.npz") as saved:
+      assert sorted(saved.files) == ["ids", "labels", "logits"]
+      assert saved["logits"].dtype == np.float32 and saved["ids"][0] == first_id
+      np.testing.assert_array_equal(saved["ids"], split.ids)
+      np.testing.assert_array_equal(saved["labels"], split.labels)
+      np.testing.assert_array_equal(saved["logits"], _logits(split.labels, split.ids))
+
+
+class _SummaryRecorder(_ImageRecorder):
+  def __init__(self):
+    super().__init__()
+    self.scalars = {}
+
+  def write_scalars(self, step, scalars):
+    self.scalars.update(scalars)
+
+
+def test_the_reports_summaries_hold_the_set_size_image_and_its_record_the_numbers():
+  """TensorBoard: the conformal sets' set-size histogram (the figure's own pixels) beside the
+  reliability images; metrics.jsonl's record: each set's test numbers and OOD mean size."""
+  rng = np.random.default_rng(2)
+  labels = rng.integers(0, 5, 300)
+  logits = 3.0 * (rng.normal(size=(300, 5)) + 2.0 * np.eye(5)[labels])
+  calibrator = posthoc.fit("temperature", logits[:150], labels[:150])
+  table = report.PosthocTable({"chosen": "temperature"}, calibrator,
+                              posthoc.apply(calibrator, logits[150:]))
+  section = report.conformal_section((logits[:150], labels[:150]), (logits[150:], labels[150:]),
+                                     5, default.get_config().evaluation, table, logits[:40])
+  results = {"metrics": {split: {"after_ts": {"nll": 1.0}} for split in ("val", "test")},
+             "temperature": {"temperature": 1.5},
+             "reliability": {"before_ts": _bins(1.0), "after_ts": _bins(2.0)},
+             "conformal": section}
+  writer = _SummaryRecorder()
+  evaluation.write_report_summaries(writer, 9, results)
+  images = {tag: image for _, _, written in writer.images for tag, image in written.items()}
+  assert set(images) == {"test/reliability_after_ts", "test/conformal_set_sizes"}
+  np.testing.assert_array_equal(images["test/conformal_set_sizes"][0],
+                                figures.set_size_image(section))
+  assert writer.scalars == {"val/after_ts/nll": 1.0, "test/after_ts/nll": 1.0,
+                            "val/temperature": 1.5}
+  record = report.conformal_record(results)
+  entry = section["sets"]["uncalibrated"]["aps"]["0.1"]
+  assert record["test_conformal_uncalibrated_aps_alpha0.1_mean_size"] == entry["test"][
+      "mean_size"]
+  assert record["ood_conformal_uncalibrated_aps_alpha0.1_mean_size"] == entry["ood"]["mean_size"]
+  assert set(record) == {f"test_conformal_{tag}_{name}_alpha0.1_{stat}"
+                         for tag in report.CONFORMAL_TAGS for name in ("lac", "aps", "raps")
+                         for stat in report.CONFORMAL_RECORDED} | {
+      f"ood_conformal_{tag}_{name}_alpha0.1_mean_size" for tag in report.CONFORMAL_TAGS
+      for name in ("lac", "aps", "raps")}

@@ -76,6 +76,8 @@ RANKS = {
     "calibration": 1,
     "calibration.binning": 1,
     "calibration.bootstrap": 1,
+    "calibration.conformal": 1,
+    "calibration.exact_newton": 1,
     "calibration.figures": 1,
     "calibration.gamma_net": 1,
     "calibration.losses": 1,

@@ -414,6 +414,31 @@ def test_classwise_ece_of_resamples_in_blocks_equals_all_at_once(monkeypatch):
                                                                      counts), at_once)
 
 
+def test_row_counts_and_resampled_means_by_hand():
+  """Resamples (0, 0, 2) and (1, 2, 2) of 3 rows: counts (2, 0, 1) and (0, 1, 2); a column
+  (1, 0, 5) has means (1 + 1 + 5) / 3 and (0 + 5 + 5) / 3."""
+  counts = bootstrap.row_counts(np.array([[0, 0, 2], [1, 2, 2]]), 3)
+  assert counts.tolist() == [[2, 0, 1], [0, 1, 2]]
+  means = bootstrap.resampled_means(np.array([[1], [0], [5]]), [counts])
+  assert means[:, 0].tolist() == [7 / 3, 10 / 3]
+  with pytest.raises(ValueError, match="non-negative integers"):
+    bootstrap.resampled_means(np.array([[0.5]]), [np.ones((1, 1))])
+
+
+@pytest.mark.parametrize("n, largest", [(50000, 1000), (300, 10), (20000, 70000)])
+def test_resampled_means_are_the_resampled_rows_means_bit_for_bit(n, largest):
+  """The float32 products split into digits where a sum could pass 2^24 (n x largest: 5e7 and
+  1.4e9 here): each mean equals np.mean of the resampled rows exactly."""
+  rng = np.random.default_rng(n)
+  values = np.stack([rng.integers(0, 2, n), rng.integers(0, largest + 1, n)], axis=1)
+  values[0, 1] = largest
+  blocks = list(bootstrap.resampled_rows(n, 150, seed=3, chunk=100))
+  got = bootstrap.resampled_means(values, [bootstrap.compact_counts(bootstrap.row_counts(
+      rows, n)) for rows in blocks])
+  want = np.concatenate([values.astype(np.float64)[rows].mean(axis=1) for rows in blocks])
+  assert got.shape == (150, 2) and np.array_equal(got, want)
+
+
 def test_log_softmax_is_scipys_bit_for_bit():
   """NumPy's log-softmax (the per-epoch evaluation imports no SciPy) against
   scipy.special.log_softmax, operation for operation: the same numbers, bit for bit,

@@ -6,6 +6,7 @@ with it are compared with the same report written without one.
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -40,10 +41,14 @@ def test_the_report_lists_the_classes_of_classes_json_and_keeps_its_numbers(tmp_
   assert line.startswith(f"25 classes of folder in label order (from {workdir}/classes.json;")
   assert "0 wnid00, 1 wnid01," in line and "19 wnid19, ... (25 in all)." in line
   assert "20 wnid20" not in line
+  # The conformal sets' worst classes are named: "| 7 wnid07: 0.5000 (4) |".
+  worst = re.findall(r"\| (\d+) (wnid\d\d): ", named_md)
+  assert worst and all(name == names[int(label)] for label, name in worst)
+  unnamed = re.sub(r"(\| \d+) wnid\d\d: ", r"\1: ", named_md)
   # Everything else, the numbers included, is the report without a class list.
-  section = named_md.index("## classes")
-  end = named_md.index("## test: bootstrap intervals")
-  assert named_md[:section] + named_md[end:] == plain_md
+  section = unnamed.index("## classes")
+  end = unnamed.index("## test: bootstrap intervals")
+  assert unnamed[:section] + unnamed[end:] == plain_md
   with open(plain[0]) as f:
     plain_json = json.load(f)
   with open(named[0]) as f:

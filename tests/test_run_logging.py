@@ -36,6 +36,9 @@ pytest_plugins = ("tests.trained_runs",)  # The shared trained runs.
     ("epoch", "train/epoch"),
     ("val_ece", "val/ece"),
     ("test_adaptive_ece", "test/adaptive_ece"),
+    ("ood_auroc_energy", "ood/auroc_energy"),  # The report's OOD numbers: their own family.
+    ("ood_conformal_calibrated_aps_alpha0.1_mean_size",
+     "ood/conformal_calibrated_aps_alpha0.1_mean_size"),
     ("total_scoring_seconds", "perf/total_scoring_seconds"),
     ("epoch_seconds", "perf/epoch_seconds"),
     ("steps_per_sec", "perf/steps_per_sec"),

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from cpjax import optim
-from cpjax.calibration import posthoc
+from cpjax.calibration import conformal, metrics, posthoc
 from cpjax.calibration import report as report_lib
 from cpjax.training import loop as train
 from cpjax.training import setup, step_loop
@@ -297,7 +297,38 @@ def _check_report(report_dir):
   assert section["calibrators"]["none"]["test"]["nll"] == pytest.approx(
       report["metrics"]["test"]["before_ts"]["nll"])
   assert sum(report["reliability"]["calibrated"]["count"]) == 360
+  _check_conformal_from_the_saved_logits(report_dir, report)
   return report
+
+
+def _check_conformal_from_the_saved_logits(report_dir, report):
+  """val_logits.npz and test_logits.npz give back the report's conformal sets: the
+  uncalibrated ones from the softmax of the saved logits, the calibrated ones from the
+  chosen map refitted on the saved validation logits (float32 logits, as the report's)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  with Image.open(os.path.join(report_dir, "set_size_histogram.png")) as image:
+    assert np.asarray(image.convert("L")).std() > 10
+  saved = {}
+  for split in ("val", "test"):
+    with np.load(os.path.join(report_dir, f"{split}_logits.npz")) as arrays:
+      saved[split] = {name: arrays[name] for name in arrays.files}
+  assert len(saved["val"]["ids"]) == 180 and len(saved["test"]["ids"]) == 360
+  section = report["conformal"]
+  assert section["scores"] == ["lac", "aps", "raps"] and section["alphas"] == [0.1]
+  calibrator = posthoc.fit(section["calibrator"], saved["val"]["logits"], saved["val"]["labels"])
+  inputs = {"uncalibrated": [metrics.softmax(saved[s]["logits"]) for s in ("val", "test")],
+            "calibrated": [np.exp(posthoc.apply(calibrator, saved[s]["logits"]))
+                           for s in ("val", "test")]}
+  for tag, (val_p, test_p) in inputs.items():
+    for name in section["scores"]:
+      settings = conformal.keywords(name, report["conformal"]["settings"])
+      scores = conformal.label_scores(name, val_p, saved["val"]["labels"], **settings)
+      q = conformal.threshold(scores, 0.1)
+      sets = conformal.prediction_sets(name, test_p, q, **settings)
+      entry = section["sets"][tag][name]["0.1"]
+      assert entry["threshold"] == q, (tag, name)
+      assert entry["test"]["mean_size"] == sets.sum(1).mean(), (tag, name)
+      assert entry["test"]["coverage"] == sets[np.arange(360), saved["test"]["labels"]].mean()
 
 
 def test_a_bad_value_fails_before_any_work(tmp_path):

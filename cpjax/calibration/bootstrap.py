@@ -107,12 +107,6 @@ def row_statistics(probs: np.ndarray, logits: np.ndarray, labels: np.ndarray
           "brier": metrics.brier_terms(probs, labels)}
 
 
-def resample_counts(rows: np.ndarray, size: int) -> np.ndarray:
-  """[C, size]: how often each of C resamples (row indices [C, n]) draws each row."""
-  return np.bincount((rows + size * np.arange(len(rows))[:, None]).ravel(),
-                     minlength=len(rows) * size).reshape(len(rows), size)
-
-
 class _Sorted:
   """Rows sorted by a confidence (ascending), and per resample the running sums along that
   order of its draws' counts, outcomes and confidences: a resample's sums over a range of
@@ -215,25 +209,77 @@ def _column(name: str, statistics: dict, counts: np.ndarray, num_bins: int) -> n
   return aurc if name == "aurc" else aurc - _aurc(statistics["sorted"], counts, oracle=True)
 
 
-def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples
-                     ) -> dict[str, np.ndarray]:
+def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamples,
+                     counts_out: list | None = None) -> dict[str, np.ndarray]:
   """[B] values of each named metric (finite probabilities), over the resamples' [chunk, N]
-  row blocks, from how often each resample draws each row (`resample_counts`): means as one
+  row blocks, from how often each resample draws each row (`row_counts`): means as one
   matrix product, the ECE family and the AURCs from running sums along the rows sorted by
   confidence, classwise ECE from `classwise_ece_of_resamples`. Each equals the metric of the
   resample's rows (`metrics`, `ranking`) up to float64 rounding: the same sums in another
-  order."""
+  order. `counts_out`, a list: each block's row counts (`compact_counts`) are appended to it,
+  for other statistics of the same resamples (`resampled_means`)."""
   statistics = row_statistics(probs, logits, labels)
   statistics["sorted"] = _Sorted(statistics["confidence"], statistics["correct"])
   statistics["sorted32"] = _Sorted(statistics["confidence32"], statistics["correct32"])
   values = {name: [] for name in names}
   for rows in resamples:
-    counts = resample_counts(rows, len(labels))
+    counts = row_counts(rows, len(labels))
+    if counts_out is not None:
+      counts_out.append(compact_counts(counts))
     for name in names:
       values[name].append(
           classwise_ece_of_resamples(probs, labels, num_classes, num_bins, counts)
           if name == "classwise_ece" else _column(name, statistics, counts, num_bins))
   return {name: np.concatenate(v) if v else np.zeros(0) for name, v in values.items()}
+
+
+def row_counts(rows: np.ndarray, size: int) -> np.ndarray:
+  """[C, size] how often each of C resamples (rows [C, N] of `resampled_rows`) draws each row."""
+  return np.bincount((rows + size * np.arange(len(rows))[:, None]).ravel(),
+                     minlength=len(rows) * size).reshape(len(rows), size)
+
+
+def compact_counts(counts: np.ndarray) -> np.ndarray:
+  """`counts` in the smallest unsigned integer type that holds them (uint8: a row drawn more
+  than 255 times in one resample of N >> 255 rows has probability below 1e-500)."""
+  return counts.astype(np.uint8 if counts.max(initial=0) <= 255 else np.uint32)
+
+
+def resampled_means(values: np.ndarray, counts) -> np.ndarray:
+  """[B, S] the mean of each column of `values` [N, S], non-negative integers (0/1 events,
+  set sizes), over each resample, from the resamples' row counts (blocks [C, N],
+  `row_counts`): counts @ values / N, one float32 matrix product a block, exact.
+
+  A resample's sum of a column is an integer; float32 sums it exactly while it stays below
+  2^24, so each column is split into base-D digits, D the largest power of two with
+  N (D - 1) < 2^24, whose sums are each exact, and put back together in float64. So every
+  mean is the mean of the resampled rows' values bit for bit, at about a third of a float64
+  product's cost (N < 2^24 rows)."""
+  values = np.asarray(values)
+  num_rows = len(values)
+  if not np.array_equal(values, np.floor(values)) or np.any(values < 0) or num_rows >= 2**24:
+    raise ValueError("resampled_means takes non-negative integers of fewer than 2^24 rows")
+  values = values.astype(np.int64)
+  base = 1 << int(np.log2((2**24 - 1) // num_rows + 1))  # N (base - 1) < 2^24.
+  plan = [(column, base**place) for column in range(values.shape[1])  # (column, place value)
+          for place in range(_digits(int(values[:, column].max(initial=0)), base))]
+  digits = np.zeros((num_rows, len(plan)), np.float32)
+  for index, (column, place) in enumerate(plan):
+    digits[:, index] = (values[:, column] // place) % base
+  sums = [np.asarray(c, np.float32) @ digits for c in counts]  # Integers below 2^24: exact.
+  sums = np.concatenate(sums).astype(np.float64) if sums else np.zeros((0, len(plan)))
+  totals = np.zeros((len(sums), values.shape[1]))
+  for index, (column, place) in enumerate(plan):
+    totals[:, column] += place * sums[:, index]  # Integers below 2^53: exact.
+  return totals / num_rows
+
+
+def _digits(largest: int, base: int) -> int:
+  """How many base-`base` digits `largest` has (at least one)."""
+  count = 1
+  while largest >= base**count:
+    count += 1
+  return count
 
 
 def classwise_ece_of_resamples(probs: np.ndarray, labels: np.ndarray, num_classes: int,

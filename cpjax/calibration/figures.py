@@ -1,4 +1,4 @@
-"""Reliability diagrams and confidence histograms: matplotlib figures of reliability bins.
+"""Reliability diagrams, confidence histograms and conformal set sizes: matplotlib figures.
 
 The bins are those of `metrics.reliability_bins` as lists (`edges`, `accuracy`,
 `confidence`, `count`), the form the report's results.json holds. Each picture is drawn on
@@ -12,6 +12,10 @@ once per process and kept: a later picture of the same kind moves its bars or st
 new data, sets its title and lays it out again, and gives the same pixels as a figure built
 afresh for the same data (tests/test_evaluation.py compares them). The kept figures are
 used under one lock: one picture at a time.
+
+The set-size histogram of the report's conformal section (`set_size_png`, `set_size_image`)
+is drawn once per report: the figure of the last section drawn is kept, so the report's PNG
+and its TensorBoard image of one section build it once.
 """
 
 import io
@@ -144,3 +148,51 @@ def histogram_png(reliability: dict[str, dict[str, list]]) -> bytes:
   """The confidence histogram of each scaling's bins as PNG bytes."""
   with _LOCK:
     return png(_histogram(reliability))
+
+
+def _set_size_shares(section: dict[str, Any]) -> tuple[str, list[tuple[str, np.ndarray]]]:
+  """(the first alpha's key, [(label, share of test rows at each set size 0..max)]) of a
+  report's conformal section: each score before and after the chosen map."""
+  key = repr(float(section["alphas"][0]))
+  lines = []
+  for name in section["scores"]:
+    for tag, by_name in section["sets"].items():
+      by_size = by_name[name][key]["test"]["by_size"]
+      rows = np.zeros(max(by_size["size"]) + 1)
+      rows[by_size["size"]] = by_size["rows"]
+      lines.append((f"{name}, {tag}", rows / rows.sum()))
+  return key, lines
+
+
+def _set_sizes(section: dict[str, Any]) -> Any:
+  """The set-size figure of `section`: the one kept where it is of the same data (call under
+  _LOCK)."""
+  key, lines = _set_size_shares(section)
+  data = (key, tuple((label, tuple(shares)) for label, shares in lines))
+  kept = _KEPT.get(("set_sizes",))
+  if kept is not None and kept["data"] == data:
+    return kept["figure"]
+  fig = new_figure(5, 3.5)
+  ax = fig.subplots()
+  for index, (label, shares) in enumerate(lines):
+    ax.stairs(shares, np.arange(len(shares) + 1) - 0.5, label=label, color=f"C{index // 2}",
+              linestyle="-" if index % 2 else "--")
+  ax.set(xlabel="set size", ylabel="share of test rows", title=f"test sets, alpha = {key}",
+         xlim=(-0.5, max(len(shares) for _, shares in lines) - 0.5))
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  _KEPT[("set_sizes",)] = {"figure": fig, "data": data}
+  return fig
+
+
+def set_size_image(section: dict[str, Any]) -> np.ndarray:
+  """The conformal section's set-size histogram (its first alpha) as RGB, uint8
+  [350, 500, 3]."""
+  with _LOCK:
+    return rgb(_set_sizes(section))
+
+
+def set_size_png(section: dict[str, Any]) -> bytes:
+  """The conformal section's set-size histogram (its first alpha) as PNG bytes."""
+  with _LOCK:
+    return png(_set_sizes(section))

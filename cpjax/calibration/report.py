@@ -14,12 +14,12 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 import numpy as np
 
-from cpjax.calibration import bootstrap, figures, metrics, posthoc, ranking, temperature
+from cpjax.calibration import bootstrap, conformal, figures, metrics, posthoc, ranking, temperature
 from cpjax.runtime import files
 
 EPOCH_METRICS = ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "mce")
@@ -108,7 +108,8 @@ def calibration_metrics(logits: np.ndarray, labels: np.ndarray, num_classes: int
 
 
 def _intervals(logits, labels, num_classes, config, num_resamples: int | None = None,
-               names=INTERVAL_METRICS) -> dict[str, dict[str, float]]:
+               names=INTERVAL_METRICS, counts_out: list | None = None
+               ) -> dict[str, dict[str, float]]:
   """Bootstrap intervals of the named metrics; every metric resamples the same rows (same
   seed), logits and probabilities together, so the NLL's interval is of the same data.
 
@@ -118,6 +119,8 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
   confidences, equal to the metric of the resample's rows up to float64 rounding).
   Non-finite probabilities take the generic `bootstrap.bootstrap_interval` (a resample
   without the bad rows is finite).
+  `counts_out`: a list that receives the resamples' row counts (`bootstrap.resampled_values`;
+  finite probabilities only), for the conformal section's intervals of the same rows.
   """
   functions = _metric_functions(num_classes, config.num_bins)
   probs, logits = metrics.softmax(logits), np.asarray(logits)
@@ -132,7 +135,8 @@ def _intervals(logits, labels, num_classes, config, num_resamples: int | None = 
   block = max(1, min(100, (1 << 22) // max(len(labels), 1)))
   values = bootstrap.resampled_values(
       probs, logits, labels, num_classes, config.num_bins, names,
-      bootstrap.resampled_rows(len(labels), num_resamples, config.bootstrap_seed, block))
+      bootstrap.resampled_rows(len(labels), num_resamples, config.bootstrap_seed, block),
+      counts_out)
   return {name: bootstrap.interval_from_values(functions[name](probs, logits, labels),
                                                values[name], **settings)._asdict()
           for name in names}
@@ -153,9 +157,26 @@ def _parameters_for_json(calibrator: posthoc.Calibrator) -> dict[str, Any]:
   return {k: list(np.shape(v)) for k, v in calibrator.params.items()}
 
 
+class PosthocTable(NamedTuple):
+  """`fitted_posthoc_table`'s result."""
+  section: dict[str, Any]  # The report's "posthoc" section.
+  calibrator: posthoc.Calibrator  # The chosen map, fitted on validation.
+  test_log_probs: np.ndarray  # Its test log-probabilities [N, K].
+
+
 def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
                   num_classes: int, config: ml_collections.ConfigDict,
                   started: dict[str, Any] | None = None) -> tuple[dict[str, Any], np.ndarray]:
+  """(the report's "posthoc" section, the chosen map's test log-probabilities [N, K]):
+  `fitted_posthoc_table` without the chosen map itself."""
+  table = fitted_posthoc_table(val, test, num_classes, config, started)
+  return table.section, table.test_log_probs
+
+
+def fitted_posthoc_table(val: tuple[np.ndarray, np.ndarray],
+                         test: tuple[np.ndarray, np.ndarray], num_classes: int,
+                         config: ml_collections.ConfigDict,
+                         started: dict[str, Any] | None = None) -> PosthocTable:
   """Every post-hoc map fitted on validation (strengths by k-fold CV there) and measured on
   test (but those `skip_reason` skips: row {"skipped": why}, also listed under "skipped"),
   with a bootstrap interval of every TABLE_METRICS column (`calibrator_resamples` resamples,
@@ -165,7 +186,7 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
   already (`posthoc.fit_in_background`, with these folds and seed); the others are fitted here.
 
   Returns:
-    (the report's "posthoc" section, the chosen map's test log-probabilities [N, K]).
+    The report's "posthoc" section, the chosen map and its test log-probabilities [N, K].
   """
   rows, calibrators, test_log_probs = {}, {}, {}
   for method in posthoc.MAPS:
@@ -194,10 +215,11 @@ def posthoc_table(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np
                                  config.calibrator_resamples, TABLE_METRICS)
                       if config.calibrator_resamples else {})}
   chosen = posthoc.choose(calibrators, config.calibrator)
-  return ({"requested": config.calibrator, "chosen": chosen, "folds": config.calibrator_folds,
-           "calibrators": rows,
-           "skipped": {method: row["skipped"] for method, row in rows.items() if "skipped" in row}},
-          test_log_probs[chosen])
+  return PosthocTable(
+      {"requested": config.calibrator, "chosen": chosen, "folds": config.calibrator_folds,
+       "calibrators": rows,
+       "skipped": {method: row["skipped"] for method, row in rows.items() if "skipped" in row}},
+      calibrators[chosen], test_log_probs[chosen])
 
 
 def skip_reason(method: str, num_classes: int, config: ml_collections.ConfigDict) -> str | None:
@@ -212,6 +234,117 @@ def skip_reason(method: str, num_classes: int, config: ml_collections.ConfigDict
           f"{len(posthoc.MAPS[method].grid) * config.calibrator_folds + 1} times (each strength "
           "on each fold, then on all rows); raise the limit, set it to 0, or name the map in "
           "evaluation.calibrator to fit it")
+
+
+CONFORMAL_TAGS = ("uncalibrated", "calibrated")  # softmax(z); the chosen post-hoc map's.
+# The conformal numbers of metrics.jsonl's last record (each set's test value).
+CONFORMAL_RECORDED = ("coverage", "mean_size", "singleton_share", "empty_share",
+                      "worst_class_coverage")
+
+
+def alpha_key(alpha: float) -> str:
+  """An alpha as the report's keys spell it: the decimal it prints as ("0.1")."""
+  return repr(float(alpha))
+
+
+def _conformal_inputs(val, test, ood_logits, table: PosthocTable) -> dict[str, tuple]:
+  """{tag: (validation, test, OOD rows or None, their row-wise map to probabilities)}: the
+  logits and softmax (uncalibrated); the chosen map's log-probabilities and exp
+  (calibrated). `conformal.split_conformal` maps each block of rows as it reaches it."""
+  def calibrated(logits):
+    return None if logits is None else posthoc.apply(table.calibrator, logits)
+  return {"uncalibrated": (val[0], test[0], ood_logits, metrics.softmax),
+          "calibrated": (calibrated(val[0]), table.test_log_probs, calibrated(ood_logits),
+                         np.exp)}
+
+
+def _conformal_draws(config: ml_collections.ConfigDict, num_val: int, num_test: int,
+                     num_ood: int) -> dict[int, np.ndarray] | None:
+  """The randomised scores' u of each split (`conformal.uniform_draws`), or None (u = 1)."""
+  if not config.conformal_randomized:
+    return None
+  return {split: conformal.uniform_draws(config.conformal_seed, split, rows) for split, rows in (
+      (conformal.VALIDATION, num_val), (conformal.TEST, num_test), (conformal.OOD, num_ood))}
+
+
+def _usable_alphas(config: ml_collections.ConfigDict, num_val: int
+                   ) -> tuple[list[float], dict[str, str]]:
+  """(the alphas the validation rows reach, {alpha: why not} of the others, logged)."""
+  usable, skipped = [], {}
+  for alpha in conformal.alphas(config.conformal_alpha):
+    problem = conformal.alpha_problem(alpha, num_val)
+    if problem is None:
+      usable.append(float(alpha))
+    else:  # A dataset's own validation split: its size is first known here.
+      logging.warning("Conformal prediction sets at alpha %s skipped: %s.", alpha, problem)
+      skipped[alpha_key(alpha)] = problem
+  return usable, skipped
+
+
+def conformal_section(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
+                      num_classes: int, config: ml_collections.ConfigDict, table: PosthocTable,
+                      ood_logits: np.ndarray | None = None, counts: list | None = None
+                      ) -> dict[str, Any] | None:
+  """Split conformal prediction sets (`conformal.split_conformal`) of every score of
+  `config.conformal_scores` at every alpha of `config.conformal_alpha`, thresholds from the
+  validation rows, before and after the chosen post-hoc map (CONFORMAL_TAGS): per set, the
+  threshold, the test numbers (`conformal.summary`), their bootstrap intervals
+  (`_conformal_intervals`) and, with OOD logits, the OOD rows' mean set size. An alpha the
+  validation rows do not reach is skipped and named. None where no score is asked for.
+
+  `counts`: the row counts of the report's other intervals' resamples, where recorded
+  (`_intervals`'s `counts_out`); else the same resamples are drawn again.
+  """
+  names = tuple(config.conformal_scores)
+  if not names:
+    return None
+  usable, skipped = _usable_alphas(config, len(val[1]))
+  settings = {name: conformal.keywords(name, config) for name in names}
+  draws = _conformal_draws(config, len(val[1]), len(test[1]),
+                           0 if ood_logits is None else len(ood_logits))
+  sets, measured = {tag: {name: {} for name in names} for tag in CONFORMAL_TAGS}, []
+  for tag, (v, t, o, transform) in _conformal_inputs(val, test, ood_logits, table).items():
+    found = conformal.split_conformal((v, val[1]), (t, test[1]), names, usable, settings,
+                                      draws, o, transform)
+    for (name, alpha), result in found.items():
+      entry = {"rank": result.rank, "threshold": result.threshold,
+               "test": conformal.summary(result.covered, result.sizes, test[1], num_classes)}
+      if result.ood_sizes is not None:
+        entry["ood"] = {"mean_size": float(np.mean(result.ood_sizes))}
+      sets[tag][name][alpha_key(alpha)] = entry
+      measured.append((entry, result))
+  _conformal_intervals(measured, len(test[1]), config, counts)
+  return {"scores": list(names), "alphas": usable, "skipped": skipped,
+          "validation_rows": len(val[1]), "test_rows": len(test[1]),
+          "calibrator": table.section["chosen"],
+          "settings": {s.name: config[s.name] for s in conformal.SCORES.settings()},
+          "sets": sets}
+
+
+def _conformal_intervals(measured: list, num_rows: int, config: ml_collections.ConfigDict,
+                         counts: list | None) -> None:
+  """Adds to each set's entry the bootstrap interval of each conformal.ROW_STATISTICS
+  statistic (coverage, mean size, singleton and empty shares): the test rows resampled as
+  for the report's other intervals (`bootstrap_resamples`, `bootstrap_seed`), the threshold
+  fixed (it is the validation rows'). All statistics of all sets in one matrix product a
+  block of resamples (`bootstrap.resampled_means`: each resample's means bit for bit)."""
+  if not measured:
+    return
+  statistics = conformal.ROW_STATISTICS
+  values = np.stack([function(result.covered, result.sizes) for _, result in measured
+                     for function in statistics.values()], axis=1)  # [N, sets x statistics]
+  if not counts:
+    counts = (bootstrap.row_counts(rows, num_rows) for rows in bootstrap.resampled_rows(
+        num_rows, config.bootstrap_resamples, config.bootstrap_seed))
+  resampled = bootstrap.resampled_means(values, counts)
+  column = 0
+  for entry, _ in measured:
+    entry["intervals"] = {}
+    for name in statistics:
+      entry["intervals"][name] = bootstrap.interval_from_values(
+          entry["test"][name], resampled[:, column], level=config.bootstrap_level,
+          kind=config.bootstrap_kind, seed=config.bootstrap_seed)._asdict()
+      column += 1
 
 
 def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
@@ -230,7 +363,9 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     A JSON-ready dict: temperature fit, metrics per split and scaling,
     bootstrap intervals on test, every post-hoc map on test and the chosen one
     (`posthoc_table`), OOD AUROCs and FPRs at 95 % TPR, reliability bins
-    ("before_ts", "after_ts", "calibrated": the chosen map), timings.
+    ("before_ts", "after_ts", "calibrated": the chosen map), conformal prediction sets
+    before and after the chosen map (`conformal_section`; none where
+    `config.conformal_scores` is empty), timings.
   """
   with posthoc.one_blas_thread():  # Held until the background fits are done.
     return _build_report(val, test, num_classes, config, ood_logits)
@@ -256,14 +391,15 @@ def _build_report(val, test, num_classes, config, ood_logits) -> dict[str, Any]:
     bins = metrics.reliability_bins(metrics.softmax(test[0] / t), test[1], config.num_bins)
     report["reliability"][tag] = {k: np.asarray(v).tolist() for k, v in bins._asdict().items()}
   metrics_seconds = time.perf_counter() - started
-  started = time.perf_counter()
+  started, counts = time.perf_counter(), []  # The resamples' row counts: for conformal's.
   for tag, t in scalings.items():
-    report["intervals"][tag] = _intervals(test[0] / t, test[1], num_classes, config)
+    report["intervals"][tag] = _intervals(test[0] / t, test[1], num_classes, config,
+                                          counts_out=counts if tag == "before_ts" else None)
   bootstrap_seconds = time.perf_counter() - started
   started = time.perf_counter()
-  report["posthoc"], chosen_log_probs = posthoc_table(val, test, num_classes, config,
-                                                      background)
-  bins = metrics.reliability_bins(np.exp(chosen_log_probs), test[1], config.num_bins)
+  table = fitted_posthoc_table(val, test, num_classes, config, background)
+  report["posthoc"] = table.section
+  bins = metrics.reliability_bins(np.exp(table.test_log_probs), test[1], config.num_bins)
   report["reliability"]["calibrated"] = {k: np.asarray(v).tolist()
                                          for k, v in bins._asdict().items()}
   posthoc_seconds = time.perf_counter() - started
@@ -271,10 +407,31 @@ def _build_report(val, test, num_classes, config, ood_logits) -> dict[str, Any]:
     ood = {tag: _ood(test[0], ood_logits, t) for tag, t in scalings.items()}
     report["ood"] = {"set": config.ood, **{tag: pair[0] for tag, pair in ood.items()},
                      "fpr_at_95_tpr": {tag: pair[1] for tag, pair in ood.items()}}
+  started = time.perf_counter()
+  section = conformal_section(val, test, num_classes, config, table, ood_logits, counts)
+  if section is not None:
+    report["conformal"] = section
   report["seconds"] = {"metrics_and_temperature": metrics_seconds,
                        "bootstrap": bootstrap_seconds, "posthoc": posthoc_seconds,
+                       "conformal": time.perf_counter() - started,
                        "total": time.perf_counter() - report_started}
   return report
+
+
+def conformal_record(results: dict[str, Any]) -> dict[str, float]:
+  """The conformal numbers of metrics.jsonl's last record: each set's CONFORMAL_RECORDED test
+  numbers (`test_conformal_<tag>_<score>_alpha<alpha>_<number>`) and its OOD mean set size
+  (`ood_conformal_<tag>_<score>_alpha<alpha>_mean_size`); {} without a conformal section."""
+  record = {}
+  for tag, by_name in results.get("conformal", {}).get("sets", {}).items():
+    for name, by_alpha in by_name.items():
+      for key, entry in by_alpha.items():
+        stem = f"conformal_{tag}_{name}_alpha{key}"
+        record.update({f"test_{stem}_{stat}": entry["test"][stat]
+                       for stat in CONFORMAL_RECORDED})
+        if "ood" in entry:
+          record[f"ood_{stem}_mean_size"] = entry["ood"]["mean_size"]
+  return record
 
 
 def gamma_summary(gamma: np.ndarray, correct: np.ndarray) -> dict[str, dict[str, float]]:
@@ -325,6 +482,8 @@ def _markdown(report: dict[str, Any]) -> str:
                    f"seed {iv['seed']})")
   if "posthoc" in report:
     lines += _posthoc_markdown(report["posthoc"])
+  if report.get("conformal"):
+    lines += _conformal_markdown(report["conformal"], report.get("classes", {}).get("names"))
   if report["ood"]:
     ood, fpr = report["ood"], report["ood"].get("fpr_at_95_tpr", {})
     lines += ["", f"## OOD (test vs {ood['set']}): AUROC, and FPR at 95 % TPR", "",
@@ -350,8 +509,70 @@ def _markdown(report: dict[str, Any]) -> str:
             "2017, 'On Calibration of Modern Neural Networks' (ICML); AdaECE, classwise ECE, "
             "S99 and the basic bootstrap interval: Mukhoti et al. 2020, 'Calibrating Deep "
             "Neural Networks using Focal Loss' (NeurIPS); smooth ECE: Blasiok & Nakkiran 2024 "
-            "(ICLR). Definitions: docs/methods.md in the cpjax repository."]
+            "(ICLR)." + (_CONFORMAL_PAPERS if report.get("conformal") else "")
+            + " Definitions: docs/methods.md in the cpjax repository."]
   return "\n".join(lines) + "\n"
+
+
+_CONFORMAL_PAPERS = (
+    " Split conformal: Vovk, Gammerman & Shafer 2005; Angelopoulos & Bates 2021, 'A Gentle "
+    "Introduction to Conformal Prediction'; LAC: Sadinle, Lei & Wasserman 2019 (JASA); APS: "
+    "Romano, Sesia & Candès 2020, 'Classification with Valid and Adaptive Coverage' "
+    "(NeurIPS); RAPS: Angelopoulos, Bates, Malik & Jordan 2021, 'Uncertainty Sets for Image "
+    "Classifiers using Conformal Prediction' (ICLR).")
+SIZES_SHOWN = 6  # Set sizes listed per set in results.md's coverage by set size.
+
+
+def _conformal_markdown(section: dict[str, Any], class_names: list[str] | None) -> list[str]:
+  """A table per alpha of every score's sets before and after the chosen map, and each set's
+  coverage by set size."""
+  settings = section["settings"]
+  randomised = (f"randomised (u seeded {settings['conformal_seed']})"
+                if settings["conformal_randomized"] else "not randomised (u = 1)")
+  lines = ["", "## Conformal prediction sets (thresholds from validation, measured on test)", "",
+           f"Split conformal on n = {section['validation_rows']} validation rows: a set holds "
+           "every class whose score is at most the threshold, the k-th smallest of the n "
+           "validation scores, k = ceil((n + 1)(1 - alpha)); coverage >= 1 - alpha for test "
+           "rows exchangeable with the validation rows. uncalibrated: softmax of the logits; "
+           f"calibrated: **{section['calibrator']}**, fitted on the same validation rows. "
+           "Each cell: the test value [bootstrap interval of the test rows, the threshold "
+           f"fixed]. aps and raps {randomised}; raps: lambda = "
+           f"{settings['conformal_raps_lambda']}, k_reg = {settings['conformal_raps_k_reg']}. "
+           "Worst class: its label, coverage and test rows."]
+  for alpha in section["alphas"]:
+    key = alpha_key(alpha)
+    lines += _conformal_table(section, key, class_names)
+  lines += [f"- **alpha = {key} skipped**: {why}." for key, why in section["skipped"].items()]
+  return lines
+
+
+def _conformal_table(section: dict[str, Any], key: str, class_names: list[str] | None
+                     ) -> list[str]:
+  first = section["sets"][CONFORMAL_TAGS[0]][section["scores"][0]][key]
+  lines = ["", f"### alpha = {key} (k = {first['rank']})", "",
+           "| score | probabilities | threshold | coverage | mean size | median size | "
+           "singletons | empty | worst class | OOD mean size |", "|---" * 10 + "|"]
+  by_size = []
+  for name in section["scores"]:
+    for tag in CONFORMAL_TAGS:
+      entry = section["sets"][tag][name][key]
+      test, intervals = entry["test"], entry["intervals"]
+      cells = [f"{test[stat]:.4f} [{intervals[stat]['low']:.4f}, {intervals[stat]['high']:.4f}]"
+               for stat in ("coverage", "mean_size")]
+      cells += [f"{test['median_size']:g}"]
+      cells += [f"{test[stat]:.4f} [{intervals[stat]['low']:.4f}, {intervals[stat]['high']:.4f}]"
+                for stat in ("singleton_share", "empty_share")]
+      worst = test["worst_class"]
+      label = f"{worst} {class_names[worst]}" if class_names and worst >= 0 else f"{worst}"
+      cells.append(f"{label}: {test['worst_class_coverage']:.4f} ({test['worst_class_rows']})")
+      cells.append(f"{entry['ood']['mean_size']:.3f}" if "ood" in entry else "—")
+      lines.append(f"| {name} | {tag} | {entry['threshold']:.6g} | " + " | ".join(cells) + " |")
+      sizes = test["by_size"]
+      shown = [f"{size}: {coverage:.4f} ({rows})" for size, rows, coverage in zip(
+          sizes["size"], sizes["rows"], sizes["coverage"])]
+      more = ", ... (all in results.json)" if len(shown) > SIZES_SHOWN else ""
+      by_size.append(f"- {name}, {tag}: {', '.join(shown[:SIZES_SHOWN])}{more}")
+  return lines + ["", "Coverage by set size (size: coverage (test rows)):", "", *by_size]
 
 
 def _classes_markdown(section: dict[str, Any]) -> list[str]:
@@ -472,8 +693,10 @@ def _null_to_nan(value: Any) -> Any:
 
 def write_report(report_dir: str, report: dict[str, Any],
                  gamma: tuple[np.ndarray, np.ndarray] | None = None) -> list[str]:
-  """Writes results.json, results.md and three PNGs; with `gamma` = (an FL_gamma run's test
-  gammas [N], correct [N]) also gamma_test.npz and gamma_histogram.png. Returns the paths.
+  """Writes results.json, results.md and three PNGs (four with the chosen map's reliability
+  diagram, five with conformal prediction sets: set_size_histogram.png); with `gamma` = (an
+  FL_gamma run's test gammas [N], correct [N]) also gamma_test.npz and gamma_histogram.png.
+  Returns the paths.
   The run's class list (`read_classes` of the report directory's parent), where it has one,
   goes into both (report["classes"])."""
   os.makedirs(report_dir, exist_ok=True)
@@ -492,6 +715,9 @@ def write_report(report_dir: str, report: dict[str, Any],
     _save_png(path, figures.reliability_png(report["reliability"][tag],
                                             f"test, {tag.replace('_', ' ')}"))
   _save_png(paths[4], figures.histogram_png(report["reliability"]))
+  if report.get("conformal", {}).get("alphas"):
+    paths.append(os.path.join(report_dir, "set_size_histogram.png"))
+    _save_png(paths[-1], figures.set_size_png(report["conformal"]))
   if gamma is not None:
     paths += [os.path.join(report_dir, name) for name in ("gamma_test.npz", "gamma_histogram.png")]
     files.atomic_write(paths[-2], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))

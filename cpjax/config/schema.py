@@ -2,7 +2,8 @@
 
 Each check returns a problem description or None; choices come from the registries of the
 modules that own them (datasets, models, losses, policies, scores), and the settings of
-losses, policies and scores (`loss.*`, `selection.*`) are declared beside their entries
+losses, policies, selection scores and conformal scores (`loss.*`, `selection.*`,
+`evaluation.conformal_*`) are declared beside their entries
 (cpjax/registry.py), so a new registry entry and its settings need no edit here. Unknown
 fields get the closest known names, and renamed ones a pointer to their replacement.
 """
@@ -15,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from cpjax import models, registry
-from cpjax.calibration import bootstrap, losses, posthoc, temperature
+from cpjax.calibration import bootstrap, conformal, losses, posthoc, temperature
 from cpjax.data import decode_workers, preprocess, readers, specs, splits
 from cpjax.data import sources as data_sources
 from cpjax.runtime import compiler_options
@@ -141,6 +142,8 @@ def spine_schema() -> dict[str, Check]:
       "evaluation.calibrator_square_max_classes": integer(0),
       "evaluation.ood": choice(["", "gaussian_noise", *specs.DATASETS]),
       "evaluation.ood_severity": integer(1, 5),
+      "evaluation.conformal_scores": conformal.names_problem,
+      "evaluation.conformal_alpha": conformal.alphas_problem,
       "num_epochs": integer(1),
       "budget_steps": integer(0),
       "meta.learning_rate": number(0.0, 10.0, low_open=True),
@@ -164,6 +167,7 @@ def spine_schema() -> dict[str, Check]:
       **losses.LOSSES.checks(),
       **policies.POLICIES.checks(),
       **scores.SCORES.checks(),
+      **conformal.SCORES.checks(),
   }
 
 

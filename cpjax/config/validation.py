@@ -23,7 +23,7 @@ import jax
 import ml_collections
 
 from cpjax import models
-from cpjax.calibration import losses
+from cpjax.calibration import conformal, losses
 from cpjax.config import schema as config_schema
 from cpjax.data import readers, specs, splits
 from cpjax.data import sources as data_sources
@@ -457,7 +457,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
     problems.append(f"config.evaluation.calibrator_folds={config.evaluation.calibrator_folds} "
                     f"exceeds config.dataset.val_size={config.dataset.val_size}: every fold "
                     "of the post-hoc maps' cross-validation needs a validation example")
-  problems += _size_problems(config)
+  problems += _size_problems(config) + _conformal_problems(config)
   ood = config.evaluation.ood
   if ood in specs.DATASETS and (
       ood == config.dataset.name or specs.DATASETS[ood].image_shape
@@ -466,6 +466,25 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
                     f"shape of {config.dataset.name!r}, gaussian_noise, or '' (none)")
   return (problems + _reader_problems(config) + _decode_problems(config.dataset)
           + _model_problems(config))
+
+
+def _conformal_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Each conformal alpha the validation rows reach: k = ceil((n + 1)(1 - alpha)) <= n. Where
+  the dataset has a validation split of its own, its size is known only when it is read: the
+  report skips (and names) an alpha it does not reach."""
+  num_val = splits.carved_val_size(config.dataset)
+  if not config.evaluation.conformal_scores or not num_val:
+    return []
+  problems = []
+  for alpha in conformal.alphas(config.evaluation.conformal_alpha):
+    k = conformal.quantile_rank(num_val, alpha)
+    if k > num_val:
+      problems.append(
+          f"config.evaluation.conformal_alpha={alpha} needs the k-th smallest of the n = "
+          f"{num_val} validation scores (dataset.val_size), k = ceil((n + 1)(1 - alpha)) = "
+          f"{k} > n: the smallest reachable alpha is {conformal.smallest_alpha_text(num_val)};"
+          " raise alpha or dataset.val_size")
+  return problems
 
 
 def _decode_problems(dataset: ml_collections.ConfigDict) -> list[str]:

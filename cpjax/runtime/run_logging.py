@@ -114,20 +114,21 @@ _TAGS = {"epoch": "train/epoch", "learning_rate": "train/epoch_learning_rate",
          "gamma": "train/loss_gamma",  # A scheduled loss hyper-parameter (FLSc).
          "steps_per_sec": "perf/steps_per_sec", "uptime": "perf/uptime",
          "train/meta_loss": "meta/loss", "train/gamma_mean": "meta/gamma_mean"}
-FAMILIES = ("train/", "val/", "test/", "selection/", "meta/", "perf/")
+FAMILIES = ("train/", "val/", "test/", "ood/", "selection/", "meta/", "perf/")
 
 
 def tensorboard_tag(key: str) -> str:
   """The TensorBoard tag of a metric key: train_loss -> train/epoch_loss (the epoch's mean;
-  train/loss is the window's), val_ece -> val/ece, test_nll -> test/nll, *_seconds ->
-  perf/*, a selection record's key (selected_k, subset_class_kl, ...) -> selection/*."""
+  train/loss is the window's), val_ece -> val/ece, test_nll -> test/nll, the report's OOD
+  numbers ood_auroc_energy -> ood/auroc_energy, *_seconds -> perf/*, a selection record's
+  key (selected_k, subset_class_kl, ...) -> selection/*."""
   if key in _TAGS:
     return _TAGS[key]
   if key.startswith(FAMILIES):
     return key
   if key.endswith("_seconds"):
     return f"perf/{key}"
-  for split in ("val", "test"):
+  for split in ("val", "test", "ood"):
     if key.startswith(split + "_"):
       return f"{split}/{key[len(split) + 1:]}"
   if key.startswith("train_"):

@@ -184,11 +184,12 @@ class Evaluator:
       results["gamma"] = report.gamma_summary(*gamma)
     seconds = results["seconds"]
     logging.info("Report built: T = %.3f; metrics and temperature %.1f s, bootstrap %.1f s, "
-                 "post-hoc maps %.1f s; %.1f s in all.", results["temperature"]["temperature"],
-                 seconds["metrics_and_temperature"], seconds["bootstrap"], seconds["posthoc"],
+                 "post-hoc maps %.1f s, conformal sets %.1f s; %.1f s in all.",
+                 results["temperature"]["temperature"], seconds["metrics_and_temperature"],
+                 seconds["bootstrap"], seconds["posthoc"], seconds["conformal"],
                  seconds["total"])
     if jax.process_index() == 0:
-      self._write(results, gamma, logits["test"])
+      self._write(results, gamma, logits)
     return results
 
   def add_to_results(self, extra: dict[str, Any]) -> None:
@@ -215,17 +216,21 @@ class Evaluator:
     return found
 
   def _write(self, results: dict[str, Any], gamma: tuple[np.ndarray, np.ndarray] | None,
-             test_logits: np.ndarray) -> None:
-    """The report's files, and the per-example test logits (ids in the test split's order):
-    paired comparisons of runs on the same test images (e.g. a paired bootstrap of accuracy
-    differences)."""
+             logits: dict[str, np.ndarray]) -> None:
+    """The report's files, and the per-example logits of each split (SPLITS:
+    val_logits.npz, test_logits.npz; ids in the split's order): paired comparisons of runs on
+    the same test images (e.g. a paired bootstrap of accuracy differences), and every
+    post-hoc map or conformal set of the report recomputed from the files (the maps and
+    thresholds are fitted on the validation logits)."""
     report_dir = os.path.join(self.workdir, "report")
-    logits_path = os.path.join(report_dir, "test_logits.npz")
-    files.atomic_write(logits_path, lambda f: np.savez_compressed(
-        f, logits=test_logits.astype(np.float32), labels=self.labels["test"],
-        ids=self.test.ids))
+    logits_paths = []
+    for name in SPLITS:
+      logits_paths.append(os.path.join(report_dir, f"{name}_logits.npz"))
+      ids = self.test.ids if name == "test" else self.split_readers[name].ids
+      files.atomic_write(logits_paths[-1], lambda f, name=name, ids=ids: np.savez_compressed(
+          f, logits=logits[name].astype(np.float32), labels=self.labels[name], ids=ids))
     # results.json last of all: `describes` takes it as the mark of a complete report.
-    paths = [*report.write_report(report_dir, results, gamma), logits_path]
+    paths = [*report.write_report(report_dir, results, gamma), *logits_paths]
     logging.info("Wrote the calibration report: %s", ", ".join(paths))
 
   def _ood_split(self) -> splits.Split | None:
@@ -301,9 +306,11 @@ def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
 def write_report_summaries(writer: metric_writers.MetricWriter, step: int,
                             results: dict[str, Any]) -> None:
   """The final report in TensorBoard, at the last epoch's global `step`: after-TS metrics, the
-  temperature (fitted on val) and the reliability images after temperature scaling and after
-  the chosen post-hoc map. The before-TS image and the confidence histogram are the last
-  epoch's evaluation's (`Evaluator.run`, at the same step): not written twice."""
+  temperature (fitted on val), the reliability images after temperature scaling and after
+  the chosen post-hoc map, and the conformal sets' set-size histogram (its first alpha). The
+  before-TS image and the confidence histogram are the last epoch's evaluation's
+  (`Evaluator.run`, at the same step): not written twice. The conformal numbers reach
+  TensorBoard as the last record's scalars (`report_record`)."""
   scalars = {f"{split}/after_ts/{name}": value
              for split, by_tag in results["metrics"].items()
              for name, value in by_tag["after_ts"].items()}
@@ -311,12 +318,16 @@ def write_report_summaries(writer: metric_writers.MetricWriter, step: int,
   writer.write_scalars(step, scalars)
   scaled = {tag: bins for tag, bins in results["reliability"].items() if tag != "before_ts"}
   write_calibration_images(writer, step, scaled, histogram=False)
+  if results.get("conformal", {}).get("alphas") and jax.process_index() == 0:
+    writer.write_images(step, {"test/conformal_set_sizes": figures.set_size_image(
+        results["conformal"])[None]})
 
 
 def report_record(results: dict[str, Any]) -> dict[str, Any]:
   """The final report's numbers for metrics.jsonl: per split the epoch metrics and the
   selective-prediction ones before scaling; the chosen post-hoc map's test metrics
-  (test_calibrated_*, its name in `calibrator`); each OOD score's AUROC and FPR at 95 % TPR."""
+  (test_calibrated_*, its name in `calibrator`); each OOD score's AUROC and FPR at 95 % TPR;
+  the conformal sets' test numbers and OOD mean set sizes (`report.conformal_record`)."""
   record = {f"{split}_{name}": results["metrics"][split]["before_ts"][name]
             for split in SPLITS
             for name in report.EPOCH_METRICS + report.SELECTIVE_METRICS}
@@ -328,4 +339,5 @@ def report_record(results: dict[str, Any]) -> dict[str, Any]:
     for score, value in results["ood"]["before_ts"].items():
       record[f"ood_auroc_{score}"] = value
       record[f"ood_fpr95_{score}"] = results["ood"]["fpr_at_95_tpr"]["before_ts"][score]
+  record.update(report.conformal_record(results))
   return record
