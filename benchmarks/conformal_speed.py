@@ -10,7 +10,8 @@ config's settings (lac, aps and raps at alpha = 0.1, not randomised, `bootstrap_
 1000): the probabilities before and after the chosen map (a temperature map here), every
 threshold from the validation rows, each test row's coverage and set size, the summaries and
 the bootstrap intervals, whose resamples' row counts the report's other intervals recorded
-already (drawn here untimed, as the report's before-TS intervals draw them). Each number is
+already (drawn here untimed, as the report's before-TS intervals draw them), with one BLAS
+thread, as the report holds (`posthoc.one_blas_thread`). Each number is
 the median of `--repeats` calls: the section's wall-clock and CPU seconds (the process's
 own: on a shared machine nearer to what an idle one takes than the wall clock), the part that
 `conformal.split_conformal` takes (both probabilities) and the section's time when it draws
@@ -78,14 +79,15 @@ def measure(num_classes: int, num_val: int, num_test: int, repeats: int,
       conformal.split_conformal((val_rows, val[1]), (test_rows, test[1]), names, alphas,
                                 {"raps": conformal.keywords("raps", config)},
                                 transform=transform)
-  section = _median_seconds(lambda: report.conformal_section(
-      val, test, num_classes, config, table, None, counts), repeats)
-  return {
-      "section": section[0], "section_cpu": section[1],
-      "split_conformal": _median_seconds(both_split_conformals, repeats)[0],
-      "section_drawing_resamples": _median_seconds(lambda: report.conformal_section(
-          val, test, num_classes, config, table), repeats)[0],
-  }
+  with posthoc.one_blas_thread():  # As the report runs it (report.build_report).
+    section = _median_seconds(lambda: report.conformal_section(
+        val, test, num_classes, config, table, None, counts), repeats)
+    return {
+        "section": section[0], "section_cpu": section[1],
+        "split_conformal": _median_seconds(both_split_conformals, repeats)[0],
+        "section_drawing_resamples": _median_seconds(lambda: report.conformal_section(
+            val, test, num_classes, config, table), repeats)[0],
+    }
 
 
 def _machine() -> dict[str, str]:

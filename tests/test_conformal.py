@@ -199,13 +199,17 @@ def _generated(rng, n, num_classes, ties=True):
 
 @pytest.mark.parametrize("randomised", [False, True])
 @pytest.mark.parametrize("search", [False, True])
-def test_the_driver_equals_the_reference_exactly(randomised, search, monkeypatch):
+@pytest.mark.parametrize("depth", [2, 32])
+def test_the_driver_equals_the_reference_exactly(randomised, search, depth, monkeypatch):
   """Thresholds, every set's size, each label's coverage, at several alphas, on rows with
   ties and zeros, in blocks of 16 rows (the report's blocks of rows are the same functions
   on fewer rows); randomised: both given the same u; search: sizes and label ranks by binary
-  search along the sorted rows (the driver's way above SEARCH_ABOVE classes), else counted."""
+  search along the rows sorted whole (the driver's way above SEARCH_ABOVE classes), else
+  counted; depth: the ranks the driver sorts first (2 of 7: most labels and sets reach past
+  them, and ties straddle them; 32: every rank)."""
   monkeypatch.setattr(conformal, "BLOCK_ENTRIES", 16 * 7)
   monkeypatch.setattr(conformal, "SEARCH_ABOVE", 0 if search else 1000)
+  monkeypatch.setattr(conformal, "TOP_RANKS", depth)
   rng = np.random.default_rng(3)
   (val_p, val_y), (test_p, test_y) = _generated(rng, 150, 7), _generated(rng, 120, 7)
   u_val = rng.random(150) if randomised else np.ones(150)
@@ -534,3 +538,17 @@ def test_the_sections_markdown_record_and_figure():
   kept = figures._KEPT[("set_sizes",)]["figure"]  # pylint: disable=protected-access
   assert image.shape == (350, 500, 3) and figures.set_size_png(section)[:4] == b"\x89PNG"
   assert figures._KEPT[("set_sizes",)]["figure"] is kept  # pylint: disable=protected-access
+
+
+def test_leading_ranks_are_the_first_ranks_of_the_whole_sort():
+  """The partitioned, partly sorted rows give the whole sort's first ranks and their sums, the
+  same numbers bit for bit, also where ties straddle the depth and on rows of ties."""
+  rng = np.random.default_rng(12)
+  probs = rng.dirichlet(np.full(300, 0.3), size=200)
+  probs[:40, 10:14] = probs[:40, [20]]  # Ties across the depth's edge for some rows.
+  probs[40:50] = 1 / 300
+  whole = conformal.ranked(probs)
+  for depth in (1, 5, 32, 300):
+    leading = conformal.leading_ranks(probs, depth)
+    assert np.array_equal(leading.sorted, whole.sorted[:, :depth])
+    assert np.array_equal(leading.sums, whole.sums[:, :depth + 1])

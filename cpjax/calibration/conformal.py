@@ -50,6 +50,11 @@ BLOCK_ENTRIES = 1 << 20  # [rows, K] entries per block of `split_conformal` (8 M
 # at K = 1,000 a block's label ranks took a ninth of the time, its set sizes a fifth (raps)
 # to three quarters (lac); at K <= 100 counting was faster.
 SEARCH_ABOVE = 256
+# The report's driver sorts each row's leading ranks only (`leading_ranks`), at first this
+# many: a set or a label ranked deeper has its row sorted whole, and where more than
+# DEEP_SHARE of a block's rows did, the next block sorts twice as many ranks.
+TOP_RANKS = 32
+DEEP_SHARE = 0.125
 
 
 class Ranked(NamedTuple):
@@ -331,22 +336,95 @@ def _blocks(num_rows: int, num_classes: int) -> list[slice]:
   return [slice(start, start + rows) for start in range(0, num_rows, rows)]
 
 
+def leading_ranks(probs: np.ndarray, depth: int) -> Ranked:
+  """The first `depth` ranks of `ranked(probs)`: the same numbers (the `depth` largest
+  probabilities of each row, which `np.partition` finds, sorted, and their sums in rank
+  order), without sorting the rest of each row."""
+  top = np.partition(np.negative(probs), depth - 1, axis=-1)[:, :depth]
+  top.sort(axis=-1)
+  np.negative(top, out=top)
+  sums = np.zeros((len(top), depth + 1), top.dtype)
+  np.cumsum(top, axis=-1, out=sums[:, 1:])
+  return Ranked(probs, top, sums)
+
+
+class _Block:
+  """A block of rows' probabilities for the driver: its leading ranks sorted
+  (`leading_ranks`, TOP_RANKS deep), each label's rank, and the rows whose label or set
+  reaches past the leading ranks sorted whole where asked (a good model's are few)."""
+
+  def __init__(self, probs: np.ndarray, labels: np.ndarray | None,
+               u: dict[str, np.ndarray | None], depth: int):
+    self.probs, self.u = probs, u
+    self.depth = min(probs.shape[-1], depth)
+    self.leading = leading_ranks(probs, self.depth)
+    self.deep = 0  # The most rows of one label or set call that reached past the depth.
+    self.ranks = None if labels is None else self._label_ranks(np.asarray(labels))
+
+  def _label_ranks(self, labels: np.ndarray) -> np.ndarray:
+    """`label_ranks`: 1 + the leading probabilities above p_y where p_y is among them alone;
+    counted over the whole row where it ties another or lies deeper."""
+    p_y = self.probs[np.arange(len(labels)), labels][:, None]
+    top = self.leading.sorted
+    ranks = 1 + np.sum(top > p_y, axis=-1)
+    # p_y tied, or at the leading ranks' last value or below (where a tie may lie deeper).
+    at_edge = p_y[:, 0] <= top[:, -1] if self.depth < self.probs.shape[-1] else False
+    counted = np.flatnonzero((np.sum(top == p_y, axis=-1) != 1) | at_edge)
+    ranks[counted] = label_ranks(self.probs[counted], labels[counted])
+    return ranks
+
+  def whole(self, rows: np.ndarray) -> Ranked:
+    return ranked(self.probs[rows])
+
+  def label_scores(self, name: str, keywords: dict) -> np.ndarray:
+    """[rows] each label's score (the same operations as `label_scores`)."""
+    fn, u = SCORES[name].fn, self.u[name]
+    at = np.minimum(self.ranks, self.depth)[:, None] - 1
+    scores = fn(self.leading, u, np, at, **keywords)[:, 0]
+    deep = np.flatnonzero(self.ranks > self.depth)
+    self.deep = max(self.deep, len(deep))
+    if len(deep):
+      scores[deep] = fn(self.whole(deep), None if u is None else u[deep], np,
+                        self.ranks[deep, None] - 1, **keywords)[:, 0]
+    return scores
+
+  def sizes(self, name: str, keywords: dict, q) -> np.ndarray:
+    """[rows] each set's size: its leading scores <= q, counted; a row whose leading scores
+    all are (its set may reach deeper) by `sorted_set_sizes` on the row sorted whole."""
+    fn, u = SCORES[name].fn, self.u[name]
+    inside = fn(self.leading, u, np, None, **keywords) <= q
+    sizes = np.sum(inside, axis=-1)
+    if self.depth < self.probs.shape[-1]:
+      deep = np.flatnonzero(inside[:, -1])
+      self.deep = max(self.deep, len(deep))
+      if len(deep):
+        sizes[deep] = sorted_set_sizes(name, self.whole(deep), q,
+                                       None if u is None else u[deep], **keywords)
+    return sizes
+
+
 def _blocks_of(rows_of, labels, u: dict[str, np.ndarray | None], transform):
-  """Per block of rows: (its `Ranked` view of transform(rows_of[rows]), its labels' rank
-  positions [rows, 1] (0-based; None without labels), {name: its u or None})."""
+  """A `_Block` per block of rows of transform(rows_of) (labels None: sizes only), each
+  sorting twice the ranks of the one before where more than DEEP_SHARE of its rows went
+  deeper (after the block's use: the generator resumes once the caller is done with it)."""
+  depth = TOP_RANKS
   for rows in _blocks(len(rows_of), rows_of.shape[-1]):
     block = np.asarray(rows_of[rows], np.float64)
-    view = ranked(block if transform is None else np.asarray(transform(block), np.float64))
-    at = None if labels is None else sorted_label_ranks(view, labels[rows])[:, None] - 1
-    yield view, at, {name: None if drawn is None else drawn[rows] for name, drawn in u.items()}
+    probs = block if transform is None else np.asarray(transform(block), np.float64)
+    current = _Block(probs, None if labels is None else labels[rows],
+                     {name: None if drawn is None else drawn[rows] for name, drawn in u.items()},
+                     depth)
+    yield current
+    if current.deep > DEEP_SHARE * len(probs):
+      depth = min(2 * depth, rows_of.shape[-1])
 
 
 def _calibration_scores(rows_of, labels, settings, u, transform) -> dict[str, np.ndarray]:
   """{name: [n] the label scores of the calibration rows}."""
   out = {name: [] for name in settings}
-  for view, at, u_rows in _blocks_of(rows_of, labels, u, transform):
+  for block in _blocks_of(rows_of, labels, u, transform):
     for name, keywords_ in settings.items():
-      out[name].append(SCORES[name].fn(view, u_rows[name], np, at, **keywords_)[:, 0])
+      out[name].append(block.label_scores(name, keywords_))
   return {name: np.concatenate(parts) for name, parts in out.items()}
 
 
@@ -354,14 +432,12 @@ def _measured(rows_of, labels, settings, u, thresholds, transform) -> dict[tuple
   """{(name, alpha): (covered [N] or None, sizes [N])} of the rows (labels None: sizes
   only), block by block."""
   parts = {key: ([], []) for key in thresholds}
-  for view, at, u_rows in _blocks_of(rows_of, labels, u, transform):
+  for block in _blocks_of(rows_of, labels, u, transform):
     for name, keywords_ in settings.items():
-      score = None if at is None else SCORES[name].fn(view, u_rows[name], np, at,
-                                                       **keywords_)[:, 0]
+      score = None if labels is None else block.label_scores(name, keywords_)
       for alpha in (alpha for key_name, alpha in thresholds if key_name == name):
         q = thresholds[name, alpha]
-        parts[name, alpha][1].append(sorted_set_sizes(name, view, q, u_rows[name],
-                                                      **keywords_))
+        parts[name, alpha][1].append(block.sizes(name, keywords_, q))
         if score is not None:
           parts[name, alpha][0].append(score <= q)
   return {key: (np.concatenate(covered) if covered else None,
