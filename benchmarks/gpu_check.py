@@ -15,9 +15,11 @@ the checkout's root, this one line (its results also go to $OUT, a folder that c
 benchmarks/README.md has it unbroken):
 
   python3 -m benchmarks.carry --unpack=gpu_carry && python3 -m pip install -q --no-index \
-    --no-deps --target=/tmp/cpjax_carry --find-links=gpu_carry/wheels \
-    -r gpu_carry/requirements.txt && PYTHONPATH=/tmp/cpjax_carry python3 -m \
+    --no-deps --find-links=gpu_carry/wheels -r gpu_carry/requirements.txt && python3 -m \
     benchmarks.gpu_check --resume --fashion-mnist-dir=gpu_carry/fashion-mnist --mirror="$OUT"
+
+(pip installs into the image's own environment: nvImageCodec and nvJPEG join the `nvidia`
+packages that jax's CUDA libraries are in, as they do in any CUDA environment.)
 
 The parts, in this order, each in a process of its own (a run of the trainer is a user's
 `python main.py --config=FILE --workdir=DIR [--config.X=V]` in a process of its own again,
