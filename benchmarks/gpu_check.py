@@ -67,11 +67,12 @@ read (not JSON, or not this command's records) is named and left as it is: the c
 existing results file, readable or not, is first renamed to FILE.<UTC time>.bak (named in
 the output, never overwritten).
 
-Time: each part has a limit of 3 minutes (PART_LIMIT_SECONDS; --tiny 20) and the whole
+Time: each part has a limit of 3 minutes (PART_LIMIT_SECONDS; --tiny: 20 minutes) and the whole
 command a budget (--budget-seconds, 400 by default, counted from the start of `main`). A
-part starts only if its estimate (its last recorded seconds on this card, else ESTIMATES)
-fits what is left of the budget, and runs under the smaller of its limit and what is left;
-a part that does not fit is not started and stays as it was recorded, for the next window.
+part starts only if its estimate (its last recorded seconds on this card, else its
+Part.estimate_seconds: its first on one H200) fits what is left of the budget, and runs
+under the smaller of its limit and what is left; a part that does not fit is not started and
+stays as it was recorded, for the next window.
 A part past its own limit is killed with every process it started and recorded as
 "timeout" (a later --resume runs it again); one stopped by the budget's end is not recorded.
 
@@ -542,18 +543,20 @@ class Part:
   name: str
   title: str
   function: str  # "module:function", called with the context in the part's own process.
-  estimate_seconds: float  # On one H100 or H200, until a record of it says otherwise.
+  # Its seconds on one H200 (the first recorded run; the folder written by imagenet_host),
+  # until a record of it on this card says otherwise.
+  estimate_seconds: float
 
 
 PARTS = (
     Part("fashion", "Fashion-MNIST: full data against topk_anneal-45",
-         "benchmarks.gpu_check:fashion_part", 120.0),
+         "benchmarks.gpu_check:fashion_part", 145.0),
     Part("imagenet_host", "ImageNet-shaped trainer, host stage",
          "benchmarks.gpu_check:imagenet_host_part", 160.0),
     Part("imagenet_gpu", "ImageNet-shaped trainer, decode=gpu",
-         "benchmarks.gpu_check:imagenet_gpu_part", 150.0),
+         "benchmarks.gpu_check:imagenet_gpu_part", 145.0),
     Part("scoring", "Fresh scoring pass and the bare step", "benchmarks.gpu_check:scoring_part",
-         120.0),
+         95.0),
     Part("default_job", "The default job", "benchmarks.gpu_check:default_job_part", 45.0))
 
 
@@ -642,15 +645,18 @@ def code_digest(root: str = REPO) -> str:
 
 
 def git_commit(root: str = REPO) -> str | None:
-  """The checkout's commit, "+changes" added when CODE_FILES differ from it; None without
-  .git (a GPU machine's copy)."""
+  """The checkout's commit, "+changes" added when CODE_FILES differ from it; None where `root`
+  is not a git checkout's top (a GPU machine's copy without .git, or a copy inside another
+  checkout, whose commit is not this code's)."""
+  def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
   try:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                          text=True, check=True, timeout=30).stdout.strip()
-    changed = subprocess.run(["git", "status", "--porcelain", "--", "cpjax", "configs",
-                              "main.py", "benchmarks/*.py", "studies/*.py", "requirements*.txt"],
-                             cwd=root, capture_output=True, text=True, check=True,
-                             timeout=30).stdout.strip()
+    if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(root):
+      return None
+    head = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--", "cpjax", "configs", "main.py",
+                  "benchmarks/*.py", "studies/*.py", "requirements*.txt")
   except (OSError, subprocess.SubprocessError):
     return None
   return head + ("+changes" if changed else "")
@@ -687,6 +693,7 @@ def write_json(path: str, value: Any) -> None:
     with os.fdopen(handle, "w") as f:
       json.dump(value, f, indent=1, default=str)
       f.write("\n")
+    os.chmod(temporary, 0o644)  # mkstemp's file is its owner's alone; a results file is not.
     os.replace(temporary, path)
   except BaseException:
     os.remove(temporary)

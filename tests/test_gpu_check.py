@@ -65,6 +65,7 @@ def test_each_part_is_recorded_as_it_ends_with_the_code_and_card_it_ran_on(tmp_p
     assert part["status"] == "done" and part["numbers"] == {"part": name}
     assert part["limit_seconds"] == pytest.approx(100.0) and part["machine"] == MACHINE
   assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_")]  # Renamed in place.
+  assert os.stat(path).st_mode & 0o777 == 0o644
 
 
 def test_resume_keeps_done_parts_and_reruns_other_code_cards_and_failures(tmp_path, capsys):
@@ -233,6 +234,27 @@ def test_code_digest_follows_the_code_not_the_results(tmp_path):
   (tmp_path / "cpjax/a.py").write_text("x = 2")
   assert gpu_check.code_digest(str(tmp_path)) != first
   assert gpu_check.git_commit(str(tmp_path)) is None  # No .git there, as on a GPU machine.
+
+
+def test_git_commit_is_the_checkouts_own_never_an_enclosing_ones(tmp_path):
+  """A copy of the code inside another checkout (its .git above it) has no commit of its
+  own: the enclosing checkout's commit is not this code's."""
+  outer = tmp_path / "outer"
+  (outer / "inner" / "cpjax").mkdir(parents=True)
+  (outer / "inner" / "cpjax" / "a.py").write_text("x = 1")
+  def git(*args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=outer,
+                   check=True, capture_output=True)
+  git("init", "-q")
+  git("add", ".")
+  git("commit", "-q", "-m", "c")
+  head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=outer, capture_output=True,
+                        text=True, check=True).stdout.strip()
+  assert gpu_check.git_commit(str(outer)) == head
+  assert gpu_check.git_commit(str(outer / "inner")) is None
+  (outer / "cpjax").mkdir()
+  (outer / "cpjax" / "b.py").write_text("y = 2")  # A code file not committed.
+  assert gpu_check.git_commit(str(outer)) == head + "+changes"
 
 
 # Targets and markdown from records whose numbers are known.
