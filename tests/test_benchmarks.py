@@ -149,8 +149,7 @@ GPU_TABLE_ROWS = (
     "cifar_r34_train_b8_cpjax", "cifar_r34_train_b8_torch_eager",
     "host_stage_threads", "host_stage_processes", "host_stage_torch_dataloader",
     "device_stage_train", "device_stage_eval", "r50_score_fed_device_stage",
-    "r50_score_fed_host_processes", "input_wait_processes", "input_wait_device_stage",
-    "input_wait_threads")
+    "r50_score_fed_host_processes")
 _BLOCKER = '''
 import sys
 
@@ -253,17 +252,13 @@ def test_gpu_table_tiny_runs_without_tensorflow(tmp_path):
               or (key == "r50_train_torch_compile" and "tiny" in note)), (key, note)
       continue
     assert math.isfinite(row["images_per_s"]) and row["images_per_s"] > 0, key
-    if key.startswith("input_wait"):
-      assert math.isfinite(row["input_wait_share"]) and row["input_wait_share"] < 1, key
-      assert row["feeds"]["resident"]["input_wait_share"] == 0
     if key.startswith("host_stage"):
       assert row["cpu_ms_per_image"] > 0 and row["images"] == 16, key
     if "device_stage" in key:  # No GPU here: the rows' code runs with the PIL stand-in.
       assert row["decoder"].startswith("device_cpu"), key
     if key.startswith("r50_score_fed"):
       assert row["images"] == 16 and row["imagenet_train_split_seconds"] > 0, key
-  for key in ("r50_train_cpjax", "r50_train_flax_bare", "r50_score_cpjax", "host_stage_threads",
-              "input_wait_threads"):
+  for key in ("r50_train_cpjax", "r50_train_flax_bare", "r50_score_cpjax", "host_stage_threads"):
     assert "images_per_s" in rows[key], key  # These need nothing but cpjax and its deps.
   # The tiny net at 16 px with the ImageNet rows' 1,000 classes, layer by layer:
   # conv 3x3 3->8 at 16x16, conv 3x3/2 8->16 to 8x8, dense 16->1000.
