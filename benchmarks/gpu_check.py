@@ -56,8 +56,8 @@ renamed over it) the moment the part ends: its status (done, failed or timeout),
 limit, date, the machine, its numbers and the code it ran on: a digest of the files that
 decide what runs (CODE_FILES: cpjax/, configs/, main.py, benchmarks/*.py, studies/*.py,
 requirements*.txt; not benchmarks/results/), which a machine without .git computes too, and
-the git commit where .git exists. `--mirror=DIR` writes the file and its markdown into DIR
-too after each part.
+the git commit where the checkout is a git checkout of its own. `--mirror=DIR` writes the
+file and its markdown into DIR too after each part.
 
 Resume: with --resume, a part recorded as done on this code digest, this card and these
 sizes is kept; one recorded on another digest or card is announced (one line naming both)
