@@ -3,16 +3,17 @@
   python -m benchmarks.carry --check                 # on the GPU machine: what it lacks
   python -m benchmarks.carry --for=gpu_check --out=gpu_carry   # where pip reaches a registry
   # copy gpu_carry/ to the GPU machine's checkout (64 MiB with the checkout), then there:
-  python -m benchmarks.carry --unpack=gpu_carry      # Fashion-MNIST's xz files -> IDX files
+  python -m benchmarks.carry --unpack=gpu_carry      # wheels.tar.xz -> wheels/, xz -> IDX files
   pip install --no-index --no-deps --find-links=gpu_carry/wheels -r gpu_carry/requirements.txt
-  python -m benchmarks.gpu_check --fashion-mnist-dir=gpu_carry/fashion-mnist
 
+(benchmarks.gpu_check's docstring and benchmarks/README.md give the GPU check's one line.)
 The machine measured (one H100 or H200, Python 3.12, jax with CUDA, flax, optax, orbax,
-torch and torchvision) lacks TensorFlow, tensorflow-datasets, clu, ml-collections and grain.
-`python main.py` needs no TensorFlow: tensorflow-datasets reads and writes cpjax's local
-datasets (digits, Fashion-MNIST) as array_record files without it. The wheels come in groups
-(`--groups`), each the distributions that its modules import, at the versions of this
-environment (requirements.txt's pinned set, verified together):
+torch and torchvision, scikit-learn, matplotlib, OpenCV, six, tqdm, wrapt, cloudpickle) lacks
+TensorFlow, tensorflow-datasets, clu, ml-collections, grain and nvImageCodec. `python main.py`
+needs no TensorFlow: tensorflow-datasets reads and writes cpjax's local datasets (digits,
+Fashion-MNIST) as array_record files without it. The wheels come in groups (`--groups`), each
+the distributions that its modules import, at the versions of this environment
+(requirements.txt's pinned set, verified together):
 
   training  ml-collections, clu, tensorflow-datasets and what it imports (array-record,
             immutabledict, promise, six, tensorflow-metadata, termcolor, toml, tqdm, wrapt,
@@ -22,23 +23,23 @@ environment (requirements.txt's pinned set, verified together):
             report's PNG figures, 11 MB. fonttools is left out: only matplotlib's PDF/PS
             backends import it, and cpjax writes PNG.
   opencv    opencv-python-headless: the host stage's resize, 56 MB (not in the default
-            groups: with Fashion-MNIST it passes 64 MiB; most GPU images carry it)
+            groups: with Fashion-MNIST it passes 64 MiB; the GPU image has it)
   gpu-decode  nvImageCodec for CUDA 13 and the nvJPEG library it loads (dataset.decode=gpu),
-            at requirements-gpu-decode.txt's versions: 16.8 MB once nvImageCodec's wheel,
-            25 MB with extension modules for eight Pythons, keeps only the target Python's
-            (`keep_one_python`; the wheel is then tagged for that Python alone)
+            at requirements-gpu-decode.txt's versions
 
-The default groups and Fashion-MNIST's four IDX files (30 MB, copied from Debian's
-`dataset-fashion-mnist`) come to about 61 MB (58 MiB): over the 64 MiB that the checkout's
-files (about 10 MiB) and the carry may take together. `--for=gpu_check` (training and
-gpu-decode; the GPU machine measured has scikit-learn and matplotlib) packs Fashion-MNIST as
-xz (25.2 MiB instead of 29.5), which `--unpack` restores to the IDX files cpjax reads: 51.4
-MiB, 61.0 MiB with the checkout. The size printed is the folder's and the total with the
-checkout's files (git ls-files: tracked, and untracked but not ignored). The wheels are
-installed with `--no-deps`: they are the closure of what cpjax imports, not of what their
-metadata declares (tensorflow-datasets declares pyarrow, 40 MB, and requests, which cpjax's
-datasets never import). A wheel with no binary for the target (promise, a source distribution
-only) is built here with `pip wheel` when it is pure Python.
+Each wheel is repacked (`repack`): only the target Python's extension modules (nvImageCodec
+ships them for eight Pythons; the wheel is then tagged for that Python alone), without what
+cpjax never loads (CUTS), stored uncompressed; then all of them go into one xz archive,
+wheels.tar.xz (`pack`), whose solid compression finds what their files share. `--for=gpu_check`
+(training and gpu-decode, less what the image has) also packs Fashion-MNIST's four IDX files
+(copied from Debian's `dataset-fashion-mnist`) as xz, 25.2 MiB instead of 29.5 of gz; `--unpack`
+restores the wheels and the IDX files, which cpjax reads gzipped or not. The size printed is
+the folder's and the total with the checkout's files (git ls-files: tracked, and untracked but
+not ignored: what a copy of the working tree carries). The wheels are installed with
+`--no-deps`: they are the closure of what cpjax imports, not of what their metadata declares
+(tensorflow-datasets declares pyarrow, 40 MB, and requests, which cpjax's datasets never
+import). A wheel with no binary for the target (promise, a source distribution only) is built
+here with `pip wheel` when it is pure Python.
 """
 
 import argparse
@@ -52,6 +53,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 # Group -> (distribution, the module it provides), in install order.
@@ -77,9 +79,24 @@ GROUPS = {
 DEFAULT_GROUPS = ("training", "digits", "report")
 # --for: what a command needs on the GPU machine measured (it has scikit-learn and
 # matplotlib), Fashion-MNIST as xz (unpacked there by --unpack).
-PRESETS = {"gpu_check": {"groups": ("training", "gpu-decode"), "fashion_format": "xz"},
+# Distributions of the training group that the GPU machine measured has already (its image's
+# packages, at other versions that cpjax runs with): the presets leave them out.
+ON_THE_GPU_IMAGE = ("six", "tqdm", "wrapt", "cloudpickle")
+PRESETS = {"gpu_check": {"groups": ("training", "gpu-decode"), "fashion_format": "xz",
+                         "leave_out": ON_THE_GPU_IMAGE},
            # studies/frontier_workers.sh: the frontier study's runs on Fashion-MNIST.
-           "frontier": {"groups": ("training",), "fashion_format": "xz"}}
+           "frontier": {"groups": ("training",), "fashion_format": "xz",
+                        "leave_out": ON_THE_GPU_IMAGE}}
+# What cpjax never loads from a wheel, cut from it (`repack`; regular expressions of paths):
+# tensorflow-datasets keeps what `import tensorflow_datasets` loads (core, proto, rlds and its
+# top-level modules) and the checksum files its download manager lists, not its dataset
+# definitions or its tests (cpjax's own local builders need none); nvImageCodec keeps its
+# JPEG extensions (nvJPEG's, which decodes on the GPU, and libjpeg-turbo's, its CPU backend),
+# not those for TIFF, JPEG 2000, BMP, PNM or OpenCV's formats, nor its headers and tools.
+CUTS = {"tensorflow_datasets-": (
+            r"^tensorflow_datasets/(?!core/|proto/|rlds/|url_checksums/)[^/]+/", r"_test\.py$"),
+        "nvidia_nvimgcodec": (r"^nvidia/nvimgcodec/extensions/(?!libnvjpeg_ext|libjpeg_turbo)",
+                              r"^nvidia/nvimgcodec/(tools|include)/")}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The optional requirements of the gpu-decode group (not installed where the carry is made).
 GPU_DECODE_REQUIREMENTS = os.path.join(REPO, "requirements-gpu-decode.txt")
@@ -157,32 +174,47 @@ def download(requirement: str, wheels: str, python_version: str, platforms: list
                      f"{binary.stderr[-1500:]}\n{built.stderr[-1500:]}")
 
 
-def keep_one_python(wheel: str, python_version: str) -> str:
-  """A wheel tagged for any Python 3 that holds extension modules for several CPython
-  versions (nvImageCodec's: 3.9 to 3.14) rewritten with only `python_version`'s and tagged
-  for it (cpXY); its RECORD lists what is left. Returns the wheel's path (unchanged when it
-  holds at most one version's modules)."""
+def repack(wheel: str, python_version: str) -> str:
+  """`wheel` rewritten for the carry: without what cpjax never loads from it (CUTS), without
+  the extension modules of other CPython versions where it holds several (nvImageCodec's: 3.9
+  to 3.14; it is then tagged for `python_version` alone, cpXY), and stored uncompressed, so
+  that the carry's one xz archive compresses all the wheels together (`pack`). Its RECORD
+  lists what is left. Returns the wheel's path (renamed when its tag changed)."""
   ours = f".cpython-{python_version.replace('.', '')}-"
+  cuts = [re.compile(p) for prefix, patterns in CUTS.items()
+          if os.path.basename(wheel).startswith(prefix) for p in patterns]
   with zipfile.ZipFile(wheel) as source:
     names = source.namelist()
     others = {n for n in names if ".cpython-" in n and ours not in n}
-    if not others or not any(ours in n for n in names) or "-py3-none-" not in wheel:
-      return wheel
+    if not any(ours in n for n in names) or "-py3-none-" not in wheel:
+      others = set()  # Pure Python, or built for one Python already.
+    dropped = others | {n for n in names if any(c.search(n) for c in cuts)}
     tag = f"cp{python_version.replace('.', '')}"
-    target = wheel.replace("-py3-none-", f"-{tag}-none-")
-    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
+    target = wheel.replace("-py3-none-", f"-{tag}-none-") if others else wheel
+    with zipfile.ZipFile(target + ".new", "w", zipfile.ZIP_STORED) as out:
       for info in source.infolist():
-        if info.filename in others:
+        if info.filename in dropped:
           continue
         data = source.read(info)
         if info.filename.endswith(".dist-info/RECORD"):
           data = b"".join(line for line in data.splitlines(keepends=True)
-                          if line.split(b",")[0].decode() not in others)
-        elif info.filename.endswith(".dist-info/WHEEL"):
+                          if line.split(b",")[0].decode() not in dropped)
+        elif info.filename.endswith(".dist-info/WHEEL") and others:
           data = data.replace(b"Tag: py3-none-", f"Tag: {tag}-none-".encode())
-        out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+        out.writestr(info, data, compress_type=zipfile.ZIP_STORED)
   os.remove(wheel)
+  os.replace(target + ".new", target)
   return target
+
+
+def pack(folder: str, name: str = "wheels") -> str:
+  """folder/name/ (the stored wheels) as one xz archive, folder/name.tar.xz, in its place:
+  solid compression finds what the wheels' files share (a third smaller than their zips)."""
+  archive = os.path.join(folder, f"{name}.tar.xz")
+  with tarfile.open(archive, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
+    tar.add(os.path.join(folder, name), arcname=name)
+  shutil.rmtree(os.path.join(folder, name))
+  return archive
 
 
 def copy_fashion_mnist(source: str, target: str, fashion_format: str) -> None:
@@ -200,10 +232,17 @@ def copy_fashion_mnist(source: str, target: str, fashion_format: str) -> None:
 
 
 def unpack(folder: str) -> list[str]:
-  """Decompresses the carry's xz files (Fashion-MNIST's) beside themselves, where cpjax reads
-  IDX files gzipped or not; returns the files written."""
+  """Unpacks the carry there: its archive of wheels (`pack`) into folder/wheels/, its other xz
+  files (Fashion-MNIST's) decompressed beside themselves, where cpjax reads IDX files gzipped
+  or not. Returns the files and folders written."""
   written = []
   for path in sorted(glob.glob(os.path.join(folder, "**", "*.xz"), recursive=True)):
+    if path.endswith(".tar.xz"):
+      with tarfile.open(path) as tar:
+        tar.extractall(os.path.dirname(path), filter="data")
+        written += sorted({os.path.join(os.path.dirname(path), n.split("/")[0])
+                           for n in tar.getnames()})
+      continue
     with lzma.open(path) as f:
       raw = f.read()
     with open(path[:-len(".xz")], "wb") as f:
@@ -229,17 +268,19 @@ def folder_bytes(root: str) -> int:
 
 
 def build(out: str, groups: tuple[str, ...], python_version: str, platforms: list[str],
-          fashion_mnist_dir: str, fashion_format: str = "gz") -> int:
-  """Fills `out` with wheels/ (each holding only `python_version`'s extension modules),
+          fashion_mnist_dir: str, fashion_format: str = "gz", leave_out: tuple[str, ...] = ()
+          ) -> int:
+  """Fills `out` with wheels.tar.xz (`repack`'s wheels of `groups` less `leave_out`, packed),
   requirements.txt and fashion-mnist/; returns its bytes."""
   wheels = os.path.join(out, "wheels")
   os.makedirs(wheels, exist_ok=True)
-  requirements = pinned(groups)
+  requirements = [r for r in pinned(groups) if re.split("[=<>!~]", r)[0] not in leave_out]
   for requirement in requirements:
     print(f"  {requirement}", flush=True)
     download(requirement, wheels, python_version, platforms)
   for wheel in glob.glob(os.path.join(wheels, "*.whl")):
-    keep_one_python(wheel, python_version)
+    repack(wheel, python_version)
+  pack(out)
   with open(os.path.join(out, "requirements.txt"), "w") as f:
     f.write("# pip install --no-index --no-deps --find-links=<this folder>/wheels -r "
             "<this file>\n" + "\n".join(requirements) + "\n")
@@ -264,7 +305,7 @@ def missing(pairs) -> list[tuple[str, str | None]]:
 
 
 def check() -> int:
-  """Prints what this machine lacks for benchmarks.gpu_runs and gpu_check, by group, and tries
+  """Prints what this machine lacks for benchmarks.gpu_check, by group, and tries
   the trainer's imports in a fresh process; returns 0 if nothing is missing, else 1."""
   lacking = {group: missing(pairs) for group, pairs in GROUPS.items()}
   present = missing(PRESENT)
@@ -315,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
   preset = PRESETS.get(args.preset, {})
   groups = preset.get("groups") or parse_groups(args.groups)
   size = build(args.out, groups, args.python_version, args.platforms.split(","),
-               args.fashion_mnist_dir, preset.get("fashion_format", "gz"))
+               args.fashion_mnist_dir, preset.get("fashion_format", "gz"),
+               preset.get("leave_out", ()))
   total = size + project_bytes(args.out)
   print(f"{args.out}: {size / 2**20:.1f} MiB; with the checkout's files {total / 2**20:.1f} MiB "
         f"(limit {LIMIT_BYTES / 2**20:.0f} MiB, the working tree and the carry together)")

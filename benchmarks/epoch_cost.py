@@ -85,7 +85,7 @@ def measure_epoch(split, dataset, model_name, batch_size, method, fraction, scor
                   splits={"train": split}, readers={"train": train_reader}, eval_fn=None,
                   loss_kind=loss_steps.for_loss(config.loss, config.meta, spec.num_classes),
                   train_batches=None)  # The selector reads neither the steps nor the batches.
-  chooser = setup._create_selector(config, run)  # pylint: disable=protected-access
+  chooser = setup.create_selector(config, run)
   result = {}
   for epoch in (0, 1):  # Epoch 0: all data (warm-up), compiles; epoch 1 is timed.
     if epoch == 1 and scoring_mode == "fresh" and method != "full":

@@ -28,10 +28,6 @@ Rows (full sizes; --tiny swaps in the `tiny` net, 16 px images and batches of 4-
     nvImageCodec, and one jitted op crops, resizes and flips it there), the training and
     the evaluation transforms alone, images/s and CPU ms an image; skipped with a note where
     no GPU decoder can run (at --tiny sizes it runs with the PIL stand-in, device_cpu)
-  the input-wait share of a ResNet-50 epoch over that folder: cpjax's train step fed by
-    the host stage in processes (and in threads) and by the device stage, 1 - (epoch with
-    the batches already on the device) / (epoch fed by the reader), medians
-    (benchmarks.input_wait's measure)
   a fresh scoring pass (the evaluation transform) fed by the device stage and by the host
     stage in processes, against the scoring pass's resident rate (batches on the devices)
   MFU of each ResNet-50 row from model FLOPs (benchmarks.model_flops: conv and dense MACs
@@ -47,7 +43,7 @@ then timed epochs, median; CPU ms an image counts worker processes too. Every ro
 inside try/except (a failing row is reported in the JSON, the table goes on) and starts only
 if the time budget left (`--budget-seconds`, 400 s from the start, the generated folder's
 writing included) covers its estimate; the rows run with the targets and the cheap ones
-first (`run_rows`), so a cut drops the CIFAR rows and the thread input-wait row. A watchdog
+first (`run_rows`), so a cut drops the CIFAR rows. A watchdog
 ends a run still going 40 s past the budget (a row that hangs): it writes the rows done so
 far, the running one as an error, and exits with status 3. `--rows=PREFIX,...` runs only
 some rows (to redo one). Process rows need a cpjax whose PreprocessReader takes
@@ -117,8 +113,6 @@ class Sizes:
   source_size: tuple[int, int] = (500, 375)  # Generated JPEGs, W x H.
   host_images: int = 4096  # Host-stage rows: images an epoch (whole batches).
   host_repeats: int = 2  # Timed epochs per host-stage row.
-  wait_images: int = 6144  # Input-wait rows: a ResNet-50 epoch's images.
-  wait_repeats: int = 2
   budget_seconds: float = 400.0  # Whole script; a row starts only if its estimate fits.
   estimate_scale: float = 1.0  # Of the rows' estimated seconds (full sizes, one H100).
   torch_compile: bool = True  # The torch.compile row (minutes of compiling on a CPU).
@@ -129,7 +123,7 @@ class Sizes:
 TINY = Sizes(imagenet_model="tiny", imagenet_size=16, train_batch=8, score_batch=8,
              cifar_model="tiny", cifar_size=16, cifar_batches=(4, 8), warmup=1, windows=2,
              window_seconds=0.01, max_steps=3, source_size=(64, 48), host_images=16,
-             host_repeats=1, wait_images=16, wait_repeats=1, budget_seconds=600.0,
+             host_repeats=1, budget_seconds=600.0,
              estimate_scale=0.0, torch_compile=False, stand_in_decode=True)
 
 
@@ -381,33 +375,6 @@ def dataloader_row(root: str, sizes: Sizes) -> dict:
           "first_epoch_seconds": start_seconds, "first_batch_seconds": first_batch_seconds}
 
 
-def input_wait_row(train: JaxTrain, root: str, sizes: Sizes, make_reader,
-                   resident: list) -> dict:
-  """benchmarks.input_wait's measure for the ResNet-50 train step: epochs fed from batches
-  already on the devices and from a reader (`make_reader`: the host stage's workers on all
-  cores, or the device stage)."""
-  source = feeds.folder_train_source(root)
-  reader, note = make_reader(source, feeds.train_transform(sizes.imagenet_size), train.mesh,
-                             sizes)
-  if reader is None:
-    return {"skipped": note}
-  blocks = _blocks(len(source), sizes.wait_images, sizes.train_batch)
-  try:
-    if not resident:  # Shared by the rows: the same crops whatever the workers.
-      resident.extend(reader.batches(blocks, epoch=1))
-    epoch_feeds = {"resident": lambda: resident,
-                   "reader": functools.partial(reader.batches, blocks, epoch=1)}
-    results, train.state = feeds.wait_shares(train.train_fn, train.state, epoch_feeds,
-                                             sizes.wait_repeats)
-  finally:
-    feeds.close_reader(reader)
-  fed = results["reader"]
-  return {"input_wait_share": fed["input_wait_share"], "epoch_images": int(blocks.size),
-          "images_per_s": blocks.size / fed["median_seconds"], "feeds": results,
-          "workers": _all_cores(),
-          **({"decoder": reader.decoder_name} if hasattr(reader, "decoder_name") else {})}
-
-
 class Table:
   """Runs rows under one time budget; each row's dict (or its skip note or error) by key."""
 
@@ -465,16 +432,15 @@ ROW_ORDER = ("r50_train_cpjax", "r50_train_flax_bare", "r50_train_torch_eager",
              "r50_score_fed_host_processes", "r50_score_torch_eager",
              "cifar_r34_train_b*",
              "host_stage_threads", "host_stage_processes", "host_stage_torch_dataloader",
-             "device_stage_train", "device_stage_eval",
-             "input_wait_processes", "input_wait_device_stage", "input_wait_threads")
+             "device_stage_train", "device_stage_eval")
 
 
 def run_rows(table: Table, sizes: Sizes, root: str) -> None:
   """Every row, the rows the targets read and the cheap rows first, so that a budget cut (or an
-  estimate that was too small) drops the CIFAR rows and the thread input-wait row."""
+  estimate that was too small) drops the CIFAR rows."""
   s, name, b = sizes.imagenet_size, sizes.imagenet_model, sizes.train_batch
   tag = f"{name} {s}px"
-  mesh, r50, score, resident = sharding.create_mesh(), [], [], []
+  mesh, r50, score = sharding.create_mesh(), [], []
   make_r50 = functools.partial(cpjax_train, name, 1000, s, b,
                                _spec(1000, IMAGENET_MEAN, IMAGENET_STD))
 
@@ -489,13 +455,10 @@ def run_rows(table: Table, sizes: Sizes, root: str) -> None:
     return score[0]
   table.run("r50_train_cpjax", f"{tag} train bf16 b{b}: cpjax steps.train_step", 90,
             lambda: timed_rate(r50_train(), jax.block_until_ready, b, sizes))
-  table.run("input_wait_processes", f"{tag} epoch input-wait share, processes", 45,
-            lambda: input_wait_row(r50_train(), root, sizes, host_stage_reader("process"),
-                                   resident))
   for kind, plural in (("process", "processes"), ("thread", "threads")):
     table.run(f"host_stage_{plural}", f"host stage {s}px, {plural}, all cores", 30,
               host_stage_row, root, sizes, kind, mesh)
-  _device_stage_rows(table, sizes, root, r50_train, r50_score, resident)
+  _device_stage_rows(table, sizes, root, r50_score)
   table.run("host_stage_torch_dataloader", f"torchvision DataLoader {s}px, all cores", 40,
             _peer(dataloader_row), root, sizes)
   table.run("r50_train_flax_bare", f"{tag} train bf16 b{b}: bare flax step", 60,
@@ -506,23 +469,17 @@ def run_rows(table: Table, sizes: Sizes, root: str) -> None:
             lambda: torch_peers.score_step(torch_peers.resnet50(), sizes.score_batch, s, 1000),
             sizes.score_batch, sizes)
   _cifar_rows(table, sizes)
-  table.run("input_wait_threads", f"{tag} epoch input-wait share, threads", 50,
-            lambda: input_wait_row(r50_train(), root, sizes, host_stage_reader("thread"),
-                                   resident))
 
 
-def _device_stage_rows(table: Table, sizes: Sizes, root: str, r50_train, r50_score,
-                       resident: list) -> None:
-  """The device stage (decode on the GPU) alone, feeding the ResNet-50 epoch, and feeding a
-  fresh scoring pass beside the resident scoring rate and the host stage feeding it."""
+def _device_stage_rows(table: Table, sizes: Sizes, root: str, r50_score) -> None:
+  """The device stage (decode on the GPU) alone, and feeding a fresh scoring pass beside the
+  resident scoring rate and the host stage feeding it (the trainer's epochs fed by it are
+  benchmarks.gpu_check's)."""
   s, name, sb = sizes.imagenet_size, sizes.imagenet_model, sizes.score_batch
   mesh = sharding.create_mesh()
   for train, transform in ((True, "train"), (False, "eval")):
     table.run(f"device_stage_{transform}", f"device stage {s}px, {transform} transform, "
               "GPU decode", 25, reader_row, root, sizes, device_stage_reader, mesh, train)
-  table.run("input_wait_device_stage", f"{name} {s}px epoch input-wait share, device stage",
-            45, lambda: input_wait_row(r50_train(), root, sizes, device_stage_reader,
-                                       resident))
   table.run("r50_score_cpjax", f"{name} {s}px scoring pass bf16 b{sb}: cpjax, resident", 30,
             lambda: cpjax_score(r50_score(), 1000, s, sb, sizes))
   table.run("r50_score_fed_device_stage", f"{name} {s}px scoring pass b{sb} fed by the device "
@@ -617,15 +574,14 @@ def print_table(results: dict) -> None:
   print(f"\n{machine['card']} ({machine['devices']}), {machine['cores']} cores; "
         f"jax {machine['jax']}, flax {machine['flax']}, torch {machine.get('torch', '-')}; "
         f"{machine['date']}\n{machine['command']}")
-  print(f"{'row':<66}{'img/s':>10}{'CPU ms/img':>12}{'MFU':>7}{'wait':>7}  note")
+  print(f"{'row':<66}{'img/s':>10}{'CPU ms/img':>12}{'MFU':>7}  note")
   for row in results["rows"].values():
     def cell(key, form, width):
       value = row.get(key)
       return f"{value:>{width}{form}}" if isinstance(value, (int, float)) else " " * width
     note = row.get("skipped") or row.get("error") or ""
     print(f"{row['label'][:65]:<66}{cell('images_per_s', '.0f', 10)}"
-          f"{cell('cpu_ms_per_image', '.2f', 12)}{cell('mfu', '.3f', 7)}"
-          f"{cell('input_wait_share', '.3f', 7)}  {note[:100]}")
+          f"{cell('cpu_ms_per_image', '.2f', 12)}{cell('mfu', '.3f', 7)}  {note[:100]}")
   flops = results["flops"]
   peak = flops["peak_bf16_flops_per_device"]
   print(f"model FLOPs: {flops['model']} at {flops['image_size']} px, "
@@ -718,7 +674,7 @@ def main(argv: list[str] | None = None) -> dict:
   watchdog.start()
   try:
     if own:
-      feeds.write_folder(root, max(sizes.host_images, sizes.wait_images), *sizes.source_size)
+      feeds.write_folder(root, sizes.host_images, *sizes.source_size)
     if torch_peers is None:
       print(f"note: {TORCH_MISSING}: the PyTorch rows are skipped")
     run_rows(table, sizes, root)

@@ -50,7 +50,7 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
   model = models.create_model(model_name, spec.num_classes)
   tx = optim.create_optimizer(config.optimizer)
   state = steps.create_train_state(jax.random.PRNGKey(0), model, tx, spec.image_shape, mesh)
-  train_fn = setup._jit_train_step(  # pylint: disable=protected-access
+  train_fn = setup.jit_train_step(
       config, model, tx, policies.returns_weights(config.selection.method),
       loss_steps.for_loss(config.loss, config.meta, spec.num_classes))
   reader = readers.DeviceReader(split, mesh)

@@ -90,14 +90,14 @@ def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size:
                                                           data.num_classes))
   batch = _abstract_batch(kind, image_shape, batch_size, mesh)
   if kind == "eval":
-    return Step(setup._jit_eval_step(config, model), (state, batch))  # pylint: disable=protected-access
+    return Step(setup.jit_eval_step(config, model), (state, batch))
   if kind == "score":
     score_fn = scores.forward_score(config.selection.score, config.selection)
     fn = sources._jit_score_step(  # pylint: disable=protected-access
         config.model.name, config.dataset, dtype, score_fn, config.xla_cpu_options)
     return Step(fn, (state, batch))
   learning_rate = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(mesh))
-  fn = setup._jit_train_step(  # pylint: disable=protected-access
+  fn = setup.jit_train_step(
       config, model, tx, policies.returns_weights(config.selection.method),
       loss_steps.for_loss(config.loss, config.meta, data.num_classes))
   return Step(fn, (state, batch, learning_rate, {}))

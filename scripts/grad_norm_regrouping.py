@@ -62,7 +62,7 @@ def main():
   bound = dict(model=model, tx=tx, loss_fn=losses.get_loss(config.loss),
                score_fn=scores.forward_score(config.selection.score, config.selection),
                spec=steps.step_spec(config.dataset, config.loss))
-  # As the loop jits it (cpjax.training.setup._jit_train_step): donated state, the config's options.
+  # As the loop jits it (cpjax.training.setup.jit_train_step): donated state, the config's options.
   options = compiler_options.compiler_options("train", config.xla_cpu_options)
   with_norm, without_norm = (jax.jit(functools.partial(fn, **bound), donate_argnums=0,
                                      compiler_options=options)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import feeds, gpu_check, gpu_runs, xla_cpu_variants
+from benchmarks import feeds, gpu_check, xla_cpu_variants
 from tests import helpers, test_without_tensorflow
 from tests.helpers import REPO, subprocess_env
 
@@ -149,8 +149,7 @@ GPU_TABLE_ROWS = (
     "cifar_r34_train_b8_cpjax", "cifar_r34_train_b8_torch_eager",
     "host_stage_threads", "host_stage_processes", "host_stage_torch_dataloader",
     "device_stage_train", "device_stage_eval", "r50_score_fed_device_stage",
-    "r50_score_fed_host_processes", "input_wait_processes", "input_wait_device_stage",
-    "input_wait_threads")
+    "r50_score_fed_host_processes")
 _BLOCKER = '''
 import sys
 
@@ -253,17 +252,13 @@ def test_gpu_table_tiny_runs_without_tensorflow(tmp_path):
               or (key == "r50_train_torch_compile" and "tiny" in note)), (key, note)
       continue
     assert math.isfinite(row["images_per_s"]) and row["images_per_s"] > 0, key
-    if key.startswith("input_wait"):
-      assert math.isfinite(row["input_wait_share"]) and row["input_wait_share"] < 1, key
-      assert row["feeds"]["resident"]["input_wait_share"] == 0
     if key.startswith("host_stage"):
       assert row["cpu_ms_per_image"] > 0 and row["images"] == 16, key
     if "device_stage" in key:  # No GPU here: the rows' code runs with the PIL stand-in.
       assert row["decoder"].startswith("device_cpu"), key
     if key.startswith("r50_score_fed"):
       assert row["images"] == 16 and row["imagenet_train_split_seconds"] > 0, key
-  for key in ("r50_train_cpjax", "r50_train_flax_bare", "r50_score_cpjax", "host_stage_threads",
-              "input_wait_threads"):
+  for key in ("r50_train_cpjax", "r50_train_flax_bare", "r50_score_cpjax", "host_stage_threads"):
     assert "images_per_s" in rows[key], key  # These need nothing but cpjax and its deps.
   # The tiny net at 16 px with the ImageNet rows' 1,000 classes, layer by layer:
   # conv 3x3 3->8 at 16x16, conv 3x3/2 8->16 to 8x8, dense 16->1000.
@@ -356,57 +351,84 @@ def _last_record(workdir) -> dict:
   return helpers.read_metrics(str(workdir))[-1]
 
 
-def test_gpu_check_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
-  """`benchmarks.gpu_check --tiny` end to end on a CPU (its runs are benchmarks.gpu_runs'; it
-  stands for gpu_runs' own tiny run too): every run is main.py's (workdir, checkpoints,
-  metrics.jsonl, report; TensorFlow absent throughout), and the table's numbers are the
-  workdirs' and the hand counts'. Fashion-MNIST's 8-epoch tiny schedule is 16 steps of 32 an
-  epoch on 512 images; topk_anneal-45 keeps round(0.23 x 512) = 118 images (4 steps) in
-  epochs 1-5 and all in the last 2; a step is 3 passes of 32. (c): 40 generated JPEGs, all in
+def test_gpu_check_tiny_runs_every_part_through_main_py_and_records_what_the_runs_wrote(
+    tmp_path):
+  """`benchmarks.gpu_check --tiny` end to end on a CPU, TensorFlow absent throughout: every
+  part recorded as done with this code's digest, every run main.py's (workdir, checkpoints,
+  metrics.jsonl, report) and its numbers and anatomy the workdirs'; then --resume keeps them
+  all. Fashion-MNIST's 8-epoch tiny schedule is 16 steps of 32 an epoch on 512 images;
+  topk_anneal-45 keeps round(0.23 x 512) = 118 images (4 steps) in epochs 1-5 and all in the
+  last 2; a step is 3 passes of 32. The ImageNet-shaped runs: 40 generated JPEGs, all in
   epoch 0, then the top half (20) by one fresh scoring pass, in each of 2 more epochs."""
   helpers.require_fashion_mnist()
-  out, runs = tmp_path / "out", tmp_path / "runs"
-  result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--tiny",
-                           f"--out={out}", f"--workdir-root={runs}"], cwd=REPO,
-                          env=test_without_tensorflow.without_tensorflow_env(),
-                          capture_output=True, text=True, timeout=2400)
-  assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
-  results = json.loads((out / "gpu_check_cpu_tiny.json").read_text())
-  text = (out / "gpu_check_cpu_tiny.md").read_text()
-  assert text in result.stdout and result.stdout.count("## GPU check - tiny sizes") == 4
-  assert [(name, p["status"]) for name, p in results["parts"].items()] == [
-      ("default_job", "done"), ("fashion", "done"), ("imagenet", "done"),
-      ("device_stage", "done")]  # The table written after each of the four parts.
-  # Every run's anatomy is its last record's keys (None where the trainer writes none).
-  def assert_anatomy(anatomy, workdir):
+  path, runs, mirror = tmp_path / "gpu_check_cpu_tiny.json", tmp_path / "runs", tmp_path / "out"
+  command = [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", f"--results={path}",
+             f"--workdir-root={runs}", f"--mirror={mirror}"]
+  result = subprocess.run(command, cwd=REPO, env=test_without_tensorflow.without_tensorflow_env(),
+                          capture_output=True, text=True, timeout=3600)
+  assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+  results = json.loads(path.read_text())
+  records = results["parts"]
+  assert list(records) == [p.name for p in gpu_check.PARTS]
+  for record in records.values():
+    assert record["status"] == "done" and record["sizes"] == "tiny" and record["card"] == "cpu"
+    assert record["code_digest"] == gpu_check.code_digest()
+  assert json.loads((mirror / path.name).read_text()) == results
+  assert (mirror / "gpu_check_cpu_tiny.md").read_text() == gpu_check.markdown(results)
+  parts = {name: record["numbers"] for name, record in records.items()}
+
+  def assert_anatomy(anatomy, workdir):  # Each run's anatomy: its last record's keys.
     last = _last_record(workdir)
-    assert anatomy == {k: last.get(k) for k in gpu_runs.ANATOMY_KEYS}, workdir
-  # (a) the default job (tiny), its accuracy the report's.
-  job = results["default_job"]
-  assert job["exit_status"] == 0 and job["epochs"] == 2 and job["seconds"] > 0
-  assert job["test_accuracy"] == _test_accuracy(runs / "default")
+    assert anatomy == {k: last.get(k) for k in gpu_check.ANATOMY_KEYS}, workdir
+  _assert_fashion(parts["fashion"], runs, assert_anatomy)
+  for name, decode in (("imagenet_host", "cpu"), ("imagenet_gpu", "device_cpu")):
+    _assert_imagenet(parts[name], decode, runs, assert_anatomy)
+  assert parts["imagenet_host"]["folder"]["written"]  # Written once, read by the second.
+  assert not parts["imagenet_gpu"]["folder"]["written"]
+  # The scoring part: gpu_table's rows over the same folder, the PIL stand-in decoding.
+  scoring = parts["scoring"]
+  assert f"--folder={runs / 'imagenet_shaped'}" in scoring["command"].split()
+  assert sorted(scoring["rows"]) == sorted(gpu_check.SCORING_ROWS)
+  rows = scoring["rows"]
+  assert all(row["images_per_s"] > 0 for row in rows.values())
+  assert rows["r50_score_fed_device_stage"]["decoder"].startswith("device_cpu")
+  assert scoring["ratios"][gpu_check.FED_RATIO] == pytest.approx(
+      rows["r50_score_fed_device_stage"]["images_per_s"] / rows["r50_score_cpjax"]["images_per_s"])
+  job = parts["default_job"]
+  assert job["epochs"] == 2 and job["test_accuracy"] == _test_accuracy(runs / "default")
   assert_anatomy(job["anatomy"], runs / "default")
-  # (b) full data and topk_anneal-45 x seeds 0 and 1, each a main.py run with its own report.
-  fashion = results["fashion"]
+  targets = gpu_check.targets(results)
+  assert all(t["status"] == "not measured (tiny sizes, not a GPU)" for t in targets)
+  assert targets[1]["value"] == pytest.approx(parts["fashion"]["paired"]["wall_seconds_ratio"][0])
+  # Again with --resume: every part is kept, nothing runs, the records are unchanged.
+  again = subprocess.run([*command, "--resume"], cwd=REPO,
+                         env=test_without_tensorflow.without_tensorflow_env(),
+                         capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert [line.split(":")[0] for line in again.stdout.splitlines() if ": kept, done on" in line
+          ] == [p.name for p in gpu_check.PARTS]
+  assert json.loads(path.read_text()) == results
+
+
+def _assert_fashion(fashion, runs, assert_anatomy) -> None:
+  """Full data and topk_anneal-45 x seeds 0 and 1, each a main.py run with its own report."""
   assert [(r["arm"], r["seed"]) for r in fashion["runs"]] == [
       ("full", 0), ("topk_anneal-45", 0), ("full", 1), ("topk_anneal-45", 1)]
   steps = {"full": 8 * 16, "topk_anneal-45": 3 * 16 + 5 * 4}
   kept = {"full": 512, "topk_anneal-45": 118}
   for row in fashion["runs"]:
     workdir = runs / f"{row['arm']}_seed{row['seed']}"
-    assert row["exit_status"] == 0, row
     assert row["test_accuracy"] == _test_accuracy(workdir) and 0 <= row["test_accuracy"] <= 1
     assert row["passes"] == steps[row["arm"]] * 32 * 3, row
     records = helpers.read_metrics(str(workdir))
     assert [r["selected_k"] for r in records] == [512] + [kept[row["arm"]]] * 5 + [512] * 2
     assert helpers.checkpoint_steps(str(workdir))[-1] == steps[row["arm"]]
-    parts = sum(row[f"{p}_seconds"] for p in ("training", "scoring", "selection", "eval",
-                                               "report"))
-    assert 0 < parts < row["wall_seconds"], row  # Parts of the process's time.
+    phases = sum(row[f"{p}_seconds"] for p in ("training", "scoring", "selection", "eval",
+                                                "report"))
+    assert 0 < phases < row["wall_seconds"], row  # Parts of the process's time.
     assert_anatomy(row["anatomy"], workdir)
   assert fashion["arms"]["topk_anneal-45"]["selection.fraction"] == 0.23  # The study's rule.
-  assert sorted(fashion["means"]) == ["full", "topk_anneal-45"]
-  p = fashion["paired"]["topk_anneal-45"]
+  p = fashion["paired"]
   by_seed = [100 * (_test_accuracy(runs / f"topk_anneal-45_seed{s}")
                     - _test_accuracy(runs / f"full_seed{s}")) for s in (0, 1)]
   assert p["seeds"] == [0, 1] and p["per_seed"]["accuracy_points"] == pytest.approx(by_seed)
@@ -414,76 +436,34 @@ def test_gpu_check_tiny_drives_main_py_and_tables_what_the_runs_wrote(tmp_path):
   walls = {(r["arm"], r["seed"]): r["wall_seconds"] for r in fashion["runs"]}
   assert p["wall_seconds_ratio"][0] == pytest.approx(
       sum(walls["topk_anneal-45", s] / walls["full", s] for s in (0, 1)) / 2)
-  # (c) two runs over one folder of 40 JPEGs in 10 classes, one compilation cache folder.
-  part = results["imagenet"]
-  bare = part["bare_step"]
-  assert bare["exit_status"] == 0 and bare["images_per_s"] > 0
-  assert sorted(part["runs"]) == ["decode_gpu", "host"]
-  for name, decode in (("host", "cpu"), ("decode_gpu", "device_cpu")):
-    run, workdir = part["runs"][name], runs / f"imagenet_{name}"
-    assert run["exit_status"] == 0 and run["decode"] == decode, run
-    assert f"--config.compilation_cache_dir={part['cache']}" in run["command"].split()
-    assert ("--config.dataset.decode=device_cpu" in run["command"].split()) == (
-        decode == "device_cpu")
-    records = helpers.read_metrics(str(workdir))
-    assert [r["selected_k"] for r in records] == [40, 20, 20]
-    with open(f"{workdir}.log") as f:  # One fresh scoring pass, before epoch 1.
-      assert [line.split("Scoring pass for ")[1][:7] for line in f
-              if "Scoring pass for epoch" in line and "done in" in line] == ["epoch 1"]
-    assert [e["images"] for e in run["epochs"]] == [40, 20, 20]
-    later = records[1:]
-    seconds = sum(r["training_seconds"] for r in later)
-    steady = run["steady"]
-    assert steady["images"] == 40 and steady["training_seconds"] == pytest.approx(seconds)
-    assert steady["images_per_s"] == pytest.approx(40 / seconds)
-    assert steady["input_wait_share"] == pytest.approx(
-        sum(r["input_wait_seconds"] for r in later) / seconds)
-    assert steady["over_bare"] == pytest.approx(40 / seconds / bare["images_per_s"])
-    assert steady["scoring_images_per_s"] == pytest.approx(40 / records[1]["scoring_seconds"])
-    assert records[0]["scoring_seconds"] == 0
-    assert run["checkpoint_seconds"] > 0 and run["peak_device_memory_bytes"] is None
-    assert_anatomy(run["anatomy"], workdir)
-    with open(workdir / "classes.json") as f:
-      assert len(json.load(f)["classes"]) == 10
-  assert os.listdir(part["cache"])  # The shared cache folder holds compiled programs.
-  # (d) gpu_table's device-stage rows over (c)'s folder, the PIL stand-in decoding.
-  device = results["device_stage"]
-  assert device["exit_status"] == 0 and sorted(device["rows"]) == sorted(gpu_check.DEVICE_ROWS)
-  assert f"--folder={part['folder']}" in device["command"].split()
-  rows = device["rows"]
-  for key, row in rows.items():
-    assert "error" not in row and "skipped" not in row, (key, row)
-    assert row["images_per_s"] > 0, key
-    if "device_stage" in key:
-      assert row["decoder"].startswith("device_cpu"), key
-  assert rows["input_wait_device_stage"]["input_wait_share"] < 1
-  assert device["ratios"]["scoring fed by the device stage / resident"] == pytest.approx(
-      rows["r50_score_fed_device_stage"]["images_per_s"] / rows["r50_score_cpjax"]["images_per_s"])
-  # The targets: each value the one measured above, none measured at tiny sizes on a CPU.
-  targets = results["targets"]
-  assert all(t["status"] == "not measured (tiny sizes, not a GPU)" for t in targets)
-  assert [t["value"] for t in targets[2:]] == pytest.approx([
-      p["wall_seconds_ratio"][0], part["runs"]["host"]["steady"]["over_bare"],
-      part["runs"]["decode_gpu"]["steady"]["over_bare"],
-      part["runs"]["decode_gpu"]["steady"]["input_wait_share"],
-      device["ratios"]["scoring fed by the device stage / resident"]])
-  assert targets[0]["value"] == results["seconds"] and "Run anatomy" in text
-  assert "ONE compilation cache folder" in text
 
 
-def test_bare_step_smoke(tmp_path):
-  out = tmp_path / "bare.json"
-  result = subprocess.run([sys.executable, "-m", "benchmarks.bare_step", "--model=tiny",
-                           "--image-size=16", "--batch-size=8", "--classes=10", "--tiny",
-                           f"--json={out}"], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  row = json.loads(out.read_text())
-  assert row["images_per_s"] > 0 and row["first_call_seconds"] > 0
-  assert (row["model"], row["image_size"], row["batch"], row["classes"]) == ("tiny", 16, 8, 10)
-  windows = row["window_images_per_s"]  # The row's rate is their median.
-  assert len(windows) == 2 and min(windows) <= row["images_per_s"] <= max(windows)
-  assert "images/s" in result.stdout
+def _assert_imagenet(part, decode, runs, assert_anatomy) -> None:
+  """One ImageNet-shaped run over the folder of 40 JPEGs in 10 classes, its compilation
+  cache folder the command's."""
+  run = part["run"]
+  workdir = runs / f"imagenet_{'host' if decode == 'cpu' else 'decode_gpu'}"
+  assert run["decode"] == decode
+  assert f"--config.compilation_cache_dir={runs / 'xla_cache_imagenet'}" in run["command"].split()
+  assert (f"--config.dataset.decode={decode}" in run["command"].split()) == (decode != "cpu")
+  records = helpers.read_metrics(str(workdir))
+  assert [r["selected_k"] for r in records] == [40, 20, 20]
+  with open(f"{workdir}.log") as f:  # One fresh scoring pass, before epoch 1.
+    assert [line.split("Scoring pass for ")[1][:7] for line in f
+            if "Scoring pass for epoch" in line and "done in" in line] == ["epoch 1"]
+  assert [e["images"] for e in run["epochs"]] == [40, 20, 20]
+  later = records[1:]
+  seconds = sum(r["training_seconds"] for r in later)
+  steady = run["steady"]
+  assert steady["images"] == 40 and steady["training_seconds"] == pytest.approx(seconds)
+  assert steady["images_per_s"] == pytest.approx(40 / seconds)
+  assert steady["input_wait_share"] == pytest.approx(
+      sum(r["input_wait_seconds"] for r in later) / seconds)
+  assert steady["scoring_images_per_s"] == pytest.approx(40 / records[1]["scoring_seconds"])
+  assert run["checkpoint_seconds"] > 0 and run["peak_device_memory_bytes"] is None
+  assert_anatomy(run["anatomy"], workdir)
+  with open(workdir / "classes.json") as f:
+    assert len(json.load(f)["classes"]) == 10
 
 
 def test_carry_pins_requirements_versions_and_names_groups():

@@ -98,9 +98,9 @@ def test_write_array_records_reads_back_the_config_splits(tmp_path):
     ("benchmarks.folder_memory", "--sizes"), ("benchmarks.host_stage", "--images"),
     # Timed in-process at a tiny size in tests/test_benchmarks.py; here its command line.
     ("benchmarks.xla_cpu_variants", "--batch-size"),
-    # Its kinds of runs at tiny sizes through benchmarks.gpu_check (tests/test_benchmarks.py),
-    # its table on runs whose records are known (tests/test_gpu_check.py): its command line.
-    ("benchmarks.gpu_runs", "--max-seeds")])
+    # Its parts at tiny sizes in tests/test_benchmarks.py, its records in
+    # tests/test_gpu_check.py: here its command line.
+    ("benchmarks.gpu_check", "--resume")])
 def test_long_entry_points_start(module, flag):
   """A study trains for minutes to hours; here its command line parses and lists `flag`."""
   assert flag in _module(module, "--help").stdout

@@ -83,7 +83,7 @@ def test_epochs_run_without_per_step_host_reads(tmp_path, host_reads, overrides)
 def test_a_per_step_host_read_is_counted(tmp_path, host_reads, monkeypatch):
   """A loss read back after every step (as a `float(loss)` in the loop would) is counted once
   per step; the logging points' own reads (every 5 steps) are not."""
-  jit_train_step = setup._jit_train_step  # pylint: disable=protected-access
+  jit_train_step = setup.jit_train_step
 
   def syncing_step(*args, **kwargs):
     step = jit_train_step(*args, **kwargs)
@@ -94,7 +94,7 @@ def test_a_per_step_host_read_is_counted(tmp_path, host_reads, monkeypatch):
       return state, batch_metrics, per_example
     return run_and_read
 
-  monkeypatch.setattr(setup, "_jit_train_step", syncing_step)
+  monkeypatch.setattr(setup, "jit_train_step", syncing_step)
   config = helpers.tiny_config(**{**DEVICE_READER, "num_epochs": 1})
   train.train_and_evaluate(config, str(tmp_path))
   assert [kind for kind, _, _ in host_reads] == ["value"] * helpers.STEPS_PER_EPOCH

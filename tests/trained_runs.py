@@ -39,7 +39,7 @@ def selected_run(tmp_path_factory) -> TrainedRun:
   workdir = str(tmp_path_factory.mktemp("selected"))
   config = helpers.selected_config()
   traces, jitted = [], []
-  real_step, real_jit = steps.train_step, setup._jit_train_step  # pylint: disable=protected-access
+  real_step, real_jit = steps.train_step, setup.jit_train_step
 
   @functools.wraps(real_step)
   def counted_step(*args, **kwargs):
@@ -52,7 +52,7 @@ def selected_run(tmp_path_factory) -> TrainedRun:
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(steps, "train_step", counted_step)
-    patch.setattr(setup, "_jit_train_step", captured_jit)
+    patch.setattr(setup, "jit_train_step", captured_jit)
     record = train.train_and_evaluate(config, workdir)
   assert len(jitted) == 1
   return TrainedRun(workdir, config, record, len(traces),

@@ -83,7 +83,7 @@ class PendingImages:
 class Evaluator:
   """Eval-mode logits of the validation and test splits: their calibration metrics after an
   epoch (`run`), and the final calibration report (`write_report`)."""
-  eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.training.setup._jit_eval_step).
+  eval_fn: Any  # jitted (state, batch) -> float32 logits (cpjax.training.setup.jit_eval_step).
   mesh: jax.sharding.Mesh
   split_readers: Mapping[str, readers.Reader]  # SPLITS as batches on the mesh.
   labels: Mapping[str, np.ndarray]  # SPLITS' labels, in row order.

@@ -8,7 +8,9 @@ converted records) changed under its checkpoint (cpjax.data.fingerprint), unless
 is the replacement of a file the run stopped on as damaged, and opens the data. `create_loop`
 builds the selector, the jitted train step (the loss's step and batches from
 cpjax.training.loss_steps), each epoch's steps and the evaluator; `compile_loop_ahead`
-compiles their programs before the first epoch.
+compiles their programs before the first epoch. The builders it uses (`create_selector`,
+`jit_train_step`, `jit_eval_step`) are public: the benchmarks build the loop's own parts
+with them.
 """
 
 from collections.abc import Callable
@@ -83,11 +85,11 @@ def create_loop(config: ml_collections.ConfigDict, run: Run,
   """The loop's parts: the selector, the train step, each epoch's steps, the evaluator, and
   the run's `writer` (TensorBoard, the log) and `epoch_log` (metrics.jsonl) with the writers
   built on them."""
-  chooser = _create_selector(config, run)
+  chooser = create_selector(config, run)
   epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                              config.budget_steps)
   return Loop(
-      selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx, chooser.weighted,
+      selector=chooser, train_fn=jit_train_step(config, run.model, run.tx, chooser.weighted,
                                                      run.loss_kind),
       epoch_steps=epoch_steps, evaluator=create_evaluator(config, run), writer=writer,
       epoch_log=epoch_log,
@@ -187,7 +189,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str,
       sources.identity(config.dataset, listings[0] if listings else None), listings,
       checkpointer.latest_meta(), workdir)
   saved, meta = _restore(checkpointer, initial, config)
-  eval_fn = _jit_eval_step(config, model)
+  eval_fn = jit_eval_step(config, model)
   with clock.part("data_open") if clock else contextlib.nullcontext():
     data_splits, data_readers = input_pipeline.load(config.dataset, mesh, config.seed)
   _record_dataset(config.dataset, workdir)
@@ -221,7 +223,7 @@ def _decoder_meta(reader, restored: dict[str, Any]) -> dict[str, str]:
   return {"decoder": name}
 
 
-def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:
+def create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:
   """The run's selector and its score source, each given the config sections it reads."""
   data = specs.DATASETS[config.dataset.name]
   source = score_sources.create_source(
@@ -305,9 +307,9 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
   return saved, meta
 
 
-def _jit_train_step(config: ml_collections.ConfigDict, model: nn.Module,
-                    tx: optax.GradientTransformation, weighted: bool,
-                    loss_kind: loss_steps.LossSteps) -> TrainFn:
+def jit_train_step(config: ml_collections.ConfigDict, model: nn.Module,
+                   tx: optax.GradientTransformation, weighted: bool,
+                   loss_kind: loss_steps.LossSteps) -> TrainFn:
   """The train step of the run's loss (`loss_kind`, cpjax.training.loss_steps: FL_gamma's is the
   bilevel `steps.meta_train_step`) with its model, optimizer and score bound; jitted once, the
   state donated. `weighted`: batches carry loss weights (the selector's)."""
@@ -319,7 +321,7 @@ def _jit_train_step(config: ml_collections.ConfigDict, model: nn.Module,
                                                                     config.xla_cpu_options))
 
 
-def _jit_eval_step(config: ml_collections.ConfigDict, model: nn.Module) -> run_context.EvalFn:
+def jit_eval_step(config: ml_collections.ConfigDict, model: nn.Module) -> run_context.EvalFn:
   """The eval step (float32 logits) of the config's model; jitted once."""
   return _jit_inference(config, functools.partial(steps.eval_step, model=model,
                                                   spec=steps.step_spec(config.dataset)))

@@ -1,18 +1,17 @@
 """nvImageCodec on each device's GPU: the device stage's `gpu` decoder (dataset.decode=gpu).
 
-Run on one GPU, not yet at a steady rate: on one NVIDIA H200, `python -m benchmarks.gpu_runs`
-trained a ResNet-50 in bfloat16 on generated 500 x 375 JPEGs through this decoder on the
-card's hardware JPEG decoder. Its last epoch trained at 1,603 img/s with dataset.decode=gpu
-against 3,778 with the host stage, and the fresh scoring pass over 10,000 images took 27.1 s
-against 25.6 s; the runs were too short to reach a steady-state rate, so these numbers show
-that the GPU path (the device buffer, the hardware decoder, the stream synchronisation) runs
-end to end, not how fast it runs once warm. Since those runs, the device buffers are reused
-and the decode has a stream of its own (steps 1 to 3 below): not yet run on a GPU. Written
-against nvImageCodec 0.9's Python API (`nvidia.nvimgcodec`: Decoder, Backend,
+Run on one NVIDIA H200 on the card's hardware JPEG decoder, a ResNet-50 in bfloat16 on
+generated 500 x 375 JPEGs: first in runs too short for a steady rate (an earlier GPU
+benchmark's `python main.py`: its last epoch 1,603 img/s with dataset.decode=gpu against 3,778
+with the host stage), which showed that the GPU path (the device buffer, the hardware decoder,
+the stream synchronisation) runs end to end; then, with the device buffers reused and the
+decode on a stream of its own (steps 1 to 3 below), at a steady rate in benchmarks.gpu_check:
+1,779 img/s against 6,017 with the host stage (docs/data.md). Written against nvImageCodec
+0.9's Python API (`nvidia.nvimgcodec`: Decoder, Backend,
 CodeStream.get_sub_code_stream(region=Region(...)), DecodeParams, as_images(..., cuda_stream),
-Decoder.decode(srcs, images=..., params=..., cuda_stream=...)). The same calls on a
-CPU (`on_gpu=False`: nvImageCodec's CPU backend decoding into a host buffer) are what the
-tests run where the library is installed.
+Decoder.decode(srcs, images=..., params=..., cuda_stream=...)). The same calls on a CPU
+(`on_gpu=False`: nvImageCodec's CPU backend decoding into a host buffer) are what the tests run
+where the library is installed.
 
 The library is imported when this decoder is built (`Decoder`), never on the default path:
 it is an optional extra (`pip install 'cpjax[gpu-decode]'`, nvidia-nvimgcodec-cu13 with
