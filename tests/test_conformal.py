@@ -443,7 +443,7 @@ def test_the_report_section_equals_the_reference(randomised):
   config = _config(conformal_randomized=randomised, conformal_seed=4)
   section = report.conformal_section(val, test, 6, config, table, ood)
   probabilities = {
-      "uncalibrated": [metrics.softmax(z) for z in (val[0], test[0], ood)],
+      "uncalibrated": [conformal.softmax(z) for z in (val[0], test[0], ood)],
       "calibrated": [np.exp(posthoc.apply(table.calibrator, z)) for z in (val[0], test[0], ood)]}
   draws = [conformal.uniform_draws(4, split, n) if randomised else np.ones(n)
            for split, n in enumerate((200, 300, 80))]
@@ -552,3 +552,13 @@ def test_leading_ranks_are_the_first_ranks_of_the_whole_sort():
     leading = conformal.leading_ranks(probs, depth)
     assert np.array_equal(leading.sorted, whole.sorted[:, :depth])
     assert np.array_equal(leading.sums, whole.sums[:, :depth + 1])
+
+
+def test_softmax_is_the_metrics_softmax_to_rounding():
+  rng = np.random.default_rng(13)
+  logits = rng.normal(size=(500, 40)).astype(np.float32) * 6
+  logits[:5, 3] = 800.0  # Saturated rows: exact zeros and ones alike.
+  ours, reference = conformal.softmax(logits), metrics.softmax(logits)
+  assert ours.dtype == np.float64
+  np.testing.assert_allclose(ours, reference, rtol=1e-14, atol=1e-300)
+  np.testing.assert_allclose(ours.sum(axis=1), 1.0, rtol=1e-14)

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from cpjax import optim
-from cpjax.calibration import conformal, metrics, posthoc
+from cpjax.calibration import conformal, posthoc
 from cpjax.calibration import report as report_lib
 from cpjax.training import loop as train
 from cpjax.training import setup, step_loop
@@ -316,7 +316,7 @@ def _check_conformal_from_the_saved_logits(report_dir, report):
   section = report["conformal"]
   assert section["scores"] == ["lac", "aps", "raps"] and section["alphas"] == [0.1]
   calibrator = posthoc.fit(section["calibrator"], saved["val"]["logits"], saved["val"]["labels"])
-  inputs = {"uncalibrated": [metrics.softmax(saved[s]["logits"]) for s in ("val", "test")],
+  inputs = {"uncalibrated": [conformal.softmax(saved[s]["logits"]) for s in ("val", "test")],
             "calibrated": [np.exp(posthoc.apply(calibrator, saved[s]["logits"]))
                            for s in ("val", "test")]}
   for tag, (val_p, test_p) in inputs.items():

@@ -253,7 +253,7 @@ def _conformal_inputs(val, test, ood_logits, table: PosthocTable) -> dict[str, t
   (calibrated). `conformal.split_conformal` maps each block of rows as it reaches it."""
   def calibrated(logits):
     return None if logits is None else posthoc.apply(table.calibrator, logits)
-  return {"uncalibrated": (val[0], test[0], ood_logits, metrics.softmax),
+  return {"uncalibrated": (val[0], test[0], ood_logits, conformal.softmax),
           "calibrated": (calibrated(val[0]), table.test_log_probs, calibrated(ood_logits),
                          np.exp)}
 
