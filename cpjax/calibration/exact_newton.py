@@ -59,10 +59,11 @@ class Solver:
 
   def describe(self) -> str:
     """One line for the docs' table."""
-    return (f"Newton with the exact Hessian (NumPy, float64; {self.newton_steps} steps), to max "
-            f"\\|g_i\\| / max(1, H_ii) <= {self.gtol:g} and a Newton step moving no probability "
-            f"by more than {self.xtol:g}; above {self.max_hessian_work:.0e} multiply-adds a "
-            f"Hessian: {self.large.describe()}")
+    large_gtol, large_xtol = self.large.tolerances()
+    return (f"Newton, exact Hessian (NumPy, float64), to max \\|g_i\\| / max(1, H_ii) <= "
+            f"{self.gtol:g} and a probability step <= {self.xtol:g}; where a Hessian costs over "
+            f"{self.max_hessian_work:.0e} multiply-adds, Newton-CG in JAX ({self.large.dtype}) "
+            f"to {large_gtol:g} and {large_xtol:g}")
 
   def exact(self, key: str, rows: int, num_classes: int) -> bool:
     """Whether a fit of `key` on `rows` rows and `num_classes` classes is solved here."""
