@@ -292,16 +292,17 @@ def test_separable_rows_are_reported_not_converged(caplog):
     calibrator = posthoc.fit("matrix_scaling", z, y, folds=3)
   assert not calibrator.converged and calibrator.cv_nll == np.inf
   np.testing.assert_array_equal(calibrator.params["w"], np.eye(3))
-  warning = next(r.getMessage() for r in caplog.records if "short of convergence" in
-                 r.getMessage())
-  assert warning.startswith("matrix_scaling at odir=") and "max |gradient|" in warning
-  # One line for the whole cross-validation, however many of its fits stopped short; a
-  # strength that stopped short on its first fold is not fitted on the other two.
-  lines = [r.getMessage() for r in caplog.records if "cross-validation fits" in r.getMessage()]
-  assert len(lines) == 1
-  stopped, fitted = map(int, re.search(r"in (\d+) of (\d+) cross-validation", lines[0]).groups())
+  # One line for the map, however many of its fits stopped short: the map, the strengths,
+  # the worst gradient and what the map is; a strength that stopped short on its first fold
+  # is not fitted on the other two.
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("matrix_scaling")]
+  assert len(lines) == 1, lines
   grid = posthoc.MAPS["matrix_scaling"].grid
+  stopped, fitted = map(int, re.search(r": (\d+) of (\d+) cross-validation", lines[0]).groups())
   assert stopped == len(grid) and fitted < 3 * len(grid)
+  assert f"odir={', '.join(f'{v:g}' for v in grid)}" in lines[0]
+  assert "max |gradient|" in lines[0] and lines[0].endswith(
+      "no fit converged: the map is its starting map, with no cross-validated NLL.")
   row = {"hyper": {}, "converged": calibrator.converged, "at_edge": calibrator.at_edge}
   assert report._fit_flag(row) == "NOT CONVERGED"  # pylint: disable=protected-access
 
@@ -378,3 +379,23 @@ def test_the_exact_solver_hands_costly_hessians_to_newton_cg():
   assert fun(_flat(handed.params))[0] == pytest.approx(fun(_flat(exact.params))[0], abs=1e-9)
   assert not posthoc.ODIR_SOLVER.exact("matrix_scaling", 5000, 100)  # K = 100: Newton-CG.
   assert posthoc.ODIR_SOLVER.exact("vector_scaling", 5000, 100)
+
+
+def test_a_map_with_some_fits_short_of_convergence_is_one_warning(monkeypatch, caplog):
+  # Every fold fit at ODIR 0.01 (stood in for by a fit marked unconverged) stops short: the
+  # cross-validation scores the other strengths and the report finishes with one line
+  # naming the map, the strength, the fits that stopped and the strength the map has.
+  z, y = _generated(23, 300, 4)
+  original = parametric.fit
+
+  def fit(method, logits, labels, weights, strength, *args, **kwargs):
+    result = original(method, logits, labels, weights, strength, *args, **kwargs)
+    return result._replace(converged=False, message="forced") if strength == 1e-2 else result
+  monkeypatch.setattr(parametric, "fit", fit)
+  with caplog.at_level(logging.WARNING):
+    calibrator = posthoc.fit("dirichlet", z, y, folds=3)
+  lines = [r.getMessage() for r in caplog.records if "convergence" in r.getMessage()]
+  assert len(lines) == 1 and lines[0].startswith("dirichlet: "), lines
+  assert calibrator.converged and calibrator.hyper["odir"] != 1e-2
+  assert "at odir=0.01, stopped short of convergence" in lines[0] and "forced" in lines[0]
+  assert lines[0].endswith(f"the map is its fit at odir={calibrator.hyper['odir']:g}.")

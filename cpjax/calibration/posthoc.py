@@ -327,6 +327,8 @@ class _Scored(NamedTuple):
   scores: np.ndarray  # Held-out NLL summed over each candidate's scored folds.
   starts: dict  # Candidate -> the mean of its folds' fits (its refit's start), where chained.
   evaluations: int  # Those of the fits made while scoring.
+  unconverged: list  # (candidate's value, its Fit) of each fold fit that stopped short.
+  fits: int  # Fold fits made.
 
 
 def _score(entry: Map, z, y, fold, candidates, order, hyper) -> _Scored:
@@ -359,8 +361,7 @@ def _score(entry: Map, z, y, fold, candidates, order, hyper) -> _Scored:
         means[c] = _running_mean(means.get(c), result.params, f)
     else:  # Every fold fitted: a complete candidate.
       best = min(best, scores[c])
-  _log_unconverged_folds(entry, unconverged, fits)
-  return _Scored(scores, means, evaluations)
+  return _Scored(scores, means, evaluations, unconverged, fits)
 
 
 def _running_mean(mean: dict | None, params: dict, count: int) -> dict:
@@ -376,47 +377,59 @@ def _refit_best(entry: Map, z, y, candidates, scored: _Scored, hyper) -> Calibra
   # The best candidate refitted on all rows; should that fit diverge (or, where the map is
   # fitted to convergence, not converge), the next best, and if every one does, the starting
   # map (cv_nll inf): never non-finite parameters, nor the solver's choice of a divergent map.
-  scores, evaluations = scored.scores, scored.evaluations
+  scores, evaluations, failed = scored.scores, scored.evaluations, []
   for best in np.argsort(scores, kind="stable"):
     if _to_tolerance(entry) and not np.isfinite(scores[best]):
       break  # No fold's fit of this strength, or of any after it, converged.
     result = entry.fit(z, y, np.ones(len(z)), candidates[best], scored.starts.get(best))
     evaluations += result.evaluations
-    _log_unconverged(entry, candidates[best], result, "all rows")
     if _usable(entry, result):
       if entry.setting is not None:
         hyper[entry.setting] = candidates[best]
+      _warn_unconverged(entry, scored, failed, result, candidates[best])
       at_edge = _at_edge(entry, candidates, candidates[best])
       return Calibrator(entry.name, result.params, hyper, float(scores[best] / len(z)),
                         result.converged, result.grad_norm, at_edge, evaluations)
-  logging.warning("Every %s fit diverged or stopped short of convergence; keeping its "
-                  "starting map.", entry.name)
+    failed.append((candidates[best], result))
+  _warn_unconverged(entry, scored, failed, None, None)
   return Calibrator(entry.name, parametric.identity_params(entry.name, z.shape[-1]), hyper,
                     float("inf"), False, float("nan"), False, evaluations)
 
 
-def _log_unconverged(entry: Map, value, result: parametric.Fit, rows: str) -> None:
-  if not result.converged:
-    setting = f"{entry.setting}={value:g}" if entry.setting else "its fit"
-    logging.warning("%s at %s (%s) stopped short of convergence: max |gradient| %.3g after %d "
-                    "evaluations (%s).", entry.name, setting, rows, result.grad_norm,
-                    result.evaluations, result.message)
+def _setting_text(entry: Map, value) -> str:
+  return f"{entry.setting}={value:g}" if entry.setting and value is not None else "its fit"
 
 
-def _log_unconverged_folds(entry: Map, unconverged: list, total: int) -> None:
-  """One warning for all the cross-validation's unconverged fold fits (a line each would
-  flood the log: on separable rows nearly every fold of every strength stops short)."""
-  if not unconverged:
+def _warn_unconverged(entry: Map, scored: _Scored, failed: list,
+                      final: parametric.Fit | None, value) -> None:
+  """One warning for a map whose fits did not all converge (a line a fit would flood the log:
+  on separable rows nearly every fold of every strength stops short): the cross-validation's
+  fits that stopped short, with their strengths and the worst one's gradient and message;
+  the refits on all rows that failed; and what the map is (its strength, or its starting
+  map where none converged). Nothing where every fit converged."""
+  final_short = final is not None and not final.converged
+  if not scored.unconverged and not failed and not final_short:
     return
-  values = sorted({v for v, _ in unconverged if v is not None})
-  setting = (f"{entry.setting}={', '.join(f'{v:g}' for v in values)}" if entry.setting
-             else "its fit")
-  worst = max(unconverged, key=lambda item: item[1].grad_norm)
-  logging.warning("%s at %s stopped short of convergence in %d of %d cross-validation fits "
-                  "scored (largest max |gradient| %.3g, at %s=%s: %s); those strengths get no "
-                  "cross-validated score (nor are their remaining folds scored).",
-                  entry.name, setting, len(unconverged), total,
-                  worst[1].grad_norm, entry.setting, worst[0], worst[1].message)
+  parts = []
+  if scored.unconverged:
+    values = sorted({v for v, _ in scored.unconverged if v is not None})
+    strengths = (f"{entry.setting}={', '.join(f'{v:g}' for v in values)}" if entry.setting
+                 else "its fit")
+    worst_value, worst = max(scored.unconverged, key=lambda item: item[1].grad_norm)
+    parts.append(f"{len(scored.unconverged)} of {scored.fits} cross-validation fits, at "
+                 f"{strengths}, stopped short of convergence (largest max |gradient| "
+                 f"{worst.grad_norm:.3g}, at {_setting_text(entry, worst_value)}: "
+                 f"{worst.message}); those strengths get no cross-validated score (nor are "
+                 "their remaining folds fitted)")
+  parts += [f"the refit on all rows at {_setting_text(entry, v)} diverged or stopped short "
+            f"(max |gradient| {r.grad_norm:.3g}: {r.message})" for v, r in failed]
+  if final is None:
+    outcome = "no fit converged: the map is its starting map, with no cross-validated NLL"
+  else:
+    outcome = f"the map is its fit at {_setting_text(entry, value)}" + (
+        f", which stopped short too (max |gradient| {final.grad_norm:.3g})"
+        if final_short else "")
+  logging.warning("%s: %s; %s.", entry.name, "; ".join(parts), outcome)
 
 
 def _at_edge(entry: Map, candidates: tuple, value) -> bool:
