@@ -41,7 +41,7 @@ from cpjax.config import schema as config_schema
 from cpjax.config import validation as config_validation
 from cpjax.data import decode_workers, fingerprint
 from cpjax.runtime import checkpointing, distributed, failures, preemption, workdir_lock
-from cpjax.training import loop as train
+from cpjax.training import train
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)

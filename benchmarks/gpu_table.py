@@ -7,7 +7,7 @@ Needs jax, flax, optax, ml-collections, grain, array-record, Pillow and OpenCV; 
 torchvision are optional (the peer rows; skipped with a note without them), and so is
 nvImageCodec (the device stage's GPU rows: `pip install 'cpjax[gpu-decode]'`). Imports no
 TensorFlow, tensorflow_datasets or clu: only cpjax's lower-level modules (steps, models,
-data.preprocess, data.host_stage, data.device_stage, data.folder_source), never cpjax.training.loop
+data.preprocess, data.host_stage, data.device_stage, data.folder_source), never cpjax.training.train
 or cpjax.data.sources, which import tensorflow_datasets.
 
 Rows (full sizes; --tiny swaps in the `tiny` net, 16 px images and batches of 4-8):

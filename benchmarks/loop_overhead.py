@@ -5,7 +5,7 @@
 
 With a tiny model a step takes a millisecond or less, and whatever Python does per step
 becomes the bottleneck of a fast accelerator. This runs, in one process, the trainer's own
-step loop as cpjax.training.loop's epoch runs it (`trainer_steps` below:
+step loop as cpjax.training.train's epoch runs it (`trainer_steps` below:
 `step_loop.train_steps` over the device reader's batches, gathered inside the train step,
 with the learning rates, metric sums, a logging point every `--log-every` steps,
 per-example outputs gathered at the epoch's end)
@@ -58,8 +58,9 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
 
 
 def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
-  """One epoch of `rows` through the step loop as cpjax.training.loop's epoch runs it (no selection,
-  evaluation or checkpoint): (state, order [steps, B], per-example outputs on the host)."""
+  """One epoch of `rows` through the step loop as cpjax.training.train's epoch runs it (no
+  selection, evaluation or checkpoint): (state, order [steps, B], per-example outputs on the
+  host)."""
   order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
   first_step = int(jax.device_get(state.step))
   row_weights = None

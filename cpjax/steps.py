@@ -1,7 +1,7 @@
 """The train state and the jitted steps: train, eval, score, and `predict` over a split.
 
-Every step is a pure function of pytrees; the loop (cpjax.training.loop) and the score
-sources (cpjax.selection.sources) bind its keyword arguments with
+Every step is a pure function of pytrees; the loop (cpjax.training.train) and the score
+sources (cpjax.selection.score_sources) bind its keyword arguments with
 `functools.partial` and jit it once over the 1-D `data` mesh. Steps bind a
 small `StepSpec` (normalisation statistics, augmentation, loss reduction and
 weighting), not the whole config, and never mutate their inputs. The score a

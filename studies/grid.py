@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from cpjax.calibration import report as calibration_report
-from cpjax.training import loop as train
+from cpjax.training import train
 
 COLUMNS = (("accuracy", "before_ts", "accuracy"), ("ece", "before_ts", "ece"),
            ("ece_left_closed", "before_ts", "ece_left_closed"), ("ece_after_ts", "after_ts", "ece"))

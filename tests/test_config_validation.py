@@ -17,7 +17,7 @@ from configs import (
 )
 from cpjax.config import validation as config_validation
 from cpjax.data import input_pipeline
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests.helpers import REPO, main_command, subprocess_env, tiny_config
 
 

@@ -12,7 +12,7 @@ import pytest
 from cpjax import models
 from cpjax.config import validation as config_validation
 from cpjax.models import custom
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers, toy_models
 
 TOY = "tests.toy_models:ToyNet"

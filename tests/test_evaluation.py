@@ -241,7 +241,7 @@ def test_the_training_path_imports_neither_scipy_nor_matplotlib_nor_sklearn():
   """Only the report (and its pictures) needs them: importing the trainer, its evaluation and
   its config checks leaves them unimported (each takes up to a second)."""
   code = ("import sys\n"
-          "import cpjax.config.schema, cpjax.training.evaluation, cpjax.training.loop\n"
+          "import cpjax.config.schema, cpjax.training.evaluation, cpjax.training.train\n"
           "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'scipy', 'matplotlib', "
           "'sklearn', 'threadpoolctl'})\n"
           "assert not heavy, heavy\n")

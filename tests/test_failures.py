@@ -19,7 +19,7 @@ import pytest
 
 from cpjax.data import decode_workers
 from cpjax.runtime import checkpointing, distributed, failures, files, run_logging, sharding
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import test_reliability
 from tests.helpers import (
   REPO,

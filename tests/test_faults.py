@@ -24,8 +24,7 @@ import pytest
 from cpjax.config import schema as config_schema
 from cpjax.runtime import checkpointing, preemption, run_logging, workdir_lock
 from cpjax.selection import score_files
-from cpjax.training import loop as train
-from cpjax.training import setup
+from cpjax.training import setup, train
 from tests.helpers import (
   REPO,
   SELECTED_FLAGS,

@@ -25,7 +25,7 @@ from cpjax.config import validation as config_validation
 from cpjax.data import augment, specs, splits
 from cpjax.runtime import preemption, sharding
 from cpjax.selection import scores
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
 

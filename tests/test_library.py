@@ -11,7 +11,7 @@ import pytest
 from cpjax.config import validation as config_validation
 from cpjax.data import specs, splits
 from cpjax.runtime import sharding
-from cpjax.selection import api, bookkeeping, policies, selector, sources
+from cpjax.selection import api, bookkeeping, policies, score_sources, selector
 from examples import own_loop
 from tests import helpers
 from tests.helpers import tiny_config
@@ -34,7 +34,7 @@ def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup,
                           **{f"selection.{k}": v for k, v in {**SETTINGS, **schedule}.items()}})
   data = specs.DATASETS[config.dataset.name]
   chooser = selector.Selector(config.selection, splits.Split(None, labels, ids),
-                              sharding.create_mesh(), sources.TrainPass(),
+                              sharding.create_mesh(), score_sources.TrainPass(),
                               num_epochs=num_epochs, batch_size=config.batch_size, seed=seed,
                               num_classes=data.num_classes, num_ids=data.num_train,
                               num_bins=config.evaluation.num_bins)

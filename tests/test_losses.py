@@ -19,7 +19,7 @@ from cpjax.config import validation as config_validation
 from cpjax.data import augment
 from cpjax.runtime import sharding
 from cpjax.selection import scores
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests.helpers import read_metrics, tiny_config
 
 Z = jnp.array([[2.0, 1.0, 0.0]])

@@ -13,7 +13,7 @@ import pytest
 from cpjax.config import validation as config_validation
 from cpjax.data import array_records, input_pipeline, readers
 from cpjax.runtime import sharding
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers
 
 

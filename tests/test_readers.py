@@ -24,7 +24,7 @@ from cpjax.data import (
 )
 from cpjax.data.device_stage import reader as device_stage
 from cpjax.runtime import preemption, sharding
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
 

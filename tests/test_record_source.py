@@ -27,7 +27,7 @@ from cpjax.data import (
   splits,
 )
 from cpjax.runtime import sharding
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests.helpers import read_metrics, tiny_config
 
 

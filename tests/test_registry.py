@@ -17,7 +17,7 @@ from cpjax import registry
 from cpjax.calibration import losses
 from cpjax.config import validation as config_validation
 from cpjax.selection import policies, scores
-from cpjax.training import loop as train
+from cpjax.training import train
 from scripts import registry_tables
 from tests import helpers
 from tests.helpers import tiny_config

@@ -27,8 +27,7 @@ from cpjax.data import array_records, input_pipeline
 from cpjax.data.datasets import fashion_mnist_local
 from cpjax.runtime import checkpoint_room, checkpointing, sharding
 from cpjax.selection import bookkeeping, score_files
-from cpjax.training import loop as train
-from cpjax.training import step_loop
+from cpjax.training import step_loop, train
 from tests import helpers, test_faults
 from tests.helpers import (
   REPO,

@@ -20,7 +20,7 @@ from tensorboard.util import tensor_util
 
 from cpjax import steps
 from cpjax.runtime import failures, metric_writers, run_logging, sharding
-from cpjax.selection import bookkeeping, sources
+from cpjax.selection import bookkeeping, score_sources
 from cpjax.training import step_loop
 from tests import helpers, test_failures
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
@@ -219,7 +219,7 @@ def test_a_scoring_pass_logs_its_start_and_its_duration(digits, caplog):
   # A stand-in for the scoring step: [B, 3] columns (score, confidence, correct) = the label.
   score_fn = jax.jit(lambda state, batch: jnp.stack([batch["label"].astype(jnp.float32)] * 3,
                                                     axis=-1))
-  source = sources.ScoringPass(score_fn, digits["train"], mesh, 64, rescore_every=1)
+  source = score_sources.ScoringPass(score_fn, digits["train"], mesh, 64, rescore_every=1)
   with caplog.at_level(logging.INFO):
     state = source.refresh(3, None, bookkeeping.initial_state(len(digits["train"].ids)))
   np.testing.assert_array_equal(state["scores"], digits["train"].labels)  # One pass, in order.

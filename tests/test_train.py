@@ -20,8 +20,7 @@ import pytest
 from cpjax import optim
 from cpjax.calibration import posthoc
 from cpjax.calibration import report as report_lib
-from cpjax.training import loop as train
-from cpjax.training import setup, step_loop
+from cpjax.training import setup, step_loop, train
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
 

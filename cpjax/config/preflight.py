@@ -13,7 +13,7 @@ prepare at its start (or, for the OOD set, at its report). It checks
     download setting never lets it pass unchecked (it would otherwise fail at the report,
     after the whole training);
   * for training, a target run (`selection.target_workdir`): its config, split fields and
-    recorded scores (`sources.check_target`);
+    recorded scores (`score_sources.check_target`);
   * for training, that the checkpoint folder (or its nearest existing parent) is writable
     and has room for checkpointing.ROOM_FACTOR times the run's checkpoint, whose size is read
     from the shapes of its tree (`run_state.abstract`), computing nothing.
@@ -29,7 +29,7 @@ import ml_collections
 from cpjax import run_state
 from cpjax.data import array_records, input_pipeline, readers, specs
 from cpjax.runtime import checkpointing, sharding
-from cpjax.selection import bookkeeping, sources
+from cpjax.selection import bookkeeping, score_sources
 
 
 class StartupCheckError(RuntimeError):
@@ -80,7 +80,7 @@ def _check_ood(config: ml_collections.ConfigDict) -> None:
 
 def _check_target(config: ml_collections.ConfigDict) -> None:
   if config.selection.target_workdir:  # Validated: set only where a target is used.
-    sources.check_target(config.selection, config.dataset)
+    score_sources.check_target(config.selection, config.dataset)
 
 
 def checkpoint_bytes(config: ml_collections.ConfigDict) -> int:

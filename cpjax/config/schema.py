@@ -16,10 +16,9 @@ import ml_collections
 
 from cpjax import models, registry
 from cpjax.calibration import bootstrap, losses, posthoc, temperature
-from cpjax.data import decode_workers, preprocess, readers, specs, splits
-from cpjax.data import sources as data_sources
+from cpjax.data import decode_workers, preprocess, readers, sources, specs, splits
 from cpjax.runtime import compiler_options
-from cpjax.selection import policies, scores, sources
+from cpjax.selection import policies, score_sources, scores
 
 # The checks' builders live with the registries (an entry's settings use them too).
 Check = registry.Check
@@ -65,7 +64,7 @@ def spine_schema() -> dict[str, Check]:
   return {
       "seed": integer(0, 2**31 - 1),
       "import_modules": import_problem,
-      "dataset.name": data_sources.name_problem,
+      "dataset.name": sources.name_problem,
       "dataset.data_dir": string(),
       "dataset.manual_dir": string(),
       "dataset.download": boolean(),
@@ -123,7 +122,7 @@ def spine_schema() -> dict[str, Check]:
       "selection.warmup_epochs": integer(0),
       "selection.final_full_epochs": integer(0),
       "selection.fraction_end": number(-1.0, 1.0),
-      "selection.scoring": sources.SOURCES.check(),
+      "selection.scoring": score_sources.SOURCES.check(),
       "selection.rescore_every": integer(0),
       "selection.score_dtype": choice(["float32", "bfloat16"]),
       "selection.score_batch_size": integer(1),

@@ -25,10 +25,8 @@ import ml_collections
 from cpjax import models
 from cpjax.calibration import losses
 from cpjax.config import schema as config_schema
-from cpjax.data import readers, specs, splits
-from cpjax.data import sources as data_sources
-from cpjax.selection import policies, scores
-from cpjax.selection import sources as score_sources
+from cpjax.data import readers, sources, specs, splits
+from cpjax.selection import policies, score_sources, scores
 
 
 class ConfigError(ValueError):
@@ -84,7 +82,7 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   """A source dataset (folder, tfds:NAME): its facts read and registered (data_sources
   .resolve: a missing folder, an unprepared tfds dataset or unreadable files are named
   here), and the fields that only in-memory datasets use left alone."""
-  if not data_sources.is_source_name(dataset.name):
+  if not sources.is_source_name(dataset.name):
     return [f"config.dataset.folder={dataset.folder!r} is read only with "
             "dataset.name='folder'"] if dataset.folder else []
   problems = []
@@ -109,7 +107,7 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   if problems:
     return problems
   try:
-    data_sources.resolve(dataset)
+    sources.resolve(dataset)
   except (OSError, ValueError, RuntimeError) as err:
     text, field = " ".join(str(err).split()), f"dataset.name={dataset.name!r}"
     # An error that names the field itself (tfds's "no such dataset") is not prefixed twice.
@@ -318,7 +316,7 @@ def _source_settings(config: ml_collections.ConfigDict,
   at least calibrator_folds images). Nothing for a dataset that cannot be read yet (`validate`
   names why)."""
   dataset = config.dataset
-  if (not data_sources.is_source_name(dataset.name) or _field_problems(config)
+  if (not sources.is_source_name(dataset.name) or _field_problems(config)
       or _source_problems(dataset)):
     return {}
   spec, implied = specs.DATASETS[dataset.name], {}
@@ -475,7 +473,7 @@ def _decode_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   decode = dataset.decode
   if decode not in readers.DECODERS:  # cpu, auto, or a bad name (the schema names it).
     return []
-  if not data_sources.is_source_name(dataset.name):
+  if not sources.is_source_name(dataset.name):
     return [f"config.dataset.decode={decode!r} decodes the encoded images of a folder or tfds "
             f"dataset; {dataset.name!r} is held in memory as pixels: use 'cpu' or 'auto'"]
   problem = readers.decoder_problem(decode, dataset.resize)

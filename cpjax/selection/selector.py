@@ -21,9 +21,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from cpjax import compile_ahead, steps
+from cpjax import steps
 from cpjax.data import readers, splits
-from cpjax.selection import api, bookkeeping, policies, score_files, scores, sources, subsets
+from cpjax.runtime import compile_ahead
+from cpjax.selection import api, bookkeeping, policies, score_files, score_sources, scores, subsets
 
 
 class Selector:
@@ -31,7 +32,7 @@ class Selector:
 
   def __init__(self, selection: ml_collections.ConfigDict,
                train_split: splits.Split | readers.Reader, mesh: jax.sharding.Mesh,
-               source: sources.ScoreSource, *, num_epochs: int, batch_size: int, seed: int,
+               source: score_sources.ScoreSource, *, num_epochs: int, batch_size: int, seed: int,
                num_classes: int, num_ids: int, num_bins: int):
     """Binds the selection to the run's training split.
 
@@ -39,7 +40,7 @@ class Selector:
       selection: config.selection.
       train_split: the training split (host copy or reader): ids, labels, its size.
       mesh: the mesh of the policies' global ranking.
-      source: where the scores come from (`sources.create_source` of `selection`).
+      source: where the scores come from (`score_sources.create_source` of `selection`).
       num_epochs, batch_size, seed: the run's (config.*): the schedule of selected epochs,
         the steps of an epoch and the root of every random draw.
       num_classes: the dataset's classes (the subset's class accounting).

@@ -7,8 +7,8 @@ nor the `run_context.Run`, so it can be built and tested alone). It answers two 
                           workdir/report.
 
 The split metrics are due every `eval_every_epochs` and after the last epoch
-(`periodic.due`, decided in cpjax.training.loop's epoch); the report is written after the loop
-(cpjax.training.loop._write_report).
+(`periodic.due`, decided in cpjax.training.train's epoch); the report is written after the loop
+(cpjax.training.train._write_report).
 
 Each takes the train state when called and returns its numbers (as big_vision's evaluators,
 `run(state) -> metrics`); TensorBoard images go to a writer passed in, drawn in a background

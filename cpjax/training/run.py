@@ -1,6 +1,6 @@
 """What one run's loop shares: the `Run` of parts built at start-up (cpjax.training.setup),
 the error a diverged run stops with, where its last good checkpoint is, and the
-periodic-action rule (also cpjax.training.evaluation's). Only cpjax.training.loop and
+periodic-action rule (also cpjax.training.evaluation's). Only cpjax.training.train and
 cpjax.training.setup read the Run: the parts below them get the values and config sections
 they use."""
 

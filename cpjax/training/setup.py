@@ -1,4 +1,4 @@
-"""The training loop's set-up (cpjax.training.loop runs it): the checks before any work, the
+"""The training loop's set-up (cpjax.training.train runs it): the checks before any work, the
 run's parts built and its checkpoint restored, and the loop's parts (`Loop`) compiled ahead.
 
 `check_before_work` validates the config (cpjax.config.validation) and the workdir and runs
@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import compile_ahead, models, optim, run_state, steps
+from cpjax import models, optim, run_state, steps
 from cpjax.config import preflight
 from cpjax.config import validation as config_validation
 from cpjax.data import fingerprint, input_pipeline, sources, specs
@@ -35,13 +35,13 @@ from cpjax.runtime import (
   anatomy,
   checkpointing,
   compilation_cache,
+  compile_ahead,
   compiler_options,
   metric_writers,
   run_logging,
   sharding,
 )
-from cpjax.selection import bookkeeping, scores, selector
-from cpjax.selection import sources as score_sources
+from cpjax.selection import bookkeeping, score_sources, scores, selector
 from cpjax.training import evaluation, loss_steps, step_loop
 from cpjax.training import run as run_context
 from cpjax.training.run import Run
@@ -54,7 +54,7 @@ TrainFn = Callable[[steps.TrainState, dict[str, Any], np.float32, dict[str, np.f
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-  """The loop's parts, beside the Run: built by `create_loop` (for cpjax.training.loop's
+  """The loop's parts, beside the Run: built by `create_loop` (for cpjax.training.train's
   `_train_and_evaluate`) once the selector knows the epochs' sizes (`evaluate_only` needs none
   of them). None changes while the run trains."""
   selector: selector.Selector  # Each epoch's rows.
@@ -100,7 +100,7 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
                        state: steps.TrainState) -> float:
   """Compiles the loop's programs (the train step and its metric windows, the eval step, the
   selected epochs' scoring step and ranking) in threads before the first epoch
-  (cpjax.compile_ahead), for batches built as the loop builds them. Returns the seconds
+  (cpjax.runtime.compile_ahead), for batches built as the loop builds them. Returns the seconds
   waited for them."""
   logging.info("Compiling the loop's programs ahead (the train, eval and scoring steps), %d "
                "at a time...", compile_ahead.THREADS)

@@ -1,11 +1,11 @@
-"""What one epoch of cpjax.training.loop uses below it: the step loop, its metric sums and
+"""What one epoch of cpjax.training.train uses below it: the step loop, its metric sums and
 train-window logs, the non-finite and stalled stops, the epoch's learning rates, and the
 checkpoint save and the preemption stop.
 
 `train_steps` runs an epoch's steps with the jitted train step: it sums the epoch's metrics on
 device, writes the train metrics every `log_every_steps` steps, stops the run on a non-finite
 loss, and ends after the current step when a preemption is requested. It does no checkpoint
-I/O: cpjax.training.loop's epoch saves what it returns (`save_checkpoint`: the one save) and stops
+I/O: cpjax.training.train's epoch saves what it returns (`save_checkpoint`: the one save) and stops
 (`stop_preempted`: the one preemption stop). `run_state.partial_tree` turns the steps of an
 epoch stopped mid-way into a checkpoint's "partial" subtree, and
 `run_state.partial_from_checkpoint` back into the steps already trained (`Done`), so the rerun
@@ -23,9 +23,9 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import compile_ahead, optim, run_state, steps
+from cpjax import optim, run_state, steps
 from cpjax.calibration import losses
-from cpjax.runtime import checkpointing, periodic, preemption, sharding
+from cpjax.runtime import checkpointing, compile_ahead, periodic, preemption, sharding
 from cpjax.training import run as run_context
 from cpjax.training.run import NonFiniteLossError
 
