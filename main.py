@@ -36,9 +36,7 @@ import jax
 from ml_collections import config_flags
 
 from configs import default
-from cpjax.config import preflight
-from cpjax.config import schema as config_schema
-from cpjax.config import validation as config_validation
+from cpjax.config import preflight, schema, validation
 from cpjax.data import decode_workers, fingerprint
 from cpjax.runtime import checkpointing, distributed, failures, preemption, workdir_lock
 from cpjax.training import train
@@ -153,19 +151,19 @@ def _config_with_implied_settings():
   problems alone. Set by the user: the command-line overrides and the fields the config file
   changed from configs/default.py."""
   try:
-    config_validation.import_modules(FLAGS.config)  # A user's registrations, before all else.
-  except config_validation.ConfigError as err:
+    validation.import_modules(FLAGS.config)  # A user's registrations, before all else.
+  except validation.ConfigError as err:
     _usage_exit(str(err))
-  explicit = set(FLAGS["config"].override_values) | config_validation.changed_fields(
+  explicit = set(FLAGS["config"].override_values) | validation.changed_fields(
       FLAGS.config, default.get_config())
-  implied = config_validation.implied_settings(FLAGS.config, explicit)
+  implied = validation.implied_settings(FLAGS.config, explicit)
   for name, (value, reason) in implied.items():
     logging.info("Implied config.%s=%r: %s (set --config.%s to choose otherwise).", name,
                  value, reason, name)
-  config = config_validation.with_settings(FLAGS.config, {k: v for k, (v, _) in implied.items()})
+  config = validation.with_settings(FLAGS.config, {k: v for k, (v, _) in implied.items()})
   try:
-    config_validation.validate(config)
-  except config_validation.ConfigError as err:
+    validation.validate(config)
+  except validation.ConfigError as err:
     _usage_exit(str(err))
   return config
 
@@ -227,7 +225,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     _check_config_file(config_path)
   modules = _flag_value(argv, "config.import_modules")
   if modules:  # Before the config file is read: configs/default.py adds their settings.
-    problem = config_schema.import_problem(modules)
+    problem = schema.import_problem(modules)
     if problem:
       _usage_exit(f"--config.import_modules: {problem}")
   try:
@@ -240,10 +238,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     if config_path is None:
       raise
     config = _load_config(config_path)
-    unknown = [name for name in overrides if not config_schema.has_field(config, name)]
+    unknown = [name for name in overrides if not schema.has_field(config, name)]
     if not unknown:
       raise
-    message = config_schema.unknown_field_message(config, unknown[0])
+    message = schema.unknown_field_message(config, unknown[0])
     print(f"FATAL Flags parsing error: {message} ({err})", file=sys.stderr)
     sys.exit(USAGE_ERROR)
 

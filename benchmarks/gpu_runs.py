@@ -67,9 +67,8 @@ import numpy as np
 
 from benchmarks import carry, feeds
 from configs import default, fashion_mnist_long, imagenet
-from cpjax.calibration import report as calibration_report
-from cpjax.config import schema as config_schema
-from cpjax.config import validation as config_validation
+from cpjax.calibration import report
+from cpjax.config import schema, validation
 from cpjax.data import input_pipeline
 from studies import frontier, grid, long_schedule
 
@@ -133,9 +132,9 @@ IMAGENET_RUN = (("dataset.name", "folder"), ("num_epochs", 2), ("optimizer.warmu
 def override_flags(config, reference) -> list[str]:
   """`--config.NAME=VALUE` for each field of `config` that differs from `reference` (the
   config file's own): the command line that turns the file's config into `config`."""
-  leaves = config_schema.leaves(config)
+  leaves = schema.leaves(config)
   flags = []
-  for name in sorted(config_validation.changed_fields(config, reference)):
+  for name in sorted(validation.changed_fields(config, reference)):
     value = leaves[name]
     if isinstance(value, (tuple, list, dict)):
       raise ValueError(f"config.{name}={value!r}: only scalar fields are passed as flags")
@@ -193,7 +192,7 @@ def run_main(config_file: str, workdir: str, flags: list[str], timeout: float,
     return run
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     run["records"] = [json.loads(line) for line in f]
-  run["report"] = calibration_report.read_results(os.path.join(workdir, "report",
+  run["report"] = report.read_results(os.path.join(workdir, "report",
                                                                "results.json"))
   return run
 
@@ -345,7 +344,7 @@ def paired(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def arm_settings(configs: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """Per arm: its selection settings, epochs and batch size (the fields its name stands for)."""
-  return {name: {k: v for k, v in sorted(config_schema.leaves(c).items())
+  return {name: {k: v for k, v in sorted(schema.leaves(c).items())
                  if k.startswith(("selection.", "num_epochs", "batch_size"))}
           for name, c in configs.items()}
 

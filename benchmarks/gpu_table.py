@@ -84,7 +84,7 @@ from configs import default
 from cpjax import models, optim, steps
 from cpjax.calibration import losses
 from cpjax.data import readers
-from cpjax.data.device_stage import reader as device_stage
+from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 from cpjax.selection import scores
 
@@ -307,7 +307,7 @@ def device_stage_reader(source, transform, mesh, sizes: Sizes):
   if problem and not sizes.stand_in_decode:
     return None, f"no GPU decoding here: {problem}"
   decoder = readers.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
-  return device_stage.DeviceStageReader(source, transform, mesh, decoder,
+  return DeviceStageReader(source, transform, mesh, decoder,
                                         num_threads=_all_cores()), ""
 
 

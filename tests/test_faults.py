@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from cpjax.config import schema as config_schema
+from cpjax.config import schema
 from cpjax.runtime import checkpointing, preemption, run_logging, workdir_lock
 from cpjax.selection import score_files
 from cpjax.training import setup, train
@@ -237,8 +237,8 @@ def test_an_unknown_override_fails_in_one_line_without_creating_the_workdir(tmp_
 ])
 def test_renamed_and_misspelt_fields_name_the_right_one(name, expected):
   config = tiny_config()
-  assert not config_schema.has_field(config, name)
-  assert config_schema.unknown_field_message(config, name).startswith(expected)
+  assert not schema.has_field(config, name)
+  assert schema.unknown_field_message(config, name).startswith(expected)
 
 
 def test_a_second_run_on_a_held_workdir_fails_fast_naming_the_holder(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from studies import equivalence, frontier, grid, long_schedule
 
 
@@ -161,7 +161,7 @@ def test_every_arm_is_a_valid_config():
   assert len({a.name for a in search}) == len(search) == 1 + 4 * len(frontier.POLICIES)
   chosen = next(a for a in search if a.name == "topk_anneal-45")
   for arm in search + frontier.later_arms(chosen, base):
-    config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 3)))
+    validation.validate(grid.apply(base, frontier.run_overrides(arm, 3)))
 
 
 def test_summarise_only_reads_the_long_schedule_records(tmp_path, monkeypatch):
@@ -667,7 +667,7 @@ def test_tier_a2_arms_are_valid_configs_at_no_more_than_half_the_passes():
   assert share(importance, base, frontier.importance_sizes(0.4674, base)) == pytest.approx(
       (422 + 19 * 200) / 8440, abs=1e-12)
   for arm in arms + frontier.g_arms(arms[1]):
-    config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 13)))
+    validation.validate(grid.apply(base, frontier.run_overrides(arm, 13)))
   assert arms[3].overrides["selection.infobatch_rescale"] is False
   assert {arms[0].overrides["selection.mix"], arms[1].overrides["selection.mix"]} == {0.5, 0.2}
 
@@ -1024,7 +1024,7 @@ def test_dry_run_plans_tiers_h_and_n_and_trains_nothing(tmp_path, monkeypatch, c
                    f"seed={seed}{drawn}"]
     assert lines[first:first + 20] == expected
   for arm in frontier.h_arms(frontier.base_config()) + frontier.n_arms(frontier.base_config()):
-    config_validation.validate(grid.apply(frontier.base_config(),
+    validation.validate(grid.apply(frontier.base_config(),
                                           frontier.run_overrides(arm, 23)))
 
 

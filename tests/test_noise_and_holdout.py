@@ -5,7 +5,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import input_pipeline, splits
 from cpjax.selection import score_sources
 from tests.helpers import tiny_config
@@ -98,7 +98,7 @@ def test_noisy_digits_keep_clean_validation_and_test_labels_and_agree_across_par
 ])
 def test_bad_noise_and_holdout_settings_are_named(overrides, message):
   with pytest.raises(ValueError) as info:
-    config_validation.validate(tiny_config(**overrides))
+    validation.validate(tiny_config(**overrides))
   assert message in str(info.value)
 
 

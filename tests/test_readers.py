@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import (
   array_records,
   host_stage,
@@ -22,7 +22,7 @@ from cpjax.data import (
   sources,
   specs,
 )
-from cpjax.data.device_stage import reader as device_stage
+from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import preemption, sharding
 from cpjax.training import train
 from tests import helpers
@@ -86,8 +86,8 @@ def test_auto_picks_device_when_the_splits_fit_the_budget():
   with pytest.raises(ValueError, match="dataset.reader='disk'; valid: auto, host, device, "
                                        "stream"):
     readers.in_memory_kind("disk", 1, 100.0)
-  with pytest.raises(config_validation.ConfigError, match="dataset.reader"):
-    config_validation.validate(tiny_config(**{"dataset.reader": "disk"}))
+  with pytest.raises(validation.ConfigError, match="dataset.reader"):
+    validation.validate(tiny_config(**{"dataset.reader": "disk"}))
 
 
 def test_read_ahead_submits_ahead_finishes_in_order_and_cancels_what_is_left():
@@ -160,7 +160,7 @@ def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, fields, 
 
 @pytest.mark.parametrize("decode, kind", [
     ("cpu", host_stage.PreprocessReader),
-    ("device_cpu", device_stage.DeviceStageReader),
+    ("device_cpu", DeviceStageReader),
     ("auto", host_stage.PreprocessReader),  # No GPU decoder here.
 ])
 def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
@@ -303,10 +303,10 @@ def test_stream_files_of_another_split_config_are_refused(digits, tmp_path):
     array_records.read_index(str(tmp_path), "train", other)
   with pytest.raises(FileNotFoundError, match="no array_record split 'test'"):
     array_records.read_index(str(tmp_path), "test", dataset)
-  with pytest.raises(config_validation.ConfigError, match="needs config.dataset.stream_dir"):
-    config_validation.validate(tiny_config(**{"dataset.reader": "stream"}))
-  with pytest.raises(config_validation.ConfigError, match="corrupts the test images in memory"):
-    config_validation.validate(tiny_config(**{"dataset.reader": "stream",
+  with pytest.raises(validation.ConfigError, match="needs config.dataset.stream_dir"):
+    validation.validate(tiny_config(**{"dataset.reader": "stream"}))
+  with pytest.raises(validation.ConfigError, match="corrupts the test images in memory"):
+    validation.validate(tiny_config(**{"dataset.reader": "stream",
                                               "dataset.stream_dir": str(tmp_path),
                                               "evaluation.ood": "gaussian_noise"}))
 

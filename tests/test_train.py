@@ -18,8 +18,7 @@ import optax
 import pytest
 
 from cpjax import optim
-from cpjax.calibration import posthoc
-from cpjax.calibration import report as report_lib
+from cpjax.calibration import posthoc, report
 from cpjax.training import setup, step_loop, train
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
@@ -268,35 +267,35 @@ def _check_report(report_dir):
   assert "Tata et al. 2022, 'Can Calibration Improve Sample Prioritization?'" in markdown
   assert "Mukhoti et al. 2020, 'Calibrating Deep Neural Networks using Focal Loss'" in markdown
   with open(os.path.join(report_dir, "results.json")) as f:
-    report = json.load(f)
-  fit = report["temperature"]
+    results = json.load(f)
+  fit = results["temperature"]
   assert 0.1 <= fit["temperature"] <= 10.0
   for tag in ("before_ts", "after_ts"):
-    assert (report["metrics"]["test"][tag]["accuracy"]
-            == report["metrics"]["test"]["before_ts"]["accuracy"])
-    for name, interval in report["intervals"][tag].items():
+    assert (results["metrics"]["test"][tag]["accuracy"]
+            == results["metrics"]["test"]["before_ts"]["accuracy"])
+    for name, interval in results["intervals"][tag].items():
       assert interval["low"] <= interval["high"] and interval["num_resamples"] == 100, name
-    assert set(report["ood"][tag]) == {"entropy", "max_softmax", "max_logit", "energy"}
-  assert sum(report["reliability"]["before_ts"]["count"]) == 360  # Every test image binned.
-  assert set(report["ood"]["fpr_at_95_tpr"]["before_ts"]) == set(report["ood"]["before_ts"])
-  section = report["posthoc"]
+    assert set(results["ood"][tag]) == {"entropy", "max_softmax", "max_logit", "energy"}
+  assert sum(results["reliability"]["before_ts"]["count"]) == 360  # Every test image binned.
+  assert set(results["ood"]["fpr_at_95_tpr"]["before_ts"]) == set(results["ood"]["before_ts"])
+  section = results["posthoc"]
   assert list(section["calibrators"]) == list(posthoc.MAPS.names())
   assert section["requested"] == section["chosen"] == "ensemble_temperature"  # The default.
   for method in ("none", "temperature", "ensemble_temperature"):  # Accuracy kept.
     assert (section["calibrators"][method]["test"]["accuracy"]
-            == report["metrics"]["test"]["before_ts"]["accuracy"]), method
+            == results["metrics"]["test"]["before_ts"]["accuracy"]), method
     # Same resampled rows, same predictions: the same accuracy interval.
     assert (section["calibrators"][method]["intervals"]["accuracy"]
             == section["calibrators"]["none"]["intervals"]["accuracy"]), method
   for method, row in section["calibrators"].items():
-    assert set(row["intervals"]) == set(report_lib.TABLE_METRICS), method
+    assert set(row["intervals"]) == set(report.TABLE_METRICS), method
     for name, interval in row["intervals"].items():
       assert interval["point"] == pytest.approx(row["test"][name]), (method, name)
       assert interval["low"] <= interval["high"], (method, name)
   assert section["calibrators"]["none"]["test"]["nll"] == pytest.approx(
-      report["metrics"]["test"]["before_ts"]["nll"])
-  assert sum(report["reliability"]["calibrated"]["count"]) == 360
-  return report
+      results["metrics"]["test"]["before_ts"]["nll"])
+  assert sum(results["reliability"]["calibrated"]["count"]) == 360
+  return results
 
 
 def test_a_bad_value_fails_before_any_work(tmp_path):

@@ -24,7 +24,7 @@ import ml_collections
 
 from cpjax import models
 from cpjax.calibration import losses
-from cpjax.config import schema as config_schema
+from cpjax.config import schema
 from cpjax.data import readers, sources, specs, splits
 from cpjax.selection import policies, score_sources, scores
 
@@ -54,12 +54,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 def _field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Each field on its own: unknown, missing, or a bad value (cpjax/config/schema.py)."""
-  schema = config_schema.spine_schema()
-  leaves = config_schema.leaves(config)
-  problems = [config_schema.unknown_field(name, schema) for name in leaves if name not in schema]
+  checks = schema.spine_schema()
+  leaves = schema.leaves(config)
+  problems = [schema.unknown_field(name, checks) for name in leaves if name not in checks]
   problems += [f"config.{name}: missing (every config needs it; see configs/default.py)"
-               for name in schema if name not in leaves]
-  for name, check in schema.items():
+               for name in checks if name not in leaves]
+  for name, check in checks.items():
     if name in leaves and (problem := check(leaves[name])):
       problems.append(f"config.{name}: {problem}")
   return problems
@@ -72,7 +72,7 @@ def import_modules(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: a module that cannot be imported, named with its error.
   """
-  problem = config_schema.import_problem(config.get("import_modules", ""))
+  problem = schema.import_problem(config.get("import_modules", ""))
   if problem:
     raise ConfigError(f"invalid config:\n  config.import_modules: {problem}")
 
@@ -234,8 +234,8 @@ def changed_fields(config: ml_collections.ConfigDict,
                    reference: ml_collections.ConfigDict) -> set[str]:
   """Dotted names of the fields of `config` whose value differs from (or is absent in)
   `reference`: what a config file set, compared with configs/default.py."""
-  reference_leaves = config_schema.leaves(reference)
-  return {name for name, value in config_schema.leaves(config).items()
+  reference_leaves = schema.leaves(reference)
+  return {name for name, value in schema.leaves(config).items()
           if name not in reference_leaves or reference_leaves[name] != value}
 
 
@@ -253,7 +253,7 @@ def resume_changes(saved_json: str, config: ml_collections.ConfigDict) -> str:
     config: this run's config.
   """
   def flat(text: str) -> dict[str, Any]:
-    return config_schema.leaves(ml_collections.ConfigDict(json.loads(text)))
+    return schema.leaves(ml_collections.ConfigDict(json.loads(text)))
   saved, now = flat(saved_json), flat(config.to_json_best_effort(sort_keys=True))
   names = sorted(n for n in set(saved) | set(now) if saved.get(n, _ABSENT) != now.get(n, _ABSENT))
   if not names:
@@ -300,8 +300,8 @@ def implied_settings(config: ml_collections.ConfigDict,
   if (config.loss.name in losses.LOSSES and losses.LOSSES[config.loss.name].meta_objective
       and name not in explicit and not config.dataset.meta_val_size
       and config.dataset.name in specs.DATASETS  # Bad values: left to `validate` to name.
-      and config_schema.is_int(config.dataset.val_size)
-      and config_schema.is_int(config.batch_size)):
+      and schema.is_int(config.dataset.val_size)
+      and schema.is_int(config.batch_size)):
     implied[name] = (default_meta_val_size(config.dataset, config.batch_size),
                      f"loss.name={config.loss.name!r} trains gamma-Net on held-out "
                      "meta-validation batches (10 % of the training examples)")
@@ -433,7 +433,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Constraints that involve several fields or the runtime (device count)."""
   problems = _loss_problems(config) + _selection_problems(config)
   devices = jax.device_count()
-  leaves = config_schema.leaves(config)
+  leaves = schema.leaves(config)
   for name in ("batch_size", "eval_batch_size", "selection.score_batch_size"):
     if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "

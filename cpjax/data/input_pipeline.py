@@ -37,7 +37,7 @@ from cpjax.data import (
   splits,
   tensorflow_optional,
 )
-from cpjax.data.device_stage import reader as device_stage  # noqa: F401
+from cpjax.data.device_stage import reader  # noqa: F401
 from cpjax.data.splits import Split
 
 
@@ -252,7 +252,7 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
   by_name = readers.choose(dataset, specs.DATASETS[dataset.name], mesh, seed,
                            functools.partial(get_datasets, dataset),
                            lambda: (sources.open_splits(dataset), sources.read_from(dataset)))
-  return {name: reader.split for name, reader in by_name.items()}, by_name
+  return {name: each.split for name, each in by_name.items()}, by_name
 
 
 def _print_stats(name: str) -> None:

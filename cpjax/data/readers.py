@@ -77,9 +77,7 @@ from cpjax.data import (
   specs,
   splits,
 )
-from cpjax.data.device_stage import nvimgcodec as nvimgcodec_decode
-from cpjax.data.device_stage import packed_regions
-from cpjax.data.device_stage import resize as device_resize
+from cpjax.data.device_stage import nvimgcodec, packed_regions, resize
 from cpjax.runtime import sharding
 
 DEFAULT_PREFETCH_DEPTH = 2  # Global batches put on the devices ahead of the step.
@@ -455,7 +453,7 @@ class DecoderKind:
 HOST_DECODE, AUTO = "cpu", "auto"  # dataset.decode's choices besides the DECODERS.
 DECODERS: registry.Registry[DecoderKind] = registry.Registry(
     "image decoder", "dataset", hint=f"{HOST_DECODE} (the host stage), {AUTO}")
-DECODERS.register(DecoderKind("gpu", nvimgcodec_decode.problem, nvimgcodec_decode.Decoder,
+DECODERS.register(DecoderKind("gpu", nvimgcodec.problem, nvimgcodec.Decoder,
                               "nvImageCodec on each device's GPU (the gpu-decode extra)"))
 DECODERS.register(DecoderKind("device_cpu", lambda: None, packed_regions.HostDecoder,
                               "PIL on the host standing in for the GPU's decoder (tests)"))
@@ -466,11 +464,11 @@ def decode_choices() -> list[str]:
   return [HOST_DECODE, AUTO, *DECODERS.names()]
 
 
-def decoder_problem(decode: str, resize: str) -> str | None:
-  """Why device-stage decoder `decode` cannot run here for dataset.resize `resize`, or None:
+def decoder_problem(decode: str, engine: str) -> str | None:
+  """Why device-stage decoder `decode` cannot run here for dataset.resize `engine`, or None:
   its own problem (what to install), else the device op's resize rule
-  (device_resize.resize_problem)."""
-  return DECODERS[decode].problem() or device_resize.resize_problem(resize)
+  (resize.resize_problem)."""
+  return DECODERS[decode].problem() or resize.resize_problem(engine)
 
 
 def resolved_decode(dataset: ml_collections.ConfigDict) -> str:

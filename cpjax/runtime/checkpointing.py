@@ -71,8 +71,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
-from cpjax.runtime import checkpoint_integrity as integrity
-from cpjax.runtime import failures, orbax_layout, preemption
+from cpjax.runtime import checkpoint_integrity, failures, orbax_layout, preemption
 
 # The save error and the room check live in checkpoint_room; callers reach them here too.
 from cpjax.runtime.checkpoint_room import ROOM_FACTOR, CheckpointSaveError, check_room, tree_bytes
@@ -142,13 +141,13 @@ class Checkpointer:
       CheckpointSaveError: orbax declined to save (e.g. `step` is older than
         the latest checkpoint), this Checkpointer is read-only, or the folder is not
         writable or lacks room for ROOM_FACTOR times the checkpoint (`check_room`).
-      ValueError: `meta` uses the reserved key integrity.INTEGRITY_KEY.
+      ValueError: `meta` uses the reserved key checkpoint_integrity.INTEGRITY_KEY.
     """
     if self.read_only:
       raise CheckpointSaveError(f"{self.directory} was opened read-only; not saving step {step}")
-    if integrity.INTEGRITY_KEY in meta:
-      raise ValueError(f"meta key {integrity.INTEGRITY_KEY!r} is reserved for the checkpoint's "
-                       "hashes")
+    if checkpoint_integrity.INTEGRITY_KEY in meta:
+      raise ValueError(f"meta key {checkpoint_integrity.INTEGRITY_KEY!r} is reserved for the "
+                       "checkpoint's hashes")
     if step in self._manager.all_steps():
       logging.info("Checkpoint %d already exists in %s; not saving it again.", step,
                    self.directory)
@@ -159,7 +158,8 @@ class Checkpointer:
       check_room(self.directory, ROOM_FACTOR * tree_bytes(state))
     except CheckpointSaveError as err:  # Mid-run: say where the rerun resumes.
       raise CheckpointSaveError(f"{err}; then {failures.resume_advice(self.directory)}") from err
-    meta = {**meta, integrity.INTEGRITY_KEY: integrity.integrity_record(state, meta)}
+    meta = {**meta, checkpoint_integrity.INTEGRITY_KEY:
+            checkpoint_integrity.integrity_record(state, meta)}
     with self._write_errors():  # orbax raises here the error of the previous async save.
       saved = self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -232,7 +232,7 @@ class Checkpointer:
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
         return self._read_meta(step)[0]
-      except integrity.Damaged as err:
+      except checkpoint_integrity.Damaged as err:
         logging.warning("Checkpoint %d in %s has damaged metadata (%s); reading an older one.",
                         step, self.directory, err)
     return None
@@ -292,7 +292,7 @@ class Checkpointer:
     """(_OK, (state, meta, verified)), (_DAMAGED, reason) or (_MISMATCH, error)."""
     try:
       return _OK, self._restore_step(step, abstract_state)
-    except integrity.Damaged as err:
+    except checkpoint_integrity.Damaged as err:
       return _DAMAGED, str(err)[:1000]
     except CheckpointMismatchError as err:
       return _MISMATCH, err
@@ -307,25 +307,27 @@ class Checkpointer:
           if list(saved[name][0]) != leaves[name]["shape"]
           or str(saved[name][1]) != leaves[name]["dtype"]]
       if disagree:
-        raise integrity.Damaged(f"state/_METADATA disagrees with the recorded hashes for "
-                                f"{len(disagree)} arrays, e.g. {', '.join(disagree[:3])}")
+        raise checkpoint_integrity.Damaged(
+            f"state/_METADATA disagrees with the recorded hashes for {len(disagree)} arrays, "
+            f"e.g. {', '.join(disagree[:3])}")
     self._check_fit(step, saved, abstract_state)
     # Restore in the saved dtypes (the hashes are of those), cast to the target's afterwards.
     recast = any(saved[name][1] != np.dtype(leaf.dtype)
-                 for name, leaf in integrity.leaves_by_name(abstract_state).items())
+                 for name, leaf in checkpoint_integrity.leaves_by_name(abstract_state).items())
     target = abstract_state if not recast else _map_named(lambda name, leaf: jax.ShapeDtypeStruct(
         leaf.shape, saved[name][1], sharding=getattr(leaf, "sharding", None)), abstract_state)
     try:
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target)))["state"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(f"orbax could not restore it: {failures.describe(err)}") from err
+      raise checkpoint_integrity.Damaged(
+          f"orbax could not restore it: {failures.describe(err)}") from err
     if leaves is not None:
-      actual = {name: integrity.leaf_entry(leaf)
-                for name, leaf in integrity.leaves_by_name(state).items()}
+      actual = {name: checkpoint_integrity.leaf_entry(leaf)
+                for name, leaf in checkpoint_integrity.leaves_by_name(state).items()}
       bad = [name for name in sorted(leaves) if actual.get(name) != leaves[name]]
       if bad:
-        raise integrity.Damaged(f"content hash mismatch in {len(bad)} arrays, e.g. "
+        raise checkpoint_integrity.Damaged(f"content hash mismatch in {len(bad)} arrays, e.g. "
                                 f"{', '.join(bad[:3])}")
     if recast:
       state = jax.tree.map(_cast_like, state, abstract_state)
@@ -335,7 +337,7 @@ class Checkpointer:
     """The commit markers and step metadata that orbax writes with every committed step."""
     problem = orbax_layout.step_problem(self._step_directory(step), ITEMS)
     if problem is not None:
-      raise integrity.Damaged(problem)
+      raise checkpoint_integrity.Damaged(problem)
 
   def _read_meta(self, step: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]] | None]:
     """(meta without the record, the record's leaves or None for an old checkpoint)."""
@@ -343,16 +345,17 @@ class Checkpointer:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))["meta"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(f"meta/metadata is unreadable ({failures.describe(err)})") from err
+      raise checkpoint_integrity.Damaged(
+          f"meta/metadata is unreadable ({failures.describe(err)})") from err
     if not isinstance(meta, dict):
-      raise integrity.Damaged("meta/metadata is not a JSON object")
-    if integrity.INTEGRITY_KEY not in meta:
+      raise checkpoint_integrity.Damaged("meta/metadata is not a JSON object")
+    if checkpoint_integrity.INTEGRITY_KEY not in meta:
       return meta, None
-    record = meta[integrity.INTEGRITY_KEY]
-    leaves = integrity.check_record(record)
-    if integrity.meta_digest(meta) != record.get("meta_sha256"):
-      raise integrity.Damaged("meta/metadata differs from its recorded hash")
-    return integrity.canonical_meta(meta), leaves
+    record = meta[checkpoint_integrity.INTEGRITY_KEY]
+    leaves = checkpoint_integrity.check_record(record)
+    if checkpoint_integrity.meta_digest(meta) != record.get("meta_sha256"):
+      raise checkpoint_integrity.Damaged("meta/metadata differs from its recorded hash")
+    return checkpoint_integrity.canonical_meta(meta), leaves
 
   def _saved_leaves(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """{name: (shape, dtype)} from the `state` item metadata; unreadable is damage."""
@@ -360,20 +363,20 @@ class Checkpointer:
       tree = self._manager.item_metadata(step)["state"]
       if tree is None:
         raise ValueError("no metadata")
-      named = integrity.leaves_by_name(tree)
+      named = checkpoint_integrity.leaves_by_name(tree)
       saved = {name: (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
                for name, leaf in named.items()}
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(
+      raise checkpoint_integrity.Damaged(
           "the state metadata (state/_METADATA, or the arrays' own in OCDBT) is missing or "
           f"unreadable ({failures.describe(err)})") from err
     if not saved:
-      raise integrity.Damaged("state/_METADATA lists no arrays")
+      raise checkpoint_integrity.Damaged("state/_METADATA lists no arrays")
     return saved
 
   def _check_fit(self, step: int, saved: dict[str, tuple[tuple[int, ...], np.dtype]],
                  abstract_state: Any) -> None:
-    target = integrity.leaves_by_name(abstract_state)
+    target = checkpoint_integrity.leaves_by_name(abstract_state)
     problems = [f"{name}: checkpoint {saved[name][0]} vs config {tuple(leaf.shape)}"
                 for name, leaf in target.items()
                 if name in saved and saved[name][0] != tuple(leaf.shape)]
@@ -433,7 +436,7 @@ def _map_named(fn, tree: Any) -> Any:
   """`tree` with each leaf replaced by fn(dotted name, leaf)."""
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return jax.tree_util.tree_unflatten(
-      treedef, [fn(integrity.path_name(p), leaf) for p, leaf in paths])
+      treedef, [fn(checkpoint_integrity.path_name(p), leaf) for p, leaf in paths])
 
 
 def _cast_like(leaf: Any, target: Any) -> Any:

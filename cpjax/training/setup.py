@@ -28,8 +28,7 @@ import numpy as np
 import optax
 
 from cpjax import models, optim, run_state, steps
-from cpjax.config import preflight
-from cpjax.config import validation as config_validation
+from cpjax.config import preflight, validation
 from cpjax.data import fingerprint, input_pipeline, sources, specs
 from cpjax.runtime import (
   anatomy,
@@ -43,8 +42,7 @@ from cpjax.runtime import (
 )
 from cpjax.selection import bookkeeping, score_sources, scores, selector
 from cpjax.training import evaluation, loss_steps, step_loop
-from cpjax.training import run as run_context
-from cpjax.training.run import Run
+from cpjax.training.run import EvalFn, Run, last_good
 
 # The jitted train step: (state, batch, learning rate, loss hyper-parameters) -> (state, batch
 # metrics, per-example outputs); the state donated (cpjax.training.loss_steps builds it).
@@ -241,7 +239,7 @@ def create_evaluator(config: ml_collections.ConfigDict, run: Run) -> evaluation.
   return evaluation.Evaluator(
       run.eval_fn, run.mesh, {name: run.readers[name] for name in evaluation.SPLITS},
       {name: run.splits[name].labels for name in evaluation.SPLITS}, num_classes,
-      config.eval_batch_size, functools.partial(run_context.last_good, run.checkpointer),
+      config.eval_batch_size, functools.partial(last_good, run.checkpointer),
       config.evaluation, run.workdir,
       f"{config.dataset.name}, {config.model.name}, {config.loss.name}", run.splits["test"],
       config.dataset, gamma_step and _jit_inference(config, gamma_step))
@@ -267,8 +265,8 @@ def check_before_work(config: ml_collections.ConfigDict, workdir: str,
                       mode: str = "train") -> None:
   """Validates the config and the workdir and runs the start-up checks (cpjax.config.preflight):
   before the workdir lock, any data load or compile."""
-  config_validation.validate(config)
-  for warning in config_validation.size_warnings(config):
+  validation.validate(config)
+  for warning in validation.size_warnings(config):
     logging.warning("%s", warning)
   _check_workdir(workdir)
   preflight.check(config, workdir, mode)
@@ -297,7 +295,7 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
   if restored is None:
     return initial, {}
   saved, meta = restored
-  if changes := config_validation.resume_changes(meta["config"], config):
+  if changes := validation.resume_changes(meta["config"], config):
     logging.warning(changes)
   logging.info("Resumed from %s at global step %d (epoch %d, step %d of it).",
                checkpointer.directory, meta.get("step", -1), meta["epoch"],
@@ -319,7 +317,7 @@ def _jit_train_step(config: ml_collections.ConfigDict, model: nn.Module,
                                                                     config.xla_cpu_options))
 
 
-def _jit_eval_step(config: ml_collections.ConfigDict, model: nn.Module) -> run_context.EvalFn:
+def _jit_eval_step(config: ml_collections.ConfigDict, model: nn.Module) -> EvalFn:
   """The eval step (float32 logits) of the config's model; jitted once."""
   return _jit_inference(config, functools.partial(steps.eval_step, model=model,
                                                   spec=steps.step_spec(config.dataset)))

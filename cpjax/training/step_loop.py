@@ -26,8 +26,7 @@ import optax
 from cpjax import optim, run_state, steps
 from cpjax.calibration import losses
 from cpjax.runtime import checkpointing, compile_ahead, periodic, preemption, sharding
-from cpjax.training import run as run_context
-from cpjax.training.run import NonFiniteLossError
+from cpjax.training.run import NonFiniteLossError, last_good
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
 # An epoch's steps trained before a preemption (run_state.partial_from_checkpoint): none.
@@ -154,7 +153,7 @@ def save_checkpoint(checkpointer: checkpointing.Checkpointer, mesh: jax.sharding
   if not np.isfinite(float(jax.device_get(_global_norm(state.params)))):
     raise NonFiniteLossError(f"non-finite parameters at global step {step} (epoch "
                              f"{epochs_done}); the run stopped without saving them. "
-                             f"{run_context.last_good(checkpointer)}")
+                             f"{last_good(checkpointer)}")
   checkpointer.save(step, run_state.checkpoint_tree(state, selection_state, partial, mesh),
                     {"epoch": epochs_done, "epoch_step": epoch_step, "step": step, **meta})
   return step
@@ -316,7 +315,7 @@ def raise_if_bad(totals: dict[str, Any], epoch: int, epoch_start_step: int,
     raise NonFiniteLossError(
         f"non-finite training loss at epoch {epoch}, step {bad - epoch_start_step} of the "
         f"epoch (global step {bad}); the run stopped without saving this state. "
-        f"{run_context.last_good(checkpointer)} Lower the learning rate or enable "
+        f"{last_good(checkpointer)} Lower the learning rate or enable "
         "gradient clipping.")
 
 
@@ -332,7 +331,7 @@ def raise_if_stalled(totals: dict[str, np.ndarray], epoch: int, num_steps: int,
           f"the training loss was exactly {float(totals['loss_min'])!r}")
   raise StalledTrainingError(
       f"the run learns nothing: at every one of the {num_steps} steps of epoch {epoch} {what}; "
-      f"the run stopped without saving this state. {run_context.last_good(checkpointer)} "
+      f"the run stopped without saving this state. {last_good(checkpointer)} "
       f"Check the loss and its hyperparameters (loss.name={loss_name!r}; an "
       "FL_gamma loss needs meta.max_gamma > 0 and a meta.temperature that keeps gamma-Net's "
       "softmax finite) and the learning rate.")
