@@ -19,7 +19,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from cpjax import steps
-from cpjax.runtime import failures, metric_writers, run_logging, sharding
+from cpjax.runtime import anatomy, failures, metric_writers, run_logging, sharding
 from cpjax.selection import bookkeeping, score_sources
 from cpjax.training import step_loop
 from tests import helpers, test_failures
@@ -71,7 +71,7 @@ def test_the_progress_report_gives_steps_per_second_since_its_last_report(caplog
   a call at a step that is not due (13) reports nothing; each report's rate is the steps
   since the previous report over the seconds since it, worked by hand on this clock."""
   written = _Scalars()
-  report = run_logging.create_progress_reporter(25, written, 5)
+  report = metric_writers.ProgressReport(25, written, 5, anatomy.RunClock())
   calls = [(3, 0.0), (5, 1.0), (10, 2.0), (13, 3.0), (15, 4.5), (25, 14.5)]
   with caplog.at_level(logging.INFO):
     reported = [report(step, t=t) for step, t in calls]

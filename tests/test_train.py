@@ -19,7 +19,8 @@ import pytest
 
 from cpjax import optim
 from cpjax.calibration import posthoc, report
-from cpjax.training import setup, step_loop, train
+from cpjax.runtime import anatomy
+from cpjax.training import setup, train
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
 
@@ -229,12 +230,12 @@ def test_input_wait_counts_the_waits_for_batches_only():
     for i in range(3):
       time.sleep(0.02)
       yield i
-  waiting, got = step_loop.InputWait(slow_reader()), []
-  for batch in waiting:
+  training, got = anatomy.Training(), []
+  for batch in training.timed(slow_reader()):
     got.append(batch)
     time.sleep(0.15)  # The step: not input.
   assert got == [0, 1, 2]
-  assert 0.06 <= waiting.seconds < 0.3
+  assert 0.06 <= training.input_wait < 0.3
 
 
 def test_peak_device_memory_is_the_largest_devices_peak(monkeypatch):

@@ -1,16 +1,16 @@
 """A thin orbax wrapper: save every N epochs, keep the last K, resume by default.
 
-A checkpoint is taken at the end of an epoch (or at a preemption, mid-epoch)
-and named by the global training step. It holds `state` (a pytree of arrays:
-cpjax.run_state's tree of train state, selection state and partial epoch) and
-`meta` (JSON: epoch, epoch step, global step and the run's config as JSON).
-Restoring goes into an abstract target carrying the current shardings.
+A checkpoint is taken at the end of an epoch (or at a preemption, mid-epoch) and named by
+the global training step. It holds `state` (a pytree of arrays: cpjax.run_state's tree of
+train state, selection state and partial epoch) and `meta` (JSON: epoch, epoch step, global
+step and the run's config as JSON). Restoring goes into an abstract target carrying the
+current shardings.
 
-Integrity. `save` records, under the reserved `meta` key `_integrity`, the hash
-record of cpjax.runtime.checkpoint_integrity (a SHA-256 of every leaf's bytes
-with its path, shape and dtype, one digest over all of them, and a digest of the
-rest of `meta`). The hashes are computed on the host from the very arrays handed to orbax, before
-`save` returns. `restore_latest` checks, newest step first:
+Integrity. `save` records, under the reserved `meta` key `_integrity`, the hash record of
+cpjax.runtime.checkpoint_integrity (a SHA-256 of every leaf's bytes with its path, shape and
+dtype, one digest over all of them, and a digest of the rest of `meta`), computed on the host
+from the very arrays handed to orbax, before `save` returns. `restore_latest` checks, newest
+step first:
 
   * the step's own files (cpjax.runtime.orbax_layout, the one module that knows orbax's
     file names): finalized, its commit markers (step and items) and a readable step
@@ -23,31 +23,28 @@ rest of `meta`). The hashes are computed on the host from the very arrays handed
   * the restore itself (any error is damage) and the restored bytes against the
     recorded hashes (any difference is damage).
 
-A damaged step is moved aside, never deleted: renamed to
-`checkpoints/corrupt/<step>.<UTC time>` (a name orbax does not list as a step),
-with the reason written inside it, in `CPJAX_DAMAGE.txt`, and a warning naming
-it. The manager re-reads its step list, the next older step is tried, and a
-later `save` of the moved step really writes it again. If every step is
-damaged, all are moved aside and RuntimeError is raised (a rerun then starts
-from scratch). Checkpoints written before hashes were recorded restore as
-before, with one warning that they are unverified.
+A damaged step is moved aside, never deleted: renamed to `checkpoints/corrupt/<step>.<UTC
+time>` (a name orbax does not list as a step), with the reason written inside it, in
+`CPJAX_DAMAGE.txt`, and a warning naming it. The manager re-reads its step list, the next
+older step is tried, and a later `save` of the moved step really writes it again. If every
+step is damaged, all are moved aside and RuntimeError is raised (a rerun then starts from
+scratch). Checkpoints written before hashes were recorded restore as before, with one
+warning that they are unverified.
 
-Rotation contract. orbax keeps the newest `max_to_keep` committed steps and
-deletes older ones only after a newer save has committed. The loop must
-therefore never `save` a state it has not checked (finite parameters): then a
-checkpoint is only ever rotated away once a newer good one exists. A step
-damaged on disk later is detected and moved aside at restore, so it never
-counts against the older good ones after that.
+Rotation contract. orbax keeps the newest `max_to_keep` committed steps and deletes older
+ones only after a newer save has committed. The loop must therefore never `save` a state it
+has not checked (finite parameters): then a checkpoint is only ever rotated away once a newer
+good one exists. A step damaged on disk later is detected and moved aside at restore, so it
+never counts against the older good ones after that.
 
-Multi-process. Every process calls `save` and `restore_latest` at the same
-point. Only fully replicated arrays are saved in cpjax, so each process hashes
-(and verifies) a complete copy; an array that is not fully replicated nor fully
-addressable is gathered with `process_allgather` (a collective). At restore the
-processes agree on each step's verdict (allgather: any damage anywhere is
-damage, any mismatch anywhere is a mismatch); only process 0 renames a damaged
-step, then all processes synchronize and reload their step lists. A restore
-error that orbax raises on one process inside one of its own collectives can
-still leave the others waiting; that is beyond what this wrapper can detect.
+Multi-process. Every process calls `save` and `restore_latest` at the same point. Only fully
+replicated arrays are saved in cpjax, so each process hashes (and verifies) a complete copy;
+an array that is not fully replicated nor fully addressable is gathered with
+`process_allgather` (a collective). At restore the processes agree on each step's verdict
+(allgather: any damage anywhere is damage, any mismatch anywhere is a mismatch); only process
+0 renames a damaged step, then all processes synchronize and reload their step lists. A
+restore error that orbax raises on one process inside one of its own collectives can still
+leave the others waiting; that is beyond what this wrapper can detect.
 
 Read-only use (another run's checkpoints, `read_only=True`): damaged steps are
 skipped with a warning but left in place, and `save` is refused.
@@ -56,15 +53,16 @@ Preemption. As orbax's CheckpointManager (`reached_preemption`), the checkpointe
 when a preemption request means "save and stop" (cpjax.runtime.preemption: SIGTERM or Ctrl-C
 in one process, JAX's preemption service across several), so the loop asks one object when
 to save and whether to stop: `handling_preemption` turns the signals into requests for the
-run's duration, `reached_preemption(step)` reads them after a step, and `stopping_at_once`
-covers work done after the last save (the report), which a signal ends where it is.
+run's duration, `reached_preemption(step)` reads them after a step, `stop_preempted` is the
+one stop once the step is saved, and `stopping_at_once` covers work done after the last save
+(the report), which a signal ends where it is.
 """
 
 import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 from jax.experimental import multihost_utils
@@ -129,9 +127,9 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
     """Starts an asynchronous save of `state` and `meta` (plus hashes) as checkpoint `step`.
 
-    The caller must have checked `state` (finite parameters) first: see the
-    module docstring's rotation contract. The hashes are computed before this
-    returns, so `state` may be donated afterwards.
+    The caller must have checked `state` (finite parameters) first: see the module
+    docstring's rotation contract. The hashes are computed before this returns, so `state`
+    may be donated afterwards.
 
     Returns:
       True if the save was started; False if checkpoint `step` already exists
@@ -278,10 +276,15 @@ class Checkpointer:
     for work after the checkpoint at global `step` has committed, which a rerun redoes."""
     return self._preemption.stopping_at_once(message, step)
 
-  @property
-  def preemption_signal(self) -> str:
-    """The name of the signal that requested the stop ("SIGTERM" if none did)."""
-    return self._preemption.signal_name
+  def stop_preempted(self, step: int, epoch: int, epoch_step: int) -> NoReturn:
+    """The one preemption stop: waits for the checkpoint at global `step` (`epoch` complete
+    epochs and `epoch_step` steps of the next) to commit, logs one line, raises Preempted."""
+    self.wait_until_finished()
+    message = (f"{self._preemption.signal_name}: saved a checkpoint at global step {step} "
+               f"(epoch {epoch}, step {epoch_step} of it) in {self.directory}; rerun the same "
+               "command to resume there.")
+    logging.warning(message)
+    raise preemption.Preempted(message, step)
 
   # Restoring one step.
 

@@ -12,7 +12,7 @@ gets each scalar under a tag family (`tensorboard_tag`): train/, val/, test/,
 selection/, meta/ (gamma-Net's meta-learning) and perf/ (times, throughput).
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 import json
 import logging
 import os
@@ -173,13 +173,13 @@ def create_writer(workdir: str) -> metric_writers.MetricWriter:
 
 
 def write_record(writer: metric_writers.MetricWriter, epoch_log: EpochLog, step: int,
-                 record: dict[str, Any], tensorboard_keys: Iterable[str] | None = None) -> None:
+                 record: dict[str, Any], tensorboard: Mapping[str, Any] | None = None) -> None:
   """The one way an epoch's record goes out: its scalars to `writer` (TensorBoard, the log;
-  only `tensorboard_keys` where given: those TensorBoard does not hold yet), then the whole
-  record to metrics.jsonl, replacing the epoch's earlier one (the report's numbers join the
-  last epoch's record that way)."""
-  keys = record.keys() if tensorboard_keys is None else tensorboard_keys
-  writer.write_scalars(step, {k: record[k] for k in keys})
+  `tensorboard` where given: the record's scalars TensorBoard does not hold yet and any it
+  alone shows, as the report's after-TS metrics), then the whole record to metrics.jsonl,
+  replacing the epoch's earlier one (the report's numbers join the last epoch's record that
+  way)."""
+  writer.write_scalars(step, dict(record) if tensorboard is None else tensorboard)
   epoch_log.write(record)
 
 
@@ -195,13 +195,6 @@ def flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | 
     else:
       flat[f"{prefix}{key}"] = str(tuple(value) if isinstance(value, list) else value)
   return flat
-
-
-def create_progress_reporter(num_train_steps: int, writer: metric_writers.MetricWriter,
-                             every_steps: int) -> metric_writers.ProgressReport:
-  """The progress report (steps/s, ETA) to the writer every `every_steps` steps; the loop
-  calls it at the run's first step and at every multiple of `every_steps` only."""
-  return metric_writers.ProgressReport(num_train_steps, writer, every_steps)
 
 
 def log_parameter_overview(model_name: str, params: Any) -> None:

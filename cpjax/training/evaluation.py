@@ -298,17 +298,22 @@ def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
   writer.write_images(step, {tag: image[None] for tag, image in images.items()})
 
 
-def write_report_summaries(writer: metric_writers.MetricWriter, step: int,
-                            results: dict[str, Any]) -> None:
-  """The final report in TensorBoard, at the last epoch's global `step`: after-TS metrics, the
-  temperature (fitted on val) and the reliability images after temperature scaling and after
-  the chosen post-hoc map. The before-TS image and the confidence histogram are the last
-  epoch's evaluation's (`Evaluator.run`, at the same step): not written twice."""
+def report_scalars(results: dict[str, Any]) -> dict[str, float]:
+  """The final report's scalars that TensorBoard alone shows (metrics.jsonl holds
+  `report_record`'s): the after-TS metrics and the temperature (fitted on val)."""
   scalars = {f"{split}/after_ts/{name}": value
              for split, by_tag in results["metrics"].items()
              for name, value in by_tag["after_ts"].items()}
   scalars["val/temperature"] = results["temperature"]["temperature"]
-  writer.write_scalars(step, scalars)
+  return scalars
+
+
+def write_report_images(writer: metric_writers.MetricWriter, step: int,
+                        results: dict[str, Any]) -> None:
+  """The final report's reliability images in TensorBoard, at the last epoch's global `step`:
+  after temperature scaling and after the chosen post-hoc map. The before-TS image and the
+  confidence histogram are the last epoch's evaluation's (`Evaluator.run`, at the same step):
+  not written twice."""
   scaled = {tag: bins for tag, bins in results["reliability"].items() if tag != "before_ts"}
   write_calibration_images(writer, step, scaled, histogram=False)
 

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from cpjax import models, optim, run_state, steps
+from cpjax.calibration import losses
 from cpjax.config import preflight, validation
 from cpjax.data import fingerprint, input_pipeline, sources, specs
 from cpjax.runtime import (
@@ -61,7 +62,7 @@ class Loop:
   evaluator: evaluation.Evaluator  # val/test metrics and the final report.
   writer: metric_writers.MetricWriter  # TensorBoard and the log.
   epoch_log: run_logging.EpochLog  # metrics.jsonl.
-  progress: metric_writers.ProgressReport  # Steps/s and ETA.
+  progress: metric_writers.ProgressReport  # Steps/s and ETA, on the clock.
   clock: anatomy.RunClock  # Where the process's wall clock goes (cpjax.runtime.anatomy).
   window_steps: int  # Steps a logging window's metrics fold over (step_loop.window_steps).
 
@@ -81,16 +82,15 @@ def create_loop(config: ml_collections.ConfigDict, run: Run,
   """The loop's parts: the selector, the train step, each epoch's steps, the evaluator, and
   the run's `writer` (TensorBoard, the log) and `epoch_log` (metrics.jsonl) with the writers
   built on them."""
-  chooser = _create_selector(config, run)
+  chooser = _create_selector(config, run, clock)
   epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                              config.budget_steps)
   return Loop(
       selector=chooser, train_fn=_jit_train_step(config, run.model, run.tx, chooser.weighted,
                                                      run.loss_kind),
       epoch_steps=epoch_steps, evaluator=create_evaluator(config, run), writer=writer,
-      epoch_log=epoch_log,
-      progress=run_logging.create_progress_reporter(
-          sum(epoch_steps), writer, config.log_every_steps), clock=clock,
+      epoch_log=epoch_log, progress=metric_writers.ProgressReport(
+          sum(epoch_steps), writer, config.log_every_steps, clock), clock=clock,
       window_steps=step_loop.window_steps(config.log_every_steps, epoch_steps))
 
 
@@ -114,7 +114,7 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
                  else None)
   item = compile_ahead.first_item(run.train_batches(train_rows, epoch=0, first_step=0,
                                                     row_weights=row_weights))
-  hparams = step_loop.loss_hparams(config.loss, 0)
+  hparams = losses.scheduled_hparams(config.loss, 0)
   compiler.submit("the train step", loop.train_fn, abstract_state, compile_ahead.abstract(item),
                   np.float32(0), hparams,
                   then=lambda c: step_loop.compile_windows_ahead(c, loop.window_steps))
@@ -157,7 +157,7 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
 
 def setup_run(config: ml_collections.ConfigDict, workdir: str,
               clock: anatomy.RunClock | None = None
-              ) -> tuple[Run, steps.TrainState, Any, int, dict[str, Any] | None]:
+              ) -> tuple[Run, steps.TrainState, Any, int, run_state.Done | None]:
   """Builds the model and state, restores the latest checkpoint, reads the data.
 
   Returns:
@@ -219,8 +219,10 @@ def _decoder_meta(reader, restored: dict[str, Any]) -> dict[str, str]:
   return {"decoder": name}
 
 
-def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:
-  """The run's selector and its score source, each given the config sections it reads."""
+def _create_selector(config: ml_collections.ConfigDict, run: Run,
+                     clock: anatomy.RunClock | None = None) -> selector.Selector:
+  """The run's selector and its score source, each given the config sections it reads, the
+  selector the run's `clock` (None: its own)."""
   data = specs.DATASETS[config.dataset.name]
   source = score_sources.create_source(
       config.selection, run.readers["train"], run.mesh, model_name=config.model.name,
@@ -228,7 +230,8 @@ def _create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Se
   return selector.Selector(config.selection, run.readers["train"], run.mesh, source,
                            num_epochs=config.num_epochs, batch_size=config.batch_size,
                            seed=config.seed, num_classes=data.num_classes,
-                           num_ids=data.num_train, num_bins=config.evaluation.num_bins)
+                           num_ids=data.num_train, num_bins=config.evaluation.num_bins,
+                           clock=clock)
 
 
 def create_evaluator(config: ml_collections.ConfigDict, run: Run) -> evaluation.Evaluator:
