@@ -31,9 +31,8 @@ from benchmarks import feeds, throughput
 from cpjax.data import (
   host_stage,
   preprocess,
-  readers,
 )
-from cpjax.data.device_stage import nvimgcodec, packed_regions
+from cpjax.data.device_stage import decoders, nvimgcodec, packed_regions
 from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 
@@ -41,7 +40,7 @@ from cpjax.runtime import sharding
 def _decoders() -> dict[str, object]:
   """The device-stage decoders that can run here, by row name."""
   out = {"device_cpu": packed_regions.HostDecoder()}
-  if readers.DECODERS["gpu"].problem() is None:
+  if decoders.DECODERS["gpu"].problem() is None:
     out["gpu"] = nvimgcodec.Decoder(3)
   else:
     try:

@@ -83,7 +83,7 @@ from benchmarks import feeds, model_flops, throughput
 from configs import default
 from cpjax import models, optim, steps
 from cpjax.calibration import losses
-from cpjax.data import readers
+from cpjax.data.device_stage import decoders
 from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 from cpjax.selection import scores
@@ -303,10 +303,10 @@ def host_stage_reader(worker_kind: str):
 def device_stage_reader(source, transform, mesh, sizes: Sizes):
   """The device stage's reader (cpjax.data.device_stage) with the gpu decoder where it can
   run, the PIL stand-in at tiny sizes (the CPU test runs the rows' code), else (None, why)."""
-  problem = readers.DECODERS["gpu"].problem()
+  problem = decoders.DECODERS["gpu"].problem()
   if problem and not sizes.stand_in_decode:
     return None, f"no GPU decoding here: {problem}"
-  decoder = readers.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
+  decoder = decoders.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
   return DeviceStageReader(source, transform, mesh, decoder,
                                         num_threads=_all_cores()), ""
 

@@ -27,10 +27,9 @@ from cpjax.data import (
   host_stage,
   image_stats,
   preprocess,
-  readers,
   sources,
 )
-from cpjax.data.device_stage import nvimgcodec, packed_regions, resize
+from cpjax.data.device_stage import decoders, nvimgcodec, packed_regions, resize
 from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 from cpjax.training import setup
@@ -609,9 +608,9 @@ def test_decode_choices_are_checked_and_fit_the_dataset(folder):
 
 def test_auto_picks_the_host_stage_without_a_gpu_and_says_why(folder, caplog):
   with caplog.at_level(logging.INFO):
-    assert readers.resolved_decode(_dataset(folder, decode="auto")) == "cpu"
+    assert decoders.resolved_decode(_dataset(folder, decode="auto")) == "cpu"
   assert "dataset.decode=auto: cpu (gpu needs an NVIDIA GPU" in caplog.text
-  assert readers.resolved_decode(_dataset(folder, decode="device_cpu")) == "device_cpu"
+  assert decoders.resolved_decode(_dataset(folder, decode="device_cpu")) == "device_cpu"
 
 
 def test_the_resize_rule_is_one_check_for_its_three_users(folder, caplog):
@@ -628,7 +627,7 @@ def test_the_resize_rule_is_one_check_for_its_three_users(folder, caplog):
     DeviceStageReader(source, transform, sharding.create_mesh(),
                                    packed_regions.HostDecoder())
   with caplog.at_level(logging.INFO):
-    assert readers.resolved_decode(_dataset(folder, decode="auto", resize="pil")) == "cpu"
+    assert decoders.resolved_decode(_dataset(folder, decode="auto", resize="pil")) == "cpu"
   # The decoder's own problem first (none where a GPU and nvImageCodec are), then the resize.
   assert f"dataset.decode=auto: cpu (gpu {nvimgcodec.problem() or words})." in (
       caplog.text)

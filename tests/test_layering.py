@@ -54,6 +54,7 @@ RANKS = {
     "data.datasets.fashion_mnist_local": 1,
     "data.decode_workers": 1,
     "data.device_stage": 1,
+    "data.device_stage.decoders": 1,
     "data.device_stage.nvimgcodec": 1,
     "data.device_stage.packed_regions": 1,
     "data.device_stage.reader": 1,

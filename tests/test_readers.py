@@ -22,6 +22,7 @@ from cpjax.data import (
   sources,
   specs,
 )
+from cpjax.data.device_stage import decoders
 from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import preemption, sharding
 from cpjax.training import train
@@ -77,15 +78,15 @@ def test_device_reader_epoch_blocks_are_the_split_rows(digits, num_devices):
 
 
 def test_auto_picks_device_when_the_splits_fit_the_budget():
-  assert readers.in_memory_kind("auto", 100 * 2**20, 100.0) == "device"  # Exactly fits.
-  assert readers.in_memory_kind("auto", 100 * 2**20 + 1, 100.0) == "host"
-  assert readers.in_memory_kind("auto", 25 * 2**20, 100.0, copies=4) == "device"  # 4 CPUs.
-  assert readers.in_memory_kind("auto", 25 * 2**20 + 1, 100.0, copies=4) == "host"
-  assert readers.in_memory_kind("host", 1, 100.0) == "host"  # An explicit choice is kept.
-  assert readers.in_memory_kind("device", 10**12, 100.0) == "device"
+  assert input_pipeline.in_memory_kind("auto", 100 * 2**20, 100.0) == "device"  # Exactly fits.
+  assert input_pipeline.in_memory_kind("auto", 100 * 2**20 + 1, 100.0) == "host"
+  assert input_pipeline.in_memory_kind("auto", 25 * 2**20, 100.0, copies=4) == "device"  # 4 CPUs.
+  assert input_pipeline.in_memory_kind("auto", 25 * 2**20 + 1, 100.0, copies=4) == "host"
+  assert input_pipeline.in_memory_kind("host", 1, 100.0) == "host"  # An explicit choice is kept.
+  assert input_pipeline.in_memory_kind("device", 10**12, 100.0) == "device"
   with pytest.raises(ValueError, match="dataset.reader='disk'; valid: auto, host, device, "
                                        "stream"):
-    readers.in_memory_kind("disk", 1, 100.0)
+    input_pipeline.in_memory_kind("disk", 1, 100.0)
   with pytest.raises(validation.ConfigError, match="dataset.reader"):
     validation.validate(tiny_config(**{"dataset.reader": "disk"}))
 
@@ -131,7 +132,7 @@ def _opener(dataset):
 
 def _chosen(dataset, read_splits=_never_read) -> set[type]:
   """The classes of the readers `choose` builds for `dataset` (every split has one)."""
-  by_name = readers.choose(dataset, specs.DATASETS[dataset.name], sharding.create_mesh(), 0,
+  by_name = input_pipeline.choose(dataset, specs.DATASETS[dataset.name], sharding.create_mesh(), 0,
                            read_splits, _opener(dataset))
   assert set(by_name) == {"train", "val", "test"}
   return {type(reader) for reader in by_name.values()}
@@ -166,7 +167,7 @@ def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, fields, 
 def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
   """A folder dataset (encoded images) is never read into memory; dataset.decode picks its
   stage, which holds the source's labels."""
-  if decode == "auto" and readers.decoder_problem("gpu", "opencv") is None:
+  if decode == "auto" and decoders.decoder_problem("gpu", "opencv") is None:
     pytest.skip("a GPU decoder runs here: auto picks it")
   for split, count in (("train", 12), ("test", 3)):
     for name in ("ant", "bee"):
@@ -178,7 +179,7 @@ def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
                            "dataset.worker_kind": "thread"}).dataset
   sources.resolve(dataset)
   assert _chosen(dataset) == {kind}
-  train = readers.choose(dataset, specs.DATASETS["folder"], sharding.create_mesh(), 0,
+  train = input_pipeline.choose(dataset, specs.DATASETS["folder"], sharding.create_mesh(), 0,
                          _never_read, _opener(dataset))["train"]
   opened = sources.open_splits(dataset)["train"]
   np.testing.assert_array_equal(train.labels, opened.labels)

@@ -27,7 +27,7 @@ import os
 import ml_collections
 
 from cpjax import run_state
-from cpjax.data import array_records, input_pipeline, readers, specs
+from cpjax.data import array_records, input_pipeline, specs
 from cpjax.runtime import checkpointing, sharding
 from cpjax.selection import bookkeeping, score_sources
 
@@ -58,7 +58,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
 
 def _check_dataset(config: ml_collections.ConfigDict) -> None:
   dataset = config.dataset
-  if not readers.streams(dataset):
+  if not input_pipeline.streams(dataset):
     input_pipeline.open_or_prepare(dataset.name, dataset)
     return
   names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])

@@ -16,7 +16,8 @@ import ml_collections
 
 from cpjax import models, registry
 from cpjax.calibration import bootstrap, losses, posthoc, temperature
-from cpjax.data import decode_workers, preprocess, readers, sources, specs, splits
+from cpjax.data import decode_workers, input_pipeline, preprocess, sources, specs, splits
+from cpjax.data.device_stage import decoders
 from cpjax.runtime import compiler_options
 from cpjax.selection import policies, score_sources, scores
 
@@ -76,7 +77,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.label_noise_seed": integer(0, 2**31 - 1),
       "dataset.holdout_fraction": number(0.0, 1.0, high_open=True),
       "dataset.train_part": choice(list(splits.TRAIN_PARTS)),
-      "dataset.reader": choice(readers.READER_CHOICES),
+      "dataset.reader": choice(input_pipeline.READER_CHOICES),
       "dataset.device_memory_mb": number(0.0),
       "dataset.host_memory_mb": number(0.0),
       "dataset.stream_dir": string(),
@@ -99,7 +100,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.skip_bad_files": boolean(),
       "dataset.num_workers": integer(0, 256),
       "dataset.worker_kind": choice(list(decode_workers.WORKER_KINDS)),
-      "dataset.decode": choice(readers.decode_choices),
+      "dataset.decode": choice(decoders.decode_choices),
       "model.name": models.name_problem,
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": losses.LOSSES.check(),

@@ -25,7 +25,8 @@ import ml_collections
 from cpjax import models
 from cpjax.calibration import losses
 from cpjax.config import schema
-from cpjax.data import readers, sources, specs, splits
+from cpjax.data import input_pipeline, sources, specs, splits
+from cpjax.data.device_stage import decoders
 from cpjax.selection import policies, score_sources, scores
 
 
@@ -88,10 +89,10 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   problems = []
   # Readers of a source dataset: auto and stream read its converted records when
   # dataset.stream_dir is set, else (auto, host) the source itself.
-  if dataset.reader not in readers.SOURCE_READERS:
+  if dataset.reader not in input_pipeline.SOURCE_READERS:
     problems.append(f"config.dataset.reader={dataset.reader!r}: a {dataset.name} dataset is "
                     "read by the host stage (decode and crop on the host); valid: "
-                    f"{', '.join(readers.SOURCE_READERS)} (stream: its converted records in "
+                    f"{', '.join(input_pipeline.SOURCE_READERS)} (stream: its converted records in "
                     "dataset.stream_dir)")
   elif dataset.reader == "stream" and not dataset.stream_dir:
     problems.append(f"config.dataset.reader='stream' reads a {dataset.name} dataset's "
@@ -471,12 +472,12 @@ def _decode_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   as the 'opencv' engine does, and must be able to run here (the gpu decoder: an NVIDIA GPU
   and nvImageCodec), else one line naming what to install."""
   decode = dataset.decode
-  if decode not in readers.DECODERS:  # cpu, auto, or a bad name (the schema names it).
+  if decode not in decoders.DECODERS:  # cpu, auto, or a bad name (the schema names it).
     return []
   if not sources.is_source_name(dataset.name):
     return [f"config.dataset.decode={decode!r} decodes the encoded images of a folder or tfds "
             f"dataset; {dataset.name!r} is held in memory as pixels: use 'cpu' or 'auto'"]
-  problem = readers.decoder_problem(decode, dataset.resize)
+  problem = decoders.decoder_problem(decode, dataset.resize)
   return [f"config.dataset.decode={decode!r} {problem}; or decode on the host: "
           "--config.dataset.decode=cpu"] if problem else []
 
@@ -507,7 +508,7 @@ def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:
   if dataset.reader == "stream" and not dataset.stream_dir:
     return ["config.dataset.reader='stream' needs config.dataset.stream_dir (the output of "
             "python -m scripts.write_array_records for this dataset config)"]
-  if readers.streams(dataset) and config.evaluation.ood == "gaussian_noise":
+  if input_pipeline.streams(dataset) and config.evaluation.ood == "gaussian_noise":
     return [f"config.evaluation.ood='gaussian_noise' corrupts the test images in memory, which "
             f"a streamed run (dataset.reader={dataset.reader!r}, stream_dir="
             f"{dataset.stream_dir!r}) does not hold: use another dataset or '' (none)"]

@@ -1,7 +1,7 @@
 """The device stage: images decoded on each device, cropped, resized and flipped there.
 
 `dataset.decode` chooses who decodes an encoded dataset's images (folder, tfds:NAME, their
-records; cpjax.data.readers.choose reads it):
+records; cpjax.data.input_pipeline.choose reads it):
 
   cpu         the host stage (cpjax.data.host_stage): decode, crop, resize and flip on the
               host's cores; the default, unchanged
@@ -15,7 +15,7 @@ records; cpjax.data.readers.choose reads it):
   auto        gpu where it can run (an NVIDIA GPU, the library installed, resize=opencv),
               else cpu; the choice is logged
 
-A decoder is an entry of `readers.DECODERS` (a registry). In this stage the host reads each
+A decoder is an entry of `decoders.DECODERS` (a registry). In this stage the host reads each
 example's encoded bytes and header (threads, no decoding), draws its box and flip from (seed,
 epoch, id) with the host stage's own functions (preprocess.Transform.box_and_flip), each
 device decodes its rows' images (or boxes) into a packed buffer on itself, and one jitted op
@@ -64,7 +64,7 @@ from cpjax.data import (
   preprocess,
   readers,
 )
-from cpjax.data.device_stage import packed_regions, resize
+from cpjax.data.device_stage import decoders, packed_regions, resize
 from cpjax.runtime import sharding
 
 SIZE_SAMPLE = image_stats.STATS_SAMPLE  # Headers scanned for the largest image (`largest`).
@@ -305,12 +305,12 @@ class DeviceStageReader(readers.SourceReader):
 
 
 def _readers(build: readers.Build) -> dict[str, DeviceStageReader]:
-  """The device_stage kind's readers of a run (readers.choose): every split of the encoded
+  """The device_stage kind's readers of a run (input_pipeline.choose): every split of the encoded
   dataset, one decoder (build.decode's) for all."""
   dataset = build.dataset
   transform = preprocess.from_config(dataset, build.spec.image_shape, build.seed)
   opened, where = build.open_encoded()
-  decoder = readers.DECODERS[build.decode].create(build.spec.image_shape[2])
+  decoder = decoders.DECODERS[build.decode].create(build.spec.image_shape[2])
   by_name = {name: DeviceStageReader(source, transform, build.mesh, decoder,
                                      dataset.num_workers, dataset.prefetch_depth)
              for name, source in opened.items()}
