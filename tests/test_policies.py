@@ -200,7 +200,7 @@ def test_a_drop_that_leaves_fewer_than_k_is_an_early_error():
 
 
 @pytest.mark.parametrize("method", [name for name in policies.POLICIES.names()
-                                    if policies.fixed_size(name)])
+                                    if policies.POLICIES[name].size in ("fixed", "constant")])
 def test_every_method_gives_k_distinct_ids_and_the_same_again_for_the_same_epoch(method):
   rng = np.random.default_rng(7)
   scores, labels, ids = rng.normal(size=120), rng.integers(0, 5, 120), np.arange(120) * 2
@@ -227,12 +227,11 @@ def test_a_policys_flags_say_what_select_gives(method):
   if weights is not None:
     assert weights.shape == got.shape and weights.dtype == np.float32
   assert policies.reads_k(method) == (policy.size != "free")
-  assert policies.fixed_size(method) == (policy.size == "fixed")
 
 
-def test_a_policy_size_outside_the_three_is_refused_naming_them():
+def test_a_policy_size_outside_the_four_is_refused_naming_them():
   with pytest.raises(ValueError, match="selection policy 'mine': size='exact'; valid: fixed, "
-                                       "expected, free"):
+                                       "constant, expected, free"):
     policies.Policy("mine", lambda request: request.ids, "mine", size="exact")
 
 
