@@ -15,8 +15,10 @@ checkpoint.
 is read), so the policies, datasets, models... it registers are choices like cpjax's own
 (docs/extending.md).
 An operational failure (a full or read-only folder, a failed checkpoint write, a lost
-process, a damaged image, a full /dev/shm) ends in one FATAL line naming the cause, the way
-out and the last good checkpoint, and status 1 (cpjax/runtime/failures.py).
+process, a damaged image, a full /dev/shm), and a run that diverges or learns nothing, end in
+one FATAL line naming the cause, the way out and the last good checkpoint, and status 1
+(cpjax/runtime/failures.py). A run stopped by SIGTERM or Ctrl-C saves a checkpoint and exits
+with status 75; a further signal changes nothing (docs/reliability.md).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
@@ -24,6 +26,7 @@ import importlib.util
 import logging as std_logging
 import os
 import re
+import signal
 import sys
 
 # TensorFlow is optional and never imported for training; where it is installed and something
@@ -109,6 +112,8 @@ def main(argv):
     else:
       train.evaluate_only(config, FLAGS.workdir)
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
+    for signum in (signal.SIGINT, signal.SIGTERM):  # The stop's line stays the last.
+      signal.signal(signum, signal.SIG_IGN)
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
   # Refused before the run starts, as a bad config is (status 2, one line per problem, no
@@ -126,10 +131,13 @@ def main(argv):
 def _exit_on_failure(err: Exception) -> None:
   """Ends the process with one FATAL line if `err` is an operational failure (a failed
   checkpoint write, a full or read-only folder, a lost process, an error that names its own
-  way out: a dead decoding worker, a full /dev/shm, a damaged image); returns for a bug."""
+  way out: a dead decoding worker, a full /dev/shm, a damaged image) or a run that diverged or
+  learns nothing (its error names the last good checkpoint and what to change); returns for a
+  bug."""
   checkpoint_dir = os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints")
-  if isinstance(err, checkpointing.CheckpointSaveError):
-    line = str(err)
+  if isinstance(err, (checkpointing.CheckpointSaveError, train.NonFiniteLossError,
+                      train.StalledTrainingError)):
+    line = " ".join(str(err).split())
   elif failures.cause(err, jax.process_count()) != failures.OTHER:
     line = failures.line(err, checkpoint_dir, jax.process_count())
   else:

@@ -19,6 +19,7 @@ import pytest
 
 from cpjax import optim
 from cpjax.calibration import posthoc, report
+from cpjax.config import preflight
 from cpjax.runtime import anatomy
 from cpjax.training import setup, train
 from tests import helpers
@@ -127,7 +128,8 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path
 def test_unwritable_workdir_fails_early(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
-  with pytest.raises(PermissionError, match="not a writable directory"):
+  with pytest.raises(preflight.StartupCheckError, match=f"--workdir '{blocker}/workdir' "
+                     f"cannot be a folder: {blocker} is a file; pass another --workdir"):
     train.train_and_evaluate(tiny_config(), str(blocker / "workdir"))
 
 

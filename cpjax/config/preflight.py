@@ -2,7 +2,9 @@
 
 `check(config, workdir, mode)` runs after config validation and before the workdir lock,
 the checkpoint folder or any compile; the datasets it prepares are the ones the run would
-prepare at its start (or, for the OOD set, at its report). It checks
+prepare at its start (or, for the OOD set, at its report). It checks first, and alone, that
+`--workdir` can be the run's folder (a writable folder, or a path whose nearest existing
+part is one: not a file), then
 
   * the dataset: opened through its tfds builder, or prepared now if it is to be prepared
     (download, manual_dir, a local builder: `input_pipeline.open_or_prepare`), or, for a
@@ -23,6 +25,7 @@ reported together in one `StartupCheckError`, and nothing has been written.
 """
 
 import os
+import tempfile
 
 import ml_collections
 
@@ -42,6 +45,8 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
   Raises:
     StartupCheckError: one line per failed check.
   """
+  if problem := _workdir_problem(workdir):  # Nothing else is worth checking then.
+    raise StartupCheckError(problem)
   checks = [_check_dataset, _check_ood]
   if mode == "train":  # Evaluating reads no target run and writes no checkpoint.
     checks += [_check_target, lambda c: _check_checkpoint_room(c, workdir)]
@@ -54,6 +59,23 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
   if problems:
     raise StartupCheckError("start-up checks failed (nothing was written):\n  "
                             + "\n  ".join(problems))
+
+
+def _workdir_problem(workdir: str) -> str | None:
+  """Why `workdir` cannot be the run's folder, in one line, or None; creates nothing (the
+  workdir lock creates the folder once every check has passed)."""
+  where = os.path.abspath(workdir)
+  while not os.path.exists(where):
+    where = os.path.dirname(where)
+  if not os.path.isdir(where):
+    return (f"--workdir {workdir!r} cannot be a folder: {where} is a file; pass another "
+            "--workdir (nothing was written)")
+  try:
+    tempfile.NamedTemporaryFile(dir=where).close()  # Can the run create files here?
+  except OSError as err:
+    return (f"--workdir {workdir!r} is not writable ({err.strerror or err} in {where}); make "
+            "it writable or pass another --workdir (nothing was written)")
+  return None
 
 
 def _check_dataset(config: ml_collections.ConfigDict) -> None:

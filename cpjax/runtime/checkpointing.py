@@ -278,13 +278,11 @@ class Checkpointer:
 
   def stop_preempted(self, step: int, epoch: int, epoch_step: int) -> NoReturn:
     """The one preemption stop: waits for the checkpoint at global `step` (`epoch` complete
-    epochs and `epoch_step` steps of the next) to commit, logs one line, raises Preempted."""
+    epochs and `epoch_step` steps of the next) to commit, raises Preempted."""
     self.wait_until_finished()
-    message = (f"{self._preemption.signal_name}: saved a checkpoint at global step {step} "
-               f"(epoch {epoch}, step {epoch_step} of it) in {self.directory}; rerun the same "
-               "command to resume there.")
-    logging.warning(message)
-    raise preemption.Preempted(message, step)
+    self._preemption.stop(f"saved a checkpoint at global step {step} (epoch {epoch}, step "
+                          f"{epoch_step} of it) in {self.directory}; rerun the same command "
+                          "to resume there.", step)
 
   # Restoring one step.
 

@@ -18,7 +18,6 @@ import functools
 import json
 import logging
 import os
-import tempfile
 from typing import Any
 
 import flax.linen as nn
@@ -271,22 +270,7 @@ def check_before_work(config: ml_collections.ConfigDict, workdir: str,
   validation.validate(config)
   for warning in validation.size_warnings(config):
     logging.warning("%s", warning)
-  _check_workdir(workdir)
   preflight.check(config, workdir, mode)
-
-
-def _check_workdir(workdir: str) -> None:
-  """Fails early, before any data load or compile, if `workdir` is unusable; creates
-  nothing (the workdir lock creates it once every check has passed)."""
-  where = os.path.abspath(workdir)
-  while not os.path.exists(where):
-    where = os.path.dirname(where)
-  try:
-    if not os.path.isdir(where):
-      raise NotADirectoryError(f"{where} is not a directory")
-    tempfile.NamedTemporaryFile(dir=where).close()  # Can we create files here?
-  except OSError as err:
-    raise PermissionError(f"--workdir {workdir!r} is not a writable directory: {err}") from err
 
 
 def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],

@@ -20,6 +20,7 @@ nothing stops the run.
 import contextlib
 import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -33,7 +34,9 @@ from cpjax.data import fingerprint, splits
 from cpjax.runtime import (
   anatomy,
   compilation_cache,
+  failures,
   periodic,
+  preemption,
   run_logging,
   workdir_lock,
 )
@@ -71,13 +74,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns:
     The last epoch's metrics record.
   """
-  with contextlib.closing(anatomy.CompileWatch()) as watch:
-    clock = anatomy.RunClock(watch)
-    setup.check_before_work(config, workdir)
-    clock.mark_startup_done()
-    with (workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir),
-          contextlib.closing(compilation_cache.CacheStats()) as cache_stats):
-      return _train_and_evaluate(config, workdir, cache_stats, clock)
+  try:
+    with contextlib.closing(anatomy.CompileWatch()) as watch:
+      clock = anatomy.RunClock(watch)
+      setup.check_before_work(config, workdir)
+      clock.mark_startup_done()
+      with (workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir),
+            contextlib.closing(compilation_cache.CacheStats()) as cache_stats):
+        return _train_and_evaluate(config, workdir, cache_stats, clock)
+  except preemption.Preempted as stop:  # Its line last, after all the run's work and logs.
+    logging.warning("%s", stop)
+    raise
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -112,10 +119,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record,
                                save_seconds)
       loop.evaluator.write_images()  # The last evaluation's, drawn while the report was built.
-    finally:  # Also on errors: the last good checkpoint must finish writing.
-      run.checkpointer.wait_until_finished()
-      loop.evaluator.write_images(raise_errors=False)  # Errors: the one stopping the run.
-      writer.close()  # The event file: its last events written, the file closed.
+    finally:  # Also on errors: the last good checkpoint must finish writing. On an error's
+      # way out what fails here is its detail: the run reports the failure it met first.
+      with failures.detail_of(sys.exception()):
+        run.checkpointer.wait_until_finished()
+      loop.evaluator.write_images(raise_errors=False)
+      with failures.detail_of(sys.exception()):
+        writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
