@@ -39,7 +39,7 @@ import jax
 from ml_collections import config_flags
 
 from configs import default
-from cpjax.config import preflight, schema, validation
+from cpjax.config import implied, preflight, schema, validation
 from cpjax.data import decode_workers, fingerprint
 from cpjax.runtime import checkpointing, distributed, failures, preemption, workdir_lock
 from cpjax.training import train
@@ -162,13 +162,13 @@ def _config_with_implied_settings():
     validation.import_modules(FLAGS.config)  # A user's registrations, before all else.
   except validation.ConfigError as err:
     _usage_exit(str(err))
-  explicit = set(FLAGS["config"].override_values) | validation.changed_fields(
+  explicit = set(FLAGS["config"].override_values) | implied.changed_fields(
       FLAGS.config, default.get_config())
-  implied = validation.implied_settings(FLAGS.config, explicit)
-  for name, (value, reason) in implied.items():
+  settings = implied.implied_settings(FLAGS.config, explicit)
+  for name, (value, reason) in settings.items():
     logging.info("Implied config.%s=%r: %s (set --config.%s to choose otherwise).", name,
                  value, reason, name)
-  config = validation.with_settings(FLAGS.config, {k: v for k, (v, _) in implied.items()})
+  config = implied.with_settings(FLAGS.config, {k: v for k, (v, _) in settings.items()})
   try:
     validation.validate(config)
   except validation.ConfigError as err:

@@ -68,7 +68,7 @@ import numpy as np
 from benchmarks import carry, feeds
 from configs import default, fashion_mnist_long, imagenet
 from cpjax.calibration import report
-from cpjax.config import schema, validation
+from cpjax.config import implied, schema
 from cpjax.data import input_pipeline
 from studies import frontier, grid, long_schedule
 
@@ -134,7 +134,7 @@ def override_flags(config, reference) -> list[str]:
   config file's own): the command line that turns the file's config into `config`."""
   leaves = schema.leaves(config)
   flags = []
-  for name in sorted(validation.changed_fields(config, reference)):
+  for name in sorted(implied.changed_fields(config, reference)):
     value = leaves[name]
     if isinstance(value, (tuple, list, dict)):
       raise ValueError(f"config.{name}={value!r}: only scalar fields are passed as flags")

@@ -15,7 +15,7 @@ from configs import (
   fashion_mnist_selection,
   fashion_mnist_study,
 )
-from cpjax.config import validation
+from cpjax.config import implied, validation
 from cpjax.data import input_pipeline
 from cpjax.training import train
 from tests.helpers import REPO, main_command, subprocess_env, tiny_config
@@ -213,14 +213,14 @@ def test_infobatch_alone_implies_its_score_unless_the_user_chose_one():
   config = tiny_config(**INFOBATCH)
   with pytest.raises(validation.ConfigError, match="selection.score='entropy'"):
     validation.validate(config)  # The library itself implies nothing.
-  implied = validation.implied_settings(config, explicit=set(INFOBATCH))
-  assert {k: v for k, (v, _) in implied.items()} == {"selection.score": "loss"}
-  assert "infobatch" in implied["selection.score"][1]  # The reason names the choice.
-  completed = validation.with_settings(config, {"selection.score": "loss"})
+  settings = implied.implied_settings(config, explicit=set(INFOBATCH))
+  assert {k: v for k, (v, _) in settings.items()} == {"selection.score": "loss"}
+  assert "infobatch" in settings["selection.score"][1]  # The reason names the choice.
+  completed = implied.with_settings(config, {"selection.score": "loss"})
   validation.validate(completed)
   assert config.selection.score == "entropy"  # with_settings copies.
   # An explicit contradicting score is never overwritten: validate refuses it, naming why.
-  explicit = validation.implied_settings(config, {*INFOBATCH, "selection.score"})
+  explicit = implied.implied_settings(config, {*INFOBATCH, "selection.score"})
   assert explicit == {}
   with pytest.raises(validation.ConfigError,
                      match="config.selection.score='entropy' does not work with "
@@ -230,27 +230,27 @@ def test_infobatch_alone_implies_its_score_unless_the_user_chose_one():
 
 def test_an_flgamma_loss_implies_a_tenth_of_the_training_rows_for_meta_validation():
   config = tiny_config(**{"loss.name": "flgamma_sece"})
-  implied = validation.implied_settings(config, explicit={"loss.name"})
+  settings = implied.implied_settings(config, explicit={"loss.name"})
   # digits: 1,437 train-split rows less 180 for validation = 1,257; a tenth is 125 >= 64.
-  assert {k: v for k, (v, _) in implied.items()} == {"dataset.meta_val_size": 125}
-  validation.validate(validation.with_settings(config, {"dataset.meta_val_size":
+  assert {k: v for k, (v, _) in settings.items()} == {"dataset.meta_val_size": 125}
+  validation.validate(implied.with_settings(config, {"dataset.meta_val_size":
                                                                       125}))
   # At least one batch: with a batch of 256, a tenth (125) would be too few.
   big_batch = tiny_config(**{"loss.name": "flgamma_dece", "batch_size": 256})
-  assert validation.implied_settings(big_batch, {"loss.name", "batch_size"})[
+  assert implied.implied_settings(big_batch, {"loss.name", "batch_size"})[
       "dataset.meta_val_size"][0] == 256
   # The user's explicit 0 is refused with the reason, not replaced.
-  assert validation.implied_settings(config, {"loss.name",
+  assert implied.implied_settings(config, {"loss.name",
                                                      "dataset.meta_val_size"}) == {}
   with pytest.raises(validation.ConfigError, match="meta_val_size=0 must be at least"):
     validation.validate(config)
-  assert validation.implied_settings(tiny_config(), explicit=set()) == {}
+  assert implied.implied_settings(tiny_config(), explicit=set()) == {}
 
 
 def test_changed_fields_are_those_a_config_file_sets():
-  changed = validation.changed_fields(fashion_mnist.get_config(), default.get_config())
+  changed = implied.changed_fields(fashion_mnist.get_config(), default.get_config())
   assert "dataset.name" in changed and "seed" not in changed
-  assert validation.changed_fields(default.get_config(), default.get_config()) == set()
+  assert implied.changed_fields(default.get_config(), default.get_config()) == set()
 
 
 def test_a_resume_names_each_changed_field_and_a_recomputed_schedule():
@@ -258,20 +258,20 @@ def test_a_resume_names_each_changed_field_and_a_recomputed_schedule():
   field with both values, sorted by name; a changed length or optimizer setting adds that the
   learning-rate schedule is recomputed; nothing changed, nothing to say."""
   saved = tiny_config().to_json_best_effort(sort_keys=True)  # num_epochs 2, lr 0.05.
-  assert validation.resume_changes(saved, tiny_config()) == ""
+  assert implied.resume_changes(saved, tiny_config()) == ""
   longer = tiny_config(**{"num_epochs": 10, "dataset.flip": True})
-  assert validation.resume_changes(saved, longer) == (
+  assert implied.resume_changes(saved, longer) == (
       "Resuming with a config that differs from the checkpoint's: dataset.flip False -> True; "
       "num_epochs 2 -> 10. The learning-rate schedule is recomputed for the new length "
       "(num_epochs=10): the epochs from here take their rates from it, not from the "
       "checkpoint's schedule.")
   faster = tiny_config(**{"optimizer.learning_rate": 0.1})
-  assert validation.resume_changes(saved, faster).endswith(
+  assert implied.resume_changes(saved, faster).endswith(
       "optimizer.learning_rate 0.05 -> 0.1. The learning-rate schedule is recomputed for the "
       "new optimizer settings: the epochs from here take their rates from it, not from the "
       "checkpoint's schedule.")
   seeded = tiny_config(seed=7)
-  assert validation.resume_changes(saved, seeded) == (
+  assert implied.resume_changes(saved, seeded) == (
       "Resuming with a config that differs from the checkpoint's: seed 0 -> 7.")
 
 

@@ -111,11 +111,13 @@ RANKS = {
     "selection.selector": 4,
     "selection.subsets": 4,
     # 5-7: config: every config field's check (knows every registry); the validation that
-    # applies them and the cross-field rules; the start-up checks (data, OOD set, target runs,
-    # stream files, checkpoint room).
+    # applies them and the cross-field rules; what a choice implies (read against the
+    # validation) and the start-up checks (the workdir, data, OOD set, target runs, stream
+    # files, checkpoint room).
     "config": 5,
     "config.schema": 5,
     "config.validation": 6,
+    "config.implied": 7,
     "config.preflight": 7,
     # 8-11: the rest of training: what the loop shares (Run, the last good checkpoint); the
     # evaluators (val/test metrics and the report), one epoch's step loop; the set-up (the

@@ -28,7 +28,7 @@ import optax
 
 from cpjax import models, optim, run_state, steps
 from cpjax.calibration import losses
-from cpjax.config import preflight, validation
+from cpjax.config import implied, preflight, validation
 from cpjax.data import fingerprint, input_pipeline, sources, specs
 from cpjax.runtime import (
   anatomy,
@@ -282,7 +282,7 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
   if restored is None:
     return initial, {}
   saved, meta = restored
-  if changes := validation.resume_changes(meta["config"], config):
+  if changes := implied.resume_changes(meta["config"], config):
     logging.warning(changes)
   logging.info("Resumed from %s at global step %d (epoch %d, step %d of it).",
                checkpointer.directory, meta.get("step", -1), meta["epoch"],
