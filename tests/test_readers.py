@@ -20,7 +20,6 @@ from cpjax.data import (
   input_pipeline,
   readers,
   sources,
-  specs,
 )
 from cpjax.data.device_stage import decoders
 from cpjax.data.device_stage.reader import DeviceStageReader
@@ -121,19 +120,15 @@ def test_read_ahead_submits_ahead_finishes_in_order_and_cancels_what_is_left():
   assert [futures[s][0].cancelled() for s in range(3)] == [False, True, True]
 
 
-def _never_read():
+def _never_read(dataset):
   raise AssertionError("the splits were read into memory for a kind that streams or decodes")
 
 
-def _opener(dataset):
-  """An encoded dataset's splits opened as input_pipeline.load opens them for `choose`."""
-  return lambda: (sources.open_splits(dataset), sources.read_from(dataset))
-
-
-def _chosen(dataset, read_splits=_never_read) -> set[type]:
-  """The classes of the readers `choose` builds for `dataset` (every split has one)."""
-  by_name = input_pipeline.choose(dataset, specs.DATASETS[dataset.name], sharding.create_mesh(), 0,
-                           read_splits, _opener(dataset))
+def _chosen(dataset, monkeypatch, read_splits=_never_read) -> set[type]:
+  """The classes of the readers `choose` builds for `dataset` (every split has one); the
+  splits read into memory by `read_splits`."""
+  monkeypatch.setattr(input_pipeline, "get_datasets", read_splits)
+  by_name = input_pipeline.choose(dataset, sharding.create_mesh(), 0)
   assert set(by_name) == {"train", "val", "test"}
   return {type(reader) for reader in by_name.values()}
 
@@ -150,13 +145,14 @@ def _chosen(dataset, read_splits=_never_read) -> set[type]:
       "dataset.host_memory_mb": 0.01}, readers.StreamReader),
     ({"dataset.reader": "stream", "dataset.stream_dir": "records"}, readers.StreamReader),
 ])
-def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, fields, kind):
+def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, monkeypatch, fields,
+                                                      kind):
   fields = {k: str(tmp_path / v) if k.endswith("stream_dir") else v for k, v in fields.items()}
   dataset = tiny_config(**fields).dataset
   if dataset.stream_dir:
     array_records.write_splits(digits, dataset.stream_dir, dataset)
   streamed = kind is readers.StreamReader
-  assert _chosen(dataset, _never_read if streamed else lambda: digits) == {kind}
+  assert _chosen(dataset, monkeypatch, _never_read if streamed else lambda _: digits) == {kind}
 
 
 @pytest.mark.parametrize("decode, kind", [
@@ -164,7 +160,7 @@ def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, fields, 
     ("device_cpu", DeviceStageReader),
     ("auto", host_stage.PreprocessReader),  # No GPU decoder here.
 ])
-def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
+def test_choose_builds_the_stages_by_dataset_decode(tmp_path, monkeypatch, decode, kind):
   """A folder dataset (encoded images) is never read into memory; dataset.decode picks its
   stage, which holds the source's labels."""
   if decode == "auto" and decoders.decoder_problem("gpu", "opencv") is None:
@@ -178,9 +174,8 @@ def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
                            "dataset.val_size": 4, "dataset.decode": decode,
                            "dataset.worker_kind": "thread"}).dataset
   sources.resolve(dataset)
-  assert _chosen(dataset) == {kind}
-  train = input_pipeline.choose(dataset, specs.DATASETS["folder"], sharding.create_mesh(), 0,
-                         _never_read, _opener(dataset))["train"]
+  assert _chosen(dataset, monkeypatch) == {kind}
+  train = input_pipeline.choose(dataset, sharding.create_mesh(), 0)["train"]
   opened = sources.open_splits(dataset)["train"]
   np.testing.assert_array_equal(train.labels, opened.labels)
   np.testing.assert_array_equal(train.ids, opened.ids)

@@ -140,7 +140,7 @@ def test_an_epoch_record_reaches_jsonl_with_its_keys_and_tensorboard_tagged(tmp_
   epoch_log = run_logging.EpochLog(str(tmp_path))
   record = {"epoch": 0, "train_loss": 2.5, "test_ece": float("nan"), "selected_k": 10,
             "subset_class_counts": [4, 6]}
-  run_logging.write_record(run_logging.TaggedWriter(recorder), epoch_log, 20, record)
+  run_logging.write_record(run_logging.TaggedWriter([recorder]), epoch_log, 20, record)
   with open(tmp_path / "metrics.jsonl") as f:
     assert [json.loads(line) for line in f] == [
         {"epoch": 0, "train_loss": 2.5, "test_ece": None, "selected_k": 10,

@@ -31,7 +31,7 @@ import ml_collections
 
 from cpjax import run_state
 from cpjax.data import array_records, input_pipeline, specs
-from cpjax.runtime import checkpointing, sharding
+from cpjax.runtime import checkpointing, files, sharding
 from cpjax.selection import bookkeeping, score_sources
 
 
@@ -64,9 +64,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
 def _workdir_problem(workdir: str) -> str | None:
   """Why `workdir` cannot be the run's folder, in one line, or None; creates nothing (the
   workdir lock creates the folder once every check has passed)."""
-  where = os.path.abspath(workdir)
-  while not os.path.exists(where):
-    where = os.path.dirname(where)
+  where = files.existing_parent(workdir)
   if not os.path.isdir(where):
     return (f"--workdir {workdir!r} cannot be a folder: {where} is a file; pass another "
             "--workdir (nothing was written)")

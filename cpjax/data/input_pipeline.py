@@ -27,9 +27,8 @@ config.dataset and the dataset's facts:
       `dataset.device_memory_mb` on each device (Fashion-MNIST: 52 MiB, CIFAR-10: 176 MiB;
       on CPU, where every device is host memory, all copies together), else host.
 """
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 import contextlib
-import functools
 import logging
 import math
 from typing import Any
@@ -306,26 +305,13 @@ IN_MEMORY_READERS = ("auto", "host", "device")  # Those of an in-memory run.
 SOURCE_READERS = ("auto", "host", "stream")
 
 
-def choose(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
-           mesh: jax.sharding.Mesh, seed: int,
-           read_splits: Callable[[], Mapping[str, splits.Split]],
-           open_encoded: Callable[[], tuple[Mapping[str, Any], str]] | None = None
+def choose(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int
            ) -> dict[str, readers.Reader]:
   """A run's readers, one a split (train, val, test, and meta_val with a meta_val_size), of
-  the kind that config.dataset asks for: the one place where dataset.decode, dataset.reader
-  and the dataset's facts pick it (the module docstring), logged.
-
-  Args:
-    dataset: config.dataset.
-    spec: the dataset's facts (specs.DATASETS[dataset.name]).
-    mesh: the mesh the batches go to.
-    seed: the run's seed (the stages' crops and flips).
-    read_splits: reads the splits into host memory (`get_datasets`): called for an
-      in-memory kind only.
-    open_encoded: opens an encoded dataset's splits (their sources, and where they are read
-      from in words): called for the stages' kinds only.
-  """
-  decode, in_memory = decoders.HOST_DECODE, {}
+  the kind that `dataset` (config.dataset) asks for: the one place where dataset.decode,
+  dataset.reader and the dataset's facts pick it (the module docstring), logged. The splits
+  are read into memory for an in-memory kind only; `seed`: the stages' crops and flips."""
+  spec, decode, in_memory = specs.DATASETS[dataset.name], decoders.HOST_DECODE, {}
   if spec.encoded:
     decode = decoders.resolved_decode(dataset)
     kind = "host_stage" if decode == decoders.HOST_DECODE else "device_stage"
@@ -335,13 +321,14 @@ def choose(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
     if dataset.stream_dir:
       logging.info("dataset.stream_dir=%s is not read: dataset.reader=%r and the training "
                    "split fits dataset.host_memory_mb.", dataset.stream_dir, dataset.reader)
-    in_memory = read_splits()
+    in_memory = get_datasets(dataset)
     # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
     copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
     kind = in_memory_kind(dataset.reader, split_bytes(in_memory), dataset.device_memory_mb,
                           copies)
-  by_name = readers.READERS[kind].create(readers.Build(dataset, spec, mesh, seed, decode,
-                                                       in_memory, open_encoded))
+  by_name = readers.READERS[kind].create(readers.Build(
+      dataset, spec, mesh, seed, decode, in_memory,
+      lambda: (sources.open_splits(dataset), sources.read_from(dataset))))
   # Labels and ids (8 bytes an example) are all that the other kinds hold in memory.
   num_bytes = split_bytes(in_memory) if in_memory else 8 * sum(map(len, by_name.values()))
   logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
@@ -356,9 +343,7 @@ def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int 
   that put their batches on `mesh`, of the kind `choose` picks for `dataset`
   (config.dataset). Streamed splits and those of an encoded dataset (folder, tfds:NAME;
   decoded per batch, the crops drawn from `seed`) hold no images."""
-  by_name = choose(dataset, specs.DATASETS[dataset.name], mesh, seed,
-                   functools.partial(get_datasets, dataset),
-                   lambda: (sources.open_splits(dataset), sources.read_from(dataset)))
+  by_name = choose(dataset, mesh, seed)
   return {name: each.split for name, each in by_name.items()}, by_name
 
 

@@ -191,14 +191,6 @@ class MultiWriter(MetricWriter):
       writer.close()
 
 
-def create_default_writer(logdir: str, just_logging: bool = False) -> MultiWriter:
-  """The log, and TensorBoard events in `logdir` unless `just_logging` (processes > 0)."""
-  writers: list[MetricWriter] = [LoggingWriter()]
-  if not just_logging:
-    writers.append(TensorBoardWriter(logdir))
-  return MultiWriter(writers)
-
-
 def _format_seconds(seconds: float) -> str:
   minutes, seconds = divmod(int(round(seconds)), 60)
   hours, minutes = divmod(minutes, 60)

@@ -1,20 +1,13 @@
-"""The training loop: `train_and_evaluate` and `evaluate_only`.
+"""The training loop: `train_and_evaluate` and `evaluate_only` (docs/architecture.md).
 
-`train_and_evaluate(config, workdir)` validates the config, restores the latest
-checkpoint in `workdir` if there is one (cpjax.training.setup builds the run's parts), and
-runs one loop over epochs, each of them one function read top to bottom (`_train_epoch`):
-choose the epoch's rows (cpjax.selection), train them with the jitted train step
-(cpjax.training.step_loop, cpjax.steps; the loss's step and batches from
-cpjax.training.loss_steps), log train metrics every `log_every_steps`, evaluate and
-checkpoint when `periodic.due`. After the loop, once the last checkpoint has committed and
-the last epoch's record is in metrics.jsonl, `_write_report` writes the calibration report
-(cpjax.training.evaluation) and adds its numbers to that record, in a fresh run and in a
-rerun alike: a report that fails, or is killed, loses no training and no record, a signal
-stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
-(cpjax.config.preflight) run before the workdir is touched, and a folder dataset (or its
-converted records) changed under its checkpoint is refused (cpjax.data.fingerprint), unless
-the change is the replacement of a file the run stopped on as damaged; an epoch that learns
-nothing stops the run.
+`train_and_evaluate(config, workdir)` checks the config and everything the run needs
+(cpjax.training.setup), restores the latest checkpoint in `workdir` if there is one, and runs
+one loop over epochs, each of them one function read top to bottom (`_train_epoch`): choose
+the epoch's rows, train them (cpjax.training.step_loop), evaluate and checkpoint when due.
+After the loop, once the last checkpoint has committed and the last epoch's record is in
+metrics.jsonl, `_write_report` writes the calibration report and adds its numbers to that
+record, in a fresh run and in a rerun alike: a report that fails, or is killed, loses no
+training and no record, a signal stops it at once, and a rerun (or --mode=evaluate) writes it.
 """
 
 import contextlib
@@ -231,15 +224,6 @@ def peak_device_memory() -> dict[str, int]:
   return {"perf/peak_device_memory_bytes": max(peaks)} if peaks else {}
 
 
-def _anatomy(loop: setup.Loop) -> dict[str, Any]:
-  """The process's run anatomy (cpjax.runtime.anatomy), logged in one line and added to
-  report/results.json."""
-  parts = loop.clock.anatomy()
-  logging.info("%s", anatomy.summary_line(parts))
-  loop.evaluator.add_to_results({"anatomy": parts})
-  return parts
-
-
 def _row_weights(rows: np.ndarray, weights: np.ndarray | None, num_rows: int
                  ) -> np.ndarray | None:
   """The epoch's loss weights indexed by training row (None when its policy has none)."""
@@ -286,9 +270,10 @@ def _write_report(run: Run, loop: setup.Loop, state: steps.TrainState, epochs: i
     evaluation.write_report_images(loop.writer, step, results)
     numbers = evaluation.report_record(results)
   times["report_seconds"] = reporting.seconds
-  numbers.update(times)
-  numbers.update(peak_device_memory())
-  numbers.update(_anatomy(loop))
+  parts = loop.clock.anatomy()  # The process's run anatomy: logged, and in results.json.
+  logging.info("%s", anatomy.summary_line(parts))
+  loop.evaluator.add_to_results({"anatomy": parts})
+  numbers.update(**times, **peak_device_memory(), **parts)
   record = record or {}
   # The last epoch's seconds take in its checkpoint's and its report's. TensorBoard holds
   # the epoch's record at this step (its epoch wrote it): the rest only, with the report's

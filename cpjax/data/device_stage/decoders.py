@@ -1,14 +1,17 @@
-"""The device stage's decoders (`dataset.decode`): a registry of who decodes an encoded
-dataset's images on each device, and the resolution of `auto`.
+"""Who decodes an encoded dataset's images (folder, tfds:NAME, their records):
+`dataset.decode`, which cpjax.data.input_pipeline.choose reads. The device stage's decoders
+are the registry `DECODERS` (a user's registers a `DecoderKind`, docs/extending.md):
 
-  gpu         nvImageCodec on each device's GPU (cpjax.data.device_stage.nvimgcodec; the
-              gpu-decode extra)
-  device_cpu  PIL on the host standing in for the GPU's decoder (packed_regions.HostDecoder:
-              the same batching, boxes, device op and sharding, on any machine)
-
-Besides them dataset.decode takes `cpu` (the host stage, cpjax.data.host_stage) and `auto`:
-gpu where it can run (`decoder_problem`), else cpu. A user's decoder registers a
-`DecoderKind` here (docs/extending.md).
+  cpu         the host stage (cpjax.data.host_stage): decode, crop, resize and flip on the
+              host's cores; the default
+  gpu         the device stage with nvImageCodec (`nvimgcodec`): each device decodes its own
+              shard of the batch on its GPU (the hardware JPEG decoder where the card has
+              one); needs an NVIDIA GPU and the `gpu-decode` extra
+  device_cpu  the device stage with PIL decoding on the host standing in for the GPU's
+              decoder (packed_regions.HostDecoder): the same batching, boxes, device op and
+              sharding, testable on any machine (slower than `cpu`: one thread pool)
+  auto        gpu where it can run (an NVIDIA GPU, the library installed, resize=opencv),
+              else cpu; the choice is logged (`resolved_decode`)
 """
 
 from collections.abc import Callable

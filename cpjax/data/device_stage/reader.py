@@ -1,21 +1,8 @@
-"""The device stage: images decoded on each device, cropped, resized and flipped there.
+"""The device stage's reader: an encoded dataset's images (folder, tfds:NAME, their records)
+decoded on each device by the decoder `dataset.decode` names (cpjax.data.device_stage.decoders),
+cropped, resized and flipped there.
 
-`dataset.decode` chooses who decodes an encoded dataset's images (folder, tfds:NAME, their
-records; cpjax.data.input_pipeline.choose reads it):
-
-  cpu         the host stage (cpjax.data.host_stage): decode, crop, resize and flip on the
-              host's cores; the default, unchanged
-  gpu         this stage with nvImageCodec (cpjax.data.device_stage.nvimgcodec): each device decodes
-              its own shard of the batch on its GPU (the hardware JPEG decoder where the card
-              has one); needs an NVIDIA GPU and the `gpu-decode` extra
-  device_cpu  this stage with PIL decoding on the host standing in for the GPU's decoder
-              (packed_regions.HostDecoder): the same batching, boxes, device op and sharding,
-              testable on any machine (slower than `cpu`: one thread pool, no worker
-              processes)
-  auto        gpu where it can run (an NVIDIA GPU, the library installed, resize=opencv),
-              else cpu; the choice is logged
-
-A decoder is an entry of `decoders.DECODERS` (a registry). In this stage the host reads each
+In this stage the host reads each
 example's encoded bytes and header (threads, no decoding), draws its box and flip from (seed,
 epoch, id) with the host stage's own functions (preprocess.Transform.box_and_flip), each
 device decodes its rows' images (or boxes) into a packed buffer on itself, and one jitted op
