@@ -10,7 +10,7 @@ metrics.jsonl and report/results.json:
 
   (a) the default job, configs/default.py as it is (--tiny: the tiny net, 2 epochs);
   (b) Fashion-MNIST (real: Debian's IDX files, --fashion-mnist-dir) on the selection study's
-      20-epoch schedule (configs/fashion_mnist_long.py as studies/frontier.py's base run sets
+      20-epoch schedule (configs/fashion_mnist_long.py as studies/frontier_tiers.py's base run sets
       it): full data, the study's chosen design `topk_anneal-45` (top-k on the train pass's
       entropy, the last 2 epochs on all data: about 48 % of full data's example passes) and
       its neighbour `topk_anneal-55` (about 57 %), their overrides taken from
@@ -70,10 +70,10 @@ from configs import default, fashion_mnist_long, imagenet
 from cpjax.calibration import report
 from cpjax.config import implied, schema
 from cpjax.data import input_pipeline
-from studies import frontier, grid, long_schedule
+from studies import frontier_tiers, grid, long_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FULL, CHOSEN, NEIGHBOUR = "full", "topk_anneal-45", "topk_anneal-55"  # studies/frontier.py's.
+FULL, CHOSEN, NEIGHBOUR = "full", "topk_anneal-45", "topk_anneal-55"  # studies/frontier_tiers.py's.
 ARMS = (FULL, CHOSEN, NEIGHBOUR)
 WHOLE_COMMAND_TARGET, WALL_TARGET, RATE_TARGET, REPORT_TARGET = 540.0, 0.6, 0.8, 60.0
 
@@ -277,12 +277,12 @@ def default_job(sizes: Sizes, root: str, timeout: float | None = None) -> dict[s
 
 def fashion_configs(sizes: Sizes, root: str, fashion_mnist_dir: str,
                     names: tuple[str, ...] = ARMS) -> dict[str, Any]:
-  """The configs of the arms `names` without their seed: studies/frontier.py's base run and
+  """The configs of the arms `names` without their seed: studies/frontier_tiers.py's base run and
   arm overrides, the data prepared once in root/tfds, no compilation cache."""
-  base = grid.apply(frontier.base_config(), {
+  base = grid.apply(frontier_tiers.base_config(), {
       **dict(sizes.fashion), "dataset.data_dir": os.path.join(root, "tfds"),
       "dataset.manual_dir": fashion_mnist_dir, "compilation_cache_dir": cache_dir(sizes, root)})
-  arms = {arm.name: arm for arm in frontier.search_arms(base)}
+  arms = {arm.name: arm for arm in frontier_tiers.search_arms(base)}
   return {name: grid.apply(base, arms[name].overrides) for name in names}
 
 
@@ -578,7 +578,7 @@ def fashion_lines(part: dict[str, Any], tiny: bool) -> list[str]:
           else "54,000 training images, 6,000 validation, small_cnn, batch 128")
   lines = [f"### (b) Fashion-MNIST, the selection study's schedule: {part['num_epochs']} epochs",
            "",
-           f"Real Fashion-MNIST (Debian's IDX files), {size}; studies/frontier.py's arms; "
+           f"Real Fashion-MNIST (Debian's IDX files), {size}; studies/frontier_tiers.py's arms; "
            "seconds are means over the seeds, the process's wall clock and its parts from "
            "metrics.jsonl (evaluation: every evaluation pass, the final one included).", ""]
   means = part["means"]
