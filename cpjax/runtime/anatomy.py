@@ -222,6 +222,7 @@ class RunClock:
     self.start = process_start_time() if start is None else start
     self.seconds = dict.fromkeys(PARTS, 0.0)
     self._epochs: list[tuple[int, float]] = []  # (steps, net training seconds) per epoch.
+    self._training: Training | None = None  # The epoch's steps running now, if any.
 
   def _compiling(self, start: float, end: float) -> float:
     return self.watch.main_seconds(start, end) if self.watch else 0.0
@@ -252,11 +253,12 @@ class RunClock:
     """Times an epoch's `steps` training steps: the batches the loop takes through
     `Training.timed` count their waits as input wait, which is taken out of the steps'. Its
     wall and input-wait seconds also go to `record` ("training_seconds", "input_wait_seconds")."""
-    block = Training()
+    block = self._training = Training()
     try:
       yield block
     finally:
       block.stop()
+      self._training = None
       if record is not None:
         record.update(training_seconds=block.seconds, input_wait_seconds=block.input_wait)
       net = block.seconds - self._compiling(block.start, block.end) - block.input_wait
@@ -269,6 +271,10 @@ class RunClock:
     started."""
     now = time.time() if now is None else now
     seconds = {**self.seconds, **_split_training(self._epochs)}
+    if (block := self._training) is not None:  # Steps running now: training so far.
+      seconds["input_wait"] += block.input_wait
+      seconds["steady_step"] += max(block.seconds - self._compiling(block.start, now)
+                                    - block.input_wait, 0.0)
     seconds["compile"] = self._compiling(self.start, now) + self.seconds["compile"]
     seconds["other"] = max(now - self.start - sum(v for k, v in seconds.items() if k != "other"),
                            0.0)
