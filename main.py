@@ -15,8 +15,10 @@ checkpoint.
 is read), so the policies, datasets, models... it registers are choices like cpjax's own
 (docs/extending.md).
 An operational failure (a full or read-only folder, a failed checkpoint write, a lost
-process, a damaged image, a full /dev/shm) ends in one FATAL line naming the cause, the way
-out and the last good checkpoint, and status 1 (cpjax/runtime/failures.py).
+process, a damaged image, a full /dev/shm), and a run that diverges or learns nothing, end in
+one FATAL line naming the cause, the way out and the last good checkpoint, and status 1
+(cpjax/runtime/failures.py). A run stopped by SIGTERM or Ctrl-C saves a checkpoint and exits
+with status 75; a further signal changes nothing (docs/reliability.md).
 On a cluster, jax.distributed is started first (see cpjax/runtime/distributed.py).
 """
 
@@ -24,6 +26,7 @@ import importlib.util
 import logging as std_logging
 import os
 import re
+import signal
 import sys
 
 # TensorFlow is optional and never imported for training; where it is installed and something
@@ -36,12 +39,10 @@ import jax
 from ml_collections import config_flags
 
 from configs import default
-from cpjax.config import preflight
-from cpjax.config import schema as config_schema
-from cpjax.config import validation as config_validation
+from cpjax.config import implied, preflight, schema, validation
 from cpjax.data import decode_workers, fingerprint
 from cpjax.runtime import checkpointing, distributed, failures, preemption, workdir_lock
-from cpjax.training import loop as train
+from cpjax.training import train
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
@@ -111,6 +112,8 @@ def main(argv):
     else:
       train.evaluate_only(config, FLAGS.workdir)
   except preemption.Preempted:  # Checkpoint saved and logged: exit so the scheduler requeues.
+    for signum in (signal.SIGINT, signal.SIGTERM):  # The stop's line stays the last.
+      signal.signal(signum, signal.SIG_IGN)
     distributed.finished()
     sys.exit(preemption.EXIT_CODE)
   # Refused before the run starts, as a bad config is (status 2, one line per problem, no
@@ -128,10 +131,13 @@ def main(argv):
 def _exit_on_failure(err: Exception) -> None:
   """Ends the process with one FATAL line if `err` is an operational failure (a failed
   checkpoint write, a full or read-only folder, a lost process, an error that names its own
-  way out: a dead decoding worker, a full /dev/shm, a damaged image); returns for a bug."""
+  way out: a dead decoding worker, a full /dev/shm, a damaged image) or a run that diverged or
+  learns nothing (its error names the last good checkpoint and what to change); returns for a
+  bug."""
   checkpoint_dir = os.path.join(os.path.abspath(FLAGS.workdir), "checkpoints")
-  if isinstance(err, checkpointing.CheckpointSaveError):
-    line = str(err)
+  if isinstance(err, (checkpointing.CheckpointSaveError, train.NonFiniteLossError,
+                      train.StalledTrainingError)):
+    line = " ".join(str(err).split())
   elif failures.cause(err, jax.process_count()) != failures.OTHER:
     line = failures.line(err, checkpoint_dir, jax.process_count())
   else:
@@ -153,19 +159,19 @@ def _config_with_implied_settings():
   problems alone. Set by the user: the command-line overrides and the fields the config file
   changed from configs/default.py."""
   try:
-    config_validation.import_modules(FLAGS.config)  # A user's registrations, before all else.
-  except config_validation.ConfigError as err:
+    validation.import_modules(FLAGS.config)  # A user's registrations, before all else.
+  except validation.ConfigError as err:
     _usage_exit(str(err))
-  explicit = set(FLAGS["config"].override_values) | config_validation.changed_fields(
+  explicit = set(FLAGS["config"].override_values) | implied.changed_fields(
       FLAGS.config, default.get_config())
-  implied = config_validation.implied_settings(FLAGS.config, explicit)
-  for name, (value, reason) in implied.items():
+  settings = implied.implied_settings(FLAGS.config, explicit)
+  for name, (value, reason) in settings.items():
     logging.info("Implied config.%s=%r: %s (set --config.%s to choose otherwise).", name,
                  value, reason, name)
-  config = config_validation.with_settings(FLAGS.config, {k: v for k, (v, _) in implied.items()})
+  config = implied.with_settings(FLAGS.config, {k: v for k, (v, _) in settings.items()})
   try:
-    config_validation.validate(config)
-  except config_validation.ConfigError as err:
+    validation.validate(config)
+  except validation.ConfigError as err:
     _usage_exit(str(err))
   return config
 
@@ -227,7 +233,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     _check_config_file(config_path)
   modules = _flag_value(argv, "config.import_modules")
   if modules:  # Before the config file is read: configs/default.py adds their settings.
-    problem = config_schema.import_problem(modules)
+    problem = schema.import_problem(modules)
     if problem:
       _usage_exit(f"--config.import_modules: {problem}")
   try:
@@ -240,10 +246,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     if config_path is None:
       raise
     config = _load_config(config_path)
-    unknown = [name for name in overrides if not config_schema.has_field(config, name)]
+    unknown = [name for name in overrides if not schema.has_field(config, name)]
     if not unknown:
       raise
-    message = config_schema.unknown_field_message(config, unknown[0])
+    message = schema.unknown_field_message(config, unknown[0])
     print(f"FATAL Flags parsing error: {message} ({err})", file=sys.stderr)
     sys.exit(USAGE_ERROR)
 

@@ -111,7 +111,7 @@ FASHION_MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz
                        "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 LIMIT_BYTES = 64 * 2**20  # What one person carries along (and the device tool's carry limit).
 # The trainer's import path, in a fresh process: what --check finally tries.
-IMPORT_PROBE = ("import main; import cpjax.training.loop; import cpjax.data.sources; "
+IMPORT_PROBE = ("import main; import cpjax.training.train; import cpjax.data.sources; "
                 "import sklearn.datasets; import matplotlib.backends.backend_agg; "
                 "import studies.frontier")
 

@@ -31,22 +31,20 @@ from benchmarks import feeds, throughput
 from cpjax.data import (
   host_stage,
   preprocess,
-  readers,
 )
-from cpjax.data.device_stage import nvimgcodec as nvimgcodec_decode
-from cpjax.data.device_stage import packed_regions
-from cpjax.data.device_stage import reader as device_stage
+from cpjax.data.device_stage import decoders, nvimgcodec, packed_regions
+from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 
 
 def _decoders() -> dict[str, object]:
   """The device-stage decoders that can run here, by row name."""
   out = {"device_cpu": packed_regions.HostDecoder()}
-  if readers.DECODERS["gpu"].problem() is None:
-    out["gpu"] = nvimgcodec_decode.Decoder(3)
+  if decoders.DECODERS["gpu"].problem() is None:
+    out["gpu"] = nvimgcodec.Decoder(3)
   else:
     try:
-      out["nvimgcodec cpu"] = nvimgcodec_decode.Decoder(3, on_gpu=False)
+      out["nvimgcodec cpu"] = nvimgcodec.Decoder(3, on_gpu=False)
     except ImportError:
       pass
   return out
@@ -70,7 +68,7 @@ def measure(root: str, size: int, images: int) -> dict[str, dict]:
     for name, decoder in _decoders().items():
       if not draft and name != "device_cpu":
         continue
-      reader = device_stage.DeviceStageReader(source, transform, mesh, decoder)
+      reader = DeviceStageReader(source, transform, mesh, decoder)
       key = name if draft else f"{name}, no draft"
       out[key] = {("train" if epoch else "eval"): _difference(reference[epoch],
                                                               reader.images(rows, epoch))

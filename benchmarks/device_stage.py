@@ -73,10 +73,10 @@ def _reader(root: str, size: int, mesh, decoder=None, prefetch_depth: int = 2):
   # pylint: disable=import-outside-toplevel
   from cpjax.data import folder_source, preprocess
   from cpjax.data.device_stage import packed_regions
-  from cpjax.data.device_stage import reader as device_stage
+  from cpjax.data.device_stage.reader import DeviceStageReader
   source = folder_source.FolderSource(folder_source.listing(root, "train", 0, False))
   transform = preprocess.Transform(size=size, channels=3, flip=True, seed=0)
-  return source, device_stage.DeviceStageReader(
+  return source, DeviceStageReader(
       source, transform, mesh, decoder or packed_regions.HostDecoder(), num_threads=2,
       prefetch_depth=prefetch_depth)
 

@@ -31,8 +31,7 @@ from cpjax.calibration import losses
 from cpjax.data import input_pipeline, readers, specs, splits
 from cpjax.runtime import compiler_options, sharding
 from cpjax.selection import bookkeeping, scores
-from cpjax.training import loop as train
-from cpjax.training import loss_steps, setup
+from cpjax.training import loss_steps, setup, train
 
 
 def _data(name: str, num_examples: int, data_dir: str = "") -> tuple[str, splits.Split]:

@@ -109,9 +109,8 @@ import psutil
 
 from benchmarks import carry, feeds
 from configs import default, fashion_mnist_long, imagenet
-from cpjax.calibration import report as calibration_report
-from cpjax.config import schema as config_schema
-from cpjax.config import validation as config_validation
+from cpjax.calibration import report
+from cpjax.config import implied, schema
 from studies import frontier, grid, long_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,9 +252,9 @@ def child_env(cache: bool) -> dict[str, str]:
 def override_flags(config, reference) -> list[str]:
   """`--config.NAME=VALUE` for each field of `config` that differs from `reference` (the
   config file's own): the command line that turns the file's config into `config`."""
-  leaves = config_schema.leaves(config)
+  leaves = schema.leaves(config)
   flags = []
-  for name in sorted(config_validation.changed_fields(config, reference)):
+  for name in sorted(implied.changed_fields(config, reference)):
     value = leaves[name]
     if isinstance(value, (tuple, list, dict)):
       raise ValueError(f"config.{name}={value!r}: only scalar fields are passed as flags")
@@ -278,7 +277,7 @@ def run_main(config_file: str, workdir: str, flags: list[str], timeout: float,
     return run
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     run["records"] = [json.loads(line) for line in f]
-  run["report"] = calibration_report.read_results(os.path.join(workdir, "report",
+  run["report"] = report.read_results(os.path.join(workdir, "report",
                                                                "results.json"))
   return run
 
@@ -407,7 +406,7 @@ def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def arm_settings(configs: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """Per arm: its selection settings, epochs and batch size (what its name stands for)."""
-  return {name: {k: v for k, v in sorted(config_schema.leaves(c).items())
+  return {name: {k: v for k, v in sorted(schema.leaves(c).items())
                  if k.startswith(("selection.", "num_epochs", "batch_size"))}
           for name, c in configs.items()}
 
@@ -471,10 +470,10 @@ def imagenet_numbers(run: dict[str, Any]) -> dict[str, Any]:
              "input_wait_share": r["input_wait_seconds"] / r["training_seconds"],
              "scoring_seconds": r["scoring_seconds"], "selection_seconds": r["selection_seconds"],
              "eval_seconds": r.get("eval_seconds", math.nan)} for r in run["records"]]
-  last, report = run["records"][-1], run["report"]
+  last, results = run["records"][-1], run["report"]
   return {"epochs": epochs, "checkpoint_seconds": last["checkpoint_seconds"],
           "report_seconds": last["report_seconds"],
-          "report_build_seconds": report["seconds"]["total"],
+          "report_build_seconds": results["seconds"]["total"],
           "peak_device_memory_bytes": last.get("perf/peak_device_memory_bytes"),
           "test_accuracy": accuracy_of(run)}
 

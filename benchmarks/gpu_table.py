@@ -7,7 +7,7 @@ Needs jax, flax, optax, ml-collections, grain, array-record, Pillow and OpenCV; 
 torchvision are optional (the peer rows; skipped with a note without them), and so is
 nvImageCodec (the device stage's GPU rows: `pip install 'cpjax[gpu-decode]'`). Imports no
 TensorFlow, tensorflow_datasets or clu: only cpjax's lower-level modules (steps, models,
-data.preprocess, data.host_stage, data.device_stage, data.folder_source), never cpjax.training.loop
+data.preprocess, data.host_stage, data.device_stage, data.folder_source), never cpjax.training.train
 or cpjax.data.sources, which import tensorflow_datasets.
 
 Rows (full sizes; --tiny swaps in the `tiny` net, 16 px images and batches of 4-8):
@@ -79,8 +79,8 @@ from benchmarks import feeds, model_flops, throughput
 from configs import default
 from cpjax import models, optim, steps
 from cpjax.calibration import losses
-from cpjax.data import readers
-from cpjax.data.device_stage import reader as device_stage
+from cpjax.data.device_stage import decoders
+from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 from cpjax.selection import scores
 
@@ -297,11 +297,11 @@ def host_stage_reader(worker_kind: str):
 def device_stage_reader(source, transform, mesh, sizes: Sizes):
   """The device stage's reader (cpjax.data.device_stage) with the gpu decoder where it can
   run, the PIL stand-in at tiny sizes (the CPU test runs the rows' code), else (None, why)."""
-  problem = readers.DECODERS["gpu"].problem()
+  problem = decoders.DECODERS["gpu"].problem()
   if problem and not sizes.stand_in_decode:
     return None, f"no GPU decoding here: {problem}"
-  decoder = readers.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
-  return device_stage.DeviceStageReader(source, transform, mesh, decoder,
+  decoder = decoders.DECODERS["device_cpu" if problem else "gpu"].create(transform.channels)
+  return DeviceStageReader(source, transform, mesh, decoder,
                                         num_threads=_all_cores()), ""
 
 

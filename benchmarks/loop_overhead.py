@@ -5,7 +5,7 @@
 
 With a tiny model a step takes a millisecond or less, and whatever Python does per step
 becomes the bottleneck of a fast accelerator. This runs, in one process, the trainer's own
-step loop as cpjax.training.loop's epoch runs it (`trainer_steps` below:
+step loop as cpjax.training.train's epoch runs it (`trainer_steps` below:
 `step_loop.train_steps` over the device reader's batches, gathered inside the train step,
 with the learning rates, metric sums, a logging point every `--log-every` steps,
 per-example outputs gathered at the epoch's end)
@@ -31,7 +31,8 @@ import numpy as np
 
 from benchmarks import throughput
 from configs import test as test_config
-from cpjax import models, optim, steps
+from cpjax import models, optim, run_state, steps
+from cpjax.calibration import losses
 from cpjax.data import readers, specs, splits
 from cpjax.runtime import metric_writers, preemption, sharding
 from cpjax.selection import policies
@@ -58,8 +59,9 @@ def _setup(model_name: str, batch_size: int, num_steps: int, log_every: int):
 
 
 def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
-  """One epoch of `rows` through the step loop as cpjax.training.loop's epoch runs it (no selection,
-  evaluation or checkpoint): (state, order [steps, B], per-example outputs on the host)."""
+  """One epoch of `rows` through the step loop as cpjax.training.train's epoch runs it (no
+  selection, evaluation or checkpoint): (state, order [steps, B], per-example outputs on the
+  host)."""
   order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
   first_step = int(jax.device_get(state.step))
   row_weights = None
@@ -72,13 +74,13 @@ def trainer_steps(config, train_fn, state, reader, rows, epoch=0, weights=None):
   with step_loop.step_guard(config.step_transfer_guard):
     state, _, outputs, _, _ = step_loop.train_steps(
         train_fn, state, batches,
-        step_loop.learning_rates(config.optimizer, epoch, first_step, len(order), len(order),
+        optim.learning_rates(config.optimizer, epoch, first_step, len(order), len(order),
                                  config.num_epochs),
-        step_loop.loss_hparams(config.loss, epoch), step_loop.NOTHING_DONE,
+        losses.scheduled_hparams(config.loss, epoch), run_state.NOTHING_DONE,
         first_step=first_step, epoch=epoch, log_every=config.log_every_steps,
         window_steps=step_loop.window_steps(config.log_every_steps, (len(order),)),
         writer=metric_writers.MultiWriter([]), progress=lambda step: None,
-        checkpointer=_NoCheckpoints(), last_step=-1)
+        checkpointer=_NoCheckpoints())
   return state, order, step_loop.host_outputs(outputs, None)
 
 

@@ -32,7 +32,7 @@ from configs import default
 from cpjax import models, optim, run_state, steps
 from cpjax.data import specs
 from cpjax.runtime import sharding
-from cpjax.selection import policies, scores, sources
+from cpjax.selection import policies, score_sources, scores
 from cpjax.training import loss_steps, setup
 
 KINDS = ("train", "infobatch_train", "meta_train", "eval", "score")
@@ -71,8 +71,8 @@ class Step:
 
 def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size: int,
                mesh: jax.sharding.Mesh, image_size: int | None = None) -> Step:
-  """The loop's own jitted `kind` step (cpjax.training.loop, cpjax.selection.sources) and abstract
-  (shape, dtype, sharding) arguments: replicated state, batch sharded on `data`.
+  """The loop's own jitted `kind` step (cpjax.training.train, cpjax.selection.score_sources) and
+  abstract (shape, dtype, sharding) arguments: replicated state, batch sharded on `data`.
 
   `image_size` replaces the dataset's image side (e.g. 224 for an ImageNet-stem ResNet on
   3-channel images); the dataset still gives the channels, classes and normalisation.
@@ -93,7 +93,7 @@ def build_step(kind: str, model_name: str, dtype: str, dataset: str, batch_size:
     return Step(setup.jit_eval_step(config, model), (state, batch))
   if kind == "score":
     score_fn = scores.forward_score(config.selection.score, config.selection)
-    fn = sources._jit_score_step(  # pylint: disable=protected-access
+    fn = score_sources._jit_score_step(  # pylint: disable=protected-access
         config.model.name, config.dataset, dtype, score_fn, config.xla_cpu_options)
     return Step(fn, (state, batch))
   learning_rate = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(mesh))

@@ -26,7 +26,7 @@ import numpy as np
 import psutil
 
 from configs import test as test_config
-from cpjax.training import loop as train
+from cpjax.training import train
 
 
 def _config(epochs: int):

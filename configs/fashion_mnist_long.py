@@ -8,7 +8,7 @@ epochs of cosine-decayed SGD, which trains the model far longer than the
 fixed for their cost before any validation run; 10- and 30-epoch runs made
 afterwards (seed 0, studies/results/long_schedule.md) reached 92.00 / 92.73 /
 93.30 % validation accuracy at 10 / 20 / 30 epochs, so 20 epochs is not yet at
-the plateau: studies/frontier.py checks on a 30-epoch schedule whether its
+the plateau: studies/frontier_tiers.py checks on a 30-epoch schedule whether its
 chosen policy's gap to full data holds there too. Selection starts after one
 full-data warm-up epoch (Tata et al. 2022 warm up for 10 of 200 epochs; the
 same 5 %).

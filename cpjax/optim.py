@@ -15,6 +15,7 @@ baseline) still decays to its end.
 import math
 
 import ml_collections
+import numpy as np
 import optax
 
 
@@ -84,3 +85,15 @@ def learning_rate_of_step(config: ml_collections.ConfigDict, epoch: int, step: i
   if warmup and at < warmup:
     return config.learning_rate * min(1.0, (at + unit) / warmup)
   return learning_rate_at(config, at if config.schedule_unit == "step" else epoch, num_epochs)
+
+
+def learning_rates(config: ml_collections.ConfigDict, epoch: int, epoch_start_step: int,
+                   num_steps: int, total_steps: int, num_epochs: int) -> list[np.float32]:
+  """The learning rate of each of the `num_steps` steps of `epoch`, from global step
+  `epoch_start_step` on, as the train step takes them. Computed once for the epoch where the
+  schedule is by epoch (the same number at every step: about 10 us of Python a step saved)."""
+  def rate(step: int) -> np.float32:
+    return np.float32(learning_rate_of_step(config, epoch, step, total_steps, num_epochs))
+  if config.schedule_unit == "epoch":
+    return [rate(epoch_start_step)] * num_steps
+  return [rate(epoch_start_step + i) for i in range(num_steps)]

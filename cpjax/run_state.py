@@ -10,7 +10,7 @@
 
 `checkpoint_tree` is the one spelling of it: the loop's save (cpjax.training.step_loop
 .save_checkpoint), its restore target (cpjax.training.setup) and `abstract` (a `target` score source
-restores another run's tree to score with its model, cpjax.selection.sources) all build it
+restores another run's tree to score with its model, cpjax.selection.score_sources) all build it
 here, so they cannot disagree about its shape. `partial_tree` and `partial_from_checkpoint`
 turn an epoch's trained steps into the "partial" subtree and back. The "selection" subtree
 is the selection package's (a layer above): it is passed in.
@@ -84,7 +84,7 @@ def partial_tree(dataset: ml_collections.ConfigDict, batch_size: int,
 @dataclasses.dataclass(frozen=True)
 class Done:
   """The steps of an epoch trained before a preemption, as its checkpoint holds them: the
-  `done` of cpjax.training.loop._train_epoch."""
+  `done` of cpjax.training.train._train_epoch."""
   steps: int  # Steps of the epoch trained.
   totals: dict[str, np.ndarray] | None  # Their epoch sums (None: no step yet).
   outputs: dict[str, np.ndarray] | None  # Their per-example outputs, in training order.

@@ -1,7 +1,7 @@
 """The train state and the jitted steps: train, eval, score, and `predict` over a split.
 
-Every step is a pure function of pytrees; the loop (cpjax.training.loop) and the score
-sources (cpjax.selection.sources) bind its keyword arguments with
+Every step is a pure function of pytrees; the loop (cpjax.training.train) and the score
+sources (cpjax.selection.score_sources) bind its keyword arguments with
 `functools.partial` and jit it once over the 1-D `data` mesh. Steps bind a
 small `StepSpec` (normalisation statistics, augmentation, loss reduction and
 weighting), not the whole config, and never mutate their inputs. The score a
@@ -24,8 +24,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax.calibration import gamma_net as gamma_net_lib
 from cpjax.calibration import losses
+from cpjax.calibration.gamma_net import MetaObjective, head_logits
 from cpjax.data import augment, readers, specs, splits
 from cpjax.runtime import sharding
 
@@ -233,7 +233,7 @@ def lookahead_head(head: dict[str, jax.Array], features: jax.Array, labels: jax.
   (docs/methods.md#meta-calibration-step, step 2; differentiable in gamma, so phi gets a
   meta-gradient through it)."""
   def loss(h):
-    per_example = losses.focal_loss(gamma_net_lib.head_logits(features, h), labels, gamma)
+    per_example = losses.focal_loss(head_logits(features, h), labels, gamma)
     return _reduce(per_example, mask, spec)
   return jax.tree.map(lambda w, g: w - learning_rate * g, head, jax.grad(loss)(head))
 
@@ -241,7 +241,7 @@ def lookahead_head(head: dict[str, jax.Array], features: jax.Array, labels: jax.
 def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
                     learning_rate: jax.Array, loss_hparams: dict[str, jax.Array], *,
                     model: nn.Module, gamma_net: nn.Module, tx: optax.GradientTransformation,
-                    meta_tx: optax.GradientTransformation, objective: gamma_net_lib.MetaObjective,
+                    meta_tx: optax.GradientTransformation, objective: MetaObjective,
                     score_fn: ScoreFn, spec: StepSpec, leak_meta_gradient: bool = False
                     ) -> tuple[MetaTrainState, dict[str, jax.Array], dict[str, jax.Array]]:
   """One bilevel step of FL_gamma with a meta-learned gamma (docs/methods.md#meta-calibration-step:
@@ -295,7 +295,7 @@ def meta_train_step(state: MetaTrainState, batch: dict[str, jax.Array],
                           learning_rate, spec)
     (_, meta_features), _ = model.apply({**variables, "params": params}, meta_images,
                                         train=True, mutable=["batch_stats"])
-    return objective(gamma_net_lib.head_logits(meta_features, head), batch["meta_label"])
+    return objective(head_logits(meta_features, head), batch["meta_label"])
 
   meta_value, meta_grads = jax.value_and_grad(meta_loss)(state.meta_params, state.params,
                                                          features)

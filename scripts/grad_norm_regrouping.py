@@ -72,7 +72,7 @@ def main():
   train = input_pipeline.get_datasets(config.dataset)["train"]
   order = splits.epoch_order(config.seed, 0, np.arange(len(train)), config.batch_size)
   lr = np.float32(optim.learning_rate_at(config.optimizer, 0, config.num_epochs))
-  hparams = {k: np.float32(v) for k, v in losses.scheduled_hparams(config.loss, 0).items()}
+  hparams = losses.scheduled_hparams(config.loss, 0)
   for step in range(min(args.steps, len(order))):
     batch = sharding.to_global(mesh, splits.batch_at(train, order[step]), config.batch_size)
     states = [fn(s, batch, lr, hparams)[0] for fn, s in zip((with_norm, without_norm), states)]

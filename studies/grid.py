@@ -16,8 +16,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cpjax.calibration import report as calibration_report
-from cpjax.training import loop as train
+from cpjax.calibration import report
+from cpjax.training import train
 
 COLUMNS = (("accuracy", "before_ts", "accuracy"), ("ece", "before_ts", "ece"),
            ("ece_left_closed", "before_ts", "ece_left_closed"), ("ece_after_ts", "after_ts", "ece"))
@@ -38,14 +38,14 @@ def run_cell(base, overrides: dict[str, Any], workdir: str) -> dict[str, Any]:
     train.train_and_evaluate(apply(base, overrides), workdir)
     with open(os.path.join(workdir, "wall_seconds.txt"), "w") as f:
       f.write(str(time.time() - start))
-  report = calibration_report.read_results(report_path)
+  results = report.read_results(report_path)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     last = [json.loads(line) for line in f][-1]
   with open(os.path.join(workdir, "wall_seconds.txt")) as f:
     wall = float(f.read())
-  test = report["metrics"]["test"]
+  test = results["metrics"]["test"]
   row = {name: test[tag][key] for name, tag, key in COLUMNS}
-  row.update(temperature=report["temperature"]["temperature"], wall_seconds=wall,
+  row.update(temperature=results["temperature"]["temperature"], wall_seconds=wall,
              **{f"{p}_seconds": last[f"total_{p}_seconds"]
                 for p in ("scoring", "selection", "training")})
   return row

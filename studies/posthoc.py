@@ -47,7 +47,7 @@ import numpy as np
 import scipy.stats
 
 from cpjax.calibration import posthoc
-from cpjax.training import loop as train
+from cpjax.training import train
 from studies import grid, long_schedule, meta_calibration
 
 METRICS = ("ece", "nll", "accuracy")

@@ -448,8 +448,9 @@ def test_two_processes_agree_process_0_moves_aside_and_the_step_is_redone(tmp_pa
 
 def test_the_checkpointer_says_when_a_preemption_stops_the_run(tmp_path):
   """Inside `handling_preemption` SIGTERM only requests a stop, which `reached_preemption`
-  reports after the step it arrives in (named by `preemption_signal`); `stopping_at_once`
-  raises Preempted with the given step at once; the signal handler is restored on exit."""
+  reports after the step it arrives in; `stop_preempted` raises Preempted naming the signal and
+  the checkpoint, `stopping_at_once` with the given step at once; the signal handler is
+  restored on exit."""
   checkpointer = checkpointing.Checkpointer(str(tmp_path), 2)
   before = signal.getsignal(signal.SIGTERM)
   try:
@@ -458,7 +459,9 @@ def test_the_checkpointer_says_when_a_preemption_stops_the_run(tmp_path):
       os.kill(os.getpid(), signal.SIGTERM)
       time.sleep(0.1)  # Delivered: the process is still here, only a stop is requested.
       assert checkpointer.reached_preemption(4)
-      assert checkpointer.preemption_signal == "SIGTERM"
+      with pytest.raises(preemption.Preempted, match="SIGTERM: saved a checkpoint at global "
+                         r"step 4 \(epoch 0, step 4 of it\)"):
+        checkpointer.stop_preempted(4, 0, 4)
       with pytest.raises(preemption.Preempted, match="SIGTERM: the report stopped") as raised:
         with checkpointer.stopping_at_once("the report stopped", 9):
           pass

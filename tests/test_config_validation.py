@@ -15,16 +15,16 @@ from configs import (
   fashion_mnist_selection,
   fashion_mnist_study,
 )
-from cpjax.config import validation as config_validation
+from cpjax.config import implied, validation
 from cpjax.data import input_pipeline
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests.helpers import REPO, main_command, subprocess_env, tiny_config
 
 
 @pytest.mark.parametrize("module", [default, cifar10, cifar100, cifar10_target, cifar100_target,
                                     fashion_mnist, fashion_mnist_selection, fashion_mnist_study])
 def test_shipped_configs_are_valid(module):
-  config_validation.validate(module.get_config())
+  validation.validate(module.get_config())
 
 
 @pytest.mark.parametrize("field, value, expected", [
@@ -78,8 +78,8 @@ def test_shipped_configs_are_valid(module):
      "config.evaluation.conformal_raps_lambda: must be at least 0.0, got -0.5"),
 ])
 def test_bad_value_names_field_and_choices(field, value, expected):
-  with pytest.raises(config_validation.ConfigError) as info:
-    config_validation.validate(tiny_config(**{field: value}))
+  with pytest.raises(validation.ConfigError) as info:
+    validation.validate(tiny_config(**{field: value}))
   assert expected in str(info.value)
 
 
@@ -87,8 +87,8 @@ def test_conformal_alphas_the_validation_rows_reach_are_valid():
   """1/(n + 1) = 1/181 is the smallest alpha of 180 validation rows (k = 180 = n); a tuple or
   list of alphas is checked one by one; with no conformal score, alpha is not used."""
   for alpha in (0.00553, (0.05, 0.1), [0.2, 0.00553]):
-    config_validation.validate(tiny_config(**{"evaluation.conformal_alpha": alpha}))
-  config_validation.validate(tiny_config(**{"evaluation.conformal_alpha": 0.001,
+    validation.validate(tiny_config(**{"evaluation.conformal_alpha": alpha}))
+  validation.validate(tiny_config(**{"evaluation.conformal_alpha": 0.001,
                                             "evaluation.conformal_scores": ()}))
 
 
@@ -106,32 +106,32 @@ def test_wrong_type_names_field(field, value, expected):
     node = node[parent]
   del node[leaf]
   node[leaf] = value
-  with pytest.raises(config_validation.ConfigError) as info:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as info:
+    validation.validate(config)
   assert expected in str(info.value)
 
 
 def test_selected_epochs_need_epochs_after_the_warm_up():
   config = tiny_config(**{"selection.method": "top_k"})  # configs/test.py: 2 epochs, warm-up 2.
-  with pytest.raises(config_validation.ConfigError, match=r"selection.warmup_epochs=2 leaves no "
+  with pytest.raises(validation.ConfigError, match=r"selection.warmup_epochs=2 leaves no "
                                                           r"epoch of the 2"):
-    config_validation.validate(config)
-  config_validation.validate(tiny_config(**{"selection.method": "top_k",
+    validation.validate(config)
+  validation.validate(tiny_config(**{"selection.method": "top_k",
                                             "selection.warmup_epochs": 1}))
-  config_validation.validate(tiny_config(**{"selection.method": "full"}))  # Never selects.
+  validation.validate(tiny_config(**{"selection.method": "full"}))  # Never selects.
 
 
 def test_target_workdir_needs_a_target_scoring(tmp_path):
   (tmp_path / "checkpoints").mkdir()
   base = {"selection.method": "top_k", "selection.warmup_epochs": 1}
   # The old way (a target_workdir with the default train_pass scoring) names the new values.
-  with pytest.raises(config_validation.ConfigError) as info:
-    config_validation.validate(tiny_config(**base, **{"selection.target_workdir": str(tmp_path)}))
+  with pytest.raises(validation.ConfigError) as info:
+    validation.validate(tiny_config(**base, **{"selection.target_workdir": str(tmp_path)}))
   assert "selection.scoring='target'" in str(info.value)
   assert "'target_recorded'" in str(info.value)
-  with pytest.raises(config_validation.ConfigError, match="needs config.selection.target_workdir"):
-    config_validation.validate(tiny_config(**base, **{"selection.scoring": "target"}))
-  config_validation.validate(tiny_config(**base, **{"selection.scoring": "target",
+  with pytest.raises(validation.ConfigError, match="needs config.selection.target_workdir"):
+    validation.validate(tiny_config(**base, **{"selection.scoring": "target"}))
+  validation.validate(tiny_config(**base, **{"selection.scoring": "target",
                                                     "selection.target_workdir": str(tmp_path)}))
 
 
@@ -140,27 +140,27 @@ def test_reducible_loss_needs_a_target_run_and_the_current_models_losses(tmp_pat
   base = {"selection.method": "top_k", "selection.warmup_epochs": 1,
           "selection.score": "reducible_loss"}
   target = {"selection.target_workdir": str(tmp_path)}
-  with pytest.raises(config_validation.ConfigError,
+  with pytest.raises(validation.ConfigError,
                      match="config.selection.score='reducible_loss' needs "
                            "config.selection.target_workdir"):
-    config_validation.validate(tiny_config(**base))
+    validation.validate(tiny_config(**base))
   for scoring in ("target", "target_recorded"):
-    with pytest.raises(config_validation.ConfigError) as info:
-      config_validation.validate(tiny_config(**base, **target, **{"selection.scoring": scoring}))
+    with pytest.raises(validation.ConfigError) as info:
+      validation.validate(tiny_config(**base, **target, **{"selection.scoring": scoring}))
     assert (f"config.selection.scoring={scoring!r} does not work with "
             "selection.score='reducible_loss'") in str(info.value)
     assert "valid: 'train_pass', 'fresh'" in str(info.value)
-  with pytest.raises(config_validation.ConfigError, match="has no checkpoints/ folder"):
-    config_validation.validate(tiny_config(**base, **{"selection.target_workdir":
+  with pytest.raises(validation.ConfigError, match="has no checkpoints/ folder"):
+    validation.validate(tiny_config(**base, **{"selection.target_workdir":
                                                       str(tmp_path / "none")}))
   for scoring in ("train_pass", "fresh"):  # The target_workdir is RHO-LOSS's, not a scoring.
-    config_validation.validate(tiny_config(**base, **target, **{"selection.scoring": scoring}))
+    validation.validate(tiny_config(**base, **target, **{"selection.scoring": scoring}))
 
 
 def test_reducible_loss_is_not_for_infobatch(tmp_path):
   (tmp_path / "checkpoints").mkdir()
-  with pytest.raises(config_validation.ConfigError) as info:
-    config_validation.validate(tiny_config(**{
+  with pytest.raises(validation.ConfigError) as info:
+    validation.validate(tiny_config(**{
         "num_epochs": 4, "selection.method": "infobatch", "selection.warmup_epochs": 1,
         "selection.score": "reducible_loss", "selection.target_workdir": str(tmp_path)}))
   assert ("config.selection.score='reducible_loss' does not work with "
@@ -171,8 +171,8 @@ def test_reducible_loss_is_not_for_infobatch(tmp_path):
 @pytest.mark.parametrize("overrides", [{"budget_steps": 30},
                                        {"optimizer.schedule_unit": "step"}])
 def test_infobatch_has_no_step_budget_or_step_schedule(overrides):
-  with pytest.raises(config_validation.ConfigError) as info:
-    config_validation.validate(tiny_config(**{
+  with pytest.raises(validation.ConfigError) as info:
+    validation.validate(tiny_config(**{
         "num_epochs": 4, "selection.method": "infobatch", "selection.warmup_epochs": 1,
         **overrides}))
   assert "need epochs of known size; selection.method='infobatch'" in str(info.value)
@@ -182,8 +182,8 @@ def test_renamed_field_points_at_its_replacement():
   config = tiny_config()
   config.unlock()
   config.selection.target_per_epoch = True  # Removed: now selection.scoring='target_recorded'.
-  with pytest.raises(config_validation.ConfigError, match="target_recorded"):
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError, match="target_recorded"):
+    validation.validate(config)
 
 
 def test_unknown_and_missing_fields_are_reported():
@@ -191,8 +191,8 @@ def test_unknown_and_missing_fields_are_reported():
   config.unlock()
   config.optimizer.lr = 0.1  # A typo of learning_rate.
   del config.loss["reduction"]
-  with pytest.raises(config_validation.ConfigError) as info:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as info:
+    validation.validate(config)
   message = str(info.value)
   assert "config.optimizer.lr: unknown field" in message
   assert "optimizer.learning_rate" in message  # The known fields are listed.
@@ -201,8 +201,8 @@ def test_unknown_and_missing_fields_are_reported():
 
 def test_every_problem_is_reported_at_once():
   config = tiny_config(**{"model.name": "nope", "num_epochs": -1})
-  with pytest.raises(config_validation.ConfigError) as info:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as info:
+    validation.validate(config)
   assert "config.model.name" in str(info.value) and "config.num_epochs" in str(info.value)
 
 
@@ -214,7 +214,7 @@ def test_validation_fails_before_data_load(tmp_path, monkeypatch):
   # config error must come first, before any data is read, and leave no files behind.
   config = tiny_config(**{"dataset.name": "cifar10", "dataset.data_dir": str(tmp_path / "none"),
                           "model.name": "nope"})
-  with pytest.raises(config_validation.ConfigError, match="model.name"):
+  with pytest.raises(validation.ConfigError, match="model.name"):
     train.train_and_evaluate(config, str(tmp_path / "workdir"))
   assert not (tmp_path / "workdir").exists()
   assert not (tmp_path / "none").exists()
@@ -223,11 +223,11 @@ def test_validation_fails_before_data_load(tmp_path, monkeypatch):
 def test_sizes_that_train_padded_steps_are_warned_about():
   # configs/test.py: 1,257 training digits. A batch of 2,000 is one step of repeated rows;
   # 1 % selected is k = round(12.57) = 13 rows, below a batch of 64.
-  assert config_validation.size_warnings(tiny_config()) == []
-  big_batch = config_validation.size_warnings(tiny_config(batch_size=2000))
+  assert validation.size_warnings(tiny_config()) == []
+  big_batch = validation.size_warnings(tiny_config(batch_size=2000))
   assert big_batch == ["config.batch_size=2000 exceeds the 1257 training examples: each epoch "
                        "is one step whose batch repeats examples"]
-  small_subset = config_validation.size_warnings(tiny_config(
+  small_subset = validation.size_warnings(tiny_config(
       **{"selection.method": "top_k", "selection.fraction": 0.01}))
   assert len(small_subset) == 1 and "k=13" in small_subset[0]
   assert "config.batch_size=64" in small_subset[0]
@@ -239,46 +239,46 @@ INFOBATCH = {"num_epochs": 4, "selection.method": "infobatch", "selection.warmup
 
 def test_infobatch_alone_implies_its_score_unless_the_user_chose_one():
   config = tiny_config(**INFOBATCH)
-  with pytest.raises(config_validation.ConfigError, match="selection.score='entropy'"):
-    config_validation.validate(config)  # The library itself implies nothing.
-  implied = config_validation.implied_settings(config, explicit=set(INFOBATCH))
-  assert {k: v for k, (v, _) in implied.items()} == {"selection.score": "loss"}
-  assert "infobatch" in implied["selection.score"][1]  # The reason names the choice.
-  completed = config_validation.with_settings(config, {"selection.score": "loss"})
-  config_validation.validate(completed)
+  with pytest.raises(validation.ConfigError, match="selection.score='entropy'"):
+    validation.validate(config)  # The library itself implies nothing.
+  settings = implied.implied_settings(config, explicit=set(INFOBATCH))
+  assert {k: v for k, (v, _) in settings.items()} == {"selection.score": "loss"}
+  assert "infobatch" in settings["selection.score"][1]  # The reason names the choice.
+  completed = implied.with_settings(config, {"selection.score": "loss"})
+  validation.validate(completed)
   assert config.selection.score == "entropy"  # with_settings copies.
   # An explicit contradicting score is never overwritten: validate refuses it, naming why.
-  explicit = config_validation.implied_settings(config, {*INFOBATCH, "selection.score"})
+  explicit = implied.implied_settings(config, {*INFOBATCH, "selection.score"})
   assert explicit == {}
-  with pytest.raises(config_validation.ConfigError,
+  with pytest.raises(validation.ConfigError,
                      match="config.selection.score='entropy' does not work with "
                            "method='infobatch'.*valid: 'loss'"):
-    config_validation.validate(config)
+    validation.validate(config)
 
 
 def test_an_flgamma_loss_implies_a_tenth_of_the_training_rows_for_meta_validation():
   config = tiny_config(**{"loss.name": "flgamma_sece"})
-  implied = config_validation.implied_settings(config, explicit={"loss.name"})
+  settings = implied.implied_settings(config, explicit={"loss.name"})
   # digits: 1,437 train-split rows less 180 for validation = 1,257; a tenth is 125 >= 64.
-  assert {k: v for k, (v, _) in implied.items()} == {"dataset.meta_val_size": 125}
-  config_validation.validate(config_validation.with_settings(config, {"dataset.meta_val_size":
+  assert {k: v for k, (v, _) in settings.items()} == {"dataset.meta_val_size": 125}
+  validation.validate(implied.with_settings(config, {"dataset.meta_val_size":
                                                                       125}))
   # At least one batch: with a batch of 256, a tenth (125) would be too few.
   big_batch = tiny_config(**{"loss.name": "flgamma_dece", "batch_size": 256})
-  assert config_validation.implied_settings(big_batch, {"loss.name", "batch_size"})[
+  assert implied.implied_settings(big_batch, {"loss.name", "batch_size"})[
       "dataset.meta_val_size"][0] == 256
   # The user's explicit 0 is refused with the reason, not replaced.
-  assert config_validation.implied_settings(config, {"loss.name",
+  assert implied.implied_settings(config, {"loss.name",
                                                      "dataset.meta_val_size"}) == {}
-  with pytest.raises(config_validation.ConfigError, match="meta_val_size=0 must be at least"):
-    config_validation.validate(config)
-  assert config_validation.implied_settings(tiny_config(), explicit=set()) == {}
+  with pytest.raises(validation.ConfigError, match="meta_val_size=0 must be at least"):
+    validation.validate(config)
+  assert implied.implied_settings(tiny_config(), explicit=set()) == {}
 
 
 def test_changed_fields_are_those_a_config_file_sets():
-  changed = config_validation.changed_fields(fashion_mnist.get_config(), default.get_config())
+  changed = implied.changed_fields(fashion_mnist.get_config(), default.get_config())
   assert "dataset.name" in changed and "seed" not in changed
-  assert config_validation.changed_fields(default.get_config(), default.get_config()) == set()
+  assert implied.changed_fields(default.get_config(), default.get_config()) == set()
 
 
 def test_a_resume_names_each_changed_field_and_a_recomputed_schedule():
@@ -286,20 +286,20 @@ def test_a_resume_names_each_changed_field_and_a_recomputed_schedule():
   field with both values, sorted by name; a changed length or optimizer setting adds that the
   learning-rate schedule is recomputed; nothing changed, nothing to say."""
   saved = tiny_config().to_json_best_effort(sort_keys=True)  # num_epochs 2, lr 0.05.
-  assert config_validation.resume_changes(saved, tiny_config()) == ""
+  assert implied.resume_changes(saved, tiny_config()) == ""
   longer = tiny_config(**{"num_epochs": 10, "dataset.flip": True})
-  assert config_validation.resume_changes(saved, longer) == (
+  assert implied.resume_changes(saved, longer) == (
       "Resuming with a config that differs from the checkpoint's: dataset.flip False -> True; "
       "num_epochs 2 -> 10. The learning-rate schedule is recomputed for the new length "
       "(num_epochs=10): the epochs from here take their rates from it, not from the "
       "checkpoint's schedule.")
   faster = tiny_config(**{"optimizer.learning_rate": 0.1})
-  assert config_validation.resume_changes(saved, faster).endswith(
+  assert implied.resume_changes(saved, faster).endswith(
       "optimizer.learning_rate 0.05 -> 0.1. The learning-rate schedule is recomputed for the "
       "new optimizer settings: the epochs from here take their rates from it, not from the "
       "checkpoint's schedule.")
   seeded = tiny_config(seed=7)
-  assert config_validation.resume_changes(saved, seeded) == (
+  assert implied.resume_changes(saved, seeded) == (
       "Resuming with a config that differs from the checkpoint's: seed 0 -> 7.")
 
 
@@ -364,5 +364,5 @@ def test_main_logs_the_implied_fields_and_refuses_an_explicit_contradiction(tmp_
       "selection.fraction_end": 0.0}, "keeps no example"),
 ])
 def test_budget_schedule_rules_name_the_fields(overrides, expected):
-  with pytest.raises(config_validation.ConfigError, match=expected):
-    config_validation.validate(tiny_config(**overrides))
+  with pytest.raises(validation.ConfigError, match=expected):
+    validation.validate(tiny_config(**overrides))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from cpjax import models
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.models import custom
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers, toy_models
 
 TOY = "tests.toy_models:ToyNet"
@@ -23,8 +23,8 @@ NO_DTYPE = "tests.toy_models:NoDtype"
 def _problems(name, **overrides):
   """config_validation's message for configs/test.py with model.name=`name` ('' if valid)."""
   try:
-    config_validation.validate(helpers.tiny_config(**{"model.name": name, **overrides}))
-  except config_validation.ConfigError as err:
+    validation.validate(helpers.tiny_config(**{"model.name": name, **overrides}))
+  except validation.ConfigError as err:
     return str(err)
   return ""
 
@@ -134,7 +134,7 @@ def test_training_runs_with_a_users_module(tmp_path):
   the module's own parameter tree (an empty batch_stats)."""
   workdir = str(tmp_path)
   config = helpers.tiny_config(**{"model.name": MLP, "evaluation.ood": ""})
-  config_validation.validate(config)
+  validation.validate(config)
   train.train_and_evaluate(config, workdir)
   epochs = helpers.read_metrics(workdir)
   assert [r["epoch"] for r in epochs] == [0, 1]

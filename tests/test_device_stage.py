@@ -22,17 +22,15 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import (
   host_stage,
+  image_stats,
   preprocess,
-  readers,
   sources,
 )
-from cpjax.data.device_stage import nvimgcodec as nvimgcodec_decode
-from cpjax.data.device_stage import packed_regions
-from cpjax.data.device_stage import reader as device_stage
-from cpjax.data.device_stage import resize as device_resize
+from cpjax.data.device_stage import decoders, nvimgcodec, packed_regions, resize
+from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 from cpjax.training import setup
 from tests import helpers
@@ -123,12 +121,12 @@ def _op(cases, size: int, flips=None) -> np.ndarray:
   flat, offsets = packed_regions.packed(images)
   boxes = np.asarray(boxes, np.int32)
   widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-  return np.asarray(device_resize.crop_resize_flip(
+  return np.asarray(resize.crop_resize_flip(
       (jnp.asarray(flat),), jnp.asarray(offsets, jnp.int32),
       jnp.asarray([i.shape[:2] for i in images], jnp.int32), jnp.asarray(boxes),
-      jnp.asarray(device_resize.uses_area(widths, heights, size)),
+      jnp.asarray(resize.uses_area(widths, heights, size)),
       jnp.asarray(np.zeros(len(images), bool) if flips is None else flips),
-      size=size, channels=3, taps=device_resize.tap_count(widths, heights, size)))
+      size=size, channels=3, taps=resize.tap_count(widths, heights, size)))
 
 
 def test_the_resize_matches_a_numpy_reference_written_from_the_formulas():
@@ -138,7 +136,7 @@ def test_the_resize_matches_a_numpy_reference_written_from_the_formulas():
   out = _op(cases, 16)
   for (image, box), got in zip(cases, out):
     width, height = box[2] - box[0], box[3] - box[1]
-    expected = _reference(image, box, 16, bool(device_resize.uses_area(width, height, 16)))
+    expected = _reference(image, box, 16, bool(resize.uses_area(width, height, 16)))
     diff = np.abs(got.astype(int) - expected)
     assert diff.max() <= 1 and (diff == 0).mean() > 0.999, (box, diff.max())
 
@@ -164,30 +162,30 @@ def test_a_flip_reverses_the_columns_and_only_the_flipped_examples():
 def test_tap_count_and_bucket_by_hand():
   # 16 px out: a 20-px box enlarges or shrinks < 2x (bilinear, 2 taps); 40 x 40 shrinks 2.5x
   # (area: ceil(2.5) + 1 = 4 taps); 100 x 40 shrinks 6.25x on its long side (8 taps).
-  assert device_resize.tap_count(np.array([20]), np.array([10]), 16) == 2
-  assert device_resize.tap_count(np.array([20, 40]), np.array([20, 40]), 16) == 4
-  assert device_resize.tap_count(np.array([100]), np.array([40]), 16) == 8
+  assert resize.tap_count(np.array([20]), np.array([10]), 16) == 2
+  assert resize.tap_count(np.array([20, 40]), np.array([20, 40]), 16) == 4
+  assert resize.tap_count(np.array([100]), np.array([40]), 16) == 8
   # Area needs both sides at least S: a 100 x 10 box is bilinear (the host stage's rule).
-  assert not device_resize.uses_area(100, 10, 16) and device_resize.uses_area(32, 16, 16)
-  assert device_resize.bucket(1) == device_resize.MIN_BUCKET
-  assert device_resize.bucket(3 * 2**20) == 4 * 2**20 and device_resize.bucket(2**22) == 2**22
+  assert not resize.uses_area(100, 10, 16) and resize.uses_area(32, 16, 16)
+  assert resize.bucket(1) == resize.MIN_BUCKET
+  assert resize.bucket(3 * 2**20) == 4 * 2**20 and resize.bucket(2**22) == 2**22
 
 
 def test_buffer_lengths_and_tap_bounds_by_hand():
   # One length a run: multiples of 64 KiB. 2 rows of 100 x 80 x 3 (48,000 bytes): 1 x 64 KiB;
   # 3 rows (72,000): 2 x 64 KiB; pixels past the run's length get the next power of two.
-  assert device_resize.capacity(2 * 24_000) == 65_536
-  assert device_resize.capacity(3 * 24_000) == 131_072
-  assert device_resize.fitted(72_000, 131_072) == 131_072
-  assert device_resize.fitted(200_000, 131_072) == 262_144
+  assert resize.capacity(2 * 24_000) == 65_536
+  assert resize.capacity(3 * 24_000) == 131_072
+  assert resize.fitted(72_000, 131_072) == 131_072
+  assert resize.fitted(200_000, 131_072) == 262_144
   # 16 px out: sides under 32 px never area-average (2 taps); 48 px shrink 3x (3 + 1 -> 4);
   # 89 px 5.6x (6 + 1 -> 8); 2, 4, ..., the bound are the counts a smaller box can need.
-  assert device_resize.tap_bound(31, 16) == 2
-  assert device_resize.tap_bound(48, 16) == 4 and device_resize.tap_bound(89, 16) == 8
-  assert device_resize.tap_choices(8) == (2, 4, 8) and device_resize.tap_choices(2) == (2,)
+  assert resize.tap_bound(31, 16) == 2
+  assert resize.tap_bound(48, 16) == 4 and resize.tap_bound(89, 16) == 8
+  assert resize.tap_choices(8) == (2, 4, 8) and resize.tap_choices(2) == (2,)
   sides = np.arange(1, 90)  # Every box of an 89 x 89 image needs at most its bound.
   widths, heights = (a.ravel() for a in np.meshgrid(sides, sides))
-  assert device_resize.tap_count(widths, heights, 16) == device_resize.tap_bound(89, 16)
+  assert resize.tap_count(widths, heights, 16) == resize.tap_bound(89, 16)
 
 
 class _Guard:
@@ -256,7 +254,7 @@ def test_a_pass_over_images_of_several_sizes_compiles_nothing_after_compile_ahea
   if longest >= 2 * 24:
     bound = 1 << (math.ceil(longest / 24)).bit_length()
   mesh = sharding.create_mesh(jax.devices()[:2])
-  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
+  reader = DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                           num_threads=2)
   compiles = _Compiles()
   try:
@@ -286,16 +284,16 @@ def test_images_larger_than_the_scanned_ones_are_still_resized_and_said(folder, 
   source, transform = _source_and_transform(folder)
   mesh = sharding.create_mesh(jax.devices()[:1])
   blocks = np.arange(16).reshape(4, 4)
-  scanned = device_stage.DeviceStageReader(source, transform, mesh,
+  scanned = DeviceStageReader(source, transform, mesh,
                                            packed_regions.HostDecoder())
   full = _host(scanned.batches(blocks, epoch=1))
   pixels = []
   for row in range(len(source)):
     with Image.open(source.where(row)) as image:
       pixels.append(image.size[0] * image.size[1])
-  monkeypatch.setattr(device_stage.image_stats, "sample_rows",
+  monkeypatch.setattr(image_stats, "sample_rows",
                       lambda num_rows, sample: np.array([int(np.argmin(pixels))]))
-  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder())
+  reader = DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder())
   reader.compile_ahead(4)
   assert reader.largest().pixels == min(pixels) < scanned.largest().pixels == max(pixels)
   with caplog.at_level(logging.WARNING):
@@ -336,7 +334,7 @@ def test_decoding_the_next_batch_overlaps_the_step(folder):
   blocks = np.arange(4 * n).reshape(n, 4) % len(source)
   seconds = {}
   for depth in (2, 0):
-    reader = device_stage.DeviceStageReader(source, transform, mesh, _SlowDecoder(d),
+    reader = DeviceStageReader(source, transform, mesh, _SlowDecoder(d),
                                             num_threads=2, prefetch_depth=depth)
     reader.compile_ahead(4)
     seconds[depth] = _fed_seconds(reader, blocks, d)
@@ -381,7 +379,7 @@ def test_the_stand_in_gives_the_host_stages_pixels_within_one_level(folder, epoc
   blocks = np.random.default_rng(0).permutation(len(source))[:16].reshape(2, 8)
   host = _host(host_stage.PreprocessReader(source, transform, mesh, num_workers=2,
                                            worker_kind="thread").batches(blocks, epoch=epoch))
-  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
+  reader = DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                           num_threads=2)
   device = _host(reader.batches(blocks, epoch=epoch))
   diff = np.abs(host.astype(int) - device)
@@ -397,7 +395,7 @@ def test_the_stand_ins_difference_from_the_host_stage_as_configured(folder):
   rows = np.arange(len(source))
   host = host_stage.PreprocessReader(source, transform, mesh, worker_kind="thread",
                                      num_workers=2).images(rows, epoch=1)
-  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
+  reader = DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                           num_threads=2)
   diff = np.abs(host.astype(int) - reader.images(rows, epoch=1))
   # A scaled-down DCT decode is a different image: small on average, tens of levels at edges.
@@ -415,7 +413,7 @@ def test_the_folders_records_give_the_folders_batches(folder, tmp_path):
   assert type(converted).__name__ == "RecordSource"
   mesh = sharding.create_mesh()
   blocks = np.arange(16).reshape(2, 8)
-  got = [_host(device_stage.DeviceStageReader(s, transform, mesh, packed_regions.HostDecoder())
+  got = [_host(DeviceStageReader(s, transform, mesh, packed_regions.HostDecoder())
                .batches(blocks, epoch=1)) for s in (source, converted)]
   np.testing.assert_array_equal(*got)
 
@@ -426,7 +424,7 @@ def test_whole_images_and_boxes_alone_give_the_same_batches(folder):
   source, transform = _source_and_transform(folder)
   mesh = sharding.create_mesh()
   blocks = np.arange(16).reshape(2, 8)
-  batches = [_host(device_stage.DeviceStageReader(
+  batches = [_host(DeviceStageReader(
       source, transform, mesh, packed_regions.HostDecoder(whole=whole)).batches(blocks, epoch=1))
       for whole in (False, True)]
   np.testing.assert_array_equal(*batches)
@@ -440,7 +438,7 @@ def test_each_device_decodes_and_holds_its_own_shard(folder):
   mesh = sharding.create_mesh()
   assert mesh.devices.size == 8
   blocks = np.random.default_rng(1).permutation(len(source))[:16].reshape(1, 16)
-  reader = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
+  reader = DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                           num_threads=3, read_ahead=1, prefetch_depth=0)
   (batch,) = list(reader.batches(blocks, epoch=4))
   assert batch["image"].sharding.spec == jax.sharding.PartitionSpec("data")
@@ -452,7 +450,7 @@ def test_each_device_decodes_and_holds_its_own_shard(folder):
     np.testing.assert_array_equal(np.asarray(shard.data), expected[rows])
   np.testing.assert_array_equal(np.asarray(batch["id"]), source.ids[blocks[0]])
   np.testing.assert_array_equal(np.asarray(batch["label"]), source.labels[blocks[0]])
-  other = device_stage.DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
+  other = DeviceStageReader(source, transform, mesh, packed_regions.HostDecoder(),
                                          read_ahead=3, prefetch_depth=2)
   weights = np.linspace(0.5, 2.0, len(source)).astype(np.float32)  # One per split row.
   (fed,) = list(other.train_batches(blocks, row_weights=weights, epoch=4))
@@ -480,11 +478,11 @@ class _FakeGpu:
     del item, channels
 
   def layouts(self, length):
-    return (length,), (length, device_resize.MIN_BUCKET), (length, length)
+    return (length,), (length, resize.MIN_BUCKET), (length, length)
 
   def decode(self, items, prepared, channels, device, buffers):
     chosen = [k for k, item in enumerate(items)
-              if nvimgcodec_decode.gpu_readable(item) and not self.refuse(item)]
+              if nvimgcodec.gpu_readable(item) and not self.refuse(item)]
     regions = [packed_regions.host_region(items[k], channels) for k in chosen]
     flat, offsets = packed_regions.packed([r for r, _ in regions], length=buffers.length)
     placed = {k: packed_regions.Placed(o, p.height, p.width, p.x0, p.y0)
@@ -502,11 +500,11 @@ def test_files_a_gpu_decoder_cannot_read_are_decoded_by_pil_and_counted(folder, 
   blocks = np.arange(16).reshape(2, 8)
   items = [packed_regions.header_item(source, transform, row, 1) for row in blocks.ravel()]
   refused = {next(i.where for i in items if (i.format, i.mode) == ("JPEG", "RGB"))}
-  reader = device_stage.DeviceStageReader(source, transform, mesh,
+  reader = DeviceStageReader(source, transform, mesh,
                                           _FakeGpu(lambda item: item.where in refused))
   with caplog.at_level(logging.WARNING):
     got = _host(reader.batches(blocks, epoch=1))
-  expected = _host(device_stage.DeviceStageReader(
+  expected = _host(DeviceStageReader(
       source, transform, mesh, packed_regions.HostDecoder()).batches(blocks, epoch=1))
   np.testing.assert_array_equal(got, expected)
   pil = sum(i.format == "PNG" or i.mode == "CMYK" for i in items) + 1  # 1 refused.
@@ -533,9 +531,9 @@ def test_a_truncated_jpeg_goes_to_pil_which_names_it(tmp_path):
   transform = preprocess.from_config(dataset, spec.image_shape, 0)
   mesh = sharding.create_mesh()
   row = [source.where(r) for r in range(len(source))].index(str(cut))
-  assert not nvimgcodec_decode.gpu_readable(packed_regions.header_item(source, transform, row,
+  assert not nvimgcodec.gpu_readable(packed_regions.header_item(source, transform, row,
                                                                        None))
-  reader = device_stage.DeviceStageReader(source, transform, mesh, _FakeGpu())
+  reader = DeviceStageReader(source, transform, mesh, _FakeGpu())
   with pytest.raises(preprocess.BadImageError, match=f"{cut}: cannot be decoded") as raised:
     reader.images(np.array([row]), epoch=1)
   # As the host stage raises it: the folder's way out, the example for the resume's notes.
@@ -546,8 +544,8 @@ def test_a_truncated_jpeg_goes_to_pil_which_names_it(tmp_path):
     list(reader.batches(np.array([[row] * 8]), epoch=1))
 
 
-@pytest.mark.skipif(nvimgcodec_decode.importlib.util.find_spec("nvidia") is None
-                    or nvimgcodec_decode.importlib.util.find_spec("nvidia.nvimgcodec") is None,
+@pytest.mark.skipif(nvimgcodec.importlib.util.find_spec("nvidia") is None
+                    or nvimgcodec.importlib.util.find_spec("nvidia.nvimgcodec") is None,
                     reason="nvImageCodec is not installed (pip install 'cpjax[gpu-decode]')")
 def test_nvimgcodec_on_its_cpu_backend_gives_the_stand_ins_batches(folder):
   """The gpu decoder's own nvImageCodec calls (code streams, regions, decoding into places of
@@ -556,9 +554,9 @@ def test_nvimgcodec_on_its_cpu_backend_gives_the_stand_ins_batches(folder):
   source, transform = _source_and_transform(folder)
   mesh = sharding.create_mesh()
   blocks = np.arange(16).reshape(2, 8)
-  decoder = nvimgcodec_decode.Decoder(3, on_gpu=False)
-  reader = device_stage.DeviceStageReader(source, transform, mesh, decoder)
-  expected = _host(device_stage.DeviceStageReader(
+  decoder = nvimgcodec.Decoder(3, on_gpu=False)
+  reader = DeviceStageReader(source, transform, mesh, decoder)
+  expected = _host(DeviceStageReader(
       source, transform, mesh, packed_regions.HostDecoder()).batches(blocks, epoch=1))
   np.testing.assert_array_equal(_host(reader.batches(blocks, epoch=1)), expected)
   items = [packed_regions.header_item(source, transform, row, 1) for row in blocks.ravel()]
@@ -570,8 +568,8 @@ def test_nvimgcodec_on_its_cpu_backend_gives_the_stand_ins_batches(folder):
 
 def _problems(**dataset) -> str:
   config = helpers.tiny_config(**{f"dataset.{k}": v for k, v in dataset.items()})
-  with pytest.raises(config_validation.ConfigError) as raised:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as raised:
+    validation.validate(config)
   return str(raised.value)
 
 
@@ -580,7 +578,7 @@ def test_decode_gpu_without_a_gpu_stops_at_start_up_naming_what_to_install(folde
   """No GPU here: the line names jax[cuda13]; where nvImageCodec is missing too, the same
   line names the gpu-decode extra (one install after the other would fail again)."""
   for installed in (True, False):
-    monkeypatch.setattr(nvimgcodec_decode, "_nvimgcodec_installed", lambda i=installed: i)
+    monkeypatch.setattr(nvimgcodec, "_nvimgcodec_installed", lambda i=installed: i)
     message = _problems(**{**_dataset(folder).to_dict(), "decode": "gpu"})
     (line,) = [line for line in message.splitlines() if "dataset.decode" in line]
     assert "config.dataset.decode='gpu' needs an NVIDIA GPU" in line and "jax[cuda13]" in line
@@ -590,12 +588,12 @@ def test_decode_gpu_without_a_gpu_stops_at_start_up_naming_what_to_install(folde
 
 
 def test_the_gpu_decoder_on_a_gpu_without_nvimgcodec_names_the_extra_alone(monkeypatch):
-  monkeypatch.setattr(nvimgcodec_decode, "_nvidia", lambda device: True)  # As on a GPU.
-  monkeypatch.setattr(nvimgcodec_decode, "_nvimgcodec_installed", lambda: False)
-  assert nvimgcodec_decode.problem() == (
-      f"needs nvImageCodec, which is not installed: {nvimgcodec_decode.INSTALL}")
-  monkeypatch.setattr(nvimgcodec_decode, "_nvimgcodec_installed", lambda: True)
-  assert nvimgcodec_decode.problem() is None
+  monkeypatch.setattr(nvimgcodec, "_nvidia", lambda device: True)  # As on a GPU.
+  monkeypatch.setattr(nvimgcodec, "_nvimgcodec_installed", lambda: False)
+  assert nvimgcodec.problem() == (
+      f"needs nvImageCodec, which is not installed: {nvimgcodec.INSTALL}")
+  monkeypatch.setattr(nvimgcodec, "_nvimgcodec_installed", lambda: True)
+  assert nvimgcodec.problem() is None
 
 
 def test_decode_choices_are_checked_and_fit_the_dataset(folder):
@@ -605,14 +603,14 @@ def test_decode_choices_are_checked_and_fit_the_dataset(folder):
       **{**_dataset(folder).to_dict(), "decode": "device_cpu", "resize": "pil"})
   fields = {f"dataset.{k}": v for k, v in _dataset(folder, decode="device_cpu").items()}
   config = helpers.tiny_config(**fields, **{"evaluation.ood": "", "evaluation.calibrator_folds": 2})
-  config_validation.validate(config)  # The stand-in runs anywhere.
+  validation.validate(config)  # The stand-in runs anywhere.
 
 
 def test_auto_picks_the_host_stage_without_a_gpu_and_says_why(folder, caplog):
   with caplog.at_level(logging.INFO):
-    assert readers.resolved_decode(_dataset(folder, decode="auto")) == "cpu"
+    assert decoders.resolved_decode(_dataset(folder, decode="auto")) == "cpu"
   assert "dataset.decode=auto: cpu (gpu needs an NVIDIA GPU" in caplog.text
-  assert readers.resolved_decode(_dataset(folder, decode="device_cpu")) == "device_cpu"
+  assert decoders.resolved_decode(_dataset(folder, decode="device_cpu")) == "device_cpu"
 
 
 def test_the_resize_rule_is_one_check_for_its_three_users(folder, caplog):
@@ -620,23 +618,23 @@ def test_the_resize_rule_is_one_check_for_its_three_users(folder, caplog):
   reader all name it with the same words."""
   words = ("resizes on the device as the 'opencv' engine does, not dataset.resize='pil' "
            "(set resize='opencv')")
-  assert device_resize.resize_problem("opencv") is None
-  assert device_resize.resize_problem("pil") == words
+  assert resize.resize_problem("opencv") is None
+  assert resize.resize_problem("pil") == words
   assert f"config.dataset.decode='device_cpu' {words}; or decode on the host" in _problems(
       **{**_dataset(folder).to_dict(), "decode": "device_cpu", "resize": "pil"})
   source, transform = _source_and_transform(folder, resize="pil")
   with pytest.raises(ValueError, match=re.escape(f"the device stage {words}")):
-    device_stage.DeviceStageReader(source, transform, sharding.create_mesh(),
+    DeviceStageReader(source, transform, sharding.create_mesh(),
                                    packed_regions.HostDecoder())
   with caplog.at_level(logging.INFO):
-    assert readers.resolved_decode(_dataset(folder, decode="auto", resize="pil")) == "cpu"
+    assert decoders.resolved_decode(_dataset(folder, decode="auto", resize="pil")) == "cpu"
   # The decoder's own problem first (none where a GPU and nvImageCodec are), then the resize.
-  assert f"dataset.decode=auto: cpu (gpu {nvimgcodec_decode.problem() or words})." in (
+  assert f"dataset.decode=auto: cpu (gpu {nvimgcodec.problem() or words})." in (
       caplog.text)
 
 
 def test_the_checkpoint_names_the_decoder_and_a_resume_with_another_warns(caplog):
-  reader = device_stage.DeviceStageReader.__new__(device_stage.DeviceStageReader)
+  reader = DeviceStageReader.__new__(DeviceStageReader)
   reader.decoder = packed_regions.HostDecoder()
   assert setup._decoder_meta(reader, {}) == {"decoder": reader.decoder.name}  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):

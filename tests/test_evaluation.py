@@ -19,7 +19,7 @@ from cpjax.calibration import bootstrap, figures, metrics, posthoc, report
 from cpjax.data import splits
 from cpjax.runtime import sharding
 from cpjax.training import evaluation
-from cpjax.training import run as run_context
+from cpjax.training.run import NonFiniteLossError
 from tests import helpers
 
 State = collections.namedtuple("State", "step")  # All that the evaluators read of a state.
@@ -71,7 +71,7 @@ def test_a_non_finite_logit_stops_the_run_naming_the_last_good_checkpoint():
     return jnp.where((batch["id"] == 1004)[:, None], jnp.nan, logits)
   evaluator = _evaluator(diverged)
   assert evaluator.finite_logits(State(np.int32(7)), "val").shape == (50, NUM_CLASSES)
-  with pytest.raises(run_context.NonFiniteLossError) as info:
+  with pytest.raises(NonFiniteLossError) as info:
     evaluator.logits(State(np.int32(7)))
   assert str(info.value) == (
       "the model diverged: 1 of 70 test examples have non-finite logits at global step 7; "
@@ -262,7 +262,7 @@ def test_the_training_path_imports_neither_scipy_nor_matplotlib_nor_sklearn():
   """Only the report (and its pictures) needs them: importing the trainer, its evaluation and
   its config checks leaves them unimported (each takes up to a second)."""
   code = ("import sys\n"
-          "import cpjax.config.schema, cpjax.training.evaluation, cpjax.training.loop\n"
+          "import cpjax.config.schema, cpjax.training.evaluation, cpjax.training.train\n"
           "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'scipy', 'matplotlib', "
           "'sklearn', 'threadpoolctl'})\n"
           "assert not heavy, heavy\n")

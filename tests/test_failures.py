@@ -18,8 +18,16 @@ import numpy as np
 import pytest
 
 from cpjax.data import decode_workers
-from cpjax.runtime import checkpointing, distributed, failures, files, run_logging, sharding
-from cpjax.training import loop as train
+from cpjax.runtime import (
+  checkpointing,
+  distributed,
+  failures,
+  files,
+  metric_writers,
+  run_logging,
+  sharding,
+)
+from cpjax.training import train
 from tests import test_reliability
 from tests.helpers import (
   REPO,
@@ -211,6 +219,50 @@ def test_a_full_disk_under_the_events_file_names_the_workdir_not_the_checkpoints
   assert failures.line(bare, checkpoints, 1) == (
       "writing the run's files failed (OSError: [Errno 28] No space left on device); "
       f"{advice}")
+
+
+def test_a_full_disk_met_first_by_the_events_file_is_named_by_that_file(tmp_path,
+                                                                        monkeypatch, caplog):
+  """The disk fills while the first checkpoint commits: the events file's next write is
+  refused first (ENOSPC), in the second epoch, and then that checkpoint's commit, which the
+  loop waits for on its way out. The run stops on the failure it met first: the line names
+  the events file and the folder to free (the workdir), not the checkpoint folder; the
+  commit's failure is logged as its detail."""
+  workdir = str(tmp_path)
+  full = threading.Event()
+  real_save, real_write = checkpointing.Checkpointer.save, metric_writers.RecordWriter.write
+  real_wait = checkpointing.Checkpointer.wait_until_finished
+
+  def save(self, *args, **kwargs):
+    saved = real_save(self, *args, **kwargs)
+    full.set()  # From here on the disk is full.
+    return saved
+
+  def write(self, data):
+    if full.is_set():
+      raise OSError(errno.ENOSPC, "No space left on device")
+    real_write(self, data)
+
+  def refused_commit(self):
+    real_wait(self)  # orbax's threads end (the step commits: the advice names it).
+    with self._write_errors():  # pylint: disable=protected-access  As orbax's would.
+      raise OSError(errno.ENOSPC, "No space left on device",
+                    os.path.join(self.directory, "20.orbax-checkpoint-tmp", "state"))
+  monkeypatch.setattr(checkpointing.Checkpointer, "save", save)
+  monkeypatch.setattr(metric_writers.RecordWriter, "write", write)
+  monkeypatch.setattr(checkpointing.Checkpointer, "wait_until_finished", refused_commit)
+  with pytest.raises(OSError) as raised:
+    train.train_and_evaluate(tiny_config(), workdir)
+  events = raised.value.filename
+  assert os.path.dirname(events) == workdir and failures.EVENTS_MARK in events
+  checkpoints = os.path.join(workdir, "checkpoints")
+  assert failures.line(raised.value, checkpoints, 1) == (
+      f"writing the TensorBoard events file {events} failed (OSError: [Errno 28] writing "
+      f"TensorBoard events: No space left on device: '{events}'); make the folder {workdir} "
+      "writable (or free space there), then rerun the same command: it resumes from the "
+      f"last good checkpoint, step {STEPS_PER_EPOCH} in {checkpoints}")
+  detail = [r.getMessage() for r in caplog.records if "failed too" in r.getMessage()]
+  assert len(detail) == 1 and f"writing a checkpoint in {checkpoints} failed" in detail[0]
 
 
 def test_the_events_file_on_a_real_full_file_system_names_its_folder(tmp_path):

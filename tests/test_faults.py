@@ -9,6 +9,7 @@ field of metrics.jsonl must be equal (bit for bit on CPU).
 
 import errno
 import json
+import logging
 import os
 import re
 import signal
@@ -21,11 +22,10 @@ import jax
 import numpy as np
 import pytest
 
-from cpjax.config import schema as config_schema
+from cpjax.config import schema
 from cpjax.runtime import checkpointing, preemption, run_logging, workdir_lock
 from cpjax.selection import score_files
-from cpjax.training import loop as train
-from cpjax.training import setup
+from cpjax.training import setup, train
 from tests.helpers import (
   REPO,
   SELECTED_FLAGS,
@@ -216,6 +216,88 @@ def test_divergence_stops_without_saving_and_keeps_the_last_good_checkpoint(tmp_
       assert all(np.isfinite(numbers)), record
 
 
+def _fatal_alone(result: subprocess.CompletedProcess) -> str:
+  """The run's FATAL line, which must be its last line and its only one, with no traceback."""
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  fatal = [line for line in lines if line.startswith("FATAL")]
+  assert len(fatal) == 1 and lines[-1] == fatal[0], result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  return fatal[0]
+
+
+@pytest.mark.slow  # A main.py process.
+def test_a_diverging_run_ends_in_one_fatal_line(tmp_path):
+  """main.py at lr=100 (the evaluation's guard or the loss's fires): the guard's own sentence,
+  naming the last good checkpoint and what to change, is the run's one FATAL line; exit 1."""
+  result = subprocess.run(main_command(str(tmp_path), "--config.optimizer.learning_rate=100",
+                                       "--config.num_epochs=4"),
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  line = _fatal_alone(result)
+  assert re.match(r"FATAL (the model diverged|non-finite training loss)", line), line
+  assert line.endswith("Lower the learning rate or enable gradient clipping."), line
+
+
+@pytest.mark.slow  # A main.py process.
+def test_a_workdir_that_is_a_file_is_one_fatal_line_before_anything_is_written(tmp_path):
+  blocker = tmp_path / "run"
+  blocker.write_text("a file, not a folder")
+  result = subprocess.run(main_command(str(blocker)), cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-3000:]  # Refused before it starts.
+  assert _fatal_alone(result) == (f"FATAL --workdir '{blocker}' cannot be a folder: {blocker} "
+                                  "is a file; pass another --workdir (nothing was written)")
+  assert os.listdir(tmp_path) == ["run"] and blocker.read_text() == "a file, not a folder"
+
+
+@pytest.mark.slow  # A main.py process each.
+@pytest.mark.parametrize("delay", [0.005, 0.2])
+def test_a_second_ctrl_c_changes_nothing_the_stop_is_the_last_line(tmp_path, delay):
+  """Ctrl-C, then Ctrl-C again `delay` s later (5 ms: inside the stop's step and save; 0.2 s:
+  about when the process exits): the run saves its checkpoint and exits with 75 all the same,
+  and the stop's own line is stderr's last (no KeyboardInterrupt, nothing from JAX's exit)."""
+  workdir, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+  with open(log, "w") as stderr:
+    proc = subprocess.Popen(main_command(workdir, "--config.num_epochs=30"), cwd=REPO,
+                            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=stderr)
+    _wait_for(log, "Progress:", [proc])
+    proc.send_signal(signal.SIGINT)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == preemption.EXIT_CODE, _read(log)[-3000:]
+  lines = [line for line in _read(log).splitlines() if line.strip()]
+  stop = re.search(r"SIGINT: saved a checkpoint at global step (\d+) \(epoch \d+, step \d+ of "
+                   r"it\) in .*; rerun the same command to resume there\.$", lines[-1])
+  assert stop, lines[-5:]
+  assert "Traceback" not in _read(log) and "Exception ignored" not in _read(log)
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", stop.group(1)))
+
+
+def test_a_second_signal_while_stopping_is_noted_once_and_nothing_follows_the_stop(
+    tmp_path, caplog):
+  """In one process: the second Ctrl-C is noted (one line naming `kill -9`), the stop goes on;
+  a signal once the stop is raised, as the process unwinds, is not even noted."""
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), 2)
+  try:
+    with caplog.at_level(logging.WARNING), checkpointer.handling_preemption():
+      for _ in range(2):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Delivered, and no KeyboardInterrupt.
+      assert checkpointer.reached_preemption(3)
+      with pytest.raises(preemption.Preempted, match="SIGINT: saved a checkpoint at global "
+                         "step 3"):
+        checkpointer.stop_preempted(3, 0, 3)
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.05)
+  finally:
+    checkpointer.close()
+  messages = [r.getMessage() for r in caplog.records]
+  again = [m for m in messages if "again" in m]
+  assert len(again) == 1 and f"kill -9 {os.getpid()} ends it now" in again[0], messages
+  assert "again" in messages[-1], messages  # Nothing noted after the stop.
+
+
 @pytest.mark.slow  # A main.py process each.
 @pytest.mark.parametrize("override", [("--config.foo=1",), ("--config.foo", "1")])
 def test_an_unknown_override_fails_in_one_line_without_creating_the_workdir(tmp_path, override):
@@ -238,8 +320,8 @@ def test_an_unknown_override_fails_in_one_line_without_creating_the_workdir(tmp_
 ])
 def test_renamed_and_misspelt_fields_name_the_right_one(name, expected):
   config = tiny_config()
-  assert not config_schema.has_field(config, name)
-  assert config_schema.unknown_field_message(config, name).startswith(expected)
+  assert not schema.has_field(config, name)
+  assert schema.unknown_field_message(config, name).startswith(expected)
 
 
 def test_a_second_run_on_a_held_workdir_fails_fast_naming_the_holder(tmp_path):

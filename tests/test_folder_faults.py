@@ -19,7 +19,7 @@ from PIL import Image
 import pytest
 
 from configs import default
-from cpjax.config import validation as config_validation
+from cpjax.config import implied, validation
 from cpjax.data import fingerprint, folder_source, host_stage, image_stats, preprocess, sources
 from cpjax.runtime import sharding
 from tests import helpers
@@ -56,8 +56,8 @@ def _validate_folder(folder: str, **overrides) -> str:
   config = helpers.tiny_config(**{"dataset.name": "folder", "dataset.folder": folder,
                                   "dataset.val_size": 2, "evaluation.ood": "", **overrides})
   try:
-    config_validation.validate(config)
-  except config_validation.ConfigError as err:
+    validation.validate(config)
+  except validation.ConfigError as err:
     return str(err)
   return ""
 
@@ -119,34 +119,34 @@ def test_a_small_folder_gets_carve_outs_that_fit_it_and_no_in_memory_ood_set(tmp
     return config
 
   named = {"dataset.name", "dataset.folder"}
-  implied = config_validation.implied_settings(folder_config(with_test), named)
-  assert {k: v for k, (v, _) in implied.items()} == {"evaluation.ood": "",
+  settings = implied.implied_settings(folder_config(with_test), named)
+  assert {k: v for k, (v, _) in settings.items()} == {"evaluation.ood": "",
                                                      "dataset.val_size": 6}
-  assert "60 training images: a tenth of them" in implied["dataset.val_size"][1]
-  implied = config_validation.implied_settings(folder_config(only_train), named)
-  assert {k: v for k, (v, _) in implied.items()} == {"evaluation.ood": "",
+  assert "60 training images: a tenth of them" in settings["dataset.val_size"][1]
+  settings = implied.implied_settings(folder_config(only_train), named)
+  assert {k: v for k, (v, _) in settings.items()} == {"evaluation.ood": "",
                                                      "dataset.val_size": 6,
                                                      "dataset.test_size": 6}
-  config = config_validation.with_settings(folder_config(only_train),
-                                           {k: v for k, (v, _) in implied.items()})
-  config_validation.validate(config)  # Valid as implied.
+  config = implied.with_settings(folder_config(only_train),
+                                           {k: v for k, (v, _) in settings.items()})
+  validation.validate(config)  # Valid as implied.
   # At least calibrator_folds validation images: 5 of 2 x 20 (a tenth would be 4).
   small = _generated_folder(str(tmp_path / "c"), {"ant": shapes[:20], "bee": shapes[:20]},
                             test_per_class=1)
-  assert config_validation.implied_settings(folder_config(small), named)[
+  assert implied.implied_settings(folder_config(small), named)[
       "dataset.val_size"][0] == 5
   # Set by the user: kept, and refused with its reason.
   config = folder_config(with_test, **{"dataset.val_size": 180})
-  implied = config_validation.implied_settings(config, named | {"dataset.val_size"})
-  assert "dataset.val_size" not in implied
-  with pytest.raises(config_validation.ConfigError,
+  settings = implied.implied_settings(config, named | {"dataset.val_size"})
+  assert "dataset.val_size" not in settings
+  with pytest.raises(validation.ConfigError,
                      match=r"val_size=180 must be below the train split size 60"):
-    config_validation.validate(config_validation.with_settings(
-        config, {k: v for k, (v, _) in implied.items()}))
+    validation.validate(implied.with_settings(
+        config, {k: v for k, (v, _) in settings.items()}))
   for name in ("ant", "bee"):
     _save_png(os.path.join(with_test, "val", name, "img0.png"), 8, 8)
-  implied = config_validation.implied_settings(folder_config(with_test), named)
-  assert {k: v for k, (v, _) in implied.items()} == {"evaluation.ood": ""}
+  settings = implied.implied_settings(folder_config(with_test), named)
+  assert {k: v for k, (v, _) in settings.items()} == {"evaluation.ood": ""}
 
 
 # ---------------------------------------------------------------- class folders

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cpjax.config import validation as config_validation
-from studies import equivalence, frontier, grid, long_schedule
+from cpjax.config import validation
+from studies import equivalence, frontier, frontier_summary, frontier_tiers, grid, long_schedule
+from studies.frontier_tiers import Arm
 
 
 def test_tost_by_hand():
@@ -48,22 +49,22 @@ def test_lossless_needs_equivalence_and_a_small_mean_loss():
   assert not equivalence.tost([0.0005])["equivalent"]  # One seed proves nothing.
 
 
-@pytest.mark.parametrize("budget", frontier.BUDGETS)
+@pytest.mark.parametrize("budget", frontier_tiers.BUDGETS)
 def test_anneal_arms_cost_what_the_constant_budget_arms_cost(budget):
   # 20 epochs, 1 warm-up: 1 + 19 B full-epoch equivalents; an annealing arm trains
   # 1 + 2 + 17 f of them.
-  f = frontier.anneal_fraction_for(budget, 20)
+  f = frontier_tiers.anneal_fraction_for(budget, 20)
   assert 1 + 2 + 17 * f == pytest.approx(1 + 19 * budget / 100, abs=17 * 5e-5)
 
 
 def test_anneal_fraction_of_the_half_budget_by_hand():
-  assert frontier.anneal_fraction_for(45, 20) == pytest.approx((19 * 0.45 - 2) / 17, abs=5e-5)
-  assert frontier.anneal_fraction_for(45, 20) == 0.3853
+  assert frontier_tiers.anneal_fraction_for(45, 20) == pytest.approx((19 * 0.45 - 2) / 17, abs=5e-5)
+  assert frontier_tiers.anneal_fraction_for(45, 20) == 0.3853
 
 
-@pytest.mark.parametrize("budget", frontier.BUDGETS)
+@pytest.mark.parametrize("budget", frontier_tiers.BUDGETS)
 def test_rising_schedule_keeps_the_budget_on_average(budget):
-  start, end = frontier.rising_range(budget)
+  start, end = frontier_tiers.rising_range(budget)
   fractions = [start + (end - start) * e / 18 for e in range(19)]  # 19 selected epochs.
   assert np.mean(fractions) == pytest.approx(budget / 100, abs=1e-4)
   assert 0.05 <= start < end <= 1.0
@@ -77,57 +78,57 @@ def _result(values, passes, val=None, seeds=None):
 
 
 def test_the_choice_is_the_best_validation_accuracy_at_half_the_passes_or_less():
-  arms = [frontier.Arm("full", "full", {}, "A"),
-          frontier.Arm("a-45", "a", {}, "A", 45), frontier.Arm("b-45", "b", {}, "A", 45),
-          frontier.Arm("c-45", "c", {}, "A", 45), frontier.Arm("d-30", "d", {}, "B", 30)]
+  arms = [Arm("full", "full", {}, "A"), Arm("a-45", "a", {}, "A", 45),
+          Arm("b-45", "b", {}, "A", 45), Arm("c-45", "c", {}, "A", 45),
+          Arm("d-30", "d", {}, "B", 30)]
   results = {"full": _result([0.92] * 3, 100.0),
              "a-45": _result([0.91] * 3, 48.0, val=[0.915] * 3),
              "b-45": _result([0.90] * 3, 47.0, val=[0.93] * 3),  # Best validation: chosen,
              "c-45": _result([0.95] * 3, 60.0),  # not this one: more than half the passes.
              "d-30": _result([0.99] * 3, 30.0)}  # Tier B never takes part.
-  assert frontier.choose(arms, results).name == "b-45"
+  assert frontier_summary.choose(arms, results).name == "b-45"
   del results["a-45"]["seed_index"][2]  # A tier-A arm without all its seeds: no choice yet.
-  assert frontier.choose(arms, results) is None
+  assert frontier_summary.choose(arms, results) is None
 
 
 def test_summary_pairs_by_seed_and_finds_the_largest_lossless_saving():
-  arms = [frontier.Arm("full", "full", {}, "A"), frontier.Arm("p-45", "p", {}, "A", 45),
-          frontier.Arm("p-30", "p", {}, "B", 30), frontier.Arm("q-45", "q", {}, "A", 45)]
+  arms = [Arm("full", "full", {}, "A"), Arm("p-45", "p", {}, "A", 45),
+          Arm("p-30", "p", {}, "B", 30), Arm("q-45", "q", {}, "A", 45)]
   full = [0.920, 0.922, 0.925]
   results = {"full": _result(full, 100.0),
              "p-45": _result(np.add(full, [0.0005, -0.0003, 0.0001]), 48.0),
              "p-30": _result(np.add(full, [-0.0100, -0.0080, -0.0120]), 34.0),
              "q-45": _result(np.add(full, [0.0005, -0.0030, 0.0040]), 48.0)}
-  summary = frontier.summarise(arms, results)
+  summary = frontier_summary.summarise(arms, results)
   assert summary["p-45"]["passes_share"] == pytest.approx(0.48)
   assert summary["p-45"]["vs_full"]["mean"] == pytest.approx(0.0001, abs=1e-12)
   assert summary["p-45"]["vs_full"]["lossless"]
   assert not summary["p-30"]["vs_full"]["lossless"]
   assert not summary["q-45"]["vs_full"]["lossless"]  # Mean +0.05 points but too spread.
-  answers = frontier.frontier_answers(summary)
+  answers = frontier_summary.frontier_answers(summary)
   assert answers["p"]["arm"] == "p-45" and answers["p"]["saving"] == pytest.approx(0.52)
   assert answers["q"] is None
   # An arm on 2 of seeds 0-2 is lossless on them (interval ±0.06 points) but does not count yet.
-  arms.append(frontier.Arm("p-20", "p", {}, "B", 20))
+  arms.append(Arm("p-20", "p", {}, "B", 20))
   results["p-20"] = _result(np.add(full[:2], [0.0001, -0.0001]), 25.0)
-  summary = frontier.summarise(arms, results)
+  summary = frontier_summary.summarise(arms, results)
   assert summary["p-20"]["vs_full"]["lossless"]
-  assert frontier.frontier_answers(summary)["p"]["arm"] == "p-45"
-  table = frontier.markdown(summary, None, "cmd", {}).splitlines()
+  assert frontier_summary.frontier_answers(summary)["p"]["arm"] == "p-45"
+  table = frontier_summary.markdown(summary, None, "cmd", {}).splitlines()
   rows = {row.split("|")[1].strip(): row for row in table if row.startswith("| p-")}
   assert rows["p-20"].endswith("| not yet (2 of 3 seeds) |")
   assert rows["p-45"].endswith("| yes |")
 
 
-def _confirmation(differences, seeds=frontier.CONFIRM_SEEDS):
+def _confirmation(differences, seeds=frontier_tiers.CONFIRM_SEEDS):
   """Summary and chosen arm with a tier-C arm `differences` from full data on `seeds`."""
-  chosen = frontier.Arm("p-45", "p", {}, "A", 45)
-  arms = [frontier.Arm("full@confirm", "full", {}, "C", seeds=seeds),
-          frontier.Arm("p-45@confirm", "p", {}, "C", 45, seeds=seeds)]
+  chosen = Arm("p-45", "p", {}, "A", 45)
+  arms = [Arm("full@confirm", "full", {}, "C", seeds=seeds),
+          Arm("p-45@confirm", "p", {}, "C", 45, seeds=seeds)]
   full = [0.920, 0.918, 0.925, 0.921, 0.919][:len(seeds)]
   results = {"full@confirm": _result(full, 100.0, seeds=seeds),
              "p-45@confirm": _result(np.add(full, differences), 47.75, seeds=seeds)}
-  return frontier.verdicts(frontier.summarise(arms, results), chosen)
+  return frontier_summary.verdicts(frontier_summary.summarise(arms, results), chosen)
 
 
 def test_the_half_compute_verdict_needs_five_untouched_seeds_equivalence_and_the_mean():
@@ -141,27 +142,27 @@ def test_the_half_compute_verdict_needs_five_untouched_seeds_equivalence_and_the
   # The same good differences on seeds 3-5 only: undecided, not met.
   found = _confirmation([-0.0005, 0.0003, 0.0001], seeds=(3, 4, 5))["untouched"]
   assert found["lossless"] and not found["complete"] and not found["met"]
-  lines = frontier.verdict_lines({"untouched": found})
+  lines = frontier_summary.verdict_lines({"untouched": found})
   assert lines[3] == "**Tier C, seeds 3-7: not decided yet.**" and "incomplete" in lines[4]
 
 
 def test_arms_option_names_an_unknown_arm_and_the_near_ones():
-  base = frontier.base_config()
-  assert frontier.parse_arms("topk_anneal-70,noisy_topk_anneal-45@confirm", base) == [
+  base = frontier_tiers.base_config()
+  assert frontier_tiers.parse_arms("topk_anneal-70,noisy_topk_anneal-45@confirm", base) == [
       "topk_anneal-70", "noisy_topk_anneal-45@confirm"]
-  assert frontier.parse_arms("", base) == []
+  assert frontier_tiers.parse_arms("", base) == []
   with pytest.raises(SystemExit, match=r"unknown arm 'topk_anneal-50'; did you mean "
                                        r"topk_anneal-p50 or topk_anneal-70\? valid arms: full,"):
-    frontier.parse_arms("topk_anneal-50", base)
+    frontier_tiers.parse_arms("topk_anneal-50", base)
 
 
 def test_every_arm_is_a_valid_config():
-  base = frontier.base_config()
-  search = frontier.search_arms(base)
-  assert len({a.name for a in search}) == len(search) == 1 + 4 * len(frontier.POLICIES)
+  base = frontier_tiers.base_config()
+  search = frontier_tiers.search_arms(base)
+  assert len({a.name for a in search}) == len(search) == 1 + 4 * len(frontier_tiers.POLICIES)
   chosen = next(a for a in search if a.name == "topk_anneal-45")
-  for arm in search + frontier.later_arms(chosen, base):
-    config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 3)))
+  for arm in search + frontier_tiers.later_arms(chosen, base):
+    validation.validate(grid.apply(base, frontier_tiers.run_overrides(arm, 3)))
 
 
 def test_summarise_only_reads_the_long_schedule_records(tmp_path, monkeypatch):
@@ -188,23 +189,24 @@ def test_summarise_only_reads_the_long_schedule_records(tmp_path, monkeypatch):
 def _tiers_c_and_f(c_differences, f_differences):
   """Summary, results and chosen arm with tiers C (seeds 3-7) and F (seeds 8-12) of a chosen
   arm `p-45`, each `*_differences` from full data on its seeds."""
-  chosen = frontier.Arm("p-45", "p", {}, "A", 45)
+  chosen = Arm("p-45", "p", {}, "A", 45)
   arms, results = [], {}
-  for suffix, tier, seeds, d in (("@confirm", "C", frontier.CONFIRM_SEEDS, c_differences),
-                                 ("@replicate", "F", frontier.REPLICATE_SEEDS, f_differences)):
+  for suffix, tier, seeds, d in (
+      ("@confirm", "C", frontier_tiers.CONFIRM_SEEDS, c_differences),
+      ("@replicate", "F", frontier_tiers.REPLICATE_SEEDS, f_differences)):
     full = [0.920, 0.918, 0.925, 0.921, 0.919]
-    arms += [frontier.Arm(f"full{suffix}", "full", {}, tier, seeds=seeds),
-             frontier.Arm(f"p-45{suffix}", "p", {}, tier, 45, seeds=seeds)]
+    arms += [Arm(f"full{suffix}", "full", {}, tier, seeds=seeds),
+             Arm(f"p-45{suffix}", "p", {}, tier, 45, seeds=seeds)]
     results[f"full{suffix}"] = _result(full, 100.0, seeds=seeds)
     results[f"p-45{suffix}"] = _result(np.add(full, d), 47.75, seeds=seeds)
-  return frontier.summarise(arms, results), results, chosen
+  return frontier_summary.summarise(arms, results), results, chosen
 
 
 def test_replication_is_reported_alone_and_pooled_beside_the_original_verdict():
   c = [-0.0005, 0.0003, 0.0001, -0.0002, 0.0004]  # Tight around +0.002 points: met.
   f = [-0.0011, -0.0013, -0.0012, -0.0012, -0.0012]  # Equivalent, mean -0.12: not lossless.
   summary, results, chosen = _tiers_c_and_f(c, f)
-  found = frontier.verdicts(summary, chosen, results)
+  found = frontier_summary.verdicts(summary, chosen, results)
   assert found["untouched"]["met"]  # Tier C's verdict stays as it was.
   assert found["replicate"]["equivalent"] and not found["replicate"]["met"]
   assert found["replicate"]["seeds"] == [8, 9, 10, 11, 12]
@@ -217,7 +219,7 @@ def test_replication_is_reported_alone_and_pooled_beside_the_original_verdict():
   assert pooled["p"] == pytest.approx(max(lower, upper), rel=1e-9)
   assert pooled["mean"] == pytest.approx((0.0001 / 5 - 0.006 / 5) / 2, abs=1e-12)
   assert pooled["met"] == (pooled["equivalent"] and pooled["mean"] >= -0.001)
-  lines = frontier.verdict_lines(found)
+  lines = frontier_summary.verdict_lines(found)
   assert lines[3] == "**Tier C, seeds 3-7: met.**" and "**not replicated**" in lines[4]
   assert any(line.startswith("- tiers C and F pooled, seeds 3-12") for line in lines)
 
@@ -233,29 +235,29 @@ def test_test_image_bootstrap_against_the_binomial_closed_form():
   arm[:k] = 1
   results = {name: {"seed_index": {3: 0}, "accuracy": [c.mean()], "correct": [c.tolist()]}
              for name, c in (("arm", arm), ("full", full))}
-  out = frontier.test_image_intervals(results, "arm", "full", [3])
+  out = frontier_summary.test_image_intervals(results, "arm", "full", [3])
   half = 1.645 * math.sqrt(0.1 * 0.9 / n)
   assert out["pooled"] == pytest.approx([0.1 - half, 0.1 + half], abs=0.003)
   difference, low, high = out["per_seed"][3]
   assert difference == pytest.approx(0.1) and (low, high) == pytest.approx(out["pooled"])
   # Identical predictions: every resample differs by exactly 0.
   results["arm"] = results["full"]
-  assert frontier.test_image_intervals(results, "arm", "full", [3])["pooled"] == [0.0, 0.0]
+  assert frontier_summary.test_image_intervals(results, "arm", "full", [3])["pooled"] == [0.0, 0.0]
 
 
 def test_smallest_share_not_shown_worse_and_the_equivalent_arms():
-  arms = [frontier.Arm("full", "full", {}, "A"), frontier.Arm("p-30", "p", {}, "B", 30),
-          frontier.Arm("p-45", "p", {}, "A", 45), frontier.Arm("p-70", "p", {}, "B", 70),
-          frontier.Arm("q-45", "q", {}, "A", 45)]
+  arms = [Arm("full", "full", {}, "A"), Arm("p-30", "p", {}, "B", 30),
+          Arm("p-45", "p", {}, "A", 45), Arm("p-70", "p", {}, "B", 70),
+          Arm("q-45", "q", {}, "A", 45)]
   full = [0.920, 0.922, 0.925]
   results = {"full": _result(full, 100.0),
              "p-30": _result(np.add(full, [-0.010, -0.008, -0.012]), 34.0),  # Worse.
              "p-45": _result(np.add(full, [0.003, -0.004, -0.001]), 48.0),  # Not worse, wide.
              "p-70": _result(np.add(full, [0.0002, -0.0001, 0.0]), 72.0),  # Equivalent.
              "q-45": _result(np.add(full, [-0.010, -0.011, -0.009]), 48.0)}
-  arms.append(frontier.Arm("q-30", "q", {}, "B", 30))  # Two of its three seeds so far,
+  arms.append(Arm("q-30", "q", {}, "B", 30))  # Two of its three seeds so far,
   results["q-30"] = _result(np.add(full[:2], [0.0001, -0.0001]), 34.0)  # "equivalent" on them.
-  out = frontier.smallest_not_worse(frontier.summarise(arms, results))
+  out = frontier_summary.smallest_not_worse(frontier_summary.summarise(arms, results))
   assert out["p"]["not_worse"] == {"arm": "p-45", "passes_share": pytest.approx(0.48)}
   assert out["p"]["equivalent"] == ["p-70"]
   assert out["q"] == {"not_worse": None, "equivalent": [], "incomplete": [("q-30", 2)]}
@@ -264,11 +266,11 @@ def test_smallest_share_not_shown_worse_and_the_equivalent_arms():
 def test_the_figure_is_drawn_without_full_datas_records(tmp_path):
   """A tier run before full data's (`--tiers B` on a fresh --out) has no share of passes: the
   figure is still written, and the summary's table shows no share for it."""
-  arms = [frontier.Arm("full", "full", {}, "A"), frontier.Arm("p-30", "p", {}, "B", 30)]
+  arms = [Arm("full", "full", {}, "A"), Arm("p-30", "p", {}, "B", 30)]
   results = {"p-30": _result([0.90, 0.91, 0.92], 34.0)}
-  summary = frontier.summarise(arms, results)
+  summary = frontier_summary.summarise(arms, results)
   assert "passes_share" not in summary["p-30"] and "vs_full" not in summary["p-30"]
-  frontier.plot_frontier(arms, results, summary, str(tmp_path / "frontier.png"))
+  frontier_summary.plot_frontier(arms, results, summary, str(tmp_path / "frontier.png"))
   assert (tmp_path / "frontier.png").stat().st_size > 0
 
 
@@ -277,14 +279,17 @@ def test_a_verdict_says_when_the_arm_is_above_or_below_full_data():
   data is better, not 'not lossless' alone; one below says so beside its test."""
   base = {"arm": "a", "seeds": [3, 4, 5, 6, 7], "complete": True, "saving": 0.52, "n": 5,
           "p": 0.98, "equivalent": False, "lossless": False}
-  above = frontier._verdict_line("noise", {**base, "mean": 0.008, "low": 0.004, "high": 0.012})
+  above = frontier_summary._verdict_line("noise", {**base, "mean": 0.008, "low": 0.004,
+                                                   "high": 0.012})
   assert above.endswith("+0.80 [+0.40, +1.20] points vs full data, not shown equivalent at "
                         "±0.2 (TOST p 0.980); above full data: its 90 % interval excludes 0 "
                         "(better, so not equivalent)")
-  below = frontier._verdict_line("f", {**base, "mean": -0.0018, "low": -0.0031, "high": -0.0004})
+  below = frontier_summary._verdict_line("f", {**base, "mean": -0.0018, "low": -0.0031,
+                                               "high": -0.0004})
   assert below.endswith("not lossless; below full data: its 90 % interval excludes 0")
-  across = frontier._verdict_line("c", {**base, "mean": -0.0007, "low": -0.0015, "high": 0.0001,
-                                        "p": 0.013, "equivalent": True, "lossless": True})
+  across = frontier_summary._verdict_line("c", {**base, "mean": -0.0007, "low": -0.0015,
+                                                "high": 0.0001, "p": 0.013, "equivalent": True,
+                                                "lossless": True})
   assert across.endswith("equivalent at ±0.2 (TOST p 0.013); lossless")
 
 
@@ -293,14 +298,14 @@ def test_the_figure_marks_an_arm_far_below_full_data_at_its_floor():
   panels stop a few points below full data and name that arm at the edge, with its numbers
   worked by hand: differences -10.0, -12.1, -7.9 have sd 2.1, so the 90 % t interval is
   -10.0 -/+ 2.92 x 2.1 / sqrt(3) = [-13.54, -6.46]; accuracies 82, 80, 84 %: 82.0 [78.6, 85.4]."""
-  arms = [frontier.Arm("full", "full", {}, "A"),
-          frontier.Arm("infobatch-r95", "infobatch", {}, "B", 95),
-          frontier.Arm("topk_anneal-45", "topk_anneal", {}, "A", 45)]
+  arms = [Arm("full", "full", {}, "A"),
+          Arm("infobatch-r95", "infobatch", {}, "B", 95),
+          Arm("topk_anneal-45", "topk_anneal", {}, "A", 45)]
   results = {"full": _result([0.92, 0.921, 0.919], 100.0),
              "infobatch-r95": _result([0.82, 0.80, 0.84], 41.6),
              "topk_anneal-45": _result([0.919, 0.92, 0.918], 47.8)}
-  summary = frontier.summarise(arms, results)
-  fig = frontier.draw_frontier(arms, results, summary)
+  summary = frontier_summary.summarise(arms, results)
+  fig = frontier_summary.draw_frontier(arms, results, summary)
   try:
     accuracy, difference = fig.axes[:2]
     assert accuracy.get_ylim()[0] > 85 and difference.get_ylim()[0] > -5
@@ -349,18 +354,18 @@ def test_wall_clock_is_paired_per_seed_on_one_machine_and_whole_runs_only():
                [a, a, b, a], (3, 4, 5, 6))
   full = _timed([500, 450, 480, 1000], [470, 400, 450, 960], [465, 398, 445, 740],
                 [a, a, a, a], (3, 4, 5, 6))
-  pairs = frontier.time_pairs(arm, full)
+  pairs = frontier_summary.time_pairs(arm, full)
   assert pairs[5] is None
   assert pairs[3] == {"machine": a, "wall": 0.5, "compute": pytest.approx(220 / 470),
                       "even": True}
   assert pairs[4]["wall"] is None and pairs[4]["compute"] == 0.5
   assert pairs[6]["wall"] == 0.3 and not pairs[6]["even"]
-  means = frontier.mean_ratios(pairs)
+  means = frontier_summary.mean_ratios(pairs)
   assert means["wall_ratio"] == pytest.approx(0.4) and means["wall_seeds"] == [3, 6]
   assert means["even_wall_ratio"] == 0.5 and means["even_seeds"] == [3]
   assert means["compute_ratio"] == pytest.approx((220 / 470 + 0.5) / 2)  # Even pace only.
   assert means["compute_seeds"] == [3, 4]
-  times = frontier.run_times(arm)  # Seed 4 left out: its wall clock is one sitting's.
+  times = frontier_summary.run_times(arm)  # Seed 4 left out: its wall clock is one sitting's.
   assert times["whole_seeds"] == [3, 5, 6] and times["wall"] == pytest.approx(790 / 3)
   assert times["rest"] == pytest.approx((30 + 30 + 20) / 3)
   assert times["scoring"] == 1.0 and times["machines"] == [a, b]
@@ -373,34 +378,34 @@ def test_evaluation_passes_and_the_share_with_them():
   def run(passes):
     return {**_result([0.9], passes), "curve_epoch": [curve], "correct": [[1] * 10_000]}
   full, arm = run(3_240_960.0), run(0.4775 * 3_240_960)
-  assert frontier.evaluation_passes(full) == 160_000
-  share = frontier.costs(arm, full)["passes_share_with_evaluation"]
+  assert frontier_summary.evaluation_passes(full) == 160_000
+  share = frontier_summary.costs(arm, full)["passes_share_with_evaluation"]
   assert share == pytest.approx((0.4775 * 3_240_960 + 160_000) / (3_240_960 + 160_000))
-  assert frontier.evaluation_passes(_result([0.9], 1.0)) is None  # No curves: not counted.
+  assert frontier_summary.evaluation_passes(_result([0.9], 1.0)) is None  # No curves: not counted.
 
 
 def test_validation_images_match_the_base_config():
   from cpjax.data import splits
-  assert frontier.VAL_IMAGES == splits.carved_val_size(frontier.base_config().dataset)
+  assert frontier_summary.VAL_IMAGES == splits.carved_val_size(frontier_tiers.base_config().dataset)
 
 
 def test_kept_schedule_of_each_design_from_its_config():
   """Top-k with the finish at 45 %: (19 x 0.45 - 2) / 17 = 0.3853 kept in epochs 1-17, then 2
   on all data; rising from 20 to 70 %; InfoBatch (anneal 0.125 of 20 epochs: floor(17.5) = 17)
   prunes in epochs 1-16, then 3 on all data; full data selects nothing."""
-  base = frontier.base_config()
-  arms = {a.name: a for a in frontier.search_arms(base)}
-  assert frontier.kept_schedule(arms["topk_anneal-45"], base) == {
+  base = frontier_tiers.base_config()
+  arms = {a.name: a for a in frontier_tiers.search_arms(base)}
+  assert frontier_summary.kept_schedule(arms["topk_anneal-45"], base) == {
       "epochs": [1, 17], "kept": [0.3853, 0.3853], "full_after": 2}
-  assert frontier.kept_schedule(arms["topk_anneal-30"], base)["kept"][0] == 0.2176
-  assert frontier.kept_schedule(arms["topk_rising-45"], base)["kept"] == [0.2, 0.7]
-  assert frontier.kept_schedule(arms["topk_entropy-30"], base) == {
+  assert frontier_summary.kept_schedule(arms["topk_anneal-30"], base)["kept"][0] == 0.2176
+  assert frontier_summary.kept_schedule(arms["topk_rising-45"], base)["kept"] == [0.2, 0.7]
+  assert frontier_summary.kept_schedule(arms["topk_entropy-30"], base) == {
       "epochs": [1, 19], "kept": [0.3, 0.3], "full_after": 0}
-  assert frontier.kept_schedule(arms["infobatch-r85"], base) == {
+  assert frontier_summary.kept_schedule(arms["infobatch-r85"], base) == {
       "epochs": [1, 16], "kept": None, "full_after": 3}
-  assert frontier.kept_schedule(arms["full"], base) == {}
+  assert frontier_summary.kept_schedule(arms["full"], base) == {}
   # A mean of 30 % kept in epochs 1-16 of 20, 100 passes a full epoch: 4 x 100 + 16 x 30.
-  assert frontier.mean_kept({"epochs": [1, 16], "full_after": 3}, 880.0, 2000.0) == (
+  assert frontier_summary.mean_kept({"epochs": [1, 16], "full_after": 3}, 880.0, 2000.0) == (
       pytest.approx(0.3))
 
 
@@ -417,12 +422,12 @@ def test_two_level_bootstrap_reduces_to_each_level():
   one = {name: {"seed_index": {3: 0}, "correct": [c.tolist()]} for name, c in
          (("arm", arm), ("full", full))}
   half = 1.645 * math.sqrt(0.1 * 0.9 / n)
-  assert frontier.seed_and_image_interval(one["arm"], one["full"], [3]) == pytest.approx(
+  assert frontier_summary.seed_and_image_interval(one["arm"], one["full"], [3]) == pytest.approx(
       [0.1 - half, 0.1 + half], abs=0.003)
   seeds = list(range(40))
   arms = {"seed_index": {s: s for s in seeds}, "correct": [[1] * 50] * 20 + [[0] * 50] * 20}
   fulls = {"seed_index": {s: s for s in seeds}, "correct": [[0] * 50] * 40}
-  low, high = frontier.seed_and_image_interval(arms, fulls, seeds)
+  low, high = frontier_summary.seed_and_image_interval(arms, fulls, seeds)
   assert (low, high) == pytest.approx((0.5 - 1.645 * 0.5 / math.sqrt(40),
                                        0.5 + 1.645 * 0.5 / math.sqrt(40)), abs=0.03)
 
@@ -456,7 +461,7 @@ def test_readme_budget_table_is_written_from_the_committed_summary():
   markers included (`python -m studies.frontier --readme=studies/results/frontier.json`)."""
   with open("README.md", encoding="utf-8") as f:
     readme = f.read()
-  assert frontier.budget_table(_committed(), frontier.base_config()) in readme
+  assert frontier_summary.budget_table(_committed(), frontier_tiers.base_config()) in readme
 
 
 def test_budget_table_states_the_frontier_summary():
@@ -466,7 +471,7 @@ def test_budget_table_states_the_frontier_summary():
   out = _committed()
   summary, found, g = out["summary"], out["verdicts"], out["verdict_g"]
   h, n = out["tier_h"]["verdict"], out["tier_n"]["verdict"]
-  rows = _table_rows(frontier.budget_table(out, frontier.base_config()))
+  rows = _table_rows(frontier_summary.budget_table(out, frontier_tiers.base_config()))
   assert len(rows) == 5 and rows[4] == "| 100 % | full data |  |  |  |"
   time = summary["topk_anneal-45@confirm"]["time"]
   assert time["even_seeds"] == [3, 4, 5] and time["wall_seeds"] == [3, 4, 5, 7]
@@ -537,8 +542,8 @@ def test_budget_table_fills_in_tiers_h_and_n_from_their_verdicts():
     out["summary"][name] = {**out["summary"][base_name], "passes_share": 0.5,
                             "passes_share_with_evaluation": 0.52}
   out["tier_h"]["verdict"], out["tier_n"]["verdict"] = h, n
-  base = frontier.base_config()
-  rows = _table_rows(frontier.budget_table(out, base))
+  base = frontier_tiers.base_config()
+  rows = _table_rows(frontier_summary.budget_table(out, base))
   time = ("0.60 (geometric mean over seeds 23,24,25,26,27,28,29,30, both runs whole and at an "
           "even pace; 0.58 over all 10 pairs run on one machine) on `gpu x`")
   assert rows[2].startswith("| 50.0 % (52.0 %) |")
@@ -547,7 +552,7 @@ def test_budget_table_fills_in_tiers_h_and_n_from_their_verdicts():
   assert rows[3].endswith("| tier N: not decided yet, 5 of 10 seeds run (+0.40 [+0.10, +0.70] "
                           f"so far) vs full data on the same noisy labels | {time} |")
   n.update(seeds=list(range(23, 33)), complete=True, better=True)
-  rows = _table_rows(frontier.budget_table(out, base))
+  rows = _table_rows(frontier_summary.budget_table(out, base))
   assert rows[3].endswith("| tier N: **better**, +0.40 [+0.10, +0.70] (seeds 23-32, one-sided p "
                           "0.010; with the test images [+0.00, +0.80]) vs full data on the same "
                           f"noisy labels | {time} |")
@@ -612,7 +617,7 @@ def test_docs_studies_state_the_frontier_summary_and_the_power():
     text = " ".join(f.read().split("## How much compute can be skipped")[1].split())
   summary, found = out["summary"], out["verdicts"]
   expected = []
-  for budget in frontier.BUDGETS:
+  for budget in frontier_tiers.BUDGETS:
     row = summary[f"topk_anneal-{budget}"]
     expected += [f"{100 * row['kept']['kept'][0]:.1f} % in epochs 1-17, then 2 on all data",
                  f"{100 * row['passes_share']:.1f} % "
@@ -648,26 +653,28 @@ def test_tier_a2_arms_are_valid_configs_at_no_more_than_half_the_passes():
   expectation): its 19 selected epochs' total size has sd at most sqrt(19 k (1 - k/N)) =
   505.4, so each epoch bounded at ceil(k + 4 x 505.4 / 19) + 127 = 25,468 rows, 199 steps:
   (422 + 19 x 199) / 8,440 = 49.80 %; at 46.74 % the bound is 200 steps, 50.02 %."""
-  base = frontier.base_config()
-  arms = frontier.a2_arms()
+  base = frontier_tiers.base_config()
+  arms = frontier_tiers.a2_arms()
   assert [a.name for a in arms] == ["importance-m50", "importance-m20", "topk_anneal-p50",
                                     "infobatch_norescale-r95"]
   assert all(a.tier == "A2" and a.seeds == (0, 1, 2) for a in arms)
-  assert frontier.TOPK_P50_FRACTION == frontier.anneal_fraction_at_most(0.5, base) == 0.41
-  assert frontier.IMPORTANCE_FRACTION == frontier.importance_fraction_at_most(0.5, base) == 0.4673
-  share = frontier.planned_share
+  assert (frontier_tiers.TOPK_P50_FRACTION == frontier_tiers.anneal_fraction_at_most(0.5, base)
+          == 0.41)
+  assert (frontier_tiers.IMPORTANCE_FRACTION
+          == frontier_tiers.importance_fraction_at_most(0.5, base) == 0.4673)
+  share = frontier_tiers.planned_share
   topk = [a for a in arms if a.policy == "topk_anneal"][0]
   config = grid.apply(base, topk.overrides)
-  assert share(config, base, frontier.anneal_sizes(0.41, base)) == pytest.approx(
+  assert share(config, base, frontier_tiers.anneal_sizes(0.41, base)) == pytest.approx(
       (3 * 422 + 17 * 173) / 8440, abs=1e-12)
-  assert share(config, base, frontier.anneal_sizes(0.4101, base)) > 0.5
+  assert share(config, base, frontier_tiers.anneal_sizes(0.4101, base)) > 0.5
   importance = grid.apply(base, arms[0].overrides)
-  assert share(importance, base, frontier.importance_sizes(0.4673, base)) == pytest.approx(
+  assert share(importance, base, frontier_tiers.importance_sizes(0.4673, base)) == pytest.approx(
       (422 + 19 * 199) / 8440, abs=1e-12)
-  assert share(importance, base, frontier.importance_sizes(0.4674, base)) == pytest.approx(
+  assert share(importance, base, frontier_tiers.importance_sizes(0.4674, base)) == pytest.approx(
       (422 + 19 * 200) / 8440, abs=1e-12)
-  for arm in arms + frontier.g_arms(arms[1]):
-    config_validation.validate(grid.apply(base, frontier.run_overrides(arm, 13)))
+  for arm in arms + frontier_tiers.g_arms(arms[1]):
+    validation.validate(grid.apply(base, frontier_tiers.run_overrides(arm, 13)))
   assert arms[3].overrides["selection.infobatch_rescale"] is False
   assert {arms[0].overrides["selection.mix"], arms[1].overrides["selection.mix"]} == {0.5, 0.2}
 
@@ -678,9 +685,9 @@ def test_importance_arms_stay_under_half_the_passes_in_simulated_runs():
   independent Bernoulli(pi_i) with sum pi_i = k can have), their passes counted by the
   study's own `example_passes`: none exceeds half of full data's, and their mean is the
   expectation, (422 + 19 E[ceil(|S| / 128)]) / 8,440, about 49.5 %."""
-  base = frontier.base_config()
-  config = grid.apply(base, frontier.a2_arms()[0].overrides)
-  k = round(frontier.IMPORTANCE_FRACTION * 54000)
+  base = frontier_tiers.base_config()
+  config = grid.apply(base, frontier_tiers.a2_arms()[0].overrides)
+  k = round(frontier_tiers.IMPORTANCE_FRACTION * 54000)
   rng = np.random.default_rng(0)
   shares = []
   for _ in range(2000):
@@ -692,14 +699,14 @@ def test_importance_arms_stay_under_half_the_passes_in_simulated_runs():
 
 
 def test_tiers_parse_with_a_digit_and_name_an_unknown_one():
-  assert frontier.parse_tiers("ACFDBE") == ["A", "C", "F", "D", "B", "E"]
-  assert frontier.parse_tiers("A2G") == ["A2", "G"]
-  assert frontier.parse_tiers("".join(frontier.TIERS)) == list(frontier.TIERS)
+  assert frontier_tiers.parse_tiers("ACFDBE") == ["A", "C", "F", "D", "B", "E"]
+  assert frontier_tiers.parse_tiers("A2G") == ["A2", "G"]
+  assert frontier_tiers.parse_tiers("".join(frontier_tiers.TIERS)) == list(frontier_tiers.TIERS)
   with pytest.raises(SystemExit, match=r"unknown tier 'A3' in 'A3'; valid tiers: A, C, F, D, "
                                        r"B, E, A2, G, H, N \(A2 is tier A'\)"):
-    frontier.parse_tiers("A3")
+    frontier_tiers.parse_tiers("A3")
   with pytest.raises(SystemExit, match="unknown tier 'a'"):
-    frontier.parse_tiers("a")
+    frontier_tiers.parse_tiers("a")
 
 
 def _with_machine(result, wall, loop, machine="cpu x"):
@@ -713,18 +720,18 @@ def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
   among tier A's); tier G pairs the choice with full data on seeds 13-22: the TOST on 10
   differences (SciPy's one-sided t-tests), and per seed the seconds ratios, the geometric
   mean over the pairs run on one machine."""
-  full = frontier.Arm("full", "full", {}, "A")
-  a2 = frontier.a2_arms()
-  arms = [full, frontier.Arm("t-45", "t", {}, "A", 45), *a2]
+  full = Arm("full", "full", {}, "A")
+  a2 = frontier_tiers.a2_arms()
+  arms = [full, Arm("t-45", "t", {}, "A", 45), *a2]
   results = {"full": _result([0.92] * 3, 100.0), "t-45": _result([0.90] * 3, 48.0, [0.99] * 3),
              "importance-m50": _result([0.92] * 3, 49.5, val=[0.929] * 3),
              "importance-m20": _result([0.92] * 3, 49.5, val=[0.931] * 3),  # Chosen,
              "topk_anneal-p50": _result([0.92] * 3, 49.8, val=[0.930] * 3),
              "infobatch_norescale-r95": _result([0.92] * 3, 50.5, val=[0.95] * 3)}  # not: >50 %.
-  assert frontier.choose(arms, results).name == "t-45"  # Tier A's choice is its own.
-  chosen = frontier.choose(arms, results, "A2")
+  assert frontier_summary.choose(arms, results).name == "t-45"  # Tier A's choice is its own.
+  chosen = frontier_summary.choose(arms, results, "A2")
   assert chosen.name == "importance-m20" and chosen.overrides["selection.mix"] == 0.2
-  g = frontier.g_arms(chosen)
+  g = frontier_tiers.g_arms(chosen)
   assert [a.name for a in g] == ["full@confirm_g", "importance-m20@confirm_g"]
   assert all(a.seeds == tuple(range(13, 23)) and a.tier == "G" for a in g)
   d = [0.0004, -0.0006, 0.0002, -0.0003, 0.0001, 0.0005, -0.0002, 0.0, -0.0004, 0.0003]
@@ -736,8 +743,8 @@ def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
   arm["wall_seconds"][0] = 250.0  # Seed 13: wall ratio 0.25, below its loop's 400: resumed.
   results["full@confirm_g"]["steady_seconds"][8] = 700.0  # Seed 21's full: 800 > 1.05 x 700.
   results["importance-m20@confirm_g"] = arm
-  summary = frontier.summarise(arms + g, results)
-  found = frontier.g_verdict(summary, chosen, results)
+  summary = frontier_summary.summarise(arms + g, results)
+  found = frontier_summary.g_verdict(summary, chosen, results)
   lower = stats.ttest_1samp(np.array(d) + equivalence.MARGIN, 0.0, alternative="greater").pvalue
   upper = stats.ttest_1samp(np.array(d) - equivalence.MARGIN, 0.0, alternative="less").pvalue
   assert found["p"] == pytest.approx(max(lower, upper), rel=1e-9)
@@ -756,9 +763,9 @@ def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
   # Nine pairs: one at 0.25, eight at 0.6: (0.25 x 0.6^8)^(1/9).
   assert seconds["wall_geomean"] == pytest.approx((0.25 * 0.6 ** 8) ** (1 / 9), rel=1e-12)
   assert seconds["loop_geomean"] == pytest.approx(0.5, rel=1e-12)
-  second = frontier.second_search(summary, arms + g, results)
+  second = frontier_summary.second_search(summary, arms + g, results)
   assert second["chosen_a2"] == "importance-m20"
-  text = frontier.markdown(summary, None, "cmd", {}, results, second)
+  text = frontier_summary.markdown(summary, None, "cmd", {}, results, second)
   assert "Chosen: `importance-m20`" in text
   assert "**Lossless at half the passes or fewer: met.**" in text
   assert "seed 22: 0.60 (0.50) [gpu y vs cpu x]" in text
@@ -767,23 +774,24 @@ def test_tier_a2_choice_and_the_tier_g_verdict_by_hand():
   # Seeds 13-17 only: not complete, so not met, whatever the differences.
   for name in ("full@confirm_g", "importance-m20@confirm_g"):
     results[name]["seed_index"] = {s: i for s, i in results[name]["seed_index"].items() if s < 18}
-  partial = frontier.g_verdict(frontier.summarise(arms + g, results), chosen, results)
+  partial = frontier_summary.g_verdict(frontier_summary.summarise(arms + g, results), chosen,
+                                       results)
   assert not partial["complete"] and not partial["met"]
 
 
 def test_the_summary_has_no_tier_a2_section_before_its_runs():
   """Without a tier-A' record the summary is the earlier tiers' alone (the committed one
   regenerates byte for byte); with one, its section says that tier G has not run."""
-  arms = [frontier.Arm("full", "full", {}, "A"), *frontier.a2_arms()]
+  arms = [Arm("full", "full", {}, "A"), *frontier_tiers.a2_arms()]
   results = {"full": _result([0.92] * 3, 100.0)}
-  summary = frontier.summarise(arms, results)
-  assert frontier.second_search(summary, arms, results) == {}
-  assert "Tier A'" not in frontier.markdown(summary, None, "cmd", {}, results, {})
+  summary = frontier_summary.summarise(arms, results)
+  assert frontier_summary.second_search(summary, arms, results) == {}
+  assert "Tier A'" not in frontier_summary.markdown(summary, None, "cmd", {}, results, {})
   results["topk_anneal-p50"] = _result([0.921] * 2, 49.8)  # Two seeds so far.
-  summary = frontier.summarise(arms, results)
-  second = frontier.second_search(summary, arms, results)
+  summary = frontier_summary.summarise(arms, results)
+  second = frontier_summary.second_search(summary, arms, results)
   assert second == {"chosen_a2": None, "verdict_g": {}}
-  text = frontier.markdown(summary, None, "cmd", {}, results, second)
+  text = frontier_summary.markdown(summary, None, "cmd", {}, results, second)
   assert "Not chosen yet: tier A' has not finished." in text
   assert "Not answered yet: tier G has not run." in text.split("## Tier H")[0]
 
@@ -810,8 +818,8 @@ def test_tiers_a2_and_g_run_from_their_records_alone(tmp_path, monkeypatch):
   for name, val in (("importance-m50", 0.928), ("importance-m20", 0.931),
                     ("topk_anneal-p50", 0.929), ("infobatch_norescale-r95", 0.80)):
     save(name, (0, 1, 2), val, 0.92, 0.495)
-  save("full@confirm_g", frontier.G_SEEDS, 0.93, 0.92, 1.0)
-  save("importance-m20@confirm_g", frontier.G_SEEDS, 0.93, 0.92, 0.495)
+  save("full@confirm_g", frontier_tiers.G_SEEDS, 0.93, 0.92, 1.0)
+  save("importance-m20@confirm_g", frontier_tiers.G_SEEDS, 0.93, 0.92, 0.495)
   monkeypatch.setattr("sys.argv", ["frontier", f"--out={tmp_path}", "--summarise-only",
                                    f"--records={records}", "--tiers=A2G"])
   frontier.main()
@@ -819,7 +827,7 @@ def test_tiers_a2_and_g_run_from_their_records_alone(tmp_path, monkeypatch):
     out = json.load(f)
   assert out["chosen_a2"] == "importance-m20" and out["chosen"] is None
   g = out["verdict_g"]
-  assert g["arm"] == "importance-m20@confirm_g" and g["seeds"] == list(frontier.G_SEEDS)
+  assert g["arm"] == "importance-m20@confirm_g" and g["seeds"] == list(frontier_tiers.G_SEEDS)
   assert g["complete"] and g["saving"] == pytest.approx(0.505)
   assert g["seconds"]["wall_geomean"] == pytest.approx(0.495)
   assert g["test_images"]["pooled"][0] < g["mean"] < g["test_images"]["pooled"][1]
@@ -878,15 +886,15 @@ def test_tier_h_rule_by_hand():
              "e": _row("C", 0.60, 0.0, 0.0001, seeds=(3, 4, 5)),  # Not a search tier: out.
              "f": _row("B", 0.56, 0.0, 0.0001, seeds=(0, 1)),  # Seeds 0-1 only: out.
              "g": _row("B", 0.71, 0.0, 0.0001)}  # Over 70 %: out.
-  assert [c["arm"] for c in frontier.h_candidates(summary)] == ["b", "c", "d"]
-  assert [c["kept"] for c in frontier.h_candidates(summary)] == [False, True, True]
-  assert frontier.choose_h(summary) == "d"
+  assert [c["arm"] for c in frontier_summary.h_candidates(summary)] == ["b", "c", "d"]
+  assert [c["kept"] for c in frontier_summary.h_candidates(summary)] == [False, True, True]
+  assert frontier_summary.choose_h(summary) == "d"
   summary["h"] = _row("B", 0.70, -0.001, 0.05)  # The same p, more passes: not chosen,
   summary["i"] = _row("A", 0.50, -0.0009, 0.05)  # the same p, fewer passes: chosen.
-  assert frontier.choose_h(summary) == "i"
+  assert frontier_summary.choose_h(summary) == "i"
   summary["0"] = _row("B", 0.50, 0.0, 0.05)  # The same p and share: the first name.
-  assert frontier.choose_h(summary) == "0"
-  assert frontier.choose_h({"c": _row("B", 0.6, -0.002, 0.9)}) is None
+  assert frontier_summary.choose_h(summary) == "0"
+  assert frontier_summary.choose_h({"c": _row("B", 0.6, -0.002, 0.9)}) is None
 
 
 def test_tier_h_rule_on_the_committed_records_picks_the_declared_arm():
@@ -914,11 +922,12 @@ def test_tier_h_rule_on_the_committed_records_picks_the_declared_arm():
           stats.ttest_1samp(d + 0.002, 0.0, alternative="greater").pvalue,
           stats.ttest_1samp(d - 0.002, 0.0, alternative="less").pvalue)
   assert sorted(p_values) == ["infobatch-r50", "topk_anneal-55"]
-  assert min(p_values, key=p_values.get) == frontier.H_CHOICE == "topk_anneal-55"
-  assert frontier.choose_h(summary) == out["tier_h"]["rule_choice"] == frontier.H_CHOICE
+  assert min(p_values, key=p_values.get) == frontier_tiers.H_CHOICE == "topk_anneal-55"
+  assert (frontier_summary.choose_h(summary) == out["tier_h"]["rule_choice"]
+          == frontier_tiers.H_CHOICE)
   assert [c["arm"] for c in out["tier_h"]["candidates"]] == [
       "infobatch-r70", "topk_anneal-55", "infobatch-r50"]
-  assert out["tier_h"]["verdict"]["arm"] == f"{frontier.H_CHOICE}@confirm_h"
+  assert out["tier_h"]["verdict"]["arm"] == f"{frontier_tiers.H_CHOICE}@confirm_h"
 
 
 def _paired(name, reference, seeds, differences, passes=(50.0, 100.0)):
@@ -933,29 +942,29 @@ def test_tier_h_and_tier_n_verdicts_by_hand(tmp_path):
   """Tier H: lossless on all 10 seeds, at whatever saving; tier N: better when the one-sided
   test passes on all 10 seeds (SciPy's one-sided t-test); each undecided on 5 of them, and
   the summary's headline, sections and figure say so."""
-  base = frontier.base_config()
-  arms = frontier.h_arms(base) + frontier.n_arms(base)
-  seeds = frontier.H_SEEDS
+  base = frontier_tiers.base_config()
+  arms = frontier_tiers.h_arms(base) + frontier_tiers.n_arms(base)
+  seeds = frontier_tiers.H_SEEDS
   d_h = [0.0004, -0.0006, 0.0002, -0.0003, 0.0001, 0.0005, -0.0002, 0.0, -0.0004, 0.0003]
   d_n = [0.008, 0.004, 0.010, 0.006, 0.007, 0.003, 0.009, 0.005, 0.008, 0.006]
   results = {**_paired("topk_anneal-55@confirm_h", "full@confirm_h", seeds, d_h, (57.3, 100.0)),
              **_paired("noisy_topk_anneal-45@confirm_n", "noisy_full@confirm_n", seeds, d_n)}
-  summary = frontier.summarise(arms, results)
-  h = frontier.h_verdict(summary, results)
+  summary = frontier_summary.summarise(arms, results)
+  h = frontier_summary.h_verdict(summary, results)
   assert h["complete"] and h["lossless"] and h["met"]
   assert h["saving"] == pytest.approx(0.427) and h["seeds"] == list(seeds)
-  n = frontier.n_verdict(summary, results)
+  n = frontier_summary.n_verdict(summary, results)
   assert n["p"] == pytest.approx(stats.ttest_1samp(d_n, 0.0, alternative="greater").pvalue,
                                  rel=1e-9)
   assert n["superior"] and n["better"] and n["low"] > 0 and n["saving"] == pytest.approx(0.5)
   assert n["seconds"]["wall_geomean"] == pytest.approx(0.6)
-  text = frontier.markdown(summary, None, "cmd", {}, results)
+  text = frontier_summary.markdown(summary, None, "cmd", {}, results)
   assert "**Lossless on seeds 23-32: met, 43 % fewer passes.**" in text
   assert "**Better than full data under label noise: better.**" in text
   assert ("- The largest lossless saving (tier H, `topk_anneal-55`): **lossless at 43 % fewer "
           "passes**") in text
   assert "- Selection under 20 % label noise (tier N, `topk_anneal-45`): **better**" in text
-  figure = frontier.draw_frontier(arms, results, summary, {"h": h, "n": n})
+  figure = frontier_summary.draw_frontier(arms, results, summary, {"h": h, "n": n})
   notes = "\n".join(t.get_text() for t in figure.texts)
   plt.close(figure)
   assert "noisy_topk_anneal-45@confirm_n (seeds 23,24,25,26,27,28,29,30,31,32): " in notes
@@ -963,13 +972,13 @@ def test_tier_h_and_tier_n_verdicts_by_hand(tmp_path):
   for name in results:  # Seeds 23-27 only: neither is decided, whatever the differences.
     results[name]["seed_index"] = {s: i for s, i in results[name]["seed_index"].items()
                                    if s < 28}
-  summary = frontier.summarise(arms, results)
-  h, n = frontier.h_verdict(summary, results), frontier.n_verdict(summary, results)
+  summary = frontier_summary.summarise(arms, results)
+  h, n = frontier_summary.h_verdict(summary, results), frontier_summary.n_verdict(summary, results)
   assert h["lossless"] and not h["met"] and n["superior"] and not n["better"]
-  text = frontier.markdown(summary, None, "cmd", {}, results)
+  text = frontier_summary.markdown(summary, None, "cmd", {}, results)
   assert "**Lossless on seeds 23-32: not decided yet (5 of 10 seeds).**" in text
   assert "under label noise: not decided yet (5 of 10 seeds).**" in text
-  empty = frontier.markdown({}, None, "cmd", {})
+  empty = frontier_summary.markdown({}, None, "cmd", {})
   assert "**Lossless on seeds 23-32: not run yet.**" in empty
   assert "**Better than full data under label noise: not run yet.**" in empty
 
@@ -978,8 +987,8 @@ def test_declared_tiers_before_any_seed_has_both_runs():
   """A parallel worker's summary while the selection arm has seed 24 alone and full data seeds
   23 and 25 (no seed with both runs): the verdicts hold no pair and no test-image interval,
   and the summary says undecided (it used to stop on an empty bootstrap)."""
-  base = frontier.base_config()
-  arms = frontier.h_arms(base) + frontier.n_arms(base)
+  base = frontier_tiers.base_config()
+  arms = frontier_tiers.h_arms(base) + frontier_tiers.n_arms(base)
   results = _paired("noisy_topk_anneal-45@confirm_n", "noisy_full@confirm_n", (23, 24, 25),
                     [0.004, 0.002, 0.003])
   arm, full = results["noisy_topk_anneal-45@confirm_n"], results["noisy_full@confirm_n"]
@@ -988,9 +997,9 @@ def test_declared_tiers_before_any_seed_has_both_runs():
     r["confidence"] = [[0.9, 0.6, 0.8, 0.7]] * 3
   arm["seed_index"] = {24: arm["seed_index"][24]}
   full["seed_index"] = {s: i for s, i in full["seed_index"].items() if s != 24}
-  summary = frontier.summarise(arms, results)
-  n = frontier.n_verdict(summary, results)  # No warning either: pytest makes them errors.
-  text = frontier.markdown(summary, None, "cmd", {}, results)
+  summary = frontier_summary.summarise(arms, results)
+  n = frontier_summary.n_verdict(summary, results)  # No warning either: pytest makes them errors.
+  text = frontier_summary.markdown(summary, None, "cmd", {}, results)
   assert n["seeds"] == [] and n["test_images"] == {} and not n["better"]
   assert "under label noise: not decided yet (0 of 10 seeds).**" in text
 
@@ -1023,9 +1032,9 @@ def test_dry_run_plans_tiers_h_and_n_and_trains_nothing(tmp_path, monkeypatch, c
                    f"  {2 * i + 2}/20 {arm} seed {seed} (to train): {design} {noise}"
                    f"seed={seed}{drawn}"]
     assert lines[first:first + 20] == expected
-  for arm in frontier.h_arms(frontier.base_config()) + frontier.n_arms(frontier.base_config()):
-    config_validation.validate(grid.apply(frontier.base_config(),
-                                          frontier.run_overrides(arm, 23)))
+  base = frontier_tiers.base_config()
+  for arm in frontier_tiers.h_arms(base) + frontier_tiers.n_arms(base):
+    validation.validate(grid.apply(base, frontier_tiers.run_overrides(arm, 23)))
 
 
 def test_seeds_option_trains_only_those_seeds_and_names_a_bad_one(tmp_path, monkeypatch,
@@ -1105,7 +1114,7 @@ def _tier_records(arm: str, reference: str) -> tuple[np.ndarray, np.ndarray]:
   """Test accuracy of `arm` and `reference` on seeds 23-32, read straight from the committed
   record files (the mean of each run's per-image correctness, not its stored accuracy)."""
   def accuracy(name, seed):
-    with np.load(f"{frontier.RECORDS}/{name}/seed{seed}.npz") as f:
+    with np.load(f"{frontier_tiers.RECORDS}/{name}/seed{seed}.npz") as f:
       return np.unpackbits(f["correct"])[:int(f["num_test"])].mean()
   seeds = range(23, 33)
   return (np.array([accuracy(arm, s) for s in seeds]),
@@ -1188,13 +1197,14 @@ def test_tier_seeds_are_the_seeds_each_tiers_arms_train():
   """--seeds' valid values (TIER_SEEDS) against the arms: the search tiers' and A' arms, tiers
   C-F for a chosen arm, tier G for an A' arm, and tiers H and N each train exactly the seeds
   listed for their tier."""
-  base = frontier.base_config()
-  search = frontier.search_arms(base) + frontier.a2_arms()
+  base = frontier_tiers.base_config()
+  search = frontier_tiers.search_arms(base) + frontier_tiers.a2_arms()
   chosen = next(a for a in search if a.name == "topk_anneal-45")
-  arms = (search + frontier.later_arms(chosen, base) + frontier.g_arms(frontier.a2_arms()[0])
-          + frontier.h_arms(base) + frontier.n_arms(base))
+  arms = (search + frontier_tiers.later_arms(chosen, base)
+          + frontier_tiers.g_arms(frontier_tiers.a2_arms()[0]) + frontier_tiers.h_arms(base)
+          + frontier_tiers.n_arms(base))
   trained = {}
   for arm in arms:
     trained.setdefault(arm.tier, set()).update(arm.seeds)
-  assert set(trained) == set(frontier.TIERS)
-  assert trained == {t: set(s) for t, s in frontier.TIER_SEEDS.items()}
+  assert set(trained) == set(frontier_tiers.TIERS)
+  assert trained == {t: set(s) for t, s in frontier_tiers.TIER_SEEDS.items()}

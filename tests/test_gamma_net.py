@@ -21,11 +21,11 @@ import pytest
 
 from cpjax import models, optim, run_state, steps
 from cpjax.calibration import gamma_net, losses, report
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import augment, specs, splits
 from cpjax.runtime import preemption, sharding
 from cpjax.selection import scores
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
 
@@ -264,8 +264,8 @@ def test_meta_validation_ids_are_disjoint_and_leave_other_runs_split_alone():
      "needs a loss that takes probability targets"),
 ])
 def test_bad_meta_configs_fail_with_the_field_named(overrides, expected):
-  with pytest.raises(config_validation.ConfigError, match=re.escape(expected)):
-    config_validation.validate(tiny_config(**overrides))
+  with pytest.raises(validation.ConfigError, match=re.escape(expected)):
+    validation.validate(tiny_config(**overrides))
 
 
 META = helpers.META_RUN

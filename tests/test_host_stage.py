@@ -22,7 +22,7 @@ from PIL import Image
 import pytest
 
 from configs import default
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import decode_workers, host_stage, preprocess, sources
 from cpjax.runtime import sharding
 from tests import helpers
@@ -338,9 +338,9 @@ def test_worker_kind_is_checked_with_its_choices():
     host_stage.PreprocessReader(_Source(), preprocess.Transform(8, 3), sharding.create_mesh(),
                                 worker_kind="fork")
   config = helpers.tiny_config(**{"dataset.worker_kind": "fork"})
-  with pytest.raises(config_validation.ConfigError,
+  with pytest.raises(validation.ConfigError,
                      match=r"dataset.worker_kind.*'fork'.*process.*thread"):
-    config_validation.validate(config)
+    validation.validate(config)
 
 
 class _Source:

@@ -13,7 +13,7 @@ import pytest
 from configs import imagenet
 from cpjax import models, optim
 from cpjax.data import specs
-from cpjax.training import loop as train
+from cpjax.training import train
 
 
 def test_warmup_then_cosine_by_hand():

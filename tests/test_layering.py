@@ -24,8 +24,6 @@ RANKS = {
     "": 0,
     # 0: the registry pattern (entries with declared settings) and the checks of settings.
     "registry": 0,
-    # 0: compiling a run's programs ahead, in threads (imports no cpjax module).
-    "compile_ahead": 0,
     # 0: runtime: mesh, multi-host start-up, checkpoints, logs, files, XLA options.
     "runtime": 0,
     "runtime.advised": 0,
@@ -33,6 +31,7 @@ RANKS = {
     "runtime.checkpoint_integrity": 0,
     "runtime.checkpoint_room": 0,
     "runtime.checkpointing": 0,
+    "runtime.compile_ahead": 0,
     "runtime.compilation_cache": 0,
     "runtime.compiler_options": 0,
     "runtime.distributed": 0,
@@ -55,6 +54,7 @@ RANKS = {
     "data.datasets.fashion_mnist_local": 1,
     "data.decode_workers": 1,
     "data.device_stage": 1,
+    "data.device_stage.decoders": 1,
     "data.device_stage.nvimgcodec": 1,
     "data.device_stage.packed_regions": 1,
     "data.device_stage.reader": 1,
@@ -109,15 +109,17 @@ RANKS = {
     "selection.policies": 4,
     "selection.score_files": 4,
     "selection.scores": 4,
+    "selection.score_sources": 4,
     "selection.selector": 4,
-    "selection.sources": 4,
     "selection.subsets": 4,
     # 5-7: config: every config field's check (knows every registry); the validation that
-    # applies them and the cross-field rules; the start-up checks (data, OOD set, target runs,
-    # stream files, checkpoint room).
+    # applies them and the cross-field rules; what a choice implies (read against the
+    # validation) and the start-up checks (the workdir, data, OOD set, target runs, stream
+    # files, checkpoint room).
     "config": 5,
     "config.schema": 5,
     "config.validation": 6,
+    "config.implied": 7,
     "config.preflight": 7,
     # 8-11: the rest of training: what the loop shares (Run, the last good checkpoint); the
     # evaluators (val/test metrics and the report), one epoch's step loop; the set-up (the
@@ -126,7 +128,7 @@ RANKS = {
     "training.evaluation": 9,
     "training.step_loop": 9,
     "training.setup": 10,
-    "training.loop": 11,
+    "training.train": 11,
 }
 
 
@@ -271,8 +273,8 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_checks_see_the_package():
   """Guards against a vacuous pass: the walk finds the modules and their imports."""
-  assert {"", "steps", "training.loop", "data.datasets.digits"} <= set(MODULES)
-  assert ("steps", False) in {(t, lazy) for t, _, lazy in IMPORTS["training.loop"]}
+  assert {"", "steps", "training.train", "data.datasets.digits"} <= set(MODULES)
+  assert ("steps", False) in {(t, lazy) for t, _, lazy in IMPORTS["training.train"]}
   assert "data.datasets" in {t for t, _, _ in IMPORTS["data.input_pipeline"]}  # A package.
   assert "data.splits" in {t for t, _, _ in IMPORTS["data.input_pipeline"]}  # A name in it.
 

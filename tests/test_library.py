@@ -8,10 +8,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import specs, splits
 from cpjax.runtime import sharding
-from cpjax.selection import api, bookkeeping, policies, selector, sources
+from cpjax.selection import api, bookkeeping, policies, score_sources, selector
 from examples import own_loop
 from tests import helpers
 from tests.helpers import tiny_config
@@ -34,7 +34,7 @@ def _trainer_ids(method, ids, labels, scores_by_epoch, seed, num_epochs, warmup,
                           **{f"selection.{k}": v for k, v in {**SETTINGS, **schedule}.items()}})
   data = specs.DATASETS[config.dataset.name]
   chooser = selector.Selector(config.selection, splits.Split(None, labels, ids),
-                              sharding.create_mesh(), sources.TrainPass(),
+                              sharding.create_mesh(), score_sources.TrainPass(),
                               num_epochs=num_epochs, batch_size=config.batch_size, seed=seed,
                               num_classes=data.num_classes, num_ids=data.num_train,
                               num_bins=config.evaluation.num_bins)
@@ -174,8 +174,8 @@ def test_a_bad_combination_is_the_same_error_in_the_api_and_the_config(kwargs, p
                           for name, value in kwargs.items()},
                        **({"selection.score": "loss"} if kwargs["method"] == "infobatch"
                           and "direction" not in kwargs else {}))
-  with pytest.raises(config_validation.ConfigError) as from_config:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as from_config:
+    validation.validate(config)
   assert f"config.selection.{problem}" in str(from_config.value)
   with pytest.raises(ValueError) as from_api:
     api.Selection(np.arange(splits.num_train_examples(config.dataset)), **kwargs)

@@ -13,13 +13,12 @@ from scipy.special import lambertw
 from scipy.special import log_softmax as np_log_softmax
 
 from cpjax import models, optim, steps
-from cpjax.calibration import losses
-from cpjax.calibration import surrogates as surr
-from cpjax.config import validation as config_validation
+from cpjax.calibration import losses, surrogates
+from cpjax.config import validation
 from cpjax.data import augment
 from cpjax.runtime import sharding
 from cpjax.selection import scores
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests.helpers import read_metrics, tiny_config
 
 Z = jnp.array([[2.0, 1.0, 0.0]])
@@ -58,10 +57,10 @@ def test_spec_check_values_brier_mbls_mmce_dece():
     return {"brier": losses.brier_score(z, y)[0],
             "mbls_penalty": losses.mbls_penalty(z_mbls, 10.0)[0],
             "mbls": losses.mbls_loss(z_mbls, y, 10.0, 0.1)[0],
-            "mmce_code": surr.mmce_weighted(logits, labels, 0.4, "code"),
-            "mmce_nominal": surr.mmce_weighted(logits, labels, 0.4, "nominal"),
-            "mmce_unweighted": surr.mmce_unweighted(logits, labels, 0.4),
-            "dece": surr.dece(logits, labels)}
+            "mmce_code": surrogates.mmce_weighted(logits, labels, 0.4, "code"),
+            "mmce_nominal": surrogates.mmce_weighted(logits, labels, 0.4, "nominal"),
+            "mmce_unweighted": surrogates.mmce_unweighted(logits, labels, 0.4),
+            "dece": surrogates.dece(logits, labels)}
   got = values(Z, Y, jnp.array([[12.0, 0.0, 1.0]]), MMCE_LOGITS, MMCE_LABELS)
   assert got["brier"] == pytest.approx(0.180061, abs=1e-5)
   assert got["mbls_penalty"] == pytest.approx(1.0, abs=1e-6)
@@ -136,7 +135,7 @@ def test_losses_match_numpy_references():
   @jax.jit
   def values(z, y):
     return {"ce": losses.cross_entropy(z, y), "brier": losses.brier_score(z, y),
-            "ecp": losses.ecp_loss(z, y, 0.1), "sece": surr.sece(z, y, 0.05)}
+            "ecp": losses.ecp_loss(z, y, 0.1), "sece": surrogates.sece(z, y, 0.05)}
   got = values(jnp.array(z, jnp.float32), jnp.array(y))
   np.testing.assert_allclose(got["ce"], ref["ce"], rtol=1e-5)
   np.testing.assert_allclose(got["brier"], ref["brier"], rtol=1e-5, atol=1e-6)
@@ -293,13 +292,13 @@ def test_flsc_gamma_schedule_by_epoch():
 
 
 def test_loss_config_errors_name_the_field():
-  with pytest.raises(config_validation.ConfigError, match="mixup_alpha=0.2 needs a loss that takes "
+  with pytest.raises(validation.ConfigError, match="mixup_alpha=0.2 needs a loss that takes "
                      "probability targets, not 'focal'; valid: brier, cross_entropy"):
-    config_validation.validate(tiny_config(**{"loss.name": "focal", "loss.mixup_alpha": 0.2}))
-  with pytest.raises(config_validation.ConfigError, match="config.loss.mmce_form: got 'paper'"):
-    config_validation.validate(tiny_config(**{"loss.mmce_form": "paper"}))
-  with pytest.raises(config_validation.ConfigError, match="must hold 2 epochs for flsc531"):
-    config_validation.validate(
+    validation.validate(tiny_config(**{"loss.name": "focal", "loss.mixup_alpha": 0.2}))
+  with pytest.raises(validation.ConfigError, match="config.loss.mmce_form: got 'paper'"):
+    validation.validate(tiny_config(**{"loss.mmce_form": "paper"}))
+  with pytest.raises(validation.ConfigError, match="must hold 2 epochs for flsc531"):
+    validation.validate(
         tiny_config(**{"loss.name": "flsc531", "loss.gamma_boundaries": (5,)}))
 
 

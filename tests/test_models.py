@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cpjax import models
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.models import nets
 from tests import helpers
 
@@ -260,8 +260,8 @@ def test_docs_model_table_is_the_registry():
 
 def test_unknown_model_name_gets_did_you_mean_and_the_choices():
   config = helpers.tiny_config(**{"model.name": "resnet50_imagnet"})
-  with pytest.raises(config_validation.ConfigError) as err:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as err:
+    validation.validate(config)
   message = str(err.value)
   assert "config.model.name: got 'resnet50_imagnet'; did you mean resnet50_imagenet" in message
   assert all(name in message for name in models.MODELS)
@@ -272,8 +272,8 @@ def test_unknown_model_name_gets_did_you_mean_and_the_choices():
 def test_a_config_can_name_resnet50_imagenet_in_bfloat16():
   config = helpers.tiny_config(**{"model.name": "resnet50_imagenet", "model.dtype": "bfloat16",
                                   "dataset.name": "cifar10"})
-  config_validation.validate(config)  # Raises on any problem.
-  assert config_validation.size_warnings(config) == []  # 32 px: x32 still leaves 1 pixel.
+  validation.validate(config)  # Raises on any problem.
+  assert validation.size_warnings(config) == []  # 32 px: x32 still leaves 1 pixel.
   digits = helpers.tiny_config(**{"model.name": "resnet50_imagenet"})
-  (warning,) = config_validation.size_warnings(digits)
+  (warning,) = validation.size_warnings(digits)
   assert "resnet50_imagenet" in warning and "x32" in warning and "8 px" in warning

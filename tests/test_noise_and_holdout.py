@@ -5,9 +5,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import input_pipeline, splits
-from cpjax.selection import sources
+from cpjax.selection import score_sources
 from tests.helpers import tiny_config
 
 POOL = 1257  # configs/test.py: 1,437 training digits less the 180 of validation.
@@ -98,7 +98,7 @@ def test_noisy_digits_keep_clean_validation_and_test_labels_and_agree_across_par
 ])
 def test_bad_noise_and_holdout_settings_are_named(overrides, message):
   with pytest.raises(ValueError) as info:
-    config_validation.validate(tiny_config(**overrides))
+    validation.validate(tiny_config(**overrides))
   assert message in str(info.value)
 
 
@@ -108,8 +108,8 @@ def _target_config(**dataset) -> ml_collections.ConfigDict:
 
 
 def _check_target(config: ml_collections.ConfigDict) -> None:
-  """sources.check_target of this run's sections, as preflight calls it."""
-  sources.check_target(config.selection, config.dataset)
+  """score_sources.check_target of this run's sections, as preflight calls it."""
+  score_sources.check_target(config.selection, config.dataset)
 
 
 RHO_RUN = {"selection.method": "top_k", "selection.score": "reducible_loss",
@@ -119,11 +119,11 @@ RHO_RUN = {"selection.method": "top_k", "selection.score": "reducible_loss",
 
 def test_a_holdout_target_may_score_the_rest_but_not_the_reverse(monkeypatch):
   holdout = _target_config(holdout_fraction=0.1, train_part="holdout")
-  monkeypatch.setattr(sources, "read_run_config", lambda workdir: holdout)
+  monkeypatch.setattr(score_sources, "read_run_config", lambda workdir: holdout)
   _check_target(tiny_config(**RHO_RUN, **{"dataset.holdout_fraction": 0.1,
                                           "dataset.train_part": "rest"}))
   rest = _target_config(holdout_fraction=0.1, train_part="rest")
-  monkeypatch.setattr(sources, "read_run_config", lambda workdir: rest)
+  monkeypatch.setattr(score_sources, "read_run_config", lambda workdir: rest)
   with pytest.raises(ValueError, match="train the selecting run with train_part='rest'"):
     _check_target(tiny_config(**RHO_RUN, **{"dataset.holdout_fraction": 0.1,
                                             "dataset.train_part": "holdout"}))
@@ -135,6 +135,6 @@ def test_a_target_with_other_labels_or_holdout_is_refused(monkeypatch, field, th
   ours = {"label_noise": 0.1, "label_noise_seed": 1, "holdout_fraction": 0.1,
           "train_part": "rest"}
   target = _target_config(**{**ours, "train_part": "holdout", field: theirs})
-  monkeypatch.setattr(sources, "read_run_config", lambda workdir: target)
+  monkeypatch.setattr(score_sources, "read_run_config", lambda workdir: target)
   with pytest.raises(ValueError, match=f"dataset.{field}="):
     _check_target(tiny_config(**RHO_RUN, **{f"dataset.{k}": v for k, v in ours.items()}))

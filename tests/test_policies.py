@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.runtime import sharding
 from cpjax.selection import policies, scores, subsets
 from tests.helpers import tiny_config
@@ -187,7 +187,7 @@ def test_direction_easiest_ranks_the_lowest_first_and_nan_last():
 ])
 def test_bad_policy_knobs_are_named(field, value, message):
   with pytest.raises(ValueError) as info:
-    config_validation.validate(tiny_config(**{field: value}))
+    validation.validate(tiny_config(**{field: value}))
   assert f"config.{field}" in str(info.value) and message in str(info.value)
 
 
@@ -196,11 +196,11 @@ def test_a_drop_that_leaves_fewer_than_k_is_an_early_error():
                           "selection.stratify_drop": 0.6})
   with pytest.raises(ValueError, match="stratify_drop=0.6 leaves 503 of 1257 training examples, "
                                        "fewer than the subset size 628"):
-    config_validation.validate(config)
+    validation.validate(config)
 
 
 @pytest.mark.parametrize("method", [name for name in policies.POLICIES.names()
-                                    if policies.fixed_size(name)])
+                                    if policies.POLICIES[name].size in ("fixed", "constant")])
 def test_every_method_gives_k_distinct_ids_and_the_same_again_for_the_same_epoch(method):
   rng = np.random.default_rng(7)
   scores, labels, ids = rng.normal(size=120), rng.integers(0, 5, 120), np.arange(120) * 2
@@ -227,12 +227,11 @@ def test_a_policys_flags_say_what_select_gives(method):
   if weights is not None:
     assert weights.shape == got.shape and weights.dtype == np.float32
   assert policies.reads_k(method) == (policy.size != "free")
-  assert policies.fixed_size(method) == (policy.size == "fixed")
 
 
-def test_a_policy_size_outside_the_three_is_refused_naming_them():
+def test_a_policy_size_outside_the_four_is_refused_naming_them():
   with pytest.raises(ValueError, match="selection policy 'mine': size='exact'; valid: fixed, "
-                                       "expected, free"):
+                                       "constant, expected, free"):
     policies.Policy("mine", lambda request: request.ids, "mine", size="exact")
 
 
@@ -359,9 +358,9 @@ def test_infobatch_default_keeps_a_full_data_epoch_at_the_end(num_epochs, first)
 ])
 def test_bad_infobatch_configs_are_named(overrides, message):
   with pytest.raises(ValueError) as info:
-    config_validation.validate(tiny_config(**{"selection.method": "infobatch", **overrides}))
+    validation.validate(tiny_config(**{"selection.method": "infobatch", **overrides}))
   assert message in str(info.value)
-  config_validation.validate(tiny_config(**{"selection.method": "infobatch",
+  validation.validate(tiny_config(**{"selection.method": "infobatch",
                                             "selection.score": "loss", "num_epochs": 4}))
 
 
@@ -558,9 +557,9 @@ def test_importance_is_deterministic_per_seed_and_epoch_and_never_empty():
 ])
 def test_bad_importance_configs_are_named(overrides, message):
   with pytest.raises(ValueError) as info:
-    config_validation.validate(tiny_config(**{"selection.method": "importance", **overrides}))
+    validation.validate(tiny_config(**{"selection.method": "importance", **overrides}))
   assert message in str(info.value)
-  config_validation.validate(tiny_config(**{
+  validation.validate(tiny_config(**{
       "selection.method": "importance", "selection.score": "el2n", "selection.mix": 1.0,
       "selection.final_full_epochs": 1, "num_epochs": 4, "selection.warmup_epochs": 1}))
 
@@ -576,12 +575,12 @@ def test_infobatch_without_its_rescaling_prunes_alike_with_unit_weights():
   assert policies.POLICIES.defaults()["infobatch_rescale"] is True
   config = tiny_config(**{"selection.method": "infobatch", "selection.score": "loss",
                           "num_epochs": 4, "selection.infobatch_rescale": False})
-  config_validation.validate(config)
+  validation.validate(config)
   del config.selection["infobatch_rescale"]  # A hand-edited config's value of another type.
   config.selection["infobatch_rescale"] = 0
   with pytest.raises(ValueError, match="config.selection.infobatch_rescale: must be True or "
                                        "False, got 0"):
-    config_validation.validate(config)
+    validation.validate(config)
 
 
 def test_the_scores_declared_nonnegative_are_never_negative():

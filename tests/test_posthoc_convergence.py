@@ -19,7 +19,7 @@ import scipy.special
 import threadpoolctl
 
 from cpjax.calibration import exact_newton, newton, parametric, posthoc, report
-from cpjax.config import schema as config_schema
+from cpjax.config import schema
 
 # Every test here fits a map to convergence (seconds compiling and iterating): all `slow`.
 pytestmark = pytest.mark.slow
@@ -330,7 +330,7 @@ def test_the_registry_declares_every_map_and_feeds_the_config_and_the_docs():
   parametric_maps = tuple(name for name, m in posthoc.MAPS.items() if m.parametric)
   assert parametric_maps == ("temperature", "vector_scaling", "matrix_scaling", "dirichlet",
                              "ensemble_temperature")
-  check = config_schema.spine_schema()["evaluation.calibrator"]
+  check = schema.spine_schema()["evaluation.calibrator"]
   problem = check("platt")
   assert all(name in problem for name in posthoc.MAPS)
   assert check("auto") is None and check("dirichlet") is None

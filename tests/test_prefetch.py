@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import array_records, input_pipeline, readers
 from cpjax.runtime import sharding
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers
 
 
@@ -72,8 +72,8 @@ def test_bad_depths_are_refused(digits):
   for depth in (-1, 1.5, True):
     with pytest.raises(ValueError, match="prefetch_depth"):
       readers.Reader(digits["train"], mesh, prefetch_depth=depth)
-  with pytest.raises(config_validation.ConfigError, match="dataset.prefetch_depth"):
-    config_validation.validate(helpers.tiny_config(**{"dataset.prefetch_depth": -1}))
+  with pytest.raises(validation.ConfigError, match="dataset.prefetch_depth"):
+    validation.validate(helpers.tiny_config(**{"dataset.prefetch_depth": -1}))
 
 
 def test_host_batches_are_the_same_with_and_without_prefetch(digits):

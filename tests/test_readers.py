@@ -13,18 +13,18 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import (
   array_records,
   host_stage,
   input_pipeline,
   readers,
   sources,
-  specs,
 )
-from cpjax.data.device_stage import reader as device_stage
+from cpjax.data.device_stage import decoders
+from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import preemption, sharding
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests import helpers
 from tests.helpers import read_metrics, tiny_config
 
@@ -77,17 +77,17 @@ def test_device_reader_epoch_blocks_are_the_split_rows(digits, num_devices):
 
 
 def test_auto_picks_device_when_the_splits_fit_the_budget():
-  assert readers.in_memory_kind("auto", 100 * 2**20, 100.0) == "device"  # Exactly fits.
-  assert readers.in_memory_kind("auto", 100 * 2**20 + 1, 100.0) == "host"
-  assert readers.in_memory_kind("auto", 25 * 2**20, 100.0, copies=4) == "device"  # 4 CPUs.
-  assert readers.in_memory_kind("auto", 25 * 2**20 + 1, 100.0, copies=4) == "host"
-  assert readers.in_memory_kind("host", 1, 100.0) == "host"  # An explicit choice is kept.
-  assert readers.in_memory_kind("device", 10**12, 100.0) == "device"
+  assert input_pipeline.in_memory_kind("auto", 100 * 2**20, 100.0) == "device"  # Exactly fits.
+  assert input_pipeline.in_memory_kind("auto", 100 * 2**20 + 1, 100.0) == "host"
+  assert input_pipeline.in_memory_kind("auto", 25 * 2**20, 100.0, copies=4) == "device"  # 4 CPUs.
+  assert input_pipeline.in_memory_kind("auto", 25 * 2**20 + 1, 100.0, copies=4) == "host"
+  assert input_pipeline.in_memory_kind("host", 1, 100.0) == "host"  # An explicit choice is kept.
+  assert input_pipeline.in_memory_kind("device", 10**12, 100.0) == "device"
   with pytest.raises(ValueError, match="dataset.reader='disk'; valid: auto, host, device, "
                                        "stream"):
-    readers.in_memory_kind("disk", 1, 100.0)
-  with pytest.raises(config_validation.ConfigError, match="dataset.reader"):
-    config_validation.validate(tiny_config(**{"dataset.reader": "disk"}))
+    input_pipeline.in_memory_kind("disk", 1, 100.0)
+  with pytest.raises(validation.ConfigError, match="dataset.reader"):
+    validation.validate(tiny_config(**{"dataset.reader": "disk"}))
 
 
 def test_read_ahead_submits_ahead_finishes_in_order_and_cancels_what_is_left():
@@ -120,19 +120,15 @@ def test_read_ahead_submits_ahead_finishes_in_order_and_cancels_what_is_left():
   assert [futures[s][0].cancelled() for s in range(3)] == [False, True, True]
 
 
-def _never_read():
+def _never_read(dataset):
   raise AssertionError("the splits were read into memory for a kind that streams or decodes")
 
 
-def _opener(dataset):
-  """An encoded dataset's splits opened as input_pipeline.load opens them for `choose`."""
-  return lambda: (sources.open_splits(dataset), sources.read_from(dataset))
-
-
-def _chosen(dataset, read_splits=_never_read) -> set[type]:
-  """The classes of the readers `choose` builds for `dataset` (every split has one)."""
-  by_name = readers.choose(dataset, specs.DATASETS[dataset.name], sharding.create_mesh(), 0,
-                           read_splits, _opener(dataset))
+def _chosen(dataset, monkeypatch, read_splits=_never_read) -> set[type]:
+  """The classes of the readers `choose` builds for `dataset` (every split has one); the
+  splits read into memory by `read_splits`."""
+  monkeypatch.setattr(input_pipeline, "get_datasets", read_splits)
+  by_name = input_pipeline.choose(dataset, sharding.create_mesh(), 0)
   assert set(by_name) == {"train", "val", "test"}
   return {type(reader) for reader in by_name.values()}
 
@@ -149,24 +145,25 @@ def _chosen(dataset, read_splits=_never_read) -> set[type]:
       "dataset.host_memory_mb": 0.01}, readers.StreamReader),
     ({"dataset.reader": "stream", "dataset.stream_dir": "records"}, readers.StreamReader),
 ])
-def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, fields, kind):
+def test_choose_builds_the_in_memory_and_stream_kinds(digits, tmp_path, monkeypatch, fields,
+                                                      kind):
   fields = {k: str(tmp_path / v) if k.endswith("stream_dir") else v for k, v in fields.items()}
   dataset = tiny_config(**fields).dataset
   if dataset.stream_dir:
     array_records.write_splits(digits, dataset.stream_dir, dataset)
   streamed = kind is readers.StreamReader
-  assert _chosen(dataset, _never_read if streamed else lambda: digits) == {kind}
+  assert _chosen(dataset, monkeypatch, _never_read if streamed else lambda _: digits) == {kind}
 
 
 @pytest.mark.parametrize("decode, kind", [
     ("cpu", host_stage.PreprocessReader),
-    ("device_cpu", device_stage.DeviceStageReader),
+    ("device_cpu", DeviceStageReader),
     ("auto", host_stage.PreprocessReader),  # No GPU decoder here.
 ])
-def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
+def test_choose_builds_the_stages_by_dataset_decode(tmp_path, monkeypatch, decode, kind):
   """A folder dataset (encoded images) is never read into memory; dataset.decode picks its
   stage, which holds the source's labels."""
-  if decode == "auto" and readers.decoder_problem("gpu", "opencv") is None:
+  if decode == "auto" and decoders.decoder_problem("gpu", "opencv") is None:
     pytest.skip("a GPU decoder runs here: auto picks it")
   for split, count in (("train", 12), ("test", 3)):
     for name in ("ant", "bee"):
@@ -177,9 +174,8 @@ def test_choose_builds_the_stages_by_dataset_decode(tmp_path, decode, kind):
                            "dataset.val_size": 4, "dataset.decode": decode,
                            "dataset.worker_kind": "thread"}).dataset
   sources.resolve(dataset)
-  assert _chosen(dataset) == {kind}
-  train = readers.choose(dataset, specs.DATASETS["folder"], sharding.create_mesh(), 0,
-                         _never_read, _opener(dataset))["train"]
+  assert _chosen(dataset, monkeypatch) == {kind}
+  train = input_pipeline.choose(dataset, sharding.create_mesh(), 0)["train"]
   opened = sources.open_splits(dataset)["train"]
   np.testing.assert_array_equal(train.labels, opened.labels)
   np.testing.assert_array_equal(train.ids, opened.ids)
@@ -303,10 +299,10 @@ def test_stream_files_of_another_split_config_are_refused(digits, tmp_path):
     array_records.read_index(str(tmp_path), "train", other)
   with pytest.raises(FileNotFoundError, match="no array_record split 'test'"):
     array_records.read_index(str(tmp_path), "test", dataset)
-  with pytest.raises(config_validation.ConfigError, match="needs config.dataset.stream_dir"):
-    config_validation.validate(tiny_config(**{"dataset.reader": "stream"}))
-  with pytest.raises(config_validation.ConfigError, match="corrupts the test images in memory"):
-    config_validation.validate(tiny_config(**{"dataset.reader": "stream",
+  with pytest.raises(validation.ConfigError, match="needs config.dataset.stream_dir"):
+    validation.validate(tiny_config(**{"dataset.reader": "stream"}))
+  with pytest.raises(validation.ConfigError, match="corrupts the test images in memory"):
+    validation.validate(tiny_config(**{"dataset.reader": "stream",
                                               "dataset.stream_dir": str(tmp_path),
                                               "evaluation.ood": "gaussian_noise"}))
 

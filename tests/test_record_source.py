@@ -15,7 +15,7 @@ from PIL import Image
 import pytest
 
 from configs import default
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import (
   array_records,
   fingerprint,
@@ -27,7 +27,7 @@ from cpjax.data import (
   splits,
 )
 from cpjax.runtime import sharding
-from cpjax.training import loop as train
+from cpjax.training import train
 from tests.helpers import read_metrics, tiny_config
 
 
@@ -169,9 +169,9 @@ def test_a_damaged_record_is_named_when_read_and_a_truncated_shard_at_start_up(f
   config = tiny_config(**{"dataset.name": "folder", "dataset.stream_dir": out,
                           "dataset.image_size": 12, "dataset.val_size": 6,
                           "evaluation.ood": ""})
-  with pytest.raises(config_validation.ConfigError,
+  with pytest.raises(validation.ConfigError,
                      match=r"train.array_record-00001-of-00002 is \d+ bytes, \d+ were written"):
-    config_validation.validate(config)
+    validation.validate(config)
 
 
 def test_config_fields_of_the_records_are_checked_at_start_up(folder, tmp_path):
@@ -192,10 +192,10 @@ def test_config_fields_of_the_records_are_checked_at_start_up(folder, tmp_path):
           "dataset.stream_dir": str(tmp_path)},
   }
   for message, fields in bad.items():
-    with pytest.raises(config_validation.ConfigError, match=message):
-      config_validation.validate(tiny_config(**{**base, **fields}))
+    with pytest.raises(validation.ConfigError, match=message):
+      validation.validate(tiny_config(**{**base, **fields}))
   for reader in ("auto", "stream"):
-    config_validation.validate(tiny_config(**{**base, "dataset.reader": reader,
+    validation.validate(tiny_config(**{**base, "dataset.reader": reader,
                                               "dataset.stream_dir": out}))
   # Raw records (a built-in dataset's) are refused as encoded ones, and the reverse.
   with pytest.raises(ValueError, match="holds encoded images.*reads raw ones"):
@@ -224,7 +224,7 @@ def test_label_noise_on_a_folder_flips_a_seeded_share_of_the_pool(folder, tmp_pa
   sources.resolve(records)
   np.testing.assert_array_equal(sources.open_splits(records)["train"].labels,
                                 noisy["train"].labels)
-  config_validation.validate(tiny_config(**{
+  validation.validate(tiny_config(**{
       "dataset.name": "folder", "dataset.folder": folder, "dataset.image_size": 12,
       "dataset.val_size": 6, "dataset.label_noise": 0.4, "evaluation.ood": ""}))
 

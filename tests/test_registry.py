@@ -15,9 +15,9 @@ import pytest
 
 from cpjax import registry
 from cpjax.calibration import losses
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.selection import policies, scores
-from cpjax.training import loop as train
+from cpjax.training import train
 from scripts import registry_tables
 from tests import helpers
 from tests.helpers import tiny_config
@@ -52,15 +52,15 @@ def test_a_policy_registered_in_a_test_selects_with_its_declared_setting():
     config = tiny_config(**{"num_epochs": 2, "selection.method": "every_nth",
                             "selection.warmup_epochs": 1})
     assert config.selection.toy_stride == 3
-    config_validation.validate(config)
+    validation.validate(config)
     config.selection.toy_stride = 0
-    with pytest.raises(config_validation.ConfigError,
+    with pytest.raises(validation.ConfigError,
                        match=r"config.selection.toy_stride: must be at least 1, got 0"):
-      config_validation.validate(config)
+      validation.validate(config)
   assert "every_nth" not in policies.POLICIES  # Gone again after the block.
-  with pytest.raises(config_validation.ConfigError, match="config.selection.method: got "
+  with pytest.raises(validation.ConfigError, match="config.selection.method: got "
                      "'every_nth'; valid choices: class_balanced, full"):
-    config_validation.validate(tiny_config(**{"selection.method": "every_nth"}))
+    validation.validate(tiny_config(**{"selection.method": "every_nth"}))
 
 
 @pytest.mark.slow
@@ -92,7 +92,7 @@ def test_a_score_and_a_loss_registered_in_a_test_are_valid_choices_with_their_se
                              losses.cross_entropy(z, y), "toy", settings=(scale,))
   with scores.SCORES.registered(toy_score), losses.LOSSES.registered(toy_loss):
     config = tiny_config(**{"selection.score": "toy_confidence", "loss.name": "toy_scaled_ce"})
-    config_validation.validate(config)
+    validation.validate(config)
     config.selection.toy_power, config.loss.toy_scale = 3.0, 2.0
     logits, labels = jnp.array([[1.0, 2.0], [0.5, -1.0]]), jnp.array([1, 0])
     # Jitted, as the steps run them (op by op, every operation would compile on its own).
@@ -121,8 +121,8 @@ def test_unknown_names_get_the_closest_registered_one():
   for field, bad, close in [("selection.method", "top-k", "top_k"),
                             ("selection.score", "entropi", "entropy"),
                             ("loss.name", "focall", "focal")]:
-    with pytest.raises(config_validation.ConfigError) as info:
-      config_validation.validate(tiny_config(**{field: bad}))
+    with pytest.raises(validation.ConfigError) as info:
+      validation.validate(tiny_config(**{field: bad}))
     assert f"config.{field}: got {bad!r}; did you mean {close}" in str(info.value)
   with pytest.raises(ValueError, match="unknown selection policy 'samplde'; did you mean "
                                        "sampled"):

@@ -27,8 +27,7 @@ from cpjax.data import array_records, input_pipeline
 from cpjax.data.datasets import fashion_mnist_local
 from cpjax.runtime import checkpoint_room, checkpointing, sharding
 from cpjax.selection import bookkeeping, score_files
-from cpjax.training import loop as train
-from cpjax.training import step_loop
+from cpjax.training import run, train
 from tests import helpers, test_faults
 from tests.helpers import (
   REPO,
@@ -143,10 +142,10 @@ def test_stall_rule_by_hand(loss_min, loss_max, grad_max, steps, stalls, tmp_pat
   totals = {"loss_min": np.float32(loss_min), "loss_max": np.float32(loss_max),
             "grad_norm_max": np.float32(grad_max)}
   if stalls:
-    with pytest.raises(step_loop.StalledTrainingError):
-      step_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
+    with pytest.raises(run.StalledTrainingError):
+      run.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
   else:
-    step_loop.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
+    run.raise_if_stalled(totals, 3, steps, checkpointer, "cross_entropy")
 
 
 # Start-up checks (cpjax.config.preflight): every failure is found before anything is written.

@@ -19,8 +19,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from cpjax import steps
-from cpjax.runtime import failures, metric_writers, run_logging, sharding
-from cpjax.selection import bookkeeping, sources
+from cpjax.runtime import anatomy, failures, metric_writers, run_logging, sharding
+from cpjax.selection import bookkeeping, score_sources
 from cpjax.training import step_loop
 from tests import helpers, test_failures
 from tests.helpers import STEPS_PER_EPOCH, read_metrics
@@ -74,7 +74,7 @@ def test_the_progress_report_gives_steps_per_second_since_its_last_report(caplog
   a call at a step that is not due (13) reports nothing; each report's rate is the steps
   since the previous report over the seconds since it, worked by hand on this clock."""
   written = _Scalars()
-  report = run_logging.create_progress_reporter(25, written, 5)
+  report = metric_writers.ProgressReport(25, written, 5, anatomy.RunClock())
   calls = [(3, 0.0), (5, 1.0), (10, 2.0), (13, 3.0), (15, 4.5), (25, 14.5)]
   with caplog.at_level(logging.INFO):
     reported = [report(step, t=t) for step, t in calls]
@@ -143,7 +143,7 @@ def test_an_epoch_record_reaches_jsonl_with_its_keys_and_tensorboard_tagged(tmp_
   epoch_log = run_logging.EpochLog(str(tmp_path))
   record = {"epoch": 0, "train_loss": 2.5, "test_ece": float("nan"), "selected_k": 10,
             "subset_class_counts": [4, 6]}
-  run_logging.write_record(run_logging.TaggedWriter(recorder), epoch_log, 20, record)
+  run_logging.write_record(run_logging.TaggedWriter([recorder]), epoch_log, 20, record)
   with open(tmp_path / "metrics.jsonl") as f:
     assert [json.loads(line) for line in f] == [
         {"epoch": 0, "train_loss": 2.5, "test_ece": None, "selected_k": 10,
@@ -222,7 +222,7 @@ def test_a_scoring_pass_logs_its_start_and_its_duration(digits, caplog):
   # A stand-in for the scoring step: [B, 3] columns (score, confidence, correct) = the label.
   score_fn = jax.jit(lambda state, batch: jnp.stack([batch["label"].astype(jnp.float32)] * 3,
                                                     axis=-1))
-  source = sources.ScoringPass(score_fn, digits["train"], mesh, 64, rescore_every=1)
+  source = score_sources.ScoringPass(score_fn, digits["train"], mesh, 64, rescore_every=1)
   with caplog.at_level(logging.INFO):
     state = source.refresh(3, None, bookkeeping.initial_state(len(digits["train"].ids)))
   np.testing.assert_array_equal(state["scores"], digits["train"].labels)  # One pass, in order.

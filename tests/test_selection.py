@@ -15,8 +15,16 @@ import scipy.stats
 from cpjax import models, run_state, steps
 from cpjax.data import augment, specs
 from cpjax.runtime import preemption, sharding
-from cpjax.selection import bookkeeping, policies, score_files, scores, selector, sources, subsets
-from cpjax.training import loop as train
+from cpjax.selection import (
+  bookkeeping,
+  policies,
+  score_files,
+  score_sources,
+  scores,
+  selector,
+  subsets,
+)
+from cpjax.training import train
 from tests import helpers
 from tests.helpers import read_metrics
 
@@ -40,7 +48,7 @@ def _numpy_cross_entropy(logits, labels):
 def _target_logits(workdir, split):
   """Eval-mode logits of `split` under a run's latest checkpoint, with its saved model, by
   model.apply on all of it at once (not through cpjax's steps, mesh or batches)."""
-  config = sources.read_run_config(workdir)
+  config = score_sources.read_run_config(workdir)
   state = helpers.restore_checkpoint(workdir)["train"]
   data = specs.DATASETS[config.dataset.name]
   model = models.create_model(config.model.name, data.num_classes)
@@ -179,14 +187,14 @@ def _count_training_passes(monkeypatch, split) -> list[int]:
 
 
 def test_target_of_another_architecture_scores_once(other_model_run, digits, tmp_path, monkeypatch):
-  assert sources.read_run_config(other_model_run.workdir).model.name == "small_cnn"
+  assert score_sources.read_run_config(other_model_run.workdir).model.name == "small_cnn"
   _check_target_scoring(other_model_run.workdir, digits, tmp_path, monkeypatch)
 
 
 def test_a_gamma_net_run_serves_as_the_calibrated_target(meta_run, digits, tmp_path, monkeypatch):
   """An FL_gamma run held out its meta-validation rows; the selecting run (cross-entropy, no
   carve-out) trains on them too, which a target may: only the validation split must match."""
-  target = sources.read_run_config(meta_run.workdir)
+  target = score_sources.read_run_config(meta_run.workdir)
   assert target.loss.name == "flgamma_dece" and target.dataset.meta_val_size == 128
   _check_target_scoring(meta_run.workdir, digits, tmp_path, monkeypatch)
 
@@ -286,12 +294,12 @@ def test_reducible_loss_of_the_target_itself_is_zero_and_its_pass_runs_once(othe
       "model.name": "small_cnn", "selection.scoring": "fresh",
       "selection.score": "reducible_loss", "selection.target_workdir": other_model_run.workdir})
   mesh = sharding.create_mesh()
-  current = sources.Target(other_model_run.workdir,
+  current = score_sources.Target(other_model_run.workdir,
                            run_state.abstract(other_model_run.config, mesh,
                                               bookkeeping.initial_state_of(
                                                   other_model_run.config.dataset,
                                                   other_model_run.config.selection))).restore()
-  source = sources.create_source(config.selection, digits["train"], mesh,
+  source = score_sources.create_source(config.selection, digits["train"], mesh,
                                  model_name=config.model.name, dataset=config.dataset,
                                  xla_cpu_options=config.xla_cpu_options)
   state = source.refresh(1, current, bookkeeping.initial_state_of(config.dataset, config.selection))

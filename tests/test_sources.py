@@ -20,7 +20,7 @@ import tensorflow_datasets as tfds
 
 from configs import default
 from cpjax import steps
-from cpjax.config import validation as config_validation
+from cpjax.config import validation
 from cpjax.data import (
   folder_source,
   host_stage,
@@ -32,7 +32,7 @@ from cpjax.data import (
   tensorflow_optional,
 )
 from cpjax.data.device_stage import packed_regions
-from cpjax.data.device_stage import reader as device_stage
+from cpjax.data.device_stage.reader import DeviceStageReader
 from cpjax.runtime import sharding
 from tests import helpers
 from tests.helpers import tiny_config
@@ -249,8 +249,8 @@ def test_a_folder_without_test_carves_it_and_one_with_val_uses_it(folder, tmp_pa
   opened = sources.open_splits(dataset)
   assert len(opened["val"]) == 6 and len(opened["test"]) == 4 and len(opened["train"]) == 14
   assert not set(opened["test"].ids) & set(opened["train"].ids)
-  with pytest.raises(config_validation.ConfigError, match="test_size=0"):
-    config_validation.validate(tiny_config(**{
+  with pytest.raises(validation.ConfigError, match="test_size=0"):
+    validation.validate(tiny_config(**{
         "dataset.name": "folder", "dataset.folder": folder, "dataset.image_size": 16,
         "evaluation.ood": ""}))
 
@@ -321,22 +321,22 @@ def test_an_unreadable_file_is_named_at_start_up_or_left_out_and_listed(folder, 
                           "dataset.image_size": 16, "dataset.val_size": 5,
                           "evaluation.ood": ""})
   train = os.path.join(folder, "train")
-  with pytest.raises(config_validation.ConfigError) as raised:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as raised:
+    validation.validate(config)
   assert (f"1 file of {train} is not a readable image: {bad} (UnidentifiedImageError: not in "
           "an image format PIL reads). Remove or replace it, or pass "
           "--config.dataset.skip_bad_files=True to leave it out (it is then listed") in str(
               raised.value)
   empty = os.path.join(folder, "train", "bee", "empty.png")
   open(empty, "wb").close()
-  with pytest.raises(config_validation.ConfigError) as raised:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as raised:
+    validation.validate(config)
   assert (f"2 files of {train} are not readable images: {bad} (UnidentifiedImageError: not in "
           f"an image format PIL reads); {empty} (empty: 0 bytes). Remove or replace them") in str(
               raised.value)
   assert "<_io" not in str(raised.value)  # No Python object's repr.
   config.dataset.skip_bad_files = True
-  config_validation.validate(config)
+  validation.validate(config)
   assert specs.DATASETS["folder"].num_train == 18  # Left out.
   listed = sources.bad_files(config.dataset)
   assert len(listed) == 2 and listed[0].startswith(bad) and listed[1].startswith(empty)
@@ -486,7 +486,7 @@ def test_a_tfds_dataset_and_its_records_through_the_device_stage(tmp_path, tfds_
 
   def images(reader) -> np.ndarray:
     return np.stack([jax.device_get(b["image"]) for b in reader.batches(blocks, epoch=1)])
-  got = [images(device_stage.DeviceStageReader(source, transform, mesh,
+  got = [images(DeviceStageReader(source, transform, mesh,
                                                packed_regions.HostDecoder()))
          for source in (direct, converted)]
   np.testing.assert_array_equal(*got)
@@ -526,19 +526,19 @@ def test_an_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path, monkeypatch
   config = tiny_config(**{"dataset.name": "tfds:mnist", "dataset.data_dir": str(tmp_path),
                           "evaluation.ood": ""})
   monkeypatch.setattr(tensorflow_optional, "installed", lambda: True)
-  with pytest.raises(config_validation.ConfigError, match="not prepared.*array_record") as raised:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError, match="not prepared.*array_record") as raised:
+    validation.validate(config)
   assert "TensorFlow" not in str(raised.value)
   monkeypatch.setattr(tensorflow_optional, "installed", lambda: False)
-  with pytest.raises(config_validation.ConfigError) as raised:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as raised:
+    validation.validate(config)
   (line,) = str(raised.value).splitlines()[1:]
   assert "tfds dataset 'mnist' is not prepared" in line
   assert line.endswith("; preparing it here needs TensorFlow, which is not installed: pip "
                        "install -r requirements-tf.txt (or: pip install 'cpjax[tf]')"), line
   config.dataset.name = "tfds:no_such_dataset_anywhere"
-  with pytest.raises(config_validation.ConfigError, match="no such dataset"):
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError, match="no such dataset"):
+    validation.validate(config)
 
 
 def test_a_misspelled_tfds_name_keeps_tfds_suggestion(tmp_path):
@@ -546,8 +546,8 @@ def test_a_misspelled_tfds_name_keeps_tfds_suggestion(tmp_path):
   list of every dataset it knows, and the error passes it on as the name to use."""
   config = tiny_config(**{"dataset.name": "tfds:mnsit", "dataset.data_dir": str(tmp_path),
                           "evaluation.ood": ""})
-  with pytest.raises(config_validation.ConfigError) as raised:
-    config_validation.validate(config)
+  with pytest.raises(validation.ConfigError) as raised:
+    validation.validate(config)
   message = str(raised.value)
   assert "tfds knows no such dataset (DatasetNotFoundError: Dataset mnsit not found.)" in message
   assert "did you mean --config.dataset.name=tfds:mnist?" in message

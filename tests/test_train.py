@@ -18,10 +18,10 @@ import optax
 import pytest
 
 from cpjax import optim
-from cpjax.calibration import conformal, posthoc
-from cpjax.calibration import report as report_lib
-from cpjax.training import loop as train
-from cpjax.training import setup, step_loop
+from cpjax.calibration import conformal, posthoc, report
+from cpjax.config import preflight
+from cpjax.runtime import anatomy
+from cpjax.training import setup, train
 from tests import helpers
 from tests.helpers import STEPS_PER_EPOCH, read_metrics, run_main, tiny_config
 
@@ -128,7 +128,8 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path
 def test_unwritable_workdir_fails_early(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
-  with pytest.raises(PermissionError, match="not a writable directory"):
+  with pytest.raises(preflight.StartupCheckError, match=f"--workdir '{blocker}/workdir' "
+                     f"cannot be a folder: {blocker} is a file; pass another --workdir"):
     train.train_and_evaluate(tiny_config(), str(blocker / "workdir"))
 
 
@@ -231,12 +232,12 @@ def test_input_wait_counts_the_waits_for_batches_only():
     for i in range(3):
       time.sleep(0.02)
       yield i
-  waiting, got = step_loop.InputWait(slow_reader()), []
-  for batch in waiting:
+  training, got = anatomy.Training(), []
+  for batch in training.timed(slow_reader()):
     got.append(batch)
     time.sleep(0.15)  # The step: not input.
   assert got == [0, 1, 2]
-  assert 0.06 <= waiting.seconds < 0.3
+  assert 0.06 <= training.input_wait < 0.3
 
 
 def test_peak_device_memory_is_the_largest_devices_peak(monkeypatch):
@@ -269,36 +270,36 @@ def _check_report(report_dir):
   assert "Tata et al. 2022, 'Can Calibration Improve Sample Prioritization?'" in markdown
   assert "Mukhoti et al. 2020, 'Calibrating Deep Neural Networks using Focal Loss'" in markdown
   with open(os.path.join(report_dir, "results.json")) as f:
-    report = json.load(f)
-  fit = report["temperature"]
+    results = json.load(f)
+  fit = results["temperature"]
   assert 0.1 <= fit["temperature"] <= 10.0
   for tag in ("before_ts", "after_ts"):
-    assert (report["metrics"]["test"][tag]["accuracy"]
-            == report["metrics"]["test"]["before_ts"]["accuracy"])
-    for name, interval in report["intervals"][tag].items():
+    assert (results["metrics"]["test"][tag]["accuracy"]
+            == results["metrics"]["test"]["before_ts"]["accuracy"])
+    for name, interval in results["intervals"][tag].items():
       assert interval["low"] <= interval["high"] and interval["num_resamples"] == 100, name
-    assert set(report["ood"][tag]) == {"entropy", "max_softmax", "max_logit", "energy"}
-  assert sum(report["reliability"]["before_ts"]["count"]) == 360  # Every test image binned.
-  assert set(report["ood"]["fpr_at_95_tpr"]["before_ts"]) == set(report["ood"]["before_ts"])
-  section = report["posthoc"]
+    assert set(results["ood"][tag]) == {"entropy", "max_softmax", "max_logit", "energy"}
+  assert sum(results["reliability"]["before_ts"]["count"]) == 360  # Every test image binned.
+  assert set(results["ood"]["fpr_at_95_tpr"]["before_ts"]) == set(results["ood"]["before_ts"])
+  section = results["posthoc"]
   assert list(section["calibrators"]) == list(posthoc.MAPS.names())
   assert section["requested"] == section["chosen"] == "ensemble_temperature"  # The default.
   for method in ("none", "temperature", "ensemble_temperature"):  # Accuracy kept.
     assert (section["calibrators"][method]["test"]["accuracy"]
-            == report["metrics"]["test"]["before_ts"]["accuracy"]), method
+            == results["metrics"]["test"]["before_ts"]["accuracy"]), method
     # Same resampled rows, same predictions: the same accuracy interval.
     assert (section["calibrators"][method]["intervals"]["accuracy"]
             == section["calibrators"]["none"]["intervals"]["accuracy"]), method
   for method, row in section["calibrators"].items():
-    assert set(row["intervals"]) == set(report_lib.TABLE_METRICS), method
+    assert set(row["intervals"]) == set(report.TABLE_METRICS), method
     for name, interval in row["intervals"].items():
       assert interval["point"] == pytest.approx(row["test"][name]), (method, name)
       assert interval["low"] <= interval["high"], (method, name)
   assert section["calibrators"]["none"]["test"]["nll"] == pytest.approx(
-      report["metrics"]["test"]["before_ts"]["nll"])
-  assert sum(report["reliability"]["calibrated"]["count"]) == 360
-  _check_conformal_from_the_saved_logits(report_dir, report)
-  return report
+      results["metrics"]["test"]["before_ts"]["nll"])
+  assert sum(results["reliability"]["calibrated"]["count"]) == 360
+  _check_conformal_from_the_saved_logits(report_dir, results)
+  return results
 
 
 def _check_conformal_from_the_saved_logits(report_dir, report):

@@ -19,8 +19,7 @@ from jax._src import array as jax_array  # ArrayImpl: where every host read of a
 import numpy as np
 import pytest
 
-from cpjax.training import loop as train
-from cpjax.training import setup, step_loop
+from cpjax.training import setup, step_loop, train
 from tests import helpers
 
 DEVICE_READER = {"dataset.reader": "device", "evaluation.ood": "",

@@ -22,8 +22,7 @@ from scipy import special
 
 from cpjax import models
 from cpjax.calibration import parametric, posthoc, report
-from cpjax.config import schema as config_schema
-from cpjax.config import validation as config_validation
+from cpjax.config import schema, validation
 from cpjax.data import preprocess, sources
 from cpjax.selection import policies
 from tests import helpers, toy_models
@@ -230,13 +229,13 @@ def test_the_config_field_imports_modules_in_library_use(tmp_path, monkeypatch):
     config = helpers.tiny_config(**{"selection.method": "toy_first_k",
                                     "selection.warmup_epochs": 1,
                                     "import_modules": "cpjax_user_policy_only"})
-    config_validation.validate(config)  # Raises if the name were unknown.
+    validation.validate(config)  # Raises if the name were unknown.
     assert "toy_first_k" in policies.POLICIES
     config.import_modules = "cpjax_user_policy_only, no_such_module_either"
-    with pytest.raises(config_validation.ConfigError,
+    with pytest.raises(validation.ConfigError,
                        match="config.import_modules: cannot import module "
                              "'no_such_module_either'"):
-      config_validation.validate(config)
+      validation.validate(config)
   finally:
     if "toy_first_k" in policies.POLICIES:
       policies.POLICIES.unregister("toy_first_k")
@@ -250,7 +249,7 @@ def test_a_model_registered_outside_cpjax_is_a_choice_built_by_its_constructor()
   spec = models.ModelSpec("toy_registered", toy_models.ToyNet, 8, 2, "toy: a test's model")
   with models.MODELS.registered(spec):
     config = helpers.tiny_config(**{"model.name": "toy_registered"})
-    config_validation.validate(config)
+    validation.validate(config)
     assert "| `toy_registered` | 8 px | x2 | toy: a test's model |" in models.markdown_table()
     x = jnp.ones((2, 8, 8, 1))
     built = models.create_model("toy_registered", 3)
@@ -259,8 +258,8 @@ def test_a_model_registered_outside_cpjax_is_a_choice_built_by_its_constructor()
     ours, theirs = built.init(key, x, train=False), direct.init(key, x, train=False)
     np.testing.assert_array_equal(built.apply(ours, x, train=False)[0],
                                   direct.apply(theirs, x, train=False)[0])
-    with pytest.raises(config_validation.ConfigError, match="did you mean toy_registered"):
-      config_validation.validate(helpers.tiny_config(**{"model.name": "toy_registerd"}))
+    with pytest.raises(validation.ConfigError, match="did you mean toy_registered"):
+      validation.validate(helpers.tiny_config(**{"model.name": "toy_registerd"}))
   assert "toy_registered" not in models.MODELS
 
 
@@ -278,8 +277,8 @@ def test_a_training_crop_registered_outside_cpjax_crops_training_images():
     out = transform(data.getvalue(), example_id=5, epoch=0)
     # The top-left 4x4 at its own size: the crop box alone decides the pixels.
     np.testing.assert_array_equal(out[..., 0], pixels[:4, :4])
-    assert config_schema.spine_schema()["dataset.train_crop"]("toy_quarter") is None
-  problem = config_schema.spine_schema()["dataset.train_crop"]("toy_quarter")
+    assert schema.spine_schema()["dataset.train_crop"]("toy_quarter") is None
+  problem = schema.spine_schema()["dataset.train_crop"]("toy_quarter")
   assert problem == "got 'toy_quarter'; valid choices: center, random_resized"
 
 
@@ -312,7 +311,7 @@ def test_a_posthoc_map_registered_outside_cpjax_is_fitted_applied_and_reported()
     np.testing.assert_allclose(posthoc.apply(calibrator, z, jnp), log_p, rtol=1e-5, atol=1e-6)
     # A config may choose it, and the report fits and tables it beside cpjax's maps.
     config = helpers.tiny_config(**{"evaluation.calibrator": "toy_prior"})
-    assert config_schema.spine_schema()["evaluation.calibrator"]("toy_prior") is None
+    assert schema.spine_schema()["evaluation.calibrator"]("toy_prior") is None
     config.evaluation.calibrator_resamples = 0
     section, chosen = report.posthoc_table((z[:60], y[:60]), (z[60:], y[60:]), 3,
                                            config.evaluation)

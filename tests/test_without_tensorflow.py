@@ -50,7 +50,8 @@ def test_the_blocker_makes_tensorflow_absent_and_the_trainer_imports_without_it(
           "assert importlib.util.find_spec('tensorflow') is None\n"
           "try:\n  import tensorflow\nexcept ModuleNotFoundError:\n  pass\n"
           "else:\n  raise SystemExit('tensorflow imported')\n"
-          "import main, cpjax.training.loop, cpjax.training.evaluation, cpjax.data.input_pipeline\n"
+          "import main, cpjax.training.train, cpjax.training.evaluation\n"
+          "import cpjax.data.input_pipeline\n"
           "import cpjax.data.sources, cpjax.data.tfds_source, cpjax.runtime.run_logging\n"
           "assert 'tensorflow' not in sys.modules, 'something imported tensorflow'\n"
           "print('OK')\n")

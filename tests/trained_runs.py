@@ -3,7 +3,7 @@
 that read one run form a group on one worker, see conftest.py) and its tests only read its
 workdir, or copy it.
 
-Kept out of conftest.py so that only the modules that train import cpjax.training.loop, and with it
+Kept out of conftest.py so that only the modules that train import cpjax.training.train, and with it
 TensorFlow (cpjax.training.evaluation's clu.metric_writers imports TensorFlow's summary writer): the
 pytest-xdist controller, which collects no tests, and a run of other test files start without.
 """
@@ -14,8 +14,7 @@ import functools
 import pytest
 
 from cpjax import steps
-from cpjax.training import loop as train
-from cpjax.training import setup
+from cpjax.training import setup, train
 from tests import helpers
 
 

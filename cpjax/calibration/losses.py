@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from cpjax import registry
@@ -266,9 +267,9 @@ for _spec in (
   LOSSES.register(_spec)
 
 
-def scheduled_hparams(config: ml_collections.ConfigDict, epoch: int) -> dict[str, float]:
-  """Epoch-dependent loss hyper-parameters (docs/methods.md#scheduled-focal-loss-flsc):
-  the FLSc gamma, else {}.
+def scheduled_hparams(config: ml_collections.ConfigDict, epoch: int) -> dict[str, np.float32]:
+  """Epoch-dependent loss hyper-parameters (docs/methods.md#scheduled-focal-loss-flsc), as
+  host scalars the train step takes: the FLSc gamma, else {}.
 
   gamma = g1 for epoch < b1, g2 for b1 <= epoch < b2, g3 after
   (`config.gamma_boundaries`, (100, 250) for the 350-epoch CIFAR recipe).
@@ -277,7 +278,7 @@ def scheduled_hparams(config: ml_collections.ConfigDict, epoch: int) -> dict[str
   if schedule is None:
     return {}
   phase = sum(epoch >= b for b in config.gamma_boundaries)
-  return {"gamma": schedule[phase]}
+  return {"gamma": np.float32(schedule[phase])}
 
 
 def get_loss(config: ml_collections.ConfigDict) -> LossFn:

@@ -2,7 +2,9 @@
 
 `check(config, workdir, mode)` runs after config validation and before the workdir lock,
 the checkpoint folder or any compile; the datasets it prepares are the ones the run would
-prepare at its start (or, for the OOD set, at its report). It checks
+prepare at its start (or, for the OOD set, at its report). It checks first, and alone, that
+`--workdir` can be the run's folder (a writable folder, or a path whose nearest existing
+part is one: not a file), then
 
   * the dataset: opened through its tfds builder, or prepared now if it is to be prepared
     (download, manual_dir, a local builder: `input_pipeline.open_or_prepare`), or, for a
@@ -13,7 +15,7 @@ prepare at its start (or, for the OOD set, at its report). It checks
     download setting never lets it pass unchecked (it would otherwise fail at the report,
     after the whole training);
   * for training, a target run (`selection.target_workdir`): its config, split fields and
-    recorded scores (`sources.check_target`);
+    recorded scores (`score_sources.check_target`);
   * for training, that the checkpoint folder (or its nearest existing parent) is writable
     and has room for checkpointing.ROOM_FACTOR times the run's checkpoint, whose size is read
     from the shapes of its tree (`run_state.abstract`), computing nothing.
@@ -23,13 +25,14 @@ reported together in one `StartupCheckError`, and nothing has been written.
 """
 
 import os
+import tempfile
 
 import ml_collections
 
 from cpjax import run_state
-from cpjax.data import array_records, input_pipeline, readers, specs
-from cpjax.runtime import checkpointing, sharding
-from cpjax.selection import bookkeeping, sources
+from cpjax.data import array_records, input_pipeline, specs
+from cpjax.runtime import checkpointing, files, sharding
+from cpjax.selection import bookkeeping, score_sources
 
 
 class StartupCheckError(RuntimeError):
@@ -42,6 +45,8 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
   Raises:
     StartupCheckError: one line per failed check.
   """
+  if problem := _workdir_problem(workdir):  # Nothing else is worth checking then.
+    raise StartupCheckError(problem)
   checks = [_check_dataset, _check_ood]
   if mode == "train":  # Evaluating reads no target run and writes no checkpoint.
     checks += [_check_target, lambda c: _check_checkpoint_room(c, workdir)]
@@ -56,9 +61,24 @@ def check(config: ml_collections.ConfigDict, workdir: str, mode: str = "train") 
                             + "\n  ".join(problems))
 
 
+def _workdir_problem(workdir: str) -> str | None:
+  """Why `workdir` cannot be the run's folder, in one line, or None; creates nothing (the
+  workdir lock creates the folder once every check has passed)."""
+  where = files.existing_parent(workdir)
+  if not os.path.isdir(where):
+    return (f"--workdir {workdir!r} cannot be a folder: {where} is a file; pass another "
+            "--workdir (nothing was written)")
+  try:
+    tempfile.NamedTemporaryFile(dir=where).close()  # Can the run create files here?
+  except OSError as err:
+    return (f"--workdir {workdir!r} is not writable ({err.strerror or err} in {where}); make "
+            "it writable or pass another --workdir (nothing was written)")
+  return None
+
+
 def _check_dataset(config: ml_collections.ConfigDict) -> None:
   dataset = config.dataset
-  if not readers.streams(dataset):
+  if not input_pipeline.streams(dataset):
     input_pipeline.open_or_prepare(dataset.name, dataset)
     return
   names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])
@@ -80,7 +100,7 @@ def _check_ood(config: ml_collections.ConfigDict) -> None:
 
 def _check_target(config: ml_collections.ConfigDict) -> None:
   if config.selection.target_workdir:  # Validated: set only where a target is used.
-    sources.check_target(config.selection, config.dataset)
+    score_sources.check_target(config.selection, config.dataset)
 
 
 def checkpoint_bytes(config: ml_collections.ConfigDict) -> int:

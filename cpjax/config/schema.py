@@ -17,10 +17,10 @@ import ml_collections
 
 from cpjax import models, registry
 from cpjax.calibration import bootstrap, conformal, losses, posthoc, temperature
-from cpjax.data import decode_workers, preprocess, readers, specs, splits
-from cpjax.data import sources as data_sources
+from cpjax.data import decode_workers, input_pipeline, preprocess, sources, specs, splits
+from cpjax.data.device_stage import decoders
 from cpjax.runtime import compiler_options
-from cpjax.selection import policies, scores, sources
+from cpjax.selection import policies, score_sources, scores
 
 # The checks' builders live with the registries (an entry's settings use them too).
 Check = registry.Check
@@ -66,7 +66,7 @@ def spine_schema() -> dict[str, Check]:
   return {
       "seed": integer(0, 2**31 - 1),
       "import_modules": import_problem,
-      "dataset.name": data_sources.name_problem,
+      "dataset.name": sources.name_problem,
       "dataset.data_dir": string(),
       "dataset.manual_dir": string(),
       "dataset.download": boolean(),
@@ -78,7 +78,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.label_noise_seed": integer(0, 2**31 - 1),
       "dataset.holdout_fraction": number(0.0, 1.0, high_open=True),
       "dataset.train_part": choice(list(splits.TRAIN_PARTS)),
-      "dataset.reader": choice(readers.READER_CHOICES),
+      "dataset.reader": choice(input_pipeline.READER_CHOICES),
       "dataset.device_memory_mb": number(0.0),
       "dataset.host_memory_mb": number(0.0),
       "dataset.stream_dir": string(),
@@ -101,7 +101,7 @@ def spine_schema() -> dict[str, Check]:
       "dataset.skip_bad_files": boolean(),
       "dataset.num_workers": integer(0, 256),
       "dataset.worker_kind": choice(list(decode_workers.WORKER_KINDS)),
-      "dataset.decode": choice(readers.decode_choices),
+      "dataset.decode": choice(decoders.decode_choices),
       "model.name": models.name_problem,
       "model.dtype": choice(["float32", "bfloat16"]),
       "loss.name": losses.LOSSES.check(),
@@ -124,7 +124,7 @@ def spine_schema() -> dict[str, Check]:
       "selection.warmup_epochs": integer(0),
       "selection.final_full_epochs": integer(0),
       "selection.fraction_end": number(-1.0, 1.0),
-      "selection.scoring": sources.SOURCES.check(),
+      "selection.scoring": score_sources.SOURCES.check(),
       "selection.rescore_every": integer(0),
       "selection.score_dtype": choice(["float32", "bfloat16"]),
       "selection.score_batch_size": integer(1),

@@ -2,33 +2,21 @@
 
 An unknown field, a missing field, a wrong type or an out-of-range value (the checks of
 cpjax/config/schema.py) raises `ConfigError` naming the field and what would be valid; so
-does a combination of fields that cannot work together (checked here).
-
-`implied_settings` lists what a choice needs and the user left unset (main.py applies it
-before validating): a policy's declared needs (`selection.method='infobatch'` implies its
-score, scoring and direction);
-an `flgamma_*` loss implies a meta-validation split; a source dataset (a folder, tfds:NAME)
-implies no in-memory OOD set and, for a split it lacks, a validation or test carve-out that
-fits its size (a tenth of its training images at most). An explicit setting that contradicts
-the choice is still refused by `validate`.
+does a combination of fields that cannot work together (checked here). What a choice
+implies where the user left a field unset is cpjax.config.implied's, applied before this.
 """
 
-from collections.abc import Collection
-import copy
-import json
 import os
-from typing import Any
 
 import jax
 import ml_collections
 
 from cpjax import models
 from cpjax.calibration import conformal, losses
-from cpjax.config import schema as config_schema
-from cpjax.data import readers, specs, splits
-from cpjax.data import sources as data_sources
-from cpjax.selection import policies, scores
-from cpjax.selection import sources as score_sources
+from cpjax.config import schema
+from cpjax.data import input_pipeline, sources, specs, splits
+from cpjax.data.device_stage import decoders
+from cpjax.selection import policies, score_sources, scores
 
 
 class ConfigError(ValueError):
@@ -45,23 +33,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ConfigError: one line per bad, unknown or missing field.
   """
   import_modules(config)  # First: the names the modules register are valid choices below.
-  problems = _field_problems(config)
+  problems = field_problems(config)
   if not problems:
-    problems = _source_problems(config.dataset)
+    problems = source_problems(config.dataset)
   if not problems:
     problems = _cross_field_problems(config)
   if problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
-def _field_problems(config: ml_collections.ConfigDict) -> list[str]:
+def field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Each field on its own: unknown, missing, or a bad value (cpjax/config/schema.py)."""
-  schema = config_schema.spine_schema()
-  leaves = config_schema.leaves(config)
-  problems = [config_schema.unknown_field(name, schema) for name in leaves if name not in schema]
+  checks = schema.spine_schema()
+  leaves = schema.leaves(config)
+  problems = [schema.unknown_field(name, checks) for name in leaves if name not in checks]
   problems += [f"config.{name}: missing (every config needs it; see configs/default.py)"
-               for name in schema if name not in leaves]
-  for name, check in schema.items():
+               for name in checks if name not in leaves]
+  for name, check in checks.items():
     if name in leaves and (problem := check(leaves[name])):
       problems.append(f"config.{name}: {problem}")
   return problems
@@ -74,26 +62,26 @@ def import_modules(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: a module that cannot be imported, named with its error.
   """
-  problem = config_schema.import_problem(config.get("import_modules", ""))
+  problem = schema.import_problem(config.get("import_modules", ""))
   if problem:
     raise ConfigError(f"invalid config:\n  config.import_modules: {problem}")
 
 
 
-def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
+def source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   """A source dataset (folder, tfds:NAME): its facts read and registered (data_sources
   .resolve: a missing folder, an unprepared tfds dataset or unreadable files are named
   here), and the fields that only in-memory datasets use left alone."""
-  if not data_sources.is_source_name(dataset.name):
+  if not sources.is_source_name(dataset.name):
     return [f"config.dataset.folder={dataset.folder!r} is read only with "
             "dataset.name='folder'"] if dataset.folder else []
   problems = []
   # Readers of a source dataset: auto and stream read its converted records when
   # dataset.stream_dir is set, else (auto, host) the source itself.
-  if dataset.reader not in readers.SOURCE_READERS:
+  if dataset.reader not in input_pipeline.SOURCE_READERS:
     problems.append(f"config.dataset.reader={dataset.reader!r}: a {dataset.name} dataset is "
                     "read by the host stage (decode and crop on the host); valid: "
-                    f"{', '.join(readers.SOURCE_READERS)} (stream: its converted records in "
+                    f"{', '.join(input_pipeline.SOURCE_READERS)} (stream: its converted records in "
                     "dataset.stream_dir)")
   elif dataset.reader == "stream" and not dataset.stream_dir:
     problems.append(f"config.dataset.reader='stream' reads a {dataset.name} dataset's "
@@ -109,7 +97,7 @@ def _source_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   if problems:
     return problems
   try:
-    data_sources.resolve(dataset)
+    sources.resolve(dataset)
   except (OSError, ValueError, RuntimeError) as err:
     text, field = " ".join(str(err).split()), f"dataset.name={dataset.name!r}"
     # An error that names the field itself (tfds's "no such dataset") is not prefixed twice.
@@ -224,134 +212,6 @@ def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
   return problems
 
 
-def default_meta_val_size(dataset: ml_collections.ConfigDict, batch_size: int) -> int:
-  """The meta-validation split an flgamma_* loss gets when `dataset.meta_val_size` is unset:
-  10 % of the training examples left after validation, at least one batch (each step draws
-  a full batch of distinct meta-validation examples)."""
-  num_rows = specs.DATASETS[dataset.name].num_train - dataset.val_size
-  return max(batch_size, num_rows // 10)
-
-
-def changed_fields(config: ml_collections.ConfigDict,
-                   reference: ml_collections.ConfigDict) -> set[str]:
-  """Dotted names of the fields of `config` whose value differs from (or is absent in)
-  `reference`: what a config file set, compared with configs/default.py."""
-  reference_leaves = config_schema.leaves(reference)
-  return {name for name, value in config_schema.leaves(config).items()
-          if name not in reference_leaves or reference_leaves[name] != value}
-
-
-# Fields that set the run's length: the learning-rate schedule is a function of it.
-_LENGTH_FIELDS = ("num_epochs", "budget_steps")
-
-
-def resume_changes(saved_json: str, config: ml_collections.ConfigDict) -> str:
-  """What a resumed run changes from its checkpoint's config, as one warning ("" if
-  nothing): each changed field with both values, and, where the run's length or the
-  optimizer changed, that the learning-rate schedule is recomputed from them.
-
-  Args:
-    saved_json: the checkpoint's config (`to_json_best_effort(sort_keys=True)`).
-    config: this run's config.
-  """
-  def flat(text: str) -> dict[str, Any]:
-    return config_schema.leaves(ml_collections.ConfigDict(json.loads(text)))
-  saved, now = flat(saved_json), flat(config.to_json_best_effort(sort_keys=True))
-  names = sorted(n for n in set(saved) | set(now) if saved.get(n, _ABSENT) != now.get(n, _ABSENT))
-  if not names:
-    return ""
-  shown = "; ".join(f"{n} {saved.get(n, _ABSENT)!r} -> {now.get(n, _ABSENT)!r}" for n in names)
-  line = f"Resuming with a config that differs from the checkpoint's: {shown}."
-  length = [f"{n}={now[n]!r}" for n in _LENGTH_FIELDS if n in names and n in now]
-  if length or any(n.startswith("optimizer.") for n in names):
-    what = f"length ({', '.join(length)})" if length else "optimizer settings"
-    line += (f" The learning-rate schedule is recomputed for the new {what}: the epochs from "
-             "here take their rates from it, not from the checkpoint's schedule.")
-  return line
-
-
-class _Absent:
-  def __repr__(self) -> str:
-    return "(absent)"
-
-
-_ABSENT = _Absent()
-
-
-def implied_settings(config: ml_collections.ConfigDict,
-                     explicit: Collection[str]) -> dict[str, tuple[Any, str]]:
-  """The fields that the config's choices need and the user did not set.
-
-  Args:
-    config: the run configuration, before validation.
-    explicit: dotted names of the fields the user set (command-line overrides, and the
-      fields a config file changed); these are never implied, so a contradicting one is
-      refused by `validate` with its reason.
-
-  Returns:
-    {dotted field: (value to set, the choice that implies it)}; empty when nothing is implied.
-  """
-  implied = {}
-  method = config.selection.method
-  policy = policies.POLICIES[method] if method in policies.POLICIES else None
-  for field, needed in policy.needs.items() if policy else ():
-    name = f"selection.{field}"
-    if name not in explicit and config.selection[field] != needed:
-      implied[name] = (needed, f"selection.method={method!r} {policy.needs_reason}")
-  name = "dataset.meta_val_size"
-  if (config.loss.name in losses.LOSSES and losses.LOSSES[config.loss.name].meta_objective
-      and name not in explicit and not config.dataset.meta_val_size
-      and config.dataset.name in specs.DATASETS  # Bad values: left to `validate` to name.
-      and config_schema.is_int(config.dataset.val_size)
-      and config_schema.is_int(config.batch_size)):
-    implied[name] = (default_meta_val_size(config.dataset, config.batch_size),
-                     f"loss.name={config.loss.name!r} trains gamma-Net on held-out "
-                     "meta-validation batches (10 % of the training examples)")
-  return {**_source_settings(config, explicit), **implied}
-
-
-def _source_settings(config: ml_collections.ConfigDict,
-                     explicit: Collection[str]) -> dict[str, tuple[Any, str]]:
-  """What a source dataset (a folder, tfds:NAME) needs of the defaults made for the built-in
-  ones: no in-memory OOD set (its test images are read per batch), and, for a split it lacks,
-  a carve-out that fits its training images (a tenth of them, at most the default; validation
-  at least calibrator_folds images). Nothing for a dataset that cannot be read yet (`validate`
-  names why)."""
-  dataset = config.dataset
-  if (not data_sources.is_source_name(dataset.name) or _field_problems(config)
-      or _source_problems(dataset)):
-    return {}
-  spec, implied = specs.DATASETS[dataset.name], {}
-  what = f"dataset.name={dataset.name!r}"
-  if config.evaluation.ood == "gaussian_noise" and "evaluation.ood" not in explicit:
-    implied["evaluation.ood"] = ("", f"{what} reads its test images per batch; the "
-                                 "gaussian_noise OOD set corrupts test images held in memory")
-  folds, tenth = config.evaluation.calibrator_folds, spec.num_train // 10
-  if (not spec.val_split and "dataset.val_size" not in explicit
-      and dataset.val_size > max(folds, tenth)):
-    implied["dataset.val_size"] = (max(folds, tenth), (
-        f"{what} has no validation split and {spec.num_train} training images: a tenth of "
-        f"them (at least evaluation.calibrator_folds={folds}) is carved out for validation"))
-  if not spec.test_split and "dataset.test_size" not in explicit and not dataset.test_size:
-    implied["dataset.test_size"] = (max(1, tenth), (
-        f"{what} has no test split and {spec.num_train} training images: a tenth of them is "
-        "carved out as the test set"))
-  return implied
-
-
-def with_settings(config: ml_collections.ConfigDict,
-                  settings: dict[str, Any]) -> ml_collections.ConfigDict:
-  """A copy of `config` with each dotted field of `settings` set to its value."""
-  config = copy.deepcopy(config)
-  for name, value in settings.items():
-    *parents, leaf = name.split(".")
-    section = config
-    for parent in parents:
-      section = section[parent]
-    section[leaf] = value
-  return config
-
-
 def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Split sizes; each checked only when the sizes it depends on are valid."""
   num_train = specs.DATASETS[config.dataset.name].num_train
@@ -435,7 +295,7 @@ def _cross_field_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Constraints that involve several fields or the runtime (device count)."""
   problems = _loss_problems(config) + _selection_problems(config)
   devices = jax.device_count()
-  leaves = config_schema.leaves(config)
+  leaves = schema.leaves(config)
   for name in ("batch_size", "eval_batch_size", "selection.score_batch_size"):
     if (value := leaves[name]) % devices:
       problems.append(f"config.{name}={value} must be divisible by the "
@@ -492,12 +352,12 @@ def _decode_problems(dataset: ml_collections.ConfigDict) -> list[str]:
   as the 'opencv' engine does, and must be able to run here (the gpu decoder: an NVIDIA GPU
   and nvImageCodec), else one line naming what to install."""
   decode = dataset.decode
-  if decode not in readers.DECODERS:  # cpu, auto, or a bad name (the schema names it).
+  if decode not in decoders.DECODERS:  # cpu, auto, or a bad name (the schema names it).
     return []
-  if not data_sources.is_source_name(dataset.name):
+  if not sources.is_source_name(dataset.name):
     return [f"config.dataset.decode={decode!r} decodes the encoded images of a folder or tfds "
             f"dataset; {dataset.name!r} is held in memory as pixels: use 'cpu' or 'auto'"]
-  problem = readers.decoder_problem(decode, dataset.resize)
+  problem = decoders.decoder_problem(decode, dataset.resize)
   return [f"config.dataset.decode={decode!r} {problem}; or decode on the host: "
           "--config.dataset.decode=cpu"] if problem else []
 
@@ -528,7 +388,7 @@ def _reader_problems(config: ml_collections.ConfigDict) -> list[str]:
   if dataset.reader == "stream" and not dataset.stream_dir:
     return ["config.dataset.reader='stream' needs config.dataset.stream_dir (the output of "
             "python -m scripts.write_array_records for this dataset config)"]
-  if readers.streams(dataset) and config.evaluation.ood == "gaussian_noise":
+  if input_pipeline.streams(dataset) and config.evaluation.ood == "gaussian_noise":
     return [f"config.evaluation.ood='gaussian_noise' corrupts the test images in memory, which "
             f"a streamed run (dataset.reader={dataset.reader!r}, stream_dir="
             f"{dataset.stream_dir!r}) does not hold: use another dataset or '' (none)"]

@@ -290,7 +290,7 @@ def stream_reader(directory: str, name: str, mesh: jax.sharding.Mesh,
 
 
 def _stream_readers(build: readers.Build) -> dict[str, readers.StreamReader]:
-  """The stream kind's readers of a run (readers.choose): every split from its files in
+  """The stream kind's readers of a run (input_pipeline.choose): every split from its files in
   dataset.stream_dir."""
   dataset = build.dataset
   names = ["train", "val", "test"] + (["meta_val"] if dataset.meta_val_size else [])

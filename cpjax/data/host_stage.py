@@ -133,7 +133,7 @@ def _finished(pool: decode_workers.ProcessPool, slots: decode_workers.Slots, s: 
 
 
 def _readers(build: readers.Build) -> dict[str, PreprocessReader]:
-  """The host_stage kind's readers of a run (readers.choose): every split of the encoded
+  """The host_stage kind's readers of a run (input_pipeline.choose): every split of the encoded
   dataset, decoded by dataset.worker_kind's workers."""
   dataset = build.dataset
   transform = preprocess.from_config(dataset, build.spec.image_shape, build.seed)

@@ -1,5 +1,5 @@
 """The edge of the input pipeline: a run's datasets opened, prepared and read, and `load`,
-which gives a run its splits and their readers.
+which gives a run its splits and their readers of the kind `choose` picks.
 
 A built-in dataset (cpjax.data.specs: digits, Fashion-MNIST, CIFAR-10/100, SVHN) is read
 through its tfds builder (cpjax's own builders, cpjax.data.datasets, read local files and
@@ -10,12 +10,27 @@ from array_record files; normalisation and augmentation happen on the device ins
 jitted step (cpjax.data.augment). An encoded dataset (a folder of images, tfds:NAME, or
 their converted records: cpjax.data.sources) holds labels and ids only; its images are
 decoded, cropped and flipped per batch, on the host (cpjax.data.host_stage) or on the
-devices (cpjax.data.device_stage). `load` builds the readers of whichever kind
-`readers.choose` picks.
+devices (cpjax.data.device_stage).
+
+`choose`, the one place where a run's kind of reader (cpjax.data.readers) is picked, reads
+config.dataset and the dataset's facts:
+
+  an encoded dataset (`DatasetSpec.encoded`): by dataset.decode: cpu, host_stage; a decoder
+      (cpjax.data.device_stage.decoders: gpu, nvImageCodec; device_cpu, PIL standing in for
+      it), device_stage; auto, gpu where it can run (an NVIDIA GPU, nvImageCodec, and
+      dataset.resize the device op's), else cpu. dataset.reader says what the stage reads:
+      the source (host), its converted records in dataset.stream_dir (stream), or those
+      where stream_dir is set (auto).
+  an in-memory dataset: by dataset.reader: stream, or auto when `dataset.stream_dir` is set
+      and the training split is larger than `dataset.host_memory_mb` (`streams`); else the
+      splits are read into memory and it is host, device, or for auto device when they fit
+      `dataset.device_memory_mb` on each device (Fashion-MNIST: 52 MiB, CIFAR-10: 176 MiB;
+      on CPU, where every device is host memory, all copies together), else host.
 """
+from collections.abc import Mapping
 import contextlib
-import functools
 import logging
+import math
 from typing import Any
 
 import jax
@@ -25,7 +40,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core.download import downloader as tfds_downloader
 
 # array_records, device_stage and host_stage register their kinds of reader
-# (readers.READERS), which `load` builds through readers.choose.
+# (readers.READERS), which `load` builds through `choose`.
 from cpjax.data import (
   array_records,  # noqa: F401
   datasets,
@@ -37,7 +52,7 @@ from cpjax.data import (
   splits,
   tensorflow_optional,
 )
-from cpjax.data.device_stage import reader as device_stage  # noqa: F401
+from cpjax.data.device_stage import decoders, reader  # noqa: F401
 from cpjax.data.splits import Split
 
 
@@ -243,16 +258,93 @@ def get_datasets(config: ml_collections.ConfigDict) -> dict[str, Split]:
   return result
 
 
+# ------------------------------------------------------------------ the choice of a reader
+
+
+def split_bytes(split_by_name: Mapping[str, splits.Split]) -> int:
+  """Bytes of images, labels and ids of every split: what the device reader puts on a device."""
+  return sum(s.images.nbytes + s.labels.nbytes + s.ids.nbytes for s in split_by_name.values())
+
+
+def train_bytes(dataset: ml_collections.ConfigDict) -> int:
+  """The full training split's image bytes, from the dataset's facts (nothing is read)."""
+  spec = specs.DATASETS[dataset.name]
+  return spec.num_train * math.prod(spec.image_shape)
+
+
+def streams(dataset: ml_collections.ConfigDict) -> bool:
+  """Whether a run of `dataset` reads its splits from array_record files of pixels (never an
+  encoded dataset's: a stage reads those, its converted records too)."""
+  if specs.DATASETS[dataset.name].encoded:
+    return False
+  return dataset.reader == "stream" or (
+      dataset.reader == "auto" and bool(dataset.stream_dir)
+      and train_bytes(dataset) > dataset.host_memory_mb * 2**20)
+
+
+def in_memory_kind(choice: str, num_bytes: int, budget_mb: float, copies: int = 1) -> str:
+  """The in-memory kind `choice` (dataset.reader) asks for: host or device as named, or for
+  auto, device when `copies` copies of `num_bytes` fit `budget_mb` (CPU "devices" share host
+  memory: one copy each), else host."""
+  if choice not in IN_MEMORY_READERS:
+    raise ValueError(f"dataset.reader={choice!r}; valid: {', '.join(READER_CHOICES)}")
+  fits = num_bytes * copies <= budget_mb * 2**20
+  if choice == "device" and not fits:
+    logging.warning("dataset.reader='device' puts %.1f MiB x %d on the devices, over "
+                    "dataset.device_memory_mb=%.0f.", num_bytes / 2**20, copies, budget_mb)
+  if choice != "auto":
+    return choice
+  return "device" if fits else "host"
+
+
+
+READER_CHOICES = ("auto", "host", "device", "stream")  # dataset.reader's valid values.
+IN_MEMORY_READERS = ("auto", "host", "device")  # Those of an in-memory run.
+# Those of an encoded dataset: host reads the source, stream its converted records
+# (dataset.stream_dir), auto the records where stream_dir is set, else the source.
+SOURCE_READERS = ("auto", "host", "stream")
+
+
+def choose(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int
+           ) -> dict[str, readers.Reader]:
+  """A run's readers, one a split (train, val, test, and meta_val with a meta_val_size), of
+  the kind that `dataset` (config.dataset) asks for: the one place where dataset.decode,
+  dataset.reader and the dataset's facts pick it (the module docstring), logged. The splits
+  are read into memory for an in-memory kind only; `seed`: the stages' crops and flips."""
+  spec, decode, in_memory = specs.DATASETS[dataset.name], decoders.HOST_DECODE, {}
+  if spec.encoded:
+    decode = decoders.resolved_decode(dataset)
+    kind = "host_stage" if decode == decoders.HOST_DECODE else "device_stage"
+  elif streams(dataset):
+    kind = "stream"
+  else:
+    if dataset.stream_dir:
+      logging.info("dataset.stream_dir=%s is not read: dataset.reader=%r and the training "
+                   "split fits dataset.host_memory_mb.", dataset.stream_dir, dataset.reader)
+    in_memory = get_datasets(dataset)
+    # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
+    copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
+    kind = in_memory_kind(dataset.reader, split_bytes(in_memory), dataset.device_memory_mb,
+                          copies)
+  by_name = readers.READERS[kind].create(readers.Build(
+      dataset, spec, mesh, seed, decode, in_memory,
+      lambda: (sources.open_splits(dataset), sources.read_from(dataset))))
+  # Labels and ids (8 bytes an example) are all that the other kinds hold in memory.
+  num_bytes = split_bytes(in_memory) if in_memory else 8 * sum(map(len, by_name.values()))
+  logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
+               "budget %.0f MiB.", kind, dataset.reader, num_bytes / 2**20,
+               dataset.device_memory_mb)
+  return by_name
+
+
 def load(dataset: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int = 0
          ) -> tuple[dict[str, Split], dict[str, readers.Reader]]:
   """A run's splits (train, val, test, and meta_val with a meta_val_size) and the readers
-  that put their batches on `mesh`, of the kind `readers.choose` picks for `dataset`
+  that put their batches on `mesh`, of the kind `choose` picks for `dataset`
   (config.dataset). Streamed splits and those of an encoded dataset (folder, tfds:NAME;
   decoded per batch, the crops drawn from `seed`) hold no images."""
-  by_name = readers.choose(dataset, specs.DATASETS[dataset.name], mesh, seed,
-                           functools.partial(get_datasets, dataset),
-                           lambda: (sources.open_splits(dataset), sources.read_from(dataset)))
-  return {name: reader.split for name, reader in by_name.items()}, by_name
+  by_name = choose(dataset, mesh, seed)
+  return {name: each.split for name, each in by_name.items()}, by_name
 
 
 def _print_stats(name: str) -> None:

@@ -1,5 +1,4 @@
-"""Readers: how rows of a split become a global batch on the device mesh, and `choose`, the
-one place where a run's kind of reader is picked.
+"""Readers: how rows of a split become a global batch on the device mesh.
 
 The kinds (entries of the registry `READERS`; each builds a run's readers, one a split):
 
@@ -20,24 +19,12 @@ The kinds (entries of the registry `READERS`; each builds a run's readers, one a
                 processes or threads (dataset.worker_kind), each process its own rows
                 (cpjax.data.host_stage).
   device_stage  an encoded dataset's rows read as encoded bytes on the host, decoded on each
-                device by a `DECODERS` entry, cropped, resized and flipped there
-                (cpjax.data.device_stage).
+                device by a decoder of cpjax.data.device_stage.decoders, cropped, resized and
+                flipped there (cpjax.data.device_stage).
 
 host and device are registered here, stream by cpjax.data.array_records, host_stage and
-device_stage by their modules (cpjax.data.input_pipeline imports them all). `choose` picks
-the kind from config.dataset and the dataset's facts:
-
-  an encoded dataset (`DatasetSpec.encoded`): by dataset.decode: cpu, host_stage; a decoder
-      (gpu: nvImageCodec, the gpu-decode extra; device_cpu: PIL standing in for it),
-      device_stage; auto, gpu where it can run (an NVIDIA GPU, nvImageCodec, and
-      dataset.resize the device op's: `decoder_problem`), else cpu. dataset.reader says what
-      the stage reads: the source (host), its converted records in dataset.stream_dir
-      (stream), or those where stream_dir is set (auto).
-  an in-memory dataset: by dataset.reader: stream, or auto when `dataset.stream_dir` is set
-      and the training split is larger than `dataset.host_memory_mb` (`streams`); else the
-      splits are read into memory and it is host, device, or for auto device when they fit
-      `dataset.device_memory_mb` on each device (Fashion-MNIST: 52 MiB, CIFAR-10: 176 MiB;
-      on CPU, where every device is host memory, all copies together), else host.
+device_stage by their modules; cpjax.data.input_pipeline imports them all and chooses a run's
+kind (`input_pipeline.choose`).
 
 Every reader gives the same batch dict (image, label, id, mask, and weight when
 given), bit for bit, so the steps cannot tell them apart. `batch` builds one
@@ -45,7 +32,6 @@ batch; `batches` a sequence of them (close the generator when leaving it early).
 `train_batches` is `batches` for the train step: the device reader's leave the gather to
 the step (a `RowsToGather` under "gather", which the step's `gathered` turns into the same
 batch inside its own program: one dispatch a step instead of a gather and a step).
-`input_pipeline.load` builds a run's readers through `choose`.
 
 Device prefetch (all but the device reader): `batches` builds the next `prefetch_depth`
 global batches (gathered, read or decoded, and put on the devices with their sharding) in a
@@ -60,8 +46,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import concurrent.futures
 import dataclasses
 import functools
-import logging
-import math
 import queue
 import threading
 from typing import Any, Protocol
@@ -77,9 +61,6 @@ from cpjax.data import (
   specs,
   splits,
 )
-from cpjax.data.device_stage import nvimgcodec as nvimgcodec_decode
-from cpjax.data.device_stage import packed_regions
-from cpjax.data.device_stage import resize as device_resize
 from cpjax.runtime import sharding
 
 DEFAULT_PREFETCH_DEPTH = 2  # Global batches put on the devices ahead of the step.
@@ -402,100 +383,17 @@ class SourceReader(Reader):
     return self._threads
 
 
-def split_bytes(split_by_name: Mapping[str, splits.Split]) -> int:
-  """Bytes of images, labels and ids of every split: what the device reader puts on a device."""
-  return sum(s.images.nbytes + s.labels.nbytes + s.ids.nbytes for s in split_by_name.values())
-
-
-def train_bytes(dataset: ml_collections.ConfigDict) -> int:
-  """The full training split's image bytes, from the dataset's facts (nothing is read)."""
-  spec = specs.DATASETS[dataset.name]
-  return spec.num_train * math.prod(spec.image_shape)
-
-
-def streams(dataset: ml_collections.ConfigDict) -> bool:
-  """Whether a run of `dataset` reads its splits from array_record files of pixels (never an
-  encoded dataset's: a stage reads those, its converted records too)."""
-  if specs.DATASETS[dataset.name].encoded:
-    return False
-  return dataset.reader == "stream" or (
-      dataset.reader == "auto" and bool(dataset.stream_dir)
-      and train_bytes(dataset) > dataset.host_memory_mb * 2**20)
-
-
-def in_memory_kind(reader: str, num_bytes: int, budget_mb: float, copies: int = 1) -> str:
-  """The in-memory kind `reader` (dataset.reader) asks for: host or device as named, or for
-  auto, device when `copies` copies of `num_bytes` fit `budget_mb` (CPU "devices" share host
-  memory: one copy each), else host."""
-  if reader not in IN_MEMORY_READERS:
-    raise ValueError(f"dataset.reader={reader!r}; valid: {', '.join(READER_CHOICES)}")
-  fits = num_bytes * copies <= budget_mb * 2**20
-  if reader == "device" and not fits:
-    logging.warning("dataset.reader='device' puts %.1f MiB x %d on the devices, over "
-                    "dataset.device_memory_mb=%.0f.", num_bytes / 2**20, copies, budget_mb)
-  if reader != "auto":
-    return reader
-  return "device" if fits else "host"
-
-
-# ------------------------------------------------------------- the device stage's decoders
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderKind:
-  """A device-stage decoder (`dataset.decode`)."""
-  name: str
-  # Why it cannot run here (one line naming what to install), or None.
-  problem: Callable[[], str | None]
-  create: Callable[[int], packed_regions.ImageDecoder]  # channels -> the decoder.
-  doc: str = ""
-  settings: tuple[registry.Setting, ...] = ()
-
-
-HOST_DECODE, AUTO = "cpu", "auto"  # dataset.decode's choices besides the DECODERS.
-DECODERS: registry.Registry[DecoderKind] = registry.Registry(
-    "image decoder", "dataset", hint=f"{HOST_DECODE} (the host stage), {AUTO}")
-DECODERS.register(DecoderKind("gpu", nvimgcodec_decode.problem, nvimgcodec_decode.Decoder,
-                              "nvImageCodec on each device's GPU (the gpu-decode extra)"))
-DECODERS.register(DecoderKind("device_cpu", lambda: None, packed_regions.HostDecoder,
-                              "PIL on the host standing in for the GPU's decoder (tests)"))
-
-
-def decode_choices() -> list[str]:
-  """dataset.decode's valid values."""
-  return [HOST_DECODE, AUTO, *DECODERS.names()]
-
-
-def decoder_problem(decode: str, resize: str) -> str | None:
-  """Why device-stage decoder `decode` cannot run here for dataset.resize `resize`, or None:
-  its own problem (what to install), else the device op's resize rule
-  (device_resize.resize_problem)."""
-  return DECODERS[decode].problem() or device_resize.resize_problem(resize)
-
-
-def resolved_decode(dataset: ml_collections.ConfigDict) -> str:
-  """dataset.decode with auto resolved, logged: gpu where it can run (`decoder_problem`),
-  else cpu."""
-  if dataset.decode != AUTO:
-    return dataset.decode
-  problem = decoder_problem("gpu", dataset.resize)
-  chosen = HOST_DECODE if problem else "gpu"
-  logging.info("dataset.decode=auto: %s%s.", chosen, f" (gpu {problem})" if problem else
-               " (NVIDIA GPU and nvImageCodec found)")
-  return chosen
-
-
 # ------------------------------------------------------------------- the kinds of reader
 
 
 @dataclasses.dataclass(frozen=True)
 class Build:
-  """What a kind of reader builds a run's readers from (`choose`)."""
+  """What a kind of reader builds a run's readers from (cpjax.data.input_pipeline.choose)."""
   dataset: ml_collections.ConfigDict  # config.dataset.
   spec: specs.DatasetSpec  # The dataset's facts.
   mesh: jax.sharding.Mesh  # Where the batches go.
   seed: int  # The run's seed: the stages draw each crop and flip from (seed, epoch, id).
-  decode: str  # An encoded dataset's dataset.decode, auto resolved: cpu or a DECODERS name.
+  decode: str  # An encoded dataset's dataset.decode, auto resolved: cpu or a decoder's name.
   in_memory: Mapping[str, splits.Split]  # host, device: the splits read into host memory.
   # host_stage, device_stage: opens the encoded dataset's splits -> ({split: its source},
   # where they are read from, in words). Given by the caller, so that the stages do not
@@ -523,53 +421,3 @@ READERS.register(ReaderKind(
     "device", "the splits on every device",
     lambda build: {name: DeviceReader(split, build.mesh)
                    for name, split in build.in_memory.items()}))
-
-READER_CHOICES = ("auto", "host", "device", "stream")  # dataset.reader's valid values.
-IN_MEMORY_READERS = ("auto", "host", "device")  # Those of an in-memory run.
-# Those of an encoded dataset: host reads the source, stream its converted records
-# (dataset.stream_dir), auto the records where stream_dir is set, else the source.
-SOURCE_READERS = ("auto", "host", "stream")
-
-
-def choose(dataset: ml_collections.ConfigDict, spec: specs.DatasetSpec,
-           mesh: jax.sharding.Mesh, seed: int,
-           read_splits: Callable[[], Mapping[str, splits.Split]],
-           open_encoded: Callable[[], tuple[Mapping[str, Any], str]] | None = None
-           ) -> dict[str, Reader]:
-  """A run's readers, one a split (train, val, test, and meta_val with a meta_val_size), of
-  the kind that config.dataset asks for: the one place where dataset.decode, dataset.reader
-  and the dataset's facts pick it (the module docstring), logged.
-
-  Args:
-    dataset: config.dataset.
-    spec: the dataset's facts (specs.DATASETS[dataset.name]).
-    mesh: the mesh the batches go to.
-    seed: the run's seed (the stages' crops and flips).
-    read_splits: reads the splits into host memory (cpjax.data.input_pipeline.get_datasets):
-      called for an in-memory kind only.
-    open_encoded: opens an encoded dataset's splits (their sources, and where they are read
-      from in words): called for the stages' kinds only.
-  """
-  decode, in_memory = HOST_DECODE, {}
-  if spec.encoded:
-    decode = resolved_decode(dataset)
-    kind = "host_stage" if decode == HOST_DECODE else "device_stage"
-  elif streams(dataset):
-    kind = "stream"
-  else:
-    if dataset.stream_dir:
-      logging.info("dataset.stream_dir=%s is not read: dataset.reader=%r and the training "
-                   "split fits dataset.host_memory_mb.", dataset.stream_dir, dataset.reader)
-    in_memory = read_splits()
-    # On CPU the devices are host memory: each holds a copy, and the budget covers them all.
-    copies = jax.local_device_count() if jax.default_backend() == "cpu" else 1
-    kind = in_memory_kind(dataset.reader, split_bytes(in_memory), dataset.device_memory_mb,
-                          copies)
-  by_name = READERS[kind].create(Build(dataset, spec, mesh, seed, decode, in_memory,
-                                       open_encoded))
-  # Labels and ids (8 bytes an example) are all that the other kinds hold in memory.
-  num_bytes = split_bytes(in_memory) if in_memory else 8 * sum(map(len, by_name.values()))
-  logging.info("Data reader: %s (dataset.reader=%s); %.1f MiB of splits in memory, device "
-               "budget %.0f MiB.", kind, dataset.reader, num_bytes / 2**20,
-               dataset.device_memory_mb)
-  return by_name

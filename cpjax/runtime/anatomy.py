@@ -17,6 +17,10 @@ Selection saves training steps; whether it saves time depends on what else a run
   other          the rest (logging, TensorBoard, the loop's own work), so that the parts add
                  up to the wall clock
 
+The clock is the loop's one timer: every `*_seconds` key of an epoch's record and the
+progress report read it (`RunClock.part` and `RunClock.training` time a block as a
+`Stopwatch`; `ProgressReport` reads its uptime and parts).
+
 `CompileWatch` counts XLA compilations through `jax.monitoring` (each program compiled or
 loaded from the persistent cache is one) and, once the first epoch is done, logs each later
 one as a warning naming the function and its argument shapes: a compilation after epoch 0 is
@@ -24,7 +28,7 @@ a slower step that a selected epoch's size, a partial batch or a new dtype cause
 silent. A resumed process measures its own wall clock: its parts are its own.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 import contextlib
 import logging
 import os
@@ -170,65 +174,119 @@ class _LateCompileFilter(logging.Filter):
     return not message.startswith("Finished ")
 
 
-class RunClock:
-  """Seconds of each part of one process's run (see the module docstring)."""
+class Stopwatch:
+  """The wall seconds of a block: `seconds` so far, or the block's own once `stop`ped."""
 
-  def __init__(self, watch: CompileWatch, start: float | None = None):
+  def __init__(self):
+    self.start, self.end = time.time(), None
+
+  def stop(self) -> None:
+    self.end = time.time()
+
+  @property
+  def seconds(self) -> float:
+    return (time.time() if self.end is None else self.end) - self.start
+
+
+class Training(Stopwatch):
+  """An epoch's training block, and in `input_wait` the seconds the step loop blocked on its
+  next batch (`timed`). With asynchronous dispatch the loop runs ahead of the device until
+  the device's queue is full, so a loop fed faster than the device trains waits little
+  there and a loop starved by its reader waits about as long as the device idles. The first
+  batch's wait (a reader starting up) is counted too."""
+
+  def __init__(self):
+    super().__init__()
+    self.input_wait = 0.0
+
+  def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+    """`batches`, the time each `next` blocked added to `input_wait`."""
+    batches = iter(batches)
+    while True:
+      start = time.time()
+      try:
+        batch = next(batches)
+      except StopIteration:
+        return
+      finally:
+        self.input_wait += time.time() - start
+      yield batch
+
+
+class RunClock:
+  """Seconds of each part of one process's run (see the module docstring). Without a
+  `watch` (a selector or a test of its own) no compiling is taken out of the parts."""
+
+  def __init__(self, watch: CompileWatch | None = None, start: float | None = None):
     self.watch = watch
     self.start = process_start_time() if start is None else start
     self.seconds = dict.fromkeys(PARTS, 0.0)
     self._epochs: list[tuple[int, float]] = []  # (steps, net training seconds) per epoch.
+    self._training: Training | None = None  # The epoch's steps running now, if any.
+
+  def _compiling(self, start: float, end: float) -> float:
+    return self.watch.main_seconds(start, end) if self.watch else 0.0
 
   def mark_startup_done(self) -> None:
     now = time.time()
-    self.seconds["startup"] = now - self.start - self.watch.main_seconds(self.start, now)
+    self.seconds["startup"] = now - self.start - self._compiling(self.start, now)
 
   @contextlib.contextmanager
-  def part(self, name: str) -> Iterator[None]:
-    """Adds the block's seconds, net of the main thread's compiling in it, to part `name`."""
-    started = time.time()
+  def part(self, name: str, record: dict[str, Any] | None = None) -> Iterator[Stopwatch]:
+    """Adds the block's seconds, net of the main thread's compiling in it, to part `name`; its
+    whole wall seconds are the stopwatch's once it ends, and `record`'s "<name>_seconds"."""
+    block = Stopwatch()
     try:
-      yield
+      yield block
     finally:
-      ended = time.time()
-      net = ended - started - self.watch.main_seconds(started, ended)
+      block.stop()
+      net = block.seconds - self._compiling(block.start, block.end)
       self.seconds[name] += max(net, 0.0)
+      if record is not None:
+        record[f"{name}_seconds"] = block.seconds
 
   def add(self, name: str, seconds: float) -> None:
     self.seconds[name] += seconds
 
-  def move(self, source: str, target: str, seconds: float) -> None:
-    """Moves `seconds` (at most what `source` holds) from part `source` to `target`: a
-    part measured inside another (the scoring pass inside the epoch's selection)."""
-    moved = min(max(seconds, 0.0), self.seconds[source])
-    self.seconds[source] -= moved
-    self.seconds[target] += moved
-
   @contextlib.contextmanager
-  def training(self, steps: int) -> Iterator[dict[str, float]]:
-    """Times an epoch's `steps` training steps; the caller sets the yielded dict's
-    "input_wait" (seconds the loop blocked on batches), which is taken out of them."""
-    started = time.time()
-    waits = {"input_wait": 0.0}
+  def training(self, steps: int, record: dict[str, Any] | None = None) -> Iterator[Training]:
+    """Times an epoch's `steps` training steps: the batches the loop takes through
+    `Training.timed` count their waits as input wait, which is taken out of the steps'. Its
+    wall and input-wait seconds also go to `record` ("training_seconds", "input_wait_seconds")."""
+    block = self._training = Training()
     try:
-      yield waits
+      yield block
     finally:
-      ended = time.time()
-      net = ended - started - self.watch.main_seconds(started, ended) - waits["input_wait"]
-      self.seconds["input_wait"] += waits["input_wait"]
+      block.stop()
+      self._training = None
+      if record is not None:
+        record.update(training_seconds=block.seconds, input_wait_seconds=block.input_wait)
+      net = block.seconds - self._compiling(block.start, block.end) - block.input_wait
+      self.seconds["input_wait"] += block.input_wait
       if steps:
         self._epochs.append((steps, max(net, 0.0)))
+
+  def parts(self, now: float | None = None) -> dict[str, float]:
+    """{part: seconds} until `now` (default: now), adding up to the seconds since the process
+    started."""
+    now = time.time() if now is None else now
+    seconds = {**self.seconds, **_split_training(self._epochs)}
+    if (block := self._training) is not None:  # Steps running now: training so far.
+      seconds["input_wait"] += block.input_wait
+      seconds["steady_step"] += max(block.seconds - self._compiling(block.start, now)
+                                    - block.input_wait, 0.0)
+    seconds["compile"] = self._compiling(self.start, now) + self.seconds["compile"]
+    seconds["other"] = max(now - self.start - sum(v for k, v in seconds.items() if k != "other"),
+                           0.0)
+    return seconds
 
   def anatomy(self) -> dict[str, float]:
     """{key(part): seconds} with the compilations' counts and the wall clock; the parts add
     up to "perf/wall_seconds"."""
-    seconds = {**self.seconds, **_split_training(self._epochs)}
     now = time.time()
-    seconds["compile"] = self.watch.main_seconds(self.start, now) + self.seconds["compile"]
-    wall = now - self.start
-    seconds["other"] = max(wall - sum(v for k, v in seconds.items() if k != "other"), 0.0)
+    seconds = self.parts(now)
     return {**{key(name): float(seconds[name]) for name in PARTS},
-            "perf/wall_seconds": float(wall),
+            "perf/wall_seconds": float(now - self.start),
             "perf/compile_work_seconds": float(self.watch.seconds),
             "perf/compilations": self.watch.compilations,
             "perf/compilations_after_first_epoch": self.watch.after_first_epoch}

@@ -31,20 +31,12 @@ def tree_bytes(tree: Any) -> int:
                  for leaf in jax.tree.leaves(tree)))
 
 
-def _existing_parent(path: str) -> str:
-  """`path`, or its nearest parent that exists."""
-  path = os.path.abspath(path)
-  while not os.path.exists(path):
-    path = os.path.dirname(path)
-  return path
-
-
 def check_room(directory: str, needed_bytes: int) -> None:
   """Raises CheckpointSaveError at once unless a checkpoint of `needed_bytes` can be written
   in `directory` (or, if it does not exist yet, its nearest existing parent): a folder in
   which a file can be created, on a file system with that much free space. Leaves nothing.
   """
-  where = _existing_parent(directory)
+  where = files.existing_parent(directory)
   try:
     if not os.path.isdir(where):
       raise NotADirectoryError(f"{where} is not a folder")

@@ -1,16 +1,16 @@
 """A thin orbax wrapper: save every N epochs, keep the last K, resume by default.
 
-A checkpoint is taken at the end of an epoch (or at a preemption, mid-epoch)
-and named by the global training step. It holds `state` (a pytree of arrays:
-cpjax.run_state's tree of train state, selection state and partial epoch) and
-`meta` (JSON: epoch, epoch step, global step and the run's config as JSON).
-Restoring goes into an abstract target carrying the current shardings.
+A checkpoint is taken at the end of an epoch (or at a preemption, mid-epoch) and named by
+the global training step. It holds `state` (a pytree of arrays: cpjax.run_state's tree of
+train state, selection state and partial epoch) and `meta` (JSON: epoch, epoch step, global
+step and the run's config as JSON). Restoring goes into an abstract target carrying the
+current shardings.
 
-Integrity. `save` records, under the reserved `meta` key `_integrity`, the hash
-record of cpjax.runtime.checkpoint_integrity (a SHA-256 of every leaf's bytes
-with its path, shape and dtype, one digest over all of them, and a digest of the
-rest of `meta`). The hashes are computed on the host from the very arrays handed to orbax, before
-`save` returns. `restore_latest` checks, newest step first:
+Integrity. `save` records, under the reserved `meta` key `_integrity`, the hash record of
+cpjax.runtime.checkpoint_integrity (a SHA-256 of every leaf's bytes with its path, shape and
+dtype, one digest over all of them, and a digest of the rest of `meta`), computed on the host
+from the very arrays handed to orbax, before `save` returns. `restore_latest` checks, newest
+step first:
 
   * the step's own files (cpjax.runtime.orbax_layout, the one module that knows orbax's
     file names): finalized, its commit markers (step and items) and a readable step
@@ -23,31 +23,28 @@ rest of `meta`). The hashes are computed on the host from the very arrays handed
   * the restore itself (any error is damage) and the restored bytes against the
     recorded hashes (any difference is damage).
 
-A damaged step is moved aside, never deleted: renamed to
-`checkpoints/corrupt/<step>.<UTC time>` (a name orbax does not list as a step),
-with the reason written inside it, in `CPJAX_DAMAGE.txt`, and a warning naming
-it. The manager re-reads its step list, the next older step is tried, and a
-later `save` of the moved step really writes it again. If every step is
-damaged, all are moved aside and RuntimeError is raised (a rerun then starts
-from scratch). Checkpoints written before hashes were recorded restore as
-before, with one warning that they are unverified.
+A damaged step is moved aside, never deleted: renamed to `checkpoints/corrupt/<step>.<UTC
+time>` (a name orbax does not list as a step), with the reason written inside it, in
+`CPJAX_DAMAGE.txt`, and a warning naming it. The manager re-reads its step list, the next
+older step is tried, and a later `save` of the moved step really writes it again. If every
+step is damaged, all are moved aside and RuntimeError is raised (a rerun then starts from
+scratch). Checkpoints written before hashes were recorded restore as before, with one
+warning that they are unverified.
 
-Rotation contract. orbax keeps the newest `max_to_keep` committed steps and
-deletes older ones only after a newer save has committed. The loop must
-therefore never `save` a state it has not checked (finite parameters): then a
-checkpoint is only ever rotated away once a newer good one exists. A step
-damaged on disk later is detected and moved aside at restore, so it never
-counts against the older good ones after that.
+Rotation contract. orbax keeps the newest `max_to_keep` committed steps and deletes older
+ones only after a newer save has committed. The loop must therefore never `save` a state it
+has not checked (finite parameters): then a checkpoint is only ever rotated away once a newer
+good one exists. A step damaged on disk later is detected and moved aside at restore, so it
+never counts against the older good ones after that.
 
-Multi-process. Every process calls `save` and `restore_latest` at the same
-point. Only fully replicated arrays are saved in cpjax, so each process hashes
-(and verifies) a complete copy; an array that is not fully replicated nor fully
-addressable is gathered with `process_allgather` (a collective). At restore the
-processes agree on each step's verdict (allgather: any damage anywhere is
-damage, any mismatch anywhere is a mismatch); only process 0 renames a damaged
-step, then all processes synchronize and reload their step lists. A restore
-error that orbax raises on one process inside one of its own collectives can
-still leave the others waiting; that is beyond what this wrapper can detect.
+Multi-process. Every process calls `save` and `restore_latest` at the same point. Only fully
+replicated arrays are saved in cpjax, so each process hashes (and verifies) a complete copy;
+an array that is not fully replicated nor fully addressable is gathered with
+`process_allgather` (a collective). At restore the processes agree on each step's verdict
+(allgather: any damage anywhere is damage, any mismatch anywhere is a mismatch); only process
+0 renames a damaged step, then all processes synchronize and reload their step lists. A
+restore error that orbax raises on one process inside one of its own collectives can still
+leave the others waiting; that is beyond what this wrapper can detect.
 
 Read-only use (another run's checkpoints, `read_only=True`): damaged steps are
 skipped with a warning but left in place, and `save` is refused.
@@ -56,23 +53,23 @@ Preemption. As orbax's CheckpointManager (`reached_preemption`), the checkpointe
 when a preemption request means "save and stop" (cpjax.runtime.preemption: SIGTERM or Ctrl-C
 in one process, JAX's preemption service across several), so the loop asks one object when
 to save and whether to stop: `handling_preemption` turns the signals into requests for the
-run's duration, `reached_preemption(step)` reads them after a step, and `stopping_at_once`
-covers work done after the last save (the report), which a signal ends where it is.
+run's duration, `reached_preemption(step)` reads them after a step, `stop_preempted` is the
+one stop once the step is saved, and `stopping_at_once` covers work done after the last save
+(the report), which a signal ends where it is.
 """
 
 import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
-from cpjax.runtime import checkpoint_integrity as integrity
-from cpjax.runtime import failures, orbax_layout, preemption
+from cpjax.runtime import checkpoint_integrity, failures, orbax_layout, preemption
 
 # The save error and the room check live in checkpoint_room; callers reach them here too.
 from cpjax.runtime.checkpoint_room import ROOM_FACTOR, CheckpointSaveError, check_room, tree_bytes
@@ -130,9 +127,9 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
     """Starts an asynchronous save of `state` and `meta` (plus hashes) as checkpoint `step`.
 
-    The caller must have checked `state` (finite parameters) first: see the
-    module docstring's rotation contract. The hashes are computed before this
-    returns, so `state` may be donated afterwards.
+    The caller must have checked `state` (finite parameters) first: see the module
+    docstring's rotation contract. The hashes are computed before this returns, so `state`
+    may be donated afterwards.
 
     Returns:
       True if the save was started; False if checkpoint `step` already exists
@@ -142,13 +139,13 @@ class Checkpointer:
       CheckpointSaveError: orbax declined to save (e.g. `step` is older than
         the latest checkpoint), this Checkpointer is read-only, or the folder is not
         writable or lacks room for ROOM_FACTOR times the checkpoint (`check_room`).
-      ValueError: `meta` uses the reserved key integrity.INTEGRITY_KEY.
+      ValueError: `meta` uses the reserved key checkpoint_integrity.INTEGRITY_KEY.
     """
     if self.read_only:
       raise CheckpointSaveError(f"{self.directory} was opened read-only; not saving step {step}")
-    if integrity.INTEGRITY_KEY in meta:
-      raise ValueError(f"meta key {integrity.INTEGRITY_KEY!r} is reserved for the checkpoint's "
-                       "hashes")
+    if checkpoint_integrity.INTEGRITY_KEY in meta:
+      raise ValueError(f"meta key {checkpoint_integrity.INTEGRITY_KEY!r} is reserved for the "
+                       "checkpoint's hashes")
     if step in self._manager.all_steps():
       logging.info("Checkpoint %d already exists in %s; not saving it again.", step,
                    self.directory)
@@ -159,7 +156,8 @@ class Checkpointer:
       check_room(self.directory, ROOM_FACTOR * tree_bytes(state))
     except CheckpointSaveError as err:  # Mid-run: say where the rerun resumes.
       raise CheckpointSaveError(f"{err}; then {failures.resume_advice(self.directory)}") from err
-    meta = {**meta, integrity.INTEGRITY_KEY: integrity.integrity_record(state, meta)}
+    meta = {**meta, checkpoint_integrity.INTEGRITY_KEY:
+            checkpoint_integrity.integrity_record(state, meta)}
     with self._write_errors():  # orbax raises here the error of the previous async save.
       saved = self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -232,7 +230,7 @@ class Checkpointer:
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
         return self._read_meta(step)[0]
-      except integrity.Damaged as err:
+      except checkpoint_integrity.Damaged as err:
         logging.warning("Checkpoint %d in %s has damaged metadata (%s); reading an older one.",
                         step, self.directory, err)
     return None
@@ -278,10 +276,13 @@ class Checkpointer:
     for work after the checkpoint at global `step` has committed, which a rerun redoes."""
     return self._preemption.stopping_at_once(message, step)
 
-  @property
-  def preemption_signal(self) -> str:
-    """The name of the signal that requested the stop ("SIGTERM" if none did)."""
-    return self._preemption.signal_name
+  def stop_preempted(self, step: int, epoch: int, epoch_step: int) -> NoReturn:
+    """The one preemption stop: waits for the checkpoint at global `step` (`epoch` complete
+    epochs and `epoch_step` steps of the next) to commit, raises Preempted."""
+    self.wait_until_finished()
+    self._preemption.stop(f"saved a checkpoint at global step {step} (epoch {epoch}, step "
+                          f"{epoch_step} of it) in {self.directory}; rerun the same command "
+                          "to resume there.", step)
 
   # Restoring one step.
 
@@ -292,7 +293,7 @@ class Checkpointer:
     """(_OK, (state, meta, verified)), (_DAMAGED, reason) or (_MISMATCH, error)."""
     try:
       return _OK, self._restore_step(step, abstract_state)
-    except integrity.Damaged as err:
+    except checkpoint_integrity.Damaged as err:
       return _DAMAGED, str(err)[:1000]
     except CheckpointMismatchError as err:
       return _MISMATCH, err
@@ -307,25 +308,27 @@ class Checkpointer:
           if list(saved[name][0]) != leaves[name]["shape"]
           or str(saved[name][1]) != leaves[name]["dtype"]]
       if disagree:
-        raise integrity.Damaged(f"state/_METADATA disagrees with the recorded hashes for "
-                                f"{len(disagree)} arrays, e.g. {', '.join(disagree[:3])}")
+        raise checkpoint_integrity.Damaged(
+            f"state/_METADATA disagrees with the recorded hashes for {len(disagree)} arrays, "
+            f"e.g. {', '.join(disagree[:3])}")
     self._check_fit(step, saved, abstract_state)
     # Restore in the saved dtypes (the hashes are of those), cast to the target's afterwards.
     recast = any(saved[name][1] != np.dtype(leaf.dtype)
-                 for name, leaf in integrity.leaves_by_name(abstract_state).items())
+                 for name, leaf in checkpoint_integrity.leaves_by_name(abstract_state).items())
     target = abstract_state if not recast else _map_named(lambda name, leaf: jax.ShapeDtypeStruct(
         leaf.shape, saved[name][1], sharding=getattr(leaf, "sharding", None)), abstract_state)
     try:
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target)))["state"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(f"orbax could not restore it: {failures.describe(err)}") from err
+      raise checkpoint_integrity.Damaged(
+          f"orbax could not restore it: {failures.describe(err)}") from err
     if leaves is not None:
-      actual = {name: integrity.leaf_entry(leaf)
-                for name, leaf in integrity.leaves_by_name(state).items()}
+      actual = {name: checkpoint_integrity.leaf_entry(leaf)
+                for name, leaf in checkpoint_integrity.leaves_by_name(state).items()}
       bad = [name for name in sorted(leaves) if actual.get(name) != leaves[name]]
       if bad:
-        raise integrity.Damaged(f"content hash mismatch in {len(bad)} arrays, e.g. "
+        raise checkpoint_integrity.Damaged(f"content hash mismatch in {len(bad)} arrays, e.g. "
                                 f"{', '.join(bad[:3])}")
     if recast:
       state = jax.tree.map(_cast_like, state, abstract_state)
@@ -335,7 +338,7 @@ class Checkpointer:
     """The commit markers and step metadata that orbax writes with every committed step."""
     problem = orbax_layout.step_problem(self._step_directory(step), ITEMS)
     if problem is not None:
-      raise integrity.Damaged(problem)
+      raise checkpoint_integrity.Damaged(problem)
 
   def _read_meta(self, step: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]] | None]:
     """(meta without the record, the record's leaves or None for an old checkpoint)."""
@@ -343,16 +346,17 @@ class Checkpointer:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))["meta"]
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(f"meta/metadata is unreadable ({failures.describe(err)})") from err
+      raise checkpoint_integrity.Damaged(
+          f"meta/metadata is unreadable ({failures.describe(err)})") from err
     if not isinstance(meta, dict):
-      raise integrity.Damaged("meta/metadata is not a JSON object")
-    if integrity.INTEGRITY_KEY not in meta:
+      raise checkpoint_integrity.Damaged("meta/metadata is not a JSON object")
+    if checkpoint_integrity.INTEGRITY_KEY not in meta:
       return meta, None
-    record = meta[integrity.INTEGRITY_KEY]
-    leaves = integrity.check_record(record)
-    if integrity.meta_digest(meta) != record.get("meta_sha256"):
-      raise integrity.Damaged("meta/metadata differs from its recorded hash")
-    return integrity.canonical_meta(meta), leaves
+    record = meta[checkpoint_integrity.INTEGRITY_KEY]
+    leaves = checkpoint_integrity.check_record(record)
+    if checkpoint_integrity.meta_digest(meta) != record.get("meta_sha256"):
+      raise checkpoint_integrity.Damaged("meta/metadata differs from its recorded hash")
+    return checkpoint_integrity.canonical_meta(meta), leaves
 
   def _saved_leaves(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """{name: (shape, dtype)} from the `state` item metadata; unreadable is damage."""
@@ -360,20 +364,20 @@ class Checkpointer:
       tree = self._manager.item_metadata(step)["state"]
       if tree is None:
         raise ValueError("no metadata")
-      named = integrity.leaves_by_name(tree)
+      named = checkpoint_integrity.leaves_by_name(tree)
       saved = {name: (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
                for name, leaf in named.items()}
     except Exception as err:  # pylint: disable=broad-except  (damaged files: any error)
-      raise integrity.Damaged(
+      raise checkpoint_integrity.Damaged(
           "the state metadata (state/_METADATA, or the arrays' own in OCDBT) is missing or "
           f"unreadable ({failures.describe(err)})") from err
     if not saved:
-      raise integrity.Damaged("state/_METADATA lists no arrays")
+      raise checkpoint_integrity.Damaged("state/_METADATA lists no arrays")
     return saved
 
   def _check_fit(self, step: int, saved: dict[str, tuple[tuple[int, ...], np.dtype]],
                  abstract_state: Any) -> None:
-    target = integrity.leaves_by_name(abstract_state)
+    target = checkpoint_integrity.leaves_by_name(abstract_state)
     problems = [f"{name}: checkpoint {saved[name][0]} vs config {tuple(leaf.shape)}"
                 for name, leaf in target.items()
                 if name in saved and saved[name][0] != tuple(leaf.shape)]
@@ -433,7 +437,7 @@ def _map_named(fn, tree: Any) -> Any:
   """`tree` with each leaf replaced by fn(dotted name, leaf)."""
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return jax.tree_util.tree_unflatten(
-      treedef, [fn(integrity.path_name(p), leaf) for p, leaf in paths])
+      treedef, [fn(checkpoint_integrity.path_name(p), leaf) for p, leaf in paths])
 
 
 def _cast_like(leaf: Any, target: Any) -> Any:

@@ -27,7 +27,9 @@ checkpoint folder's commit markers, so it is right whatever the process was doin
 """
 
 from collections.abc import Iterator
+import contextlib
 import errno
+import logging
 import os
 import re
 
@@ -108,6 +110,19 @@ def describe(err: BaseException) -> str:
   long specs and stack traces to their messages)."""
   text = str(err).split(" [tensorstore_spec=")[0].strip().split("\n")[0]
   return f"{type(err).__name__}: {text}"[:400]
+
+
+@contextlib.contextmanager
+def detail_of(error: BaseException | None) -> Iterator[None]:
+  """A block whose failure, while `error` propagates (None: none does), is logged as its
+  detail and dropped: a run stops on the failure it met first (a disk that the TensorBoard
+  events file found full, not the checkpoint whose commit failed on it next)."""
+  try:
+    yield
+  except Exception as err:  # pylint: disable=broad-except  (raised again without `error`)
+    if error is None:
+      raise
+    logging.warning("Stopping on %s, this failed too: %s", describe(error), describe(err))
 
 
 def resume_advice(checkpoint_dir: str) -> str:

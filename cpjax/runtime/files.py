@@ -1,6 +1,6 @@
 """Atomic file writes (a reader sees the old file or the new one, never half of one), where
-cpjax caches what it derives from a dataset (`user_cache_dir`), and sizes in words
-(`size_text`)."""
+cpjax caches what it derives from a dataset (`user_cache_dir`), sizes in words (`size_text`)
+and the nearest existing folder of a path to be (`existing_parent`)."""
 
 from collections.abc import Callable
 import contextlib
@@ -13,6 +13,14 @@ _TMP_SUFFIX = ".tmp"  # atomic_write's temporary: f"{path}.tmp{pid}".
 
 def _temporary(path: str) -> str:
   return f"{path}{_TMP_SUFFIX}{os.getpid()}"
+
+
+def existing_parent(path: str) -> str:
+  """`path`, or its nearest parent that exists."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return path
 
 
 def atomic_write(path: str, content: bytes | str | Callable[[BinaryIO], None]) -> None:

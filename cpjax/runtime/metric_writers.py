@@ -10,7 +10,7 @@ clu's (`write_scalars`, `write_images`, `write_hparams`, `flush`, `close`), in t
 big_vision's metric writer: small, for what a run writes.
 
 `ProgressReport` is clu's `periodic_actions.ReportProgress` for cpjax's loop (it imports
-clu's writers too): steps/s, ETA and uptime at the steps where it reports.
+clu's writers too): steps/s, ETA and uptime at the steps where it reports, on the run's clock.
 """
 
 import abc
@@ -33,7 +33,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from cpjax.runtime import periodic
+from cpjax.runtime import anatomy, periodic
 
 _FILE_NUMBERS = itertools.count()  # Two writers of one process in one second: two files.
 
@@ -191,14 +191,6 @@ class MultiWriter(MetricWriter):
       writer.close()
 
 
-def create_default_writer(logdir: str, just_logging: bool = False) -> MultiWriter:
-  """The log, and TensorBoard events in `logdir` unless `just_logging` (processes > 0)."""
-  writers: list[MetricWriter] = [LoggingWriter()]
-  if not just_logging:
-    writers.append(TensorBoardWriter(logdir))
-  return MultiWriter(writers)
-
-
 def _format_seconds(seconds: float) -> str:
   minutes, seconds = divmod(int(round(seconds)), 60)
   hours, minutes = divmod(minutes, 60)
@@ -207,53 +199,45 @@ def _format_seconds(seconds: float) -> str:
 
 class ProgressReport:
   """Steps/s, ETA and uptime every `every_steps` global steps and at the last, as clu's
-  ReportProgress reports them (the log line, `steps_per_sec` and `uptime` to `writer`).
+  ReportProgress reports them (the log line, `steps_per_sec` and `uptime` to `writer`), on the
+  run's `clock` (cpjax.runtime.anatomy): its uptime, and the parts its time went to so far.
 
-  Called at the first step (which starts the clock: its compile is not in any rate) and at
-  the steps where it reports; a rate is (steps since the previous report) / (seconds
-  since it). `timed(name)` adds a block's seconds to the line's breakdown.
+  Called after every step, it decides where it reports; its first call starts the rate's
+  clock (the first step's compile is in no rate), and a rate is (steps since the previous
+  report) / (seconds since it).
   """
 
-  def __init__(self, num_train_steps: int, writer: MetricWriter | None, every_steps: int):
+  def __init__(self, num_train_steps: int, writer: MetricWriter | None, every_steps: int,
+               clock: anatomy.RunClock):
     self._num_train_steps, self._writer, self._every_steps = num_train_steps, writer, every_steps
+    self._clock = clock
     self._previous: tuple[int, float] | None = None
-    self._t0 = time.monotonic()
-    self._seconds_in: dict[str, float] = {}
 
   def __call__(self, step: int, t: float | None = None) -> bool:
     """Reports at `step` if it is due (a multiple of every_steps, or the last); True if it
-    reported. The first call only starts the clock."""
-    t = time.monotonic() if t is None else t
+    reported. `t`: the clock's seconds now (read from it by default)."""
+    if self._previous is not None and (
+        not periodic.due_step(step, self._every_steps, self._num_train_steps)
+        or step == self._previous[0]):
+      return False
+    t = time.time() - self._clock.start if t is None else t
     if self._previous is None:
       self._previous = (step, t)
       return False
-    if (not periodic.due_step(step, self._every_steps, self._num_train_steps)
-        or step == self._previous[0]):
-      return False
     steps_per_sec = (step - self._previous[0]) / (t - self._previous[1])
     self._previous = (step, t)
-    self._report(step, steps_per_sec)
+    self._report(step, steps_per_sec, t)
     return True
 
-  def _report(self, step: int, steps_per_sec: float) -> None:
+  def _report(self, step: int, steps_per_sec: float, uptime: float) -> None:
     message = f"{steps_per_sec:.1f} steps/s"
     if self._num_train_steps:
       eta = (self._num_train_steps - step) / steps_per_sec
       message += (f", {100 * step / self._num_train_steps:.1f}% ({step}/"
                   f"{self._num_train_steps}), ETA: {_format_seconds(eta)}")
-    uptime = time.monotonic() - self._t0
-    if self._seconds_in:
-      message += " ({} : {})".format(_format_seconds(uptime), ", ".join(
-          f"{100 * s / uptime:.1f}% {name}" for name, s in sorted(self._seconds_in.items())))
+    largest = sorted(self._clock.parts().items(), key=lambda item: -item[1])[:3]
+    message += " ({} : {})".format(_format_seconds(uptime), ", ".join(
+        f"{100 * s / max(uptime, 1e-9):.1f}% {name.replace('_', ' ')}" for name, s in largest))
     logging.info("Progress: %s", message)
     if self._writer is not None:
       self._writer.write_scalars(step, {"steps_per_sec": steps_per_sec, "uptime": uptime})
-
-  @contextlib.contextmanager
-  def timed(self, name: str) -> Iterator[None]:
-    """Counts the block's wall-clock seconds under `name` in the progress line."""
-    start = time.monotonic()
-    try:
-      yield
-    finally:
-      self._seconds_in[name] = self._seconds_in.get(name, 0.0) + time.monotonic() - start

@@ -2,9 +2,9 @@
 epoch), its logging points and its progress reports (by step)."""
 
 
-def due_step(step: int, every: int, last: int) -> bool:
+def due_step(step: int, every: int, last: int | None = None) -> bool:
   """Whether a periodic action is due at 1-indexed `step` (or count of epochs done): at every
-  multiple of `every` and at the `last` (big_vision's `itstime`)."""
+  multiple of `every` and at the `last`, if given (big_vision's `itstime`)."""
   return step % every == 0 or step == last
 
 

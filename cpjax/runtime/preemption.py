@@ -13,6 +13,12 @@ so every process stops at the same step; no Python SIGTERM handler is installed
 there (it would replace the service's). Ctrl-C (SIGINT) is handled only in
 single-process runs: one process alone cannot stop a multi-process run in step.
 
+A second signal while the run stops (finishing its step, saving or committing the checkpoint)
+changes nothing: it is noted in one line, and the run still saves and exits with EXIT_CODE
+(`kill -9` ends it at once, losing the steps since its last committed checkpoint). Once
+Preempted is raised, a further signal is not even noted: the stop's own line, which the loop
+logs once all its work is done (cpjax.training.train), stays the last.
+
 After the last checkpoint has committed there is no step to finish: during the final report
 (`PreemptionGuard.stopping_at_once`) a signal raises Preempted where the run is, so the
 process exits within moments, well inside a scheduler's grace period; the rerun writes the
@@ -21,14 +27,17 @@ each logs so as it begins, since JAX's preemption service holds their SIGTERM an
 stop together only at a training step.)
 
 The training loop meets the guard only through its checkpointer
-(`checkpointing.Checkpointer.handling_preemption`, `reached_preemption`, `stopping_at_once`),
-which owns one: saving and stopping for a preemption are asked of one object.
+(`checkpointing.Checkpointer.handling_preemption`, `reached_preemption`, `stop_preempted`,
+`stopping_at_once`), which owns one: saving and stopping for a preemption are asked of one
+object.
 """
 
 import contextlib
 import logging
+import os
 import signal
 import types
+from typing import NoReturn
 
 import jax
 from jax.experimental import multihost_utils
@@ -52,6 +61,7 @@ class PreemptionGuard:
     self._previous: dict[int, object] = {}
     # While set: (message, checkpoint step) that Preempted is raised with at once.
     self._at_once: tuple[str, int] | None = None
+    self._stopped = False  # The stop's line is logged: nothing may follow it.
 
   def __enter__(self) -> "PreemptionGuard":
     if jax.process_count() == 1:
@@ -66,20 +76,24 @@ class PreemptionGuard:
 
   def _request_stop(self, signum: int, frame: types.FrameType | None) -> None:
     del frame
-    if self._signal is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # A second Ctrl-C: the user really means now.
+    if self._signal is not None:  # The run is stopping already: a second signal waits too.
+      if not self._stopped:
+        logging.warning("Received %s again: the run is already stopping; it exits with status "
+                        "%d once its checkpoint is saved (kill -9 %d ends it now, losing the "
+                        "steps since its last saved checkpoint).", signal.Signals(signum).name,
+                        EXIT_CODE, os.getpid())
+      return
     self._signal = signum
     if self._at_once is not None:
-      self._raise_now()
+      self.stop(*self._at_once)
     logging.warning("Received %s: stopping after the current step to save a checkpoint.",
                     signal.Signals(signum).name)
 
-  def _raise_now(self) -> None:
-    message, step = self._at_once
-    self._at_once = None  # Raised once: a second signal must not interrupt the unwinding.
-    message = f"{self.signal_name}: {message}"
-    logging.warning("Received %s", message)
-    raise Preempted(message, step)
+  def stop(self, message: str, step: int) -> NoReturn:
+    """The run's one stop: raises Preempted with `message` after the signal's name (`step`:
+    the checkpoint a rerun resumes from)."""
+    self._at_once, self._stopped = None, True  # Raised once; no note after it.
+    raise Preempted(f"{self.signal_name}: {message}", step)
 
   @contextlib.contextmanager
   def stopping_at_once(self, message: str, step: int):
@@ -96,7 +110,7 @@ class PreemptionGuard:
     self._at_once = (message, step)
     try:
       if self._signal is not None:
-        self._raise_now()
+        self.stop(message, step)
       yield
     finally:
       self._at_once = None

@@ -12,7 +12,7 @@ gets each scalar under a tag family (`tensorboard_tag`): train/, val/, test/,
 selection/, meta/ (gamma-Net's meta-learning) and perf/ (times, throughput).
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 import json
 import logging
 import os
@@ -25,12 +25,9 @@ import numpy as np
 from cpjax.runtime import files, metric_writers
 
 
-class EpochLog(metric_writers.MetricWriter):
-  """One JSON record per epoch in `workdir/metrics.jsonl` (process 0 writes).
-
-  As a MetricWriter, `write_scalars(step, record)` writes the epoch record (it must
-  hold "epoch"; the step is not stored: the record's keys are the file's); every other
-  kind of summary is not for this file and is ignored.
+class EpochLog:
+  """One JSON record per epoch in `workdir/metrics.jsonl` (process 0 writes), each holding
+  "epoch" (`write_record` is the way a record goes out).
 
   Every write replaces the file atomically (files.atomic_write), so a crash
   leaves the old file or the new one; a failed write leaves no temporary, and one left by
@@ -70,16 +67,6 @@ class EpochLog(metric_writers.MetricWriter):
   def _rewrite(self, records: list[dict[str, Any]]) -> None:
     files.atomic_write(self.path, "".join(
         json.dumps(json_safe(r), sort_keys=True, allow_nan=False) + "\n" for r in records))
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    del step  # The record carries its epoch.
-    self.write(dict(scalars))
-
-  def flush(self):
-    pass  # Every write is complete when it returns.
-
-  def close(self):
-    pass  # Each write opens, replaces and closes the file: nothing is held open.
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -141,46 +128,33 @@ def _finite_number(value: Any) -> bool:
           and bool(np.isfinite(value)))
 
 
-class TaggedWriter(metric_writers.MetricWriter):
-  """A writer that puts every scalar under its tag family (`tensorboard_tag`) and
-  leaves out what is not a finite number (lists, NaN: metrics.jsonl keeps those)."""
-
-  def __init__(self, writer: metric_writers.MetricWriter):
-    self._writer = writer
+class TaggedWriter(metric_writers.MultiWriter):
+  """Writes to each of its writers, every scalar under its tag family (`tensorboard_tag`) and
+  what is not a finite number left out (lists, NaN: metrics.jsonl keeps those)."""
 
   def write_scalars(self, step, scalars):
     tagged = {tensorboard_tag(k): v for k, v in scalars.items() if _finite_number(v)}
     if tagged:
-      self._writer.write_scalars(step, tagged)
-
-  def write_images(self, step, images):
-    self._writer.write_images(step, images)
-
-  def write_hparams(self, hparams):
-    self._writer.write_hparams(hparams)
-
-  def flush(self):
-    self._writer.flush()
-
-  def close(self):
-    self._writer.close()
+      super().write_scalars(step, tagged)
 
 
-def create_writer(workdir: str) -> metric_writers.MetricWriter:
-  """The default writer (TensorBoard events + logging; logging only on processes > 0),
-  every scalar under its tag family."""
-  return TaggedWriter(metric_writers.create_default_writer(
-      workdir, just_logging=jax.process_index() > 0))
+def create_writer(workdir: str) -> TaggedWriter:
+  """The run's writer: the log, and TensorBoard events in `workdir` on process 0 (the others
+  only log), every scalar under its tag family."""
+  writers = [metric_writers.LoggingWriter()]
+  if jax.process_index() == 0:
+    writers.append(metric_writers.TensorBoardWriter(workdir))
+  return TaggedWriter(writers)
 
 
 def write_record(writer: metric_writers.MetricWriter, epoch_log: EpochLog, step: int,
-                 record: dict[str, Any], tensorboard_keys: Iterable[str] | None = None) -> None:
+                 record: dict[str, Any], tensorboard: Mapping[str, Any] | None = None) -> None:
   """The one way an epoch's record goes out: its scalars to `writer` (TensorBoard, the log;
-  only `tensorboard_keys` where given: those TensorBoard does not hold yet), then the whole
-  record to metrics.jsonl, replacing the epoch's earlier one (the report's numbers join the
-  last epoch's record that way)."""
-  keys = record.keys() if tensorboard_keys is None else tensorboard_keys
-  writer.write_scalars(step, {k: record[k] for k in keys})
+  `tensorboard` where given: the record's scalars TensorBoard does not hold yet and any it
+  alone shows, as the report's after-TS metrics), then the whole record to metrics.jsonl,
+  replacing the epoch's earlier one (the report's numbers join the last epoch's record that
+  way)."""
+  writer.write_scalars(step, dict(record) if tensorboard is None else tensorboard)
   epoch_log.write(record)
 
 
@@ -196,13 +170,6 @@ def flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | 
     else:
       flat[f"{prefix}{key}"] = str(tuple(value) if isinstance(value, list) else value)
   return flat
-
-
-def create_progress_reporter(num_train_steps: int, writer: metric_writers.MetricWriter,
-                             every_steps: int) -> metric_writers.ProgressReport:
-  """The progress report (steps/s, ETA) to the writer every `every_steps` steps; the loop
-  calls it at the run's first step and at every multiple of `every_steps` only."""
-  return metric_writers.ProgressReport(num_train_steps, writer, every_steps)
 
 
 def log_parameter_overview(model_name: str, params: Any) -> None:

@@ -25,10 +25,12 @@ from cpjax.selection import subsets
 FULL = "full"  # No selection: every epoch trains on all data.
 DIRECTIONS = ("hardest", "easiest")
 # How many examples a policy trains on in a selected epoch (`Policy.size`): "fixed", k =
-# subset_size(...) exactly; "expected", k in expectation (importance's independent draws);
-# "free", as many as it decides (full: all of them; infobatch: those it keeps).
-Size = Literal["fixed", "expected", "free"]
-SIZES: tuple[Size, ...] = ("fixed", "expected", "free")
+# subset_size(...) exactly; "constant", exactly k and the same k all run (its subsets need
+# one size, as RS2's rounds: no `fraction_end` schedule); "expected", k in expectation
+# (importance's independent draws); "free", as many as it decides (full: all of them;
+# infobatch: those it keeps).
+Size = Literal["fixed", "constant", "expected", "free"]
+SIZES: tuple[Size, ...] = ("fixed", "constant", "expected", "free")
 
 
 class Request(NamedTuple):
@@ -36,7 +38,7 @@ class Request(NamedTuple):
   scores: np.ndarray  # [N] priorities in the order of `ids`, highest first (direction applied).
   labels: np.ndarray  # [N] the examples' labels.
   ids: np.ndarray  # [N] the training examples' ids, increasing (ties go to the lower id).
-  k: int  # The subset size: exact ("fixed" policies) or in expectation ("expected").
+  k: int  # The subset size: exact ("fixed", "constant") or in expectation ("expected").
   seed: int  # The run's root seed (every random draw).
   epoch: int  # The 0-indexed epoch (per-epoch random draws).
   first_epoch: int = 0  # The first selected epoch (after the warm-up).
@@ -56,8 +58,8 @@ class Policy:
   doc: str  # One line for the docs' table.
   settings: tuple[registry.Setting, ...] = ()  # `config.selection.<name>` fields it reads.
   needs_scores: bool = True  # Ranks scores (the others need no scoring pass).
-  # How many it trains on (SIZES): fixed and expected sizes read k, the budget schedule
-  # (fraction_end) and final_full_epochs.
+  # How many it trains on (SIZES): all but free read k and final_full_epochs, fixed and
+  # expected the budget schedule (fraction_end) too.
   size: Size = "fixed"
   returns_weights: bool = False  # fn returns (ids, weights): the loss weighted per example.
   # Draws with probabilities proportional to the score: a score that can be negative
@@ -71,7 +73,6 @@ class Policy:
   # It names the ones it checks (`**_` takes the rest) and returns messages that start with
   # a selection field's name, bare (config validation prefixes "config.selection.").
   problems: ProblemsFn | None = None
-  one_size: bool = False  # Its subsets need one k all run (no `fraction_end` schedule).
 
   def __post_init__(self):
     if self.size not in SIZES:
@@ -95,16 +96,10 @@ def returns_weights(method: str) -> bool:
   return method in POLICIES and POLICIES[method].returns_weights
 
 
-def fixed_size(method: str) -> bool:
-  """Whether `method` trains on exactly k = subset_size(...) examples per selected epoch."""
-  return POLICIES[method].size == "fixed"
-
-
 def reads_k(method: str) -> bool:
   """Whether `method` trains on k = subset_size(...) examples per selected epoch, exactly
-  or in expectation (`Policy.size` fixed or expected): the budget schedule (`fraction_end`)
-  and `final_full_epochs` apply to it."""
-  return POLICIES[method].size in ("fixed", "expected")
+  or in expectation (`Policy.size` other than free): `final_full_epochs` applies to it."""
+  return POLICIES[method].size != "free"
 
 
 def subset_size(fraction: float, count: int, num_train: int) -> int:
@@ -183,13 +178,13 @@ POLICIES.register(Policy(
     "a fresh uniform random subset of size k each epoch (baseline)", needs_scores=False))
 POLICIES.register(Policy(
     "static_random", lambda r: subsets.random_subset(r.ids, r.k, r.seed, None),
-    "one random subset, the same every epoch (baseline)", needs_scores=False, one_size=True))
+    "one random subset, the same every epoch (baseline)", needs_scores=False, size="constant"))
 POLICIES.register(Policy(
     "random_without_replacement",
     lambda r: subsets.random_without_replacement(r.ids, r.k, r.seed, r.epoch - r.first_epoch),
     "RS2 (Okanovic et al. 2023): one random permutation per round of ceil(N/k) selected "
     "epochs, walked in slices of k, so every example is trained once per round",
-    needs_scores=False, one_size=True))
+    needs_scores=False, size="constant"))
 
 
 def _infobatch_problems(*, anneal_fraction: float, warmup_epochs: int, num_epochs: int,
@@ -277,7 +272,7 @@ def schedule_problems(method: str, *, num_epochs: int, warmup_epochs: int,
   if fraction_end == 0:
     problems.append("fraction_end=0 keeps no example in the last selected epoch; valid: -1 "
                     "(a constant fraction) or a share in (0, 1]")
-  varying = [p.name for p in POLICIES.entries() if reads_k(p.name) and not p.one_size]
+  varying = [p.name for p in POLICIES.entries() if p.size in ("fixed", "expected")]
   if method not in varying:
     problems.append(f"fraction_end={fraction_end} does not work with method={method!r} (its "
                     f"subset needs one size); valid: {', '.join(varying)}")

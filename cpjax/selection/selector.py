@@ -15,15 +15,14 @@ checkpointed with the train state, so a resumed run selects exactly what the
 uninterrupted run selected.
 """
 
-import time
-
 import jax
 import ml_collections
 import numpy as np
 
-from cpjax import compile_ahead, steps
+from cpjax import steps
 from cpjax.data import readers, splits
-from cpjax.selection import api, bookkeeping, policies, score_files, scores, sources, subsets
+from cpjax.runtime import anatomy, compile_ahead
+from cpjax.selection import api, bookkeeping, policies, score_files, score_sources, scores, subsets
 
 
 class Selector:
@@ -31,21 +30,24 @@ class Selector:
 
   def __init__(self, selection: ml_collections.ConfigDict,
                train_split: splits.Split | readers.Reader, mesh: jax.sharding.Mesh,
-               source: sources.ScoreSource, *, num_epochs: int, batch_size: int, seed: int,
-               num_classes: int, num_ids: int, num_bins: int):
+               source: score_sources.ScoreSource, *, num_epochs: int, batch_size: int, seed: int,
+               num_classes: int, num_ids: int, num_bins: int,
+               clock: anatomy.RunClock | None = None):
     """Binds the selection to the run's training split.
 
     Args:
       selection: config.selection.
       train_split: the training split (host copy or reader): ids, labels, its size.
       mesh: the mesh of the policies' global ranking.
-      source: where the scores come from (`sources.create_source` of `selection`).
+      source: where the scores come from (`score_sources.create_source` of `selection`).
       num_epochs, batch_size, seed: the run's (config.*): the schedule of selected epochs,
         the steps of an epoch and the root of every random draw.
       num_classes: the dataset's classes (the subset's class accounting).
       num_ids: the dataset's training examples, the id range of the recorded score files.
       num_bins: evaluation.num_bins, of the train-pass and scorer ECE.
+      clock: the run's clock, whose parts "scoring" and "selection" it times (None: its own).
     """
+    self._clock = clock or anatomy.RunClock()
     self._split, self._source, self._batch_size = train_split, source, batch_size
     self._num_classes, self._num_ids, self._num_bins = num_classes, num_ids, num_bins
     self._record_scores, self._method = selection.record_scores, selection.method
@@ -92,14 +94,14 @@ class Selector:
       subset = self.selection.select(state, epoch)
       return (np.arange(len(self._split)), subset.weights, state,
               {"scoring_seconds": 0.0, "selection_seconds": 0.0})
-    start = time.perf_counter()
-    if self.selection.policy.needs_scores:
-      state = self._source.refresh(epoch, train_state, state)
-    scored = time.perf_counter()
-    subset = self.selection.select({"scores": self._priorities(state)}, epoch)
-    rows = np.searchsorted(self._split.ids, subset.ids)
-    return rows, subset.weights, state, {"scoring_seconds": scored - start,
-                                         "selection_seconds": time.perf_counter() - scored}
+    with self._clock.part("scoring") as scoring:
+      if self.selection.policy.needs_scores:
+        state = self._source.refresh(epoch, train_state, state)
+    with self._clock.part("selection") as selecting:
+      subset = self.selection.select({"scores": self._priorities(state)}, epoch)
+      rows = np.searchsorted(self._split.ids, subset.ids)
+    return rows, subset.weights, state, {"scoring_seconds": scoring.seconds,
+                                         "selection_seconds": selecting.seconds}
 
   def _priorities(self, state: bookkeeping.SelectionState) -> np.ndarray:
     """What the policy ranks: the score buffer, or under RHO-LOSS the buffer's training
@@ -120,25 +122,26 @@ class Selector:
       timings: scoring, selection and training seconds of the epoch.
       workdir: where `record_scores` writes the epoch's scores.
     """
-    rows, first = bookkeeping.first_pass(order, per_example)
-    record = bookkeeping.train_pass_record(first["confidence"], first["correct"], self._num_bins)
-    if self.selection.selecting(epoch):
-      # score_mean_selected/_all: means of what the policy ranked (reducible losses under
-      # RHO-LOSS), before this epoch's train pass rewrites the buffer.
-      state, subset = bookkeeping.subset_record(state, rows, self._split.labels,
-                                                self._num_classes, self._priorities(state))
-      record.update(subset)
-      if self._reducible:
-        record.update(bookkeeping.irreducible_record(state["irreducible"], rows))
-      if self.weighted:
-        record.update(bookkeeping.pruning_record(len(rows), len(self._split)))
-      if (calibration := self._source.scorer_calibration()) is not None:
-        record.update(bookkeeping.scorer_record(calibration, rows, self._num_bins))
-    if self._source.learns_from_training:
-      state = bookkeeping.with_scores(state, rows, first["score"])
-    if self._record_scores and jax.process_index() == 0:
-      score_files.write_epoch_scores(workdir, epoch, self._num_ids, self._split.ids[rows],
-                                     first["score"])
-    state, seconds = bookkeeping.add_seconds(state, timings)
-    record.update(seconds)
-    return state, record
+    with self._clock.part("selection"):
+      rows, first = bookkeeping.first_pass(order, per_example)
+      record = bookkeeping.train_pass_record(first["confidence"], first["correct"], self._num_bins)
+      if self.selection.selecting(epoch):
+        # score_mean_selected/_all: means of what the policy ranked (reducible losses under
+        # RHO-LOSS), before this epoch's train pass rewrites the buffer.
+        state, subset = bookkeeping.subset_record(state, rows, self._split.labels,
+                                                  self._num_classes, self._priorities(state))
+        record.update(subset)
+        if self._reducible:
+          record.update(bookkeeping.irreducible_record(state["irreducible"], rows))
+        if self.weighted:
+          record.update(bookkeeping.pruning_record(len(rows), len(self._split)))
+        if (calibration := self._source.scorer_calibration()) is not None:
+          record.update(bookkeeping.scorer_record(calibration, rows, self._num_bins))
+      if self._source.learns_from_training:
+        state = bookkeeping.with_scores(state, rows, first["score"])
+      if self._record_scores and jax.process_index() == 0:
+        score_files.write_epoch_scores(workdir, epoch, self._num_ids, self._split.ids[rows],
+                                       first["score"])
+      state, seconds = bookkeeping.add_seconds(state, timings)
+      record.update(seconds)
+      return state, record

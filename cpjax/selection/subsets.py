@@ -16,8 +16,7 @@ import math
 import jax
 import numpy as np
 
-from cpjax import compile_ahead
-from cpjax.runtime import sharding
+from cpjax.runtime import compile_ahead, sharding
 
 # Tags that keep each policy's random stream apart from the others' for the same (seed, epoch).
 _RANDOM, _STRATIFIED, _MIXED, _SAMPLED, _RS2, _INFOBATCH = (0x5E1EC7, 0xCC5, 0x313ED, 0x6B3E1,

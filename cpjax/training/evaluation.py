@@ -1,19 +1,19 @@
 """Evaluation of a run's state by one `Evaluator`, built once at start-up from the parts it
 uses (cpjax.training.setup builds it from the config and the data; it holds neither the whole config
-nor the `run_context.Run`, so it can be built and tested alone). It answers two questions:
+nor the `run.Run`, so it can be built and tested alone). It answers two questions:
 
   Evaluator.run           accuracy, NLL and the ECE family of the validation and test splits;
   Evaluator.write_report  the final calibration report (cpjax.calibration.report), written to
                           workdir/report.
 
 The split metrics are due every `eval_every_epochs` and after the last epoch
-(`periodic.due`, decided in cpjax.training.loop's epoch); the report is written after the loop
-(cpjax.training.loop._write_report).
+(`periodic.due`, decided in cpjax.training.train's epoch); the report is written after the loop
+(cpjax.training.train._write_report).
 
 Each takes the train state when called and returns its numbers (as big_vision's evaluators,
 `run(state) -> metrics`); TensorBoard images go to a writer passed in, drawn in a background
 thread and written at the next evaluation or the run's end (`PendingImages`). A non-finite logit
-means the model diverged: the run stops with `run_context.NonFiniteLossError`, naming the
+means the model diverged: the run stops with `run.NonFiniteLossError`, naming the
 last good checkpoint."""
 
 from collections.abc import Callable, Mapping
@@ -34,7 +34,7 @@ from cpjax import steps
 from cpjax.calibration import figures, metrics, report
 from cpjax.data import corruptions, input_pipeline, readers, splits
 from cpjax.runtime import files, metric_writers, run_logging
-from cpjax.training import run as run_context
+from cpjax.training.run import NonFiniteLossError
 
 SPLITS = ("val", "test")  # The splits evaluated, in this order.
 REPORT_KEY = "calibrator"  # A key every `report_record` has: marks an epoch record complete.
@@ -89,7 +89,7 @@ class Evaluator:
   labels: Mapping[str, np.ndarray]  # SPLITS' labels, in row order.
   num_classes: int
   batch_size: int  # eval_batch_size.
-  # The sentence naming the last good checkpoint (run_context.last_good), for the error of a
+  # The sentence naming the last good checkpoint (run.last_good), for the error of a
   # diverged model: a callable, as the checkpoint it names changes while the run trains.
   last_good: Callable[[], str]
   evaluation: ml_collections.ConfigDict  # config.evaluation: the report's settings.
@@ -151,7 +151,7 @@ class Evaluator:
     logits = self.predict(state, self.split_readers[name])
     if not np.all(np.isfinite(logits)):
       bad = int(np.sum(~np.all(np.isfinite(logits), axis=-1)))
-      raise run_context.NonFiniteLossError(
+      raise NonFiniteLossError(
           f"the model diverged: {bad} of {len(logits)} {name} examples have non-finite logits "
           f"at global step {int(jax.device_get(state.step))}; the run stopped without saving "
           f"this state. {self.last_good()} Lower the learning rate or enable "
@@ -303,19 +303,23 @@ def write_calibration_images(writer: metric_writers.MetricWriter, step: int,
   writer.write_images(step, {tag: image[None] for tag, image in images.items()})
 
 
-def write_report_summaries(writer: metric_writers.MetricWriter, step: int,
-                            results: dict[str, Any]) -> None:
-  """The final report in TensorBoard, at the last epoch's global `step`: after-TS metrics, the
-  temperature (fitted on val), the reliability images after temperature scaling and after
-  the chosen post-hoc map, and the conformal sets' set-size histogram (its first alpha). The
-  before-TS image and the confidence histogram are the last epoch's evaluation's
-  (`Evaluator.run`, at the same step): not written twice. The conformal numbers reach
-  TensorBoard as the last record's scalars (`report_record`)."""
+def report_scalars(results: dict[str, Any]) -> dict[str, float]:
+  """The final report's scalars that TensorBoard alone shows (metrics.jsonl holds
+  `report_record`'s): the after-TS metrics and the temperature (fitted on val)."""
   scalars = {f"{split}/after_ts/{name}": value
              for split, by_tag in results["metrics"].items()
              for name, value in by_tag["after_ts"].items()}
   scalars["val/temperature"] = results["temperature"]["temperature"]
-  writer.write_scalars(step, scalars)
+  return scalars
+
+
+def write_report_images(writer: metric_writers.MetricWriter, step: int,
+                        results: dict[str, Any]) -> None:
+  """The final report's images in TensorBoard, at the last epoch's global `step`: the
+  reliability diagrams after temperature scaling and after the chosen post-hoc map, and the
+  conformal sets' set-size histogram (its first alpha). The before-TS image and the
+  confidence histogram are the last epoch's evaluation's (`Evaluator.run`, at the same step):
+  not written twice."""
   scaled = {tag: bins for tag, bins in results["reliability"].items() if tag != "before_ts"}
   write_calibration_images(writer, step, scaled, histogram=False)
   if results.get("conformal", {}).get("alphas") and jax.process_index() == 0:

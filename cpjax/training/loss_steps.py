@@ -26,8 +26,8 @@ import numpy as np
 import optax
 
 from cpjax import run_state, steps
-from cpjax.calibration import gamma_net as gamma_net_lib
 from cpjax.calibration import losses
+from cpjax.calibration.gamma_net import MetaObjective, create_meta_objective
 from cpjax.data import readers, splits
 
 # The epoch's batches: (row blocks [steps, B], *, epoch, row_weights [N] or None, first_step:
@@ -66,7 +66,7 @@ class PlainSteps:
 class MetaSteps:
   """FL_gamma: the bilevel step of gamma-Net and the model (steps.meta_train_step)."""
   extra_state: tuple[nn.Module, optax.GradientTransformation]  # (gamma-Net, its optimizer).
-  objective: gamma_net_lib.MetaObjective  # The meta-loss of a meta-validation batch.
+  objective: MetaObjective  # The meta-loss of a meta-validation batch.
   leak_meta_gradient: bool  # config.meta.leak_meta_gradient (the reference code's quirk).
 
   def build_train_step(self, model: nn.Module, tx: optax.GradientTransformation,
@@ -121,6 +121,6 @@ def for_loss(loss: ml_collections.ConfigDict, meta: ml_collections.ConfigDict,
   parts = run_state.meta_parts(loss, meta, num_classes)
   if parts is None:
     return PlainSteps(loss)
-  return MetaSteps(parts, gamma_net_lib.create_meta_objective(loss, meta),
+  return MetaSteps(parts, create_meta_objective(loss, meta),
                    meta.leak_meta_gradient)
 

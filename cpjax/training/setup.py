@@ -1,4 +1,4 @@
-"""The training loop's set-up (cpjax.training.loop runs it): the checks before any work, the
+"""The training loop's set-up (cpjax.training.train runs it): the checks before any work, the
 run's parts built and its checkpoint restored, and the loop's parts (`Loop`) compiled ahead.
 
 `check_before_work` validates the config (cpjax.config.validation) and the workdir and runs
@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import os
-import tempfile
 from typing import Any
 
 import flax.linen as nn
@@ -29,24 +28,23 @@ import ml_collections
 import numpy as np
 import optax
 
-from cpjax import compile_ahead, models, optim, run_state, steps
-from cpjax.config import preflight
-from cpjax.config import validation as config_validation
+from cpjax import models, optim, run_state, steps
+from cpjax.calibration import losses
+from cpjax.config import implied, preflight, validation
 from cpjax.data import fingerprint, input_pipeline, sources, specs
 from cpjax.runtime import (
   anatomy,
   checkpointing,
   compilation_cache,
+  compile_ahead,
   compiler_options,
   metric_writers,
   run_logging,
   sharding,
 )
-from cpjax.selection import bookkeeping, scores, selector
-from cpjax.selection import sources as score_sources
+from cpjax.selection import bookkeeping, score_sources, scores, selector
 from cpjax.training import evaluation, loss_steps, step_loop
-from cpjax.training import run as run_context
-from cpjax.training.run import Run
+from cpjax.training.run import EvalFn, Run, last_good
 
 # The jitted train step: (state, batch, learning rate, loss hyper-parameters) -> (state, batch
 # metrics, per-example outputs); the state donated (cpjax.training.loss_steps builds it).
@@ -56,7 +54,7 @@ TrainFn = Callable[[steps.TrainState, dict[str, Any], np.float32, dict[str, np.f
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-  """The loop's parts, beside the Run: built by `create_loop` (for cpjax.training.loop's
+  """The loop's parts, beside the Run: built by `create_loop` (for cpjax.training.train's
   `_train_and_evaluate`) once the selector knows the epochs' sizes (`evaluate_only` needs none
   of them). None changes while the run trains."""
   selector: selector.Selector  # Each epoch's rows.
@@ -65,7 +63,7 @@ class Loop:
   evaluator: evaluation.Evaluator  # val/test metrics and the final report.
   writer: metric_writers.MetricWriter  # TensorBoard and the log.
   epoch_log: run_logging.EpochLog  # metrics.jsonl.
-  progress: metric_writers.ProgressReport  # Steps/s and ETA.
+  progress: metric_writers.ProgressReport  # Steps/s and ETA, on the clock.
   clock: anatomy.RunClock  # Where the process's wall clock goes (cpjax.runtime.anatomy).
   window_steps: int  # Steps a logging window's metrics fold over (step_loop.window_steps).
 
@@ -85,16 +83,15 @@ def create_loop(config: ml_collections.ConfigDict, run: Run,
   """The loop's parts: the selector, the train step, each epoch's steps, the evaluator, and
   the run's `writer` (TensorBoard, the log) and `epoch_log` (metrics.jsonl) with the writers
   built on them."""
-  chooser = create_selector(config, run)
+  chooser = create_selector(config, run, clock)
   epoch_steps = _epoch_steps([chooser.steps_in_epoch(e) for e in range(config.num_epochs)],
                              config.budget_steps)
   return Loop(
       selector=chooser, train_fn=jit_train_step(config, run.model, run.tx, chooser.weighted,
                                                      run.loss_kind),
       epoch_steps=epoch_steps, evaluator=create_evaluator(config, run), writer=writer,
-      epoch_log=epoch_log,
-      progress=run_logging.create_progress_reporter(
-          sum(epoch_steps), writer, config.log_every_steps), clock=clock,
+      epoch_log=epoch_log, progress=metric_writers.ProgressReport(
+          sum(epoch_steps), writer, config.log_every_steps, clock), clock=clock,
       window_steps=step_loop.window_steps(config.log_every_steps, epoch_steps))
 
 
@@ -102,7 +99,7 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
                        state: steps.TrainState) -> float:
   """Compiles the loop's programs (the train step and its metric windows, the eval step, the
   selected epochs' scoring step and ranking) in threads before the first epoch
-  (cpjax.compile_ahead), for batches built as the loop builds them. Returns the seconds
+  (cpjax.runtime.compile_ahead), for batches built as the loop builds them. Returns the seconds
   waited for them."""
   logging.info("Compiling the loop's programs ahead (the train, eval and scoring steps), %d "
                "at a time...", compile_ahead.THREADS)
@@ -118,7 +115,7 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
                  else None)
   item = compile_ahead.first_item(run.train_batches(train_rows, epoch=0, first_step=0,
                                                     row_weights=row_weights))
-  hparams = step_loop.loss_hparams(config.loss, 0)
+  hparams = losses.scheduled_hparams(config.loss, 0)
   compiler.submit("the train step", loop.train_fn, abstract_state, compile_ahead.abstract(item),
                   np.float32(0), hparams,
                   then=lambda c: step_loop.compile_windows_ahead(c, loop.window_steps))
@@ -161,7 +158,7 @@ def _epoch_steps(natural: list[int], budget: int) -> tuple[int, ...]:
 
 def setup_run(config: ml_collections.ConfigDict, workdir: str,
               clock: anatomy.RunClock | None = None
-              ) -> tuple[Run, steps.TrainState, Any, int, dict[str, Any] | None]:
+              ) -> tuple[Run, steps.TrainState, Any, int, run_state.Done | None]:
   """Builds the model and state, restores the latest checkpoint, reads the data.
 
   Returns:
@@ -223,8 +220,10 @@ def _decoder_meta(reader, restored: dict[str, Any]) -> dict[str, str]:
   return {"decoder": name}
 
 
-def create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Selector:
-  """The run's selector and its score source, each given the config sections it reads."""
+def create_selector(config: ml_collections.ConfigDict, run: Run,
+                    clock: anatomy.RunClock | None = None) -> selector.Selector:
+  """The run's selector and its score source, each given the config sections it reads, the
+  selector the run's `clock` (None: its own)."""
   data = specs.DATASETS[config.dataset.name]
   source = score_sources.create_source(
       config.selection, run.readers["train"], run.mesh, model_name=config.model.name,
@@ -232,7 +231,8 @@ def create_selector(config: ml_collections.ConfigDict, run: Run) -> selector.Sel
   return selector.Selector(config.selection, run.readers["train"], run.mesh, source,
                            num_epochs=config.num_epochs, batch_size=config.batch_size,
                            seed=config.seed, num_classes=data.num_classes,
-                           num_ids=data.num_train, num_bins=config.evaluation.num_bins)
+                           num_ids=data.num_train, num_bins=config.evaluation.num_bins,
+                           clock=clock)
 
 
 def create_evaluator(config: ml_collections.ConfigDict, run: Run) -> evaluation.Evaluator:
@@ -243,7 +243,7 @@ def create_evaluator(config: ml_collections.ConfigDict, run: Run) -> evaluation.
   return evaluation.Evaluator(
       run.eval_fn, run.mesh, {name: run.readers[name] for name in evaluation.SPLITS},
       {name: run.splits[name].labels for name in evaluation.SPLITS}, num_classes,
-      config.eval_batch_size, functools.partial(run_context.last_good, run.checkpointer),
+      config.eval_batch_size, functools.partial(last_good, run.checkpointer),
       config.evaluation, run.workdir,
       f"{config.dataset.name}, {config.model.name}, {config.loss.name}", run.splits["test"],
       config.dataset, gamma_step and _jit_inference(config, gamma_step))
@@ -269,25 +269,10 @@ def check_before_work(config: ml_collections.ConfigDict, workdir: str,
                       mode: str = "train") -> None:
   """Validates the config and the workdir and runs the start-up checks (cpjax.config.preflight):
   before the workdir lock, any data load or compile."""
-  config_validation.validate(config)
-  for warning in config_validation.size_warnings(config):
+  validation.validate(config)
+  for warning in validation.size_warnings(config):
     logging.warning("%s", warning)
-  _check_workdir(workdir)
   preflight.check(config, workdir, mode)
-
-
-def _check_workdir(workdir: str) -> None:
-  """Fails early, before any data load or compile, if `workdir` is unusable; creates
-  nothing (the workdir lock creates it once every check has passed)."""
-  where = os.path.abspath(workdir)
-  while not os.path.exists(where):
-    where = os.path.dirname(where)
-  try:
-    if not os.path.isdir(where):
-      raise NotADirectoryError(f"{where} is not a directory")
-    tempfile.NamedTemporaryFile(dir=where).close()  # Can we create files here?
-  except OSError as err:
-    raise PermissionError(f"--workdir {workdir!r} is not a writable directory: {err}") from err
 
 
 def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
@@ -299,7 +284,7 @@ def _restore(checkpointer: checkpointing.Checkpointer, initial: dict[str, Any],
   if restored is None:
     return initial, {}
   saved, meta = restored
-  if changes := config_validation.resume_changes(meta["config"], config):
+  if changes := implied.resume_changes(meta["config"], config):
     logging.warning(changes)
   logging.info("Resumed from %s at global step %d (epoch %d, step %d of it).",
                checkpointer.directory, meta.get("step", -1), meta["epoch"],
@@ -321,7 +306,7 @@ def jit_train_step(config: ml_collections.ConfigDict, model: nn.Module,
                                                                     config.xla_cpu_options))
 
 
-def jit_eval_step(config: ml_collections.ConfigDict, model: nn.Module) -> run_context.EvalFn:
+def jit_eval_step(config: ml_collections.ConfigDict, model: nn.Module) -> EvalFn:
   """The eval step (float32 logits) of the config's model; jitted once."""
   return _jit_inference(config, functools.partial(steps.eval_step, model=model,
                                                   spec=steps.step_spec(config.dataset)))

@@ -1,77 +1,39 @@
-"""What one epoch of cpjax.training.loop uses below it: the step loop, its metric sums and
-train-window logs, the non-finite and stalled stops, the epoch's learning rates, and the
-checkpoint save and the preemption stop.
+"""The step loop: an epoch's steps with the jitted train step, their metric sums on device
+and the train metrics of every logging window.
 
-`train_steps` runs an epoch's steps with the jitted train step: it sums the epoch's metrics on
-device, writes the train metrics every `log_every_steps` steps, stops the run on a non-finite
-loss, and ends after the current step when a preemption is requested. It does no checkpoint
-I/O: cpjax.training.loop's epoch saves what it returns (`save_checkpoint`: the one save) and stops
-(`stop_preempted`: the one preemption stop). `run_state.partial_tree` turns the steps of an
-epoch stopped mid-way into a checkpoint's "partial" subtree, and
-`run_state.partial_from_checkpoint` back into the steps already trained (`Done`), so the rerun
-finishes the epoch bit for bit. Every function takes values or the config section it uses.
+`train_steps` runs an epoch's steps: it sums the epoch's metrics on device, writes the train
+metrics every `log_every_steps` steps (a logging window's metrics folded in one program,
+`_fold_window`), calls the progress report after each step, stops the run on a non-finite
+loss (cpjax.training.run.raise_if_bad) and ends after the current step when a preemption is
+requested. It does no checkpoint I/O: cpjax.training.train's epoch saves what it returns.
+Every function takes values or the config section it uses.
 """
 
 import contextlib
 import logging
-import time
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-import optax
 
-from cpjax import compile_ahead, optim, run_state, steps
-from cpjax.calibration import losses
-from cpjax.runtime import checkpointing, periodic, preemption, sharding
-from cpjax.training import run as run_context
-from cpjax.training.run import NonFiniteLossError
+from cpjax import run_state, steps
+from cpjax.runtime import anatomy, checkpointing, compile_ahead, periodic, sharding
+from cpjax.training.run import raise_if_bad
 
 EPOCH_SUMS = ("loss_sum", "correct", "count", "first_bad_step")  # Summed over an epoch.
-# An epoch's steps trained before a preemption (run_state.partial_from_checkpoint): none.
-NOTHING_DONE = run_state.NOTHING_DONE
-
-
-class StalledTrainingError(RuntimeError):
-  """A whole epoch trained with a gradient exactly zero or a loss exactly constant."""
-
-
-class InputWait:
-  """Iterates `batches`, adding up in `seconds` the time each `next` blocked: how long the
-  step loop waited on its input. With asynchronous dispatch the loop runs ahead of the
-  device until the device's queue is full, so a loop fed faster than the device trains
-  waits little here and a loop starved by its reader waits about as long as the device
-  idles. The first batch's wait (a reader starting up) is counted too."""
-
-  def __init__(self, batches):
-    self._batches, self.seconds = batches, 0.0
-
-  def __iter__(self):
-    batches = iter(self._batches)
-    while True:
-      start = time.perf_counter()
-      try:
-        batch = next(batches)
-      except StopIteration:
-        return
-      finally:
-        self.seconds += time.perf_counter() - start
-      yield batch
 
 
 def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list,
-                loss_hparams: dict[str, np.float32], done: dict[str, Any], *, first_step: int,
+                loss_hparams: dict[str, np.float32], done: run_state.Done, *, first_step: int,
                 epoch: int, log_every: int, window_steps: int, writer, progress,
-                checkpointer: checkpointing.Checkpointer, last_step: int,
-                compile_step: int = -1):
+                checkpointer: checkpointing.Checkpointer, compile_step: int = -1):
   """Trains the epoch's steps done.steps.. over `batches`, from global step `first_step`
   (the epoch's first) on; `learning_rates[i]`: step i's. The step at index `compile_step` is
-  the process's first: its compile is timed and logged. `progress` is called there, at
-  every multiple of `log_every` and at the run's `last_step` (where clu's report acts).
-  After each step, `checkpointer.reached_preemption` says whether to stop. Each logging
-  window's metrics are folded in one program over `window_steps` steps (`window_steps()`).
+  the process's first: its compile is timed and logged. `progress` is called after every
+  step (it reports where due: cpjax.runtime.metric_writers.ProgressReport), then
+  `checkpointer.reached_preemption` says whether to stop. Each logging window's metrics are
+  folded in one program over `window_steps` steps (`window_steps()`).
 
   Returns:
     (state, totals: the epoch's sums on device, outputs: per-example outputs stacked per
@@ -86,15 +48,10 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
   # device's queue at every point). The same records, one window later in wall time.
   pending = None
   for i, batch in enumerate(batches, start=done.steps):
-    if i == compile_step:
-      state, batch_metrics, per_example = _first_step(train_fn, state, batch, learning_rates[i],
-                                                      loss_hparams)
-      progress(first_step + i + 1)  # Starts the steps/s clock after the compile.
-    else:
-      state, batch_metrics, per_example = train_fn(state, batch, learning_rates[i],
-                                                   loss_hparams)
+    step_fn = _first_step(train_fn) if i == compile_step else train_fn
+    state, batch_metrics, per_example = step_fn(state, batch, learning_rates[i], loss_hparams)
     window.append((batch_metrics, per_example))  # Summed at a logging point or the end.
-    if (i + 1) % log_every == 0:
+    if periodic.due_step(i + 1, log_every):
       totals, stacked, window_outputs = _fold(totals, window, window_steps)
       outputs.append(window_outputs)
       with host_point():
@@ -102,9 +59,7 @@ def train_steps(train_fn, state: steps.TrainState, batches, learning_rates: list
         pending = (_copy_to_host_async(stacked), first_step + i + 1, learning_rates[i],
                    (epoch, first_step, checkpointer))
       window = []
-    if (periodic.due_step(first_step + i + 1, log_every, last_step)
-        and i != compile_step):
-      progress(first_step + i + 1)  # Steps/s and ETA, at the steps where it reports only.
+    progress(first_step + i + 1)  # Its first call starts the steps/s clock, after the compile.
     if checkpointer.reached_preemption(first_step + i + 1):
       stopped = True
       break
@@ -123,14 +78,16 @@ def _copy_to_host_async(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
   return tree
 
 
-def _first_step(train_fn, state, batch, learning_rate, loss_hparams):
-  """The process's first step (its program compiled ahead, or now where that failed); waits
-  for it once, to time it."""
-  compile_start = time.perf_counter()
-  state, batch_metrics, per_example = train_fn(state, batch, learning_rate, loss_hparams)
-  jax.block_until_ready(batch_metrics)
-  logging.info("The first step took %.1f s.", time.perf_counter() - compile_start)
-  return state, batch_metrics, per_example
+def _first_step(train_fn):
+  """`train_fn` as the process's first step runs it (its program compiled ahead, or now where
+  that failed): waited for once, to time it."""
+  def step(*args):
+    took = anatomy.Stopwatch()
+    state, batch_metrics, per_example = train_fn(*args)
+    jax.block_until_ready(batch_metrics)
+    logging.info("The first step took %.1f s.", took.seconds)
+    return state, batch_metrics, per_example
+  return step
 
 
 def step_guard(level: str) -> contextlib.AbstractContextManager:
@@ -142,36 +99,6 @@ def step_guard(level: str) -> contextlib.AbstractContextManager:
 def host_point() -> contextlib.AbstractContextManager:
   """Where the step loop may copy device values to the host (logging, a checkpoint)."""
   return jax.transfer_guard_device_to_host("allow")
-
-
-def save_checkpoint(checkpointer: checkpointing.Checkpointer, mesh: jax.sharding.Mesh,
-                    meta: dict[str, Any], state: steps.TrainState, selection_state: Any,
-                    partial: dict[str, np.ndarray], epochs_done: int, epoch_step: int = 0) -> int:
-  """Saves a checkpoint named by the global step; returns that step. `epochs_done` complete
-  epochs and `epoch_step` steps of the next (their sums and outputs in `partial`); `meta`:
-  the run's own metadata (its config, a folder dataset's digests)."""
-  step = int(jax.device_get(state.step))
-  if not np.isfinite(float(jax.device_get(_global_norm(state.params)))):
-    raise NonFiniteLossError(f"non-finite parameters at global step {step} (epoch "
-                             f"{epochs_done}); the run stopped without saving them. "
-                             f"{run_context.last_good(checkpointer)}")
-  checkpointer.save(step, run_state.checkpoint_tree(state, selection_state, partial, mesh),
-                    {"epoch": epochs_done, "epoch_step": epoch_step, "step": step, **meta})
-  return step
-
-
-def stop_preempted(checkpointer: checkpointing.Checkpointer, step: int, epoch: int,
-                   epoch_step: int) -> NoReturn:
-  """Waits for the checkpoint at global `step` to commit, logs one line, raises Preempted."""
-  checkpointer.wait_until_finished()
-  message = (f"{checkpointer.preemption_signal}: saved a checkpoint at global step {step} "
-             f"(epoch {epoch}, step {epoch_step} of it) in {checkpointer.directory}; rerun the "
-             "same command to resume there.")
-  logging.warning(message)
-  raise preemption.Preempted(message, step)
-
-
-_global_norm = jax.jit(optax.tree.norm)
 
 
 # How an epoch combines its steps' metrics: summed, but the first non-finite step and the
@@ -252,25 +179,6 @@ def host_outputs(outputs: list[dict[str, jax.Array]],
   return {k: np.concatenate(([earlier[k]] if earlier else []) + v) for k, v in gathered.items()}
 
 
-def loss_hparams(loss: ml_collections.ConfigDict, epoch: int) -> dict[str, np.float32]:
-  """The loss's scheduled hyper-parameters at `epoch` (config.loss), as host scalars."""
-  return {k: np.float32(v) for k, v in losses.scheduled_hparams(loss, epoch).items()}
-
-
-def learning_rates(optimizer: ml_collections.ConfigDict, epoch: int, epoch_start_step: int,
-                   num_steps: int, total_steps: int, num_epochs: int) -> list[np.float32]:
-  """The learning rate of each of the `num_steps` steps of `epoch` (optim; `optimizer`:
-  config.optimizer), from global step `epoch_start_step` on. Computed once for the epoch
-  where the schedule is by epoch (the same number at every step: about 10 us of Python a step
-  saved)."""
-  def rate(step: int) -> np.float32:
-    return np.float32(optim.learning_rate_of_step(optimizer, epoch, step, total_steps,
-                                                  num_epochs))
-  if optimizer.schedule_unit == "epoch":
-    return [rate(epoch_start_step)] * num_steps
-  return [rate(epoch_start_step + i) for i in range(num_steps)]
-
-
 def _log_train_window(writer, pending: tuple | None) -> None:
   """Writes a logging window's train metrics, `pending` = (its stacked metrics, the global
   step it ends at, its learning rate, where), as flax and big_vision log them, and stops the
@@ -306,46 +214,3 @@ _STEP_METRICS = frozenset({*EPOCH_SUMS, "grad_norm", "param_norm"})
 def _sum(values: np.ndarray) -> float:
   """The sum of float32 values as Python floats, in order (as the window's log always was)."""
   return sum(float(v) for v in values)
-
-
-def raise_if_bad(totals: dict[str, Any], epoch: int, epoch_start_step: int,
-                 checkpointer: checkpointing.Checkpointer) -> None:
-  """Stops the run if a step's loss was not finite (`totals["first_bad_step"]`)."""
-  bad = int(jax.device_get(totals["first_bad_step"]))
-  if bad != steps.NO_BAD_STEP:
-    raise NonFiniteLossError(
-        f"non-finite training loss at epoch {epoch}, step {bad - epoch_start_step} of the "
-        f"epoch (global step {bad}); the run stopped without saving this state. "
-        f"{run_context.last_good(checkpointer)} Lower the learning rate or enable "
-        "gradient clipping.")
-
-
-def raise_if_stalled(totals: dict[str, np.ndarray], epoch: int, num_steps: int,
-                     checkpointer: checkpointing.Checkpointer, loss_name: str) -> None:
-  """Stops a run whose epoch learned nothing: a gradient exactly zero at every step, or the
-  same batch mean loss, bit for bit, at every one of several steps (different batches)."""
-  zero_gradient = float(totals["grad_norm_max"]) == 0.0
-  constant_loss = num_steps > 1 and float(totals["loss_min"]) == float(totals["loss_max"])
-  if not (zero_gradient or constant_loss):
-    return
-  what = ("the gradient was exactly zero" if zero_gradient else
-          f"the training loss was exactly {float(totals['loss_min'])!r}")
-  raise StalledTrainingError(
-      f"the run learns nothing: at every one of the {num_steps} steps of epoch {epoch} {what}; "
-      f"the run stopped without saving this state. {run_context.last_good(checkpointer)} "
-      f"Check the loss and its hyperparameters (loss.name={loss_name!r}; an "
-      "FL_gamma loss needs meta.max_gamma > 0 and a meta.temperature that keeps gamma-Net's "
-      "softmax finite) and the learning rate.")
-
-
-def epoch_record(totals: dict[str, Any], epoch: int, num_steps: int, epoch_start_step: int,
-                 checkpointer: checkpointing.Checkpointer, loss_name: str,
-                 learning_rate: np.float32, hparams: dict[str, np.float32]) -> dict[str, float]:
-  """The epoch's train numbers for its record (`learning_rate`: at its first step), after the
-  non-finite and stalled checks of its sums (`totals`, on device)."""
-  raise_if_bad(totals, epoch, epoch_start_step, checkpointer)
-  totals = jax.device_get(totals)
-  raise_if_stalled(totals, epoch, num_steps, checkpointer, loss_name)
-  return {"train_loss": float(totals["loss_sum"] / totals["count"]),
-          "train_accuracy": float(totals["correct"] / totals["count"]),
-          "learning_rate": float(learning_rate), **{k: float(v) for k, v in hparams.items()}}

@@ -58,8 +58,7 @@ import numpy as np
 from PIL import Image
 
 from cpjax.data import decode_workers
-from cpjax.data.device_stage import packed_regions
-from cpjax.data.device_stage import resize as device_resize
+from cpjax.data.device_stage import packed_regions, resize
 
 INSTALL = ("pip install 'cpjax[gpu-decode]' (nvidia-nvimgcodec-cu13 and nvidia-nvjpeg; "
            "nvidia-nvimgcodec-cu12 for CUDA 12)")
@@ -203,7 +202,7 @@ class Decoder:
 
   def layouts(self, length: int) -> tuple[tuple[int, ...], ...]:
     """The device part, then the host's (packed_regions.host_length: its fallbacks)."""
-    return (length, device_resize.MIN_BUCKET), (length, length)
+    return (length, resize.MIN_BUCKET), (length, length)
 
   def decode(self, items, prepared, channels: int, device: jax.Device,
              buffers: packed_regions.Buffers) -> packed_regions.Decoded:
@@ -213,7 +212,7 @@ class Decoder:
     places = [self._place(items[k], channels) for k in chosen]
     offsets = np.concatenate([[0], np.cumsum([p.height * p.width * channels for p in places],
                                              dtype=np.int64)])
-    length = device_resize.fitted(int(offsets[-1]), buffers.length)
+    length = resize.fitted(int(offsets[-1]), buffers.length)
     if self.on_gpu:
       buffer, release = self._device_buffers(device, length, buffers.depth).take()
     else:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpjax.data import decode_workers, preprocess
-from cpjax.data.device_stage import resize as device_resize
+from cpjax.data.device_stage import resize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Decoded:
 class Buffers:
   """How the reader sizes a shard's packed buffers: each part `length` bytes (one length per
   run and shard size: one compiled program; regions that do not fit get
-  `device_resize.fitted`'s larger length), and `depth`, the batches in flight: a decoder that
+  `resize.fitted`'s larger length), and `depth`, the batches in flight: a decoder that
   keeps device buffers (`DeviceBuffers`) keeps that many a device and length."""
   length: int
   depth: int = 2
@@ -163,27 +163,27 @@ def host_region(item: Item, channels: int, whole: bool = False) -> tuple[np.ndar
 def packed(regions: Sequence[np.ndarray], start: int = 0,
            length: int | None = None) -> tuple[np.ndarray, list[int]]:
   """The regions back to back in one uint8 buffer `length` bytes long (None:
-  `device_resize.bucket` of theirs; regions longer than `length` get `device_resize.fitted`'s
+  `resize.bucket` of theirs; regions longer than `length` get `resize.fitted`'s
   length), and each one's offset (plus `start`: where the buffer will begin in the op's
   joined buffer)."""
   sizes = [r.size for r in regions]
   offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
   total = int(offsets[-1])
-  flat = np.zeros(device_resize.bucket(total) if length is None
-                  else device_resize.fitted(total, length), np.uint8)
+  flat = np.zeros(resize.bucket(total) if length is None
+                  else resize.fitted(total, length), np.uint8)
   for region, offset in zip(regions, offsets):
     flat[offset:offset + region.size] = region.ravel()
   return flat, [start + int(o) for o in offsets[:-1]]
 
 
 def host_length(num_bytes: int, length: int, after_device_part: bool) -> int:
-  """The host part's length: `device_resize.fitted` to the run's `length`; after a device
+  """The host part's length: `resize.fitted` to the run's `length`; after a device
   decoder's part (its fallbacks, few or none) MIN_BUCKET where they fit in it, so that a
   batch without fallbacks sends no more. Two programs at most: (length,) alone, or
   (length, MIN_BUCKET) and (length, length) after a device part."""
-  if after_device_part and num_bytes <= device_resize.MIN_BUCKET:
-    return device_resize.MIN_BUCKET
-  return device_resize.fitted(num_bytes, length)
+  if after_device_part and num_bytes <= resize.MIN_BUCKET:
+    return resize.MIN_BUCKET
+  return resize.fitted(num_bytes, length)
 
 
 def with_host_part(items: Sequence[Item], placed: dict[int, Placed], device_part, channels: int,

@@ -1,21 +1,8 @@
-"""The device stage: images decoded on each device, cropped, resized and flipped there.
+"""The device stage's reader: an encoded dataset's images (folder, tfds:NAME, their records)
+decoded on each device by the decoder `dataset.decode` names (cpjax.data.device_stage.decoders),
+cropped, resized and flipped there.
 
-`dataset.decode` chooses who decodes an encoded dataset's images (folder, tfds:NAME, their
-records; cpjax.data.readers.choose reads it):
-
-  cpu         the host stage (cpjax.data.host_stage): decode, crop, resize and flip on the
-              host's cores; the default, unchanged
-  gpu         this stage with nvImageCodec (cpjax.data.device_stage.nvimgcodec): each device decodes
-              its own shard of the batch on its GPU (the hardware JPEG decoder where the card
-              has one); needs an NVIDIA GPU and the `gpu-decode` extra
-  device_cpu  this stage with PIL decoding on the host standing in for the GPU's decoder
-              (packed_regions.HostDecoder): the same batching, boxes, device op and sharding,
-              testable on any machine (slower than `cpu`: one thread pool, no worker
-              processes)
-  auto        gpu where it can run (an NVIDIA GPU, the library installed, resize=opencv),
-              else cpu; the choice is logged
-
-A decoder is an entry of `readers.DECODERS` (a registry). In this stage the host reads each
+In this stage the host reads each
 example's encoded bytes and header (threads, no decoding), draws its box and flip from (seed,
 epoch, id) with the host stage's own functions (preprocess.Transform.box_and_flip), each
 device decodes its rows' images (or boxes) into a packed buffer on itself, and one jitted op
@@ -64,8 +51,7 @@ from cpjax.data import (
   preprocess,
   readers,
 )
-from cpjax.data.device_stage import packed_regions
-from cpjax.data.device_stage import resize as device_resize
+from cpjax.data.device_stage import decoders, packed_regions, resize
 from cpjax.runtime import sharding
 
 SIZE_SAMPLE = image_stats.STATS_SAMPLE  # Headers scanned for the largest image (`largest`).
@@ -91,7 +77,7 @@ class DeviceStageReader(readers.SourceReader):
   def __init__(self, source, transform: preprocess.Transform, mesh: jax.sharding.Mesh,
                decoder: packed_regions.ImageDecoder, num_threads: int = 0,
                prefetch_depth: int = readers.DEFAULT_PREFETCH_DEPTH, read_ahead: int = 2):
-    problem = device_resize.resize_problem(transform.resize)
+    problem = resize.resize_problem(transform.resize)
     if problem:
       raise ValueError(f"the device stage {problem}")
     super().__init__(source, transform, mesh, num_threads, prefetch_depth, read_ahead)
@@ -141,9 +127,9 @@ class DeviceStageReader(readers.SourceReader):
 
   def buffers(self, rows: int) -> packed_regions.Buffers:
     """How a shard of `rows` examples is packed: buffers of `rows` times the largest image's
-    bytes (device_resize.capacity), prefetch_depth + 2 of them in flight."""
+    bytes (resize.capacity), prefetch_depth + 2 of them in flight."""
     pixels = rows * self.largest().pixels * self.transform.channels
-    return packed_regions.Buffers(device_resize.capacity(pixels), self.prefetch_depth + 2)
+    return packed_regions.Buffers(resize.capacity(pixels), self.prefetch_depth + 2)
 
   def programs(self, batch_size: int, training: bool = True) -> list[Program]:
     """The device-op programs that global batches of `batch_size` rows can need on this
@@ -152,14 +138,14 @@ class DeviceStageReader(readers.SourceReader):
     side (training: any box of an image) or of the longest shorter side (evaluation: the
     centre box)."""
     largest, size = self.largest(), self.transform.size
-    bound = device_resize.tap_bound(largest.side if training else largest.shorter, size)
+    bound = resize.tap_bound(largest.side if training else largest.shorter, size)
     index_map = sharding.batch_sharded(self.mesh).addressable_devices_indices_map((batch_size,))
     out = []
     for device, index in index_map.items():
       rows = len(range(*index[0].indices(batch_size)))
       for lengths in self.decoder.layouts(self.buffers(rows).length):
         out += [(device.id, tuple(lengths), rows, taps)
-                for taps in device_resize.tap_choices(bound)]
+                for taps in resize.tap_choices(bound)]
     return out
 
   def compile_ahead(self, batch_size: int, training: bool = True) -> list[Program]:
@@ -184,7 +170,7 @@ class DeviceStageReader(readers.SourceReader):
       with concurrent.futures.ThreadPoolExecutor(min(len(todo), decode_workers.usable_cores()),
                                                  thread_name_prefix="cpjax-compile") as pool:
         for group in (first, [p for p in todo if p[0] != todo[0][0]]):
-          list(pool.map(lambda p: device_resize.compile_for(devices[p[0]], p[1], p[2], t.size,
+          list(pool.map(lambda p: resize.compile_for(devices[p[0]], p[1], p[2], t.size,
                                                             t.channels, p[3]), group))
     except BaseException:
       with self._plan_lock:  # Not compiled: a batch compiles them when met.
@@ -281,15 +267,15 @@ class DeviceStageReader(readers.SourceReader):
       origins = np.asarray([(p.x0, p.y0, p.x0, p.y0) for p in decoded.placed], np.int32)
       boxes = np.asarray([item.box for item in items], np.int32).reshape(-1, 4) - origins
       widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-      taps = device_resize.tap_count(widths, heights, t.size)
+      taps = resize.tap_count(widths, heights, t.size)
       self._met((device.id, tuple(int(p.shape[0]) for p in decoded.parts), len(items), taps))
       small = jax.device_put({
           "offsets": np.asarray([p.offset for p in decoded.placed], np.int32),
           "shapes": np.asarray([(p.height, p.width) for p in decoded.placed],
                                np.int32).reshape(-1, 2),
-          "boxes": boxes, "area": device_resize.uses_area(widths, heights, t.size),
+          "boxes": boxes, "area": resize.uses_area(widths, heights, t.size),
           "flips": np.asarray([item.flip for item in items], bool)}, device)
-      out = device_resize.crop_resize_flip(
+      out = resize.crop_resize_flip(
           decoded.parts, small["offsets"], small["shapes"], small["boxes"], small["area"],
           small["flips"], size=t.size, channels=t.channels, taps=taps)
       return out
@@ -306,12 +292,12 @@ class DeviceStageReader(readers.SourceReader):
 
 
 def _readers(build: readers.Build) -> dict[str, DeviceStageReader]:
-  """The device_stage kind's readers of a run (readers.choose): every split of the encoded
+  """The device_stage kind's readers of a run (input_pipeline.choose): every split of the encoded
   dataset, one decoder (build.decode's) for all."""
   dataset = build.dataset
   transform = preprocess.from_config(dataset, build.spec.image_shape, build.seed)
   opened, where = build.open_encoded()
-  decoder = readers.DECODERS[build.decode].create(build.spec.image_shape[2])
+  decoder = decoders.DECODERS[build.decode].create(build.spec.image_shape[2])
   by_name = {name: DeviceStageReader(source, transform, build.mesh, decoder,
                                      dataset.num_workers, dataset.prefetch_depth)
              for name, source in opened.items()}

@@ -1,47 +1,53 @@
-"""The training loop: `train_and_evaluate` and `evaluate_only`.
+"""The training loop: `train_and_evaluate` and `evaluate_only` (docs/architecture.md).
 
-`train_and_evaluate(config, workdir)` validates the config, restores the latest
-checkpoint in `workdir` if there is one (cpjax.training.setup builds the run's parts), and
-runs one loop over epochs, each of them one function read top to bottom (`_train_epoch`):
-choose the epoch's rows (cpjax.selection), train them with the jitted train step
-(cpjax.training.step_loop, cpjax.steps; the loss's step and batches from
-cpjax.training.loss_steps), log train metrics every `log_every_steps`, evaluate and
-checkpoint when `periodic.due`. After the loop, once the last checkpoint has committed and
-the last epoch's record is in metrics.jsonl, `_write_report` writes the calibration report
-(cpjax.training.evaluation) and adds its numbers to that record, in a fresh run and in a
-rerun alike: a report that fails, or is killed, loses no training and no record, a signal
-stops it at once, and a rerun (or --mode=evaluate) writes it. Start-up checks
-(cpjax.config.preflight) run before the workdir is touched, and a folder dataset (or its
-converted records) changed under its checkpoint is refused (cpjax.data.fingerprint), unless
-the change is the replacement of a file the run stopped on as damaged; an epoch that learns
-nothing stops the run.
+`train_and_evaluate(config, workdir)` checks the config and everything the run needs
+(cpjax.training.setup), restores the latest checkpoint in `workdir` if there is one, and runs
+one loop over epochs, each of them one function read top to bottom (`_train_epoch`): choose
+the epoch's rows, train them (cpjax.training.step_loop), evaluate and checkpoint when due.
+After the loop, once the last checkpoint has committed and the last epoch's record is in
+metrics.jsonl, `_write_report` writes the calibration report and adds its numbers to that
+record, in a fresh run and in a rerun alike: a report that fails, or is killed, loses no
+training and no record, a signal stops it at once, and a rerun (or --mode=evaluate) writes it.
 """
 
 import contextlib
 import logging
 import os
-import time
+import sys
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
+import optax
 
-from cpjax import run_state, steps
+from cpjax import optim, run_state, steps
+from cpjax.calibration import losses
 from cpjax.data import fingerprint, splits
 from cpjax.runtime import (
   anatomy,
   compilation_cache,
+  failures,
   periodic,
+  preemption,
   run_logging,
   workdir_lock,
 )
 from cpjax.selection import bookkeeping
 from cpjax.training import evaluation, setup, step_loop
 
-# Run and the two errors are part of this module's interface (users catch the errors).
-from cpjax.training.run import NonFiniteLossError, Run  # noqa: F401
-from cpjax.training.step_loop import StalledTrainingError  # noqa: F401
+# The run's parts and stops; its two errors are also this module's interface (users catch them).
+from cpjax.training.run import (  # noqa: F401
+  NonFiniteLossError,
+  Run,
+  StalledTrainingError,
+  epoch_record,
+  last_good,
+  raise_if_bad,
+)
+
+# What an epoch ends with: the state, the selection state, its record and its save's seconds.
+EpochEnd = tuple[steps.TrainState, bookkeeping.SelectionState, dict[str, Any], float | None]
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -61,13 +67,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns:
     The last epoch's metrics record.
   """
-  with contextlib.closing(anatomy.CompileWatch()) as watch:
-    clock = anatomy.RunClock(watch)
-    setup.check_before_work(config, workdir)
-    clock.mark_startup_done()
-    with (workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir),
-          contextlib.closing(compilation_cache.CacheStats()) as cache_stats):
-      return _train_and_evaluate(config, workdir, cache_stats, clock)
+  try:
+    with contextlib.closing(anatomy.CompileWatch()) as watch:
+      clock = anatomy.RunClock(watch)
+      setup.check_before_work(config, workdir)
+      clock.mark_startup_done()
+      with (workdir_lock.WorkdirLock(workdir), fingerprint.noting_damage(workdir),
+            contextlib.closing(compilation_cache.CacheStats()) as cache_stats):
+        return _train_and_evaluate(config, workdir, cache_stats, clock)
+  except preemption.Preempted as stop:  # Its line last, after all the run's work and logs.
+    logging.warning("%s", stop)
+    raise
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -91,7 +101,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       for epoch in range(start_epoch, loop.num_epochs):
         state, selection_state, record, save_seconds = _train_epoch(
             config, run, loop, epoch, state, selection_state,
-            done if epoch == start_epoch else None, first=epoch == start_epoch)
+            done if epoch == start_epoch and done else run_state.NOTHING_DONE,
+            first=epoch == start_epoch)
         if epoch == start_epoch:  # Its steps, scoring (and evaluation, if due) compiled.
           logging.info("%s", cache_stats.summary(run.compilation_cache))
           clock.watch.first_epoch_done()
@@ -101,99 +112,106 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         record = _write_report(run, loop, state, max(start_epoch, loop.num_epochs), record,
                                save_seconds)
       loop.evaluator.write_images()  # The last evaluation's, drawn while the report was built.
-    finally:  # Also on errors: the last good checkpoint must finish writing.
-      run.checkpointer.wait_until_finished()
-      loop.evaluator.write_images(raise_errors=False)  # Errors: the one stopping the run.
-      writer.close()  # The event file: its last events written, the file closed.
+    finally:  # Also on errors: the last good checkpoint must finish writing. On an error's
+      # way out what fails here is its detail: the run reports the failure it met first.
+      with failures.detail_of(sys.exception()):
+        run.checkpointer.wait_until_finished()
+      loop.evaluator.write_images(raise_errors=False)
+      with failures.detail_of(sys.exception()):
+        writer.close()  # The event file: its last events written, the file closed.
   return record
 
 
 def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: setup.Loop, epoch: int,
                  state: steps.TrainState, selection_state: bookkeeping.SelectionState,
-                 done: run_state.Done | None, first: bool = False
-                 ) -> tuple[steps.TrainState, bookkeeping.SelectionState, dict[str, Any],
-                            float | None]:
+                 done: run_state.Done, first: bool = False) -> EpochEnd:
   """One epoch, top to bottom: choose its rows, train its steps (their metrics folded and
   logged every log_every_steps), fold the epoch's record, evaluate when due, write the
   record and save when due. A preemption request saves the steps trained (the epoch's, or a
   whole epoch) and stops, through one save and one stop. `done`: the epoch's steps trained
-  before a preemption (None: none); `first`: the process's first epoch (its first step
-  compiles). Returns the state, the selection state, the epoch's record and the seconds of
-  its checkpoint's save (None: no save), whose commit only the report waits for."""
-  start = time.time()
-  with loop.clock.part("selection"):
-    rows, weights, selection_state, timings = loop.selector.rows_for_epoch(epoch, state,
-                                                                           selection_state)
-  loop.clock.move("selection", "scoring", timings["scoring_seconds"])
-  order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)
-  order, done = order[:loop.epoch_steps[epoch]], done or step_loop.NOTHING_DONE
+  before a preemption; `first`: the process's first epoch (its first step compiles).
+  Returns the state, the selection state, the epoch's record and the seconds of its
+  checkpoint's save (None: no save), whose commit only the report waits for."""
+  epoch_time = anatomy.Stopwatch()
+  rows, weights, selection_state, timings = loop.selector.rows_for_epoch(epoch, state,
+                                                                         selection_state)
+  order = splits.epoch_order(config.seed, epoch, rows, config.batch_size)[:loop.epoch_steps[epoch]]
   first_step = int(jax.device_get(state.step)) - done.steps  # The epoch's first step.
-  learning_rates = step_loop.learning_rates(config.optimizer, epoch, first_step, len(order),
-                                            loop.total_steps, config.num_epochs)
-  hparams, train_start = step_loop.loss_hparams(config.loss, epoch), time.perf_counter()
-  batches = run.train_batches(  # The train reader's (FL_gamma's joined by their own).
-      order[done.steps:], epoch=epoch, first_step=first_step + done.steps,
-      row_weights=_row_weights(rows, weights, len(run.splits["train"])))
-  waiting = step_loop.InputWait(batches)  # The seconds the loop blocks on its next batch.
-  # closing: a stop inside the epoch (preemption, divergence) also ends a stream reader's
-  # read-ahead. The transfer guard covers the step loop but its logging points.
-  with (loop.progress.timed("train"), loop.clock.training(len(order) - done.steps) as wait,
+  learning_rates = optim.learning_rates(config.optimizer, epoch, first_step, len(order),
+                                        loop.total_steps, config.num_epochs)
+  hparams = losses.scheduled_hparams(config.loss, epoch)
+  batches = run.train_batches(order[done.steps:], epoch=epoch, first_step=first_step + done.steps,
+                              row_weights=_row_weights(rows, weights, len(run.splits["train"])))
+  # closing: a stop (preemption, divergence) also ends a stream reader's read-ahead.
+  with (loop.clock.training(len(order) - done.steps, timings) as training,
         contextlib.closing(batches), step_loop.step_guard(config.step_transfer_guard)):
     state, totals, outputs, trained, stopped = step_loop.train_steps(
-        loop.train_fn, state, waiting, learning_rates, hparams, done, first_step=first_step,
-        epoch=epoch, log_every=config.log_every_steps, window_steps=loop.window_steps,
-        writer=loop.writer, progress=loop.progress, checkpointer=run.checkpointer,
-        last_step=loop.total_steps, compile_step=done.steps if first else -1)
-    wait["input_wait"] = waiting.seconds
+        loop.train_fn, state, training.timed(batches), learning_rates, hparams, done,
+        first_step=first_step, epoch=epoch, log_every=config.log_every_steps,
+        window_steps=loop.window_steps, writer=loop.writer, progress=loop.progress,
+        checkpointer=run.checkpointer, compile_step=done.steps if first else -1)
     jax.block_until_ready(state)  # The steps dispatched ahead: their compute is training's.
-  outputs, complete = step_loop.host_outputs(outputs, done.outputs), trained == len(order)
-  record = {}
-  if complete:
-    record = step_loop.epoch_record(totals, epoch, len(order), first_step, run.checkpointer,
-                                    config.loss.name, learning_rates[0], hparams)
-    timings["training_seconds"] = time.perf_counter() - train_start
-    with loop.clock.part("selection"):
-      selection_state, selection_record = loop.selector.after_epoch(
-          epoch, selection_state, order, outputs, timings, run.workdir)
-    record = {**record, **selection_record, "epoch": epoch,
-              "input_wait_seconds": waiting.seconds}
-    if periodic.due(epoch, config.eval_every_epochs, loop.num_epochs):
-      # A non-finite logit stops the run here, before the state is saved.
-      with loop.clock.part("eval"):
-        numbers, record["eval_seconds"] = _timed(loop.evaluator.run, state, loop.writer,
-                                                 first_step + len(order))
-      record.update(numbers)
-    record["epoch_seconds"] = time.time() - start
-    run_logging.write_record(loop.writer, loop.epoch_log, first_step + len(order), record)
-    partial = run_state.empty_partial(config.dataset, config.batch_size)
-  else:  # Stopped mid-epoch: its sums and outputs go into the checkpoint.
-    step_loop.raise_if_bad(totals, epoch, first_step, run.checkpointer)
-    partial = run_state.partial_tree(config.dataset, config.batch_size,
-                                     jax.device_get(totals), outputs)
-  save_seconds = _save_when_due(config, run, loop, state, selection_state, partial, epoch,
-                                complete, trained, stopped)
-  return state, selection_state, record, save_seconds
+  outputs = step_loop.host_outputs(outputs, done.outputs)
+  if trained < len(order):  # Stopped mid-epoch: its sums and outputs go into the checkpoint.
+    raise_if_bad(totals, epoch, first_step, run.checkpointer)
+    partial = run_state.partial_tree(config.dataset, config.batch_size, totals, outputs)
+    return state, selection_state, {}, _save_when_due(
+        config, run, loop, state, selection_state, epoch, stopped, trained, partial)
+  record = epoch_record(totals, epoch, len(order), first_step, run.checkpointer,
+                        config.loss.name, learning_rates[0], hparams)
+  selection_state, selection_record = loop.selector.after_epoch(
+      epoch, selection_state, order, outputs, timings, run.workdir)
+  record.update(selection_record, epoch=epoch)
+  if periodic.due(epoch, config.eval_every_epochs, loop.num_epochs):
+    with loop.clock.part("eval", record):  # A non-finite logit stops the run here.
+      record.update(loop.evaluator.run(state, loop.writer, first_step + len(order)))
+  record["epoch_seconds"] = epoch_time.seconds
+  run_logging.write_record(loop.writer, loop.epoch_log, first_step + len(order), record)
+  return state, selection_state, record, _save_when_due(
+      config, run, loop, state, selection_state, epoch, stopped)
 
 
 def _save_when_due(config: ml_collections.ConfigDict, run: Run, loop: setup.Loop,
                    state: steps.TrainState, selection_state: bookkeeping.SelectionState,
-                   partial: dict[str, Any], epoch: int, complete: bool, trained: int,
-                   stopped: bool) -> float | None:
-  """After `epoch` (`complete`, or `trained` steps of it): saves the checkpoint when due or
-  `stopped` (a preemption request), and stops the run there for a preemption. Returns the
-  save's own seconds (its commit is waited for after the loop), or None: no save."""
-  save_seconds = None
+                   epoch: int, stopped: bool, trained: int = 0,
+                   partial: dict[str, Any] | None = None) -> float | None:
+  """After `epoch`, complete, or `trained` steps of it (their sums and outputs in `partial`):
+  saves the checkpoint when due or `stopped` (a preemption request), and stops the run there
+  for a preemption. Returns the save's own seconds (its commit is waited for after the loop),
+  or None: no save."""
   # Where a resume starts: the next epoch, or this one's step after those trained.
-  at_epoch, at_step = epoch + complete, 0 if complete else trained
-  if stopped or periodic.due(epoch, config.checkpoint_every_epochs, loop.num_epochs):
-    with loop.clock.part("checkpoint"):
-      step, save_seconds = _timed(step_loop.save_checkpoint, run.checkpointer, run.mesh,
-                                  run.checkpoint_meta, state, selection_state, partial,
-                                  at_epoch, at_step)
+  at_epoch, at_step = (epoch + 1, 0) if partial is None else (epoch, trained)
+  if not (stopped or periodic.due(epoch, config.checkpoint_every_epochs, loop.num_epochs)):
+    return None
+  if partial is None:  # An epoch's boundary: nothing of the next one trained.
+    partial = run_state.empty_partial(config.dataset, config.batch_size)
+  with loop.clock.part("checkpoint") as saving:
+    step = _save(run, state, selection_state, partial, at_epoch, at_step)
   if stopped and at_epoch < loop.num_epochs:  # The one preemption stop (after the run's
     # last step nothing is left to resume: the report after the loop answers it).
-    step_loop.stop_preempted(run.checkpointer, step, at_epoch, at_step)
-  return save_seconds
+    run.checkpointer.stop_preempted(step, at_epoch, at_step)
+  return saving.seconds
+
+
+def _save(run: Run, state: steps.TrainState, selection_state: bookkeeping.SelectionState,
+          partial: dict[str, np.ndarray], epochs_done: int, epoch_step: int) -> int:
+  """The one save: a checkpoint named by the global step, which it returns, of `epochs_done`
+  complete epochs and `epoch_step` steps of the next (their sums and outputs in `partial`),
+  with the run's own metadata (its config, a folder dataset's digests). Parameters that are
+  not finite are never saved (the checkpointer's rotation contract)."""
+  step = int(jax.device_get(state.step))
+  if not np.isfinite(float(jax.device_get(_global_norm(state.params)))):
+    raise NonFiniteLossError(f"non-finite parameters at global step {step} (epoch "
+                             f"{epochs_done}); the run stopped without saving them. "
+                             f"{last_good(run.checkpointer)}")
+  run.checkpointer.save(step, run_state.checkpoint_tree(state, selection_state, partial,
+                                                        run.mesh),
+                        {"epoch": epochs_done, "epoch_step": epoch_step, "step": step,
+                         **run.checkpoint_meta})
+  return step
+
+
+_global_norm = jax.jit(optax.tree.norm)
 
 
 def peak_device_memory() -> dict[str, int]:
@@ -204,21 +222,6 @@ def peak_device_memory() -> dict[str, int]:
            for device in jax.local_devices()]
   peaks = [int(p) for p in peaks if p is not None]
   return {"perf/peak_device_memory_bytes": max(peaks)} if peaks else {}
-
-
-def _anatomy(loop: setup.Loop) -> dict[str, Any]:
-  """The process's run anatomy (cpjax.runtime.anatomy), logged in one line and added to
-  report/results.json."""
-  parts = loop.clock.anatomy()
-  logging.info("%s", anatomy.summary_line(parts))
-  loop.evaluator.add_to_results({"anatomy": parts})
-  return parts
-
-
-def _timed(fn, *args) -> tuple[Any, float]:
-  """`fn(*args)` and the seconds it took."""
-  start = time.perf_counter()
-  return fn(*args), time.perf_counter() - start
 
 
 def _row_weights(rows: np.ndarray, weights: np.ndarray | None, num_rows: int
@@ -245,8 +248,7 @@ def _write_report(run: Run, loop: setup.Loop, state: steps.TrainState, epochs: i
   checkpoint was saved). A signal stops it at once. `record`: the last epoch's record if this
   process trained it ({}: read from metrics.jsonl); `save_seconds`: its checkpoint's save, if
   this process saved it. Returns the record with the report's numbers and times."""
-  commit_start = time.perf_counter()
-  with loop.clock.part("checkpoint"):
+  with loop.clock.part("checkpoint") as committing:
     run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
   step = int(jax.device_get(state.step))
   if loop.evaluator.describes(step):
@@ -261,25 +263,26 @@ def _write_report(run: Run, loop: setup.Loop, state: steps.TrainState, epochs: i
                       "of cpjax); writing the report's numbers alone for it.", epoch)
   # The save and the wait for its commit (where this process saved it).
   times = {} if save_seconds is None else {
-      "checkpoint_seconds": save_seconds + time.perf_counter() - commit_start}
-  report_start = time.perf_counter()
+      "checkpoint_seconds": save_seconds + committing.seconds}
   with (run.checkpointer.stopping_at_once(_REPORT_STOP.format(step=step), step),
-        loop.clock.part("report")):
+        loop.clock.part("report") as reporting):
     results = loop.evaluator.write_report(state, epochs)
-    evaluation.write_report_summaries(loop.writer, step, results)
+    evaluation.write_report_images(loop.writer, step, results)
     numbers = evaluation.report_record(results)
-  times["report_seconds"] = time.perf_counter() - report_start
-  numbers.update(times)
-  numbers.update(peak_device_memory())
-  numbers.update(_anatomy(loop))
+  times["report_seconds"] = reporting.seconds
+  parts = loop.clock.anatomy()  # The process's run anatomy: logged, and in results.json.
+  logging.info("%s", anatomy.summary_line(parts))
+  loop.evaluator.add_to_results({"anatomy": parts})
+  numbers.update(**times, **peak_device_memory(), **parts)
   record = record or {}
   # The last epoch's seconds take in its checkpoint's and its report's. TensorBoard holds
-  # the epoch's record at this step (its epoch wrote it): the rest only. Last:
-  # metrics.jsonl's record marks the report complete.
-  new_keys = [k for k in numbers if k not in record]
+  # the epoch's record at this step (its epoch wrote it): the rest only, with the report's
+  # own scalars. Last: metrics.jsonl's record marks the report complete.
+  tensorboard = {k: v for k, v in numbers.items() if k not in record}
   record = {**record, **numbers, "epoch": epoch,
             "epoch_seconds": record.get("epoch_seconds", 0.0) + sum(times.values())}
-  run_logging.write_record(loop.writer, loop.epoch_log, step, record, new_keys)
+  run_logging.write_record(loop.writer, loop.epoch_log, step, record,
+                           {**tensorboard, **evaluation.report_scalars(results)})
   return record
 
 

@@ -37,9 +37,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from cpjax import compile_ahead, models, registry, run_state, steps
+from cpjax import models, registry, run_state, steps
 from cpjax.data import readers, specs, splits
-from cpjax.runtime import checkpointing, compiler_options
+from cpjax.runtime import checkpointing, compile_ahead, compiler_options
 from cpjax.selection import bookkeeping, score_files, scores
 
 
