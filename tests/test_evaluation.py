@@ -288,15 +288,6 @@ def test_the_report_saves_the_validation_logits_beside_the_test_logits(tmp_path,
       np.testing.assert_array_equal(saved["logits"], _logits(split.labels, split.ids))
 
 
-class _SummaryRecorder(_ImageRecorder):
-  def __init__(self):
-    super().__init__()
-    self.scalars = {}
-
-  def write_scalars(self, step, scalars):
-    self.scalars.update(scalars)
-
-
 def test_the_reports_summaries_hold_the_set_size_image_and_its_record_the_numbers():
   """TensorBoard: the conformal sets' set-size histogram (the figure's own pixels) beside the
   reliability images; metrics.jsonl's record: each set's test numbers and OOD mean size."""
@@ -312,14 +303,14 @@ def test_the_reports_summaries_hold_the_set_size_image_and_its_record_the_number
              "temperature": {"temperature": 1.5},
              "reliability": {"before_ts": _bins(1.0), "after_ts": _bins(2.0)},
              "conformal": section}
-  writer = _SummaryRecorder()
-  evaluation.write_report_summaries(writer, 9, results)
+  writer = _ImageRecorder()
+  evaluation.write_report_images(writer, 9, results)
   images = {tag: image for _, _, written in writer.images for tag, image in written.items()}
   assert set(images) == {"test/reliability_after_ts", "test/conformal_set_sizes"}
   np.testing.assert_array_equal(images["test/conformal_set_sizes"][0],
                                 figures.set_size_image(section))
-  assert writer.scalars == {"val/after_ts/nll": 1.0, "test/after_ts/nll": 1.0,
-                            "val/temperature": 1.5}
+  assert evaluation.report_scalars(results) == {"val/after_ts/nll": 1.0, "test/after_ts/nll": 1.0,
+                                                "val/temperature": 1.5}
   record = report.conformal_record(results)
   entry = section["sets"]["uncalibrated"]["aps"]["0.1"]
   assert record["test_conformal_uncalibrated_aps_alpha0.1_mean_size"] == entry["test"][

@@ -120,16 +120,27 @@ def test_a_small_folder_gets_carve_outs_that_fit_it_and_no_in_memory_ood_set(tmp
 
   named = {"dataset.name", "dataset.folder"}
   settings = implied.implied_settings(folder_config(with_test), named)
+  # 6 validation images reach no conformal alpha below 1/7: no prediction sets.
   assert {k: v for k, (v, _) in settings.items()} == {"evaluation.ood": "",
-                                                     "dataset.val_size": 6}
+                                                     "dataset.val_size": 6,
+                                                     "evaluation.conformal_scores": ()}
   assert "60 training images: a tenth of them" in settings["dataset.val_size"][1]
+  assert "too few for conformal_alpha=0.1" in settings["evaluation.conformal_scores"][1]
   settings = implied.implied_settings(folder_config(only_train), named)
   assert {k: v for k, (v, _) in settings.items()} == {"evaluation.ood": "",
                                                      "dataset.val_size": 6,
-                                                     "dataset.test_size": 6}
+                                                     "dataset.test_size": 6,
+                                                     "evaluation.conformal_scores": ()}
   config = implied.with_settings(folder_config(only_train),
                                            {k: v for k, (v, _) in settings.items()})
   validation.validate(config)  # Valid as implied.
+  # An alpha the user asked for is kept, and refused with the smallest one 6 images reach.
+  asked = folder_config(only_train, **{"evaluation.conformal_alpha": 0.1})
+  settings = implied.implied_settings(asked, named | {"evaluation.conformal_alpha"})
+  assert "evaluation.conformal_scores" not in settings
+  with pytest.raises(validation.ConfigError, match=r"conformal_alpha=0.1 .* n = 6 .* "
+                                                   r"smallest reachable alpha is 1/\(n \+ 1\)"):
+    validation.validate(implied.with_settings(asked, {k: v for k, (v, _) in settings.items()}))
   # At least calibrator_folds validation images: 5 of 2 x 20 (a tenth would be 4).
   small = _generated_folder(str(tmp_path / "c"), {"ant": shapes[:20], "bee": shapes[:20]},
                             test_per_class=1)

@@ -178,7 +178,7 @@ def test_config_fields_of_the_records_are_checked_at_start_up(folder, tmp_path):
   out = str(tmp_path / "rec")
   _converted(folder, out)
   base = {"dataset.name": "folder", "dataset.image_size": 12, "dataset.val_size": 6,
-          "evaluation.ood": ""}
+          "evaluation.ood": "", "evaluation.conformal_scores": ()}  # Too few for alpha 0.1.
   bad = {
       "dataset.reader='device'.*valid: auto, host, stream": {"dataset.reader": "device",
                                                              "dataset.stream_dir": out},
@@ -226,7 +226,8 @@ def test_label_noise_on_a_folder_flips_a_seeded_share_of_the_pool(folder, tmp_pa
                                 noisy["train"].labels)
   validation.validate(tiny_config(**{
       "dataset.name": "folder", "dataset.folder": folder, "dataset.image_size": 12,
-      "dataset.val_size": 6, "dataset.label_noise": 0.4, "evaluation.ood": ""}))
+      "dataset.val_size": 6, "dataset.label_noise": 0.4, "evaluation.ood": "",
+      "evaluation.conformal_scores": ()}))  # 6 validation images: too few for alpha 0.1.
 
 
 def test_a_conversion_stopped_midway_is_refused_not_half_read(folder, tmp_path, monkeypatch):

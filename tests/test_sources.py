@@ -319,7 +319,7 @@ def test_an_unreadable_file_is_named_at_start_up_or_left_out_and_listed(folder, 
     f.write(b"this is not an image")
   config = tiny_config(**{"dataset.name": "folder", "dataset.folder": folder,
                           "dataset.image_size": 16, "dataset.val_size": 5,
-                          "evaluation.ood": ""})
+                          "evaluation.ood": "", "evaluation.conformal_scores": ()})
   train = os.path.join(folder, "train")
   with pytest.raises(validation.ConfigError) as raised:
     validation.validate(config)

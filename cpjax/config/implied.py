@@ -6,7 +6,8 @@ with `with_settings`, before validating): a policy's declared needs
 (`selection.method='infobatch'` implies its score, scoring and direction); an `flgamma_*` loss
 implies a meta-validation split; a source dataset (a folder, tfds:NAME) implies no in-memory
 OOD set and, for a split it lacks, a validation or test carve-out that fits its size (a tenth
-of its training images at most). An explicit setting that contradicts the choice is still
+of its training images at most), and no conformal prediction sets where that carve-out is too
+small for the default alpha. An explicit setting that contradicts the choice is still
 refused by cpjax.config.validation. `changed_fields` says what a config file set (against
 configs/default.py), `resume_changes` what a resumed run changes from its checkpoint's config.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from cpjax.calibration import losses
+from cpjax.calibration import conformal, losses
 from cpjax.config import schema, validation
 from cpjax.data import sources, specs
 from cpjax.selection import policies
@@ -136,6 +137,16 @@ def _source_settings(config: ml_collections.ConfigDict,
     implied["dataset.test_size"] = (max(1, tenth), (
         f"{what} has no test split and {spec.num_train} training images: a tenth of them is "
         "carved out as the test set"))
+  num_val = implied.get("dataset.val_size", (dataset.val_size,))[0]
+  unreached = [alpha for alpha in conformal.alphas(config.evaluation.conformal_alpha)
+               if not spec.val_split and conformal.alpha_problem(alpha, num_val)]
+  if (unreached and config.evaluation.conformal_scores
+      and not any(name in explicit for name in ("evaluation.conformal_scores",
+                                                "evaluation.conformal_alpha"))):
+    implied["evaluation.conformal_scores"] = ((), (
+        f"{what} carves out {num_val} validation images, too few for conformal_alpha="
+        f"{unreached[0]} (the smallest alpha they reach is "
+        f"{conformal.smallest_alpha_text(num_val)}): no prediction sets"))
   return implied
 
 

@@ -343,7 +343,8 @@ def _conformal_problems(config: ml_collections.ConfigDict) -> list[str]:
           f"config.evaluation.conformal_alpha={alpha} needs the k-th smallest of the n = "
           f"{num_val} validation scores (dataset.val_size), k = ceil((n + 1)(1 - alpha)) = "
           f"{k} > n: the smallest reachable alpha is {conformal.smallest_alpha_text(num_val)};"
-          " raise alpha or dataset.val_size")
+          " raise alpha or dataset.val_size, or set evaluation.conformal_scores=() for no "
+          "prediction sets")
   return problems
 
 
