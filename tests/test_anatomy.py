@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from cpjax.runtime import anatomy
-from tests import helpers
+from tests import helpers, test_sources_slow
 
 
 def test_training_splits_into_steady_and_warmup_by_hand():
@@ -131,3 +131,23 @@ def test_a_run_records_its_anatomy_and_compiles_nothing_after_its_first_epoch(tm
   with open(os.path.join(workdir, "report", "results.json")) as f:
     saved = json.load(f)["anatomy"]
   assert saved == {k: last[k] for k in saved} and len(saved) == len(anatomy.PARTS) + 4
+
+
+@pytest.mark.slow
+def test_a_folder_run_compiles_its_ranking_before_the_first_epoch(tmp_path):
+  """A folder of generated images (its steps compile at their first call, in the first
+  epoch: no image is decoded ahead of the loop) with top-k after one warm-up epoch: the
+  ranking of its selected epoch is compiled ahead, so nothing compiles after the first
+  epoch and no warning says so."""
+  folder = test_sources_slow.make_folder(str(tmp_path / "images"))
+  workdir = str(tmp_path / "run")
+  result = helpers.run_main(
+      workdir, *test_sources_slow.FOLDER_FLAGS, f"--config.dataset.folder={folder}",
+      "--config.num_epochs=2", "--config.selection.method=top_k",
+      "--config.selection.fraction=0.5", "--config.selection.warmup_epochs=1",
+      "--config.evaluation.calibrator_resamples=0", "--config.evaluation.bootstrap_resamples=10")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = helpers.read_metrics(workdir)
+  assert records[1]["selected_k"] < records[0]["selected_k"]  # A selected epoch ran.
+  assert records[-1]["perf/compilations_after_first_epoch"] == 0
+  assert "Compiling after the first epoch" not in result.stderr

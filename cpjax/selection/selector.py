@@ -64,6 +64,12 @@ class Selector:
     # epoch (1 outside pruning), so that the run compiles one train step.
     self.weighted = self.selection.weighted
 
+  def compile_ranking_ahead(self, compiler: compile_ahead.Compiler) -> None:
+    """Submits the global ranking of the selected epochs (it needs only the number of
+    scores) to `compiler`."""
+    if self._method != "full":
+      subsets.compile_ranking_ahead(compiler, len(self._split), self.selection.mesh)
+
   def compile_ahead(self, compiler: compile_ahead.Compiler, train_state: steps.TrainState
                     ) -> None:
     """Submits the programs of the run's selected epochs (the scoring pass's step, the
@@ -72,7 +78,7 @@ class Selector:
       return
     if hasattr(self._source, "compile_ahead"):
       self._source.compile_ahead(compiler, train_state)
-    subsets.compile_ranking_ahead(compiler, len(self._split), self.selection.mesh)
+    self.compile_ranking_ahead(compiler)
 
   def steps_in_epoch(self, epoch: int) -> int:
     """Steps of `epoch` for the progress report's total. An infobatch or importance epoch's

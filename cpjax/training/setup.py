@@ -104,11 +104,13 @@ def compile_loop_ahead(config: ml_collections.ConfigDict, run: Run, loop: Loop,
   logging.info("Compiling the loop's programs ahead (the train, eval and scoring steps), %d "
                "at a time...", compile_ahead.THREADS)
   _compile_readers_ahead(config, run)
+  compiler = compile_ahead.Compiler()
   if specs.DATASETS[config.dataset.name].encoded:
     # Its first batches would be decoded here, ahead of the loop (a damaged image then ends
-    # the run before its first checkpoint): its steps compile at their first call.
-    return 0.0
-  compiler = compile_ahead.Compiler()
+    # the run before its first checkpoint): its steps compile at their first call, in the
+    # first epoch; the ranking of its selected epochs reads no image, and compiles here.
+    loop.selector.compile_ranking_ahead(compiler)
+    return compiler.wait()
   abstract_state = compile_ahead.abstract(state)
   train_rows = np.arange(min(config.batch_size, len(run.splits["train"])))[None]
   row_weights = (np.ones(len(run.splits["train"]), np.float32) if loop.selector.weighted
