@@ -313,6 +313,9 @@ def _run_row(base, arm_overrides: dict, workdir: str) -> dict:
       curve_accuracy=[records[i]["test_accuracy"] for i in evaluated],
       class_kl=float(np.mean([r["subset_class_kl"] for r in selected])) if selected else 0.0,
       machine=machine(),
+      # Where the run's wall clock went (cpjax.runtime.anatomy: start-up, data open,
+      # compiling, warm-up and steady steps, evaluation, scoring, checkpoints, the report).
+      anatomy={k: v for k, v in records[-1].items() if k.startswith("perf/")},
       correct=(np.argmax(logits, -1) == labels).astype(np.int8).tolist(),
       confidence=np.max(metrics.softmax(logits), -1).astype(np.float32).tolist())
   return row

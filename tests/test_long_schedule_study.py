@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from cpjax.calibration import metrics
-from cpjax.runtime import preemption
+from cpjax.runtime import anatomy, preemption
 from studies import long_schedule
-from tests.helpers import tiny_config
+from tests.helpers import read_metrics, tiny_config
 
 
 def test_the_studys_bootstrap_ece_equals_the_reports_ece():
@@ -115,6 +115,14 @@ def test_the_study_runs_end_to_end_on_digits(tmp_path, monkeypatch):
       3 * batch * math.ceil(kept / batch) + rest)
   for name in ("summary.md", "time_to_accuracy.png", "paired_differences.png"):
     assert (tmp_path / name).stat().st_size > 0
+  # Each record keeps where its run's wall clock went: every part of the run's anatomy,
+  # summing to its wall clock, as the run's last metrics.jsonl record holds it.
+  row = long_schedule.load_record(long_schedule.record_path(str(tmp_path / "records"),
+                                                            "noisy_random-30", 0))
+  last = read_metrics(str(tmp_path / "noisy_random-30" / "seed0"))[-1]
+  assert row["anatomy"] == {k: v for k, v in last.items() if k.startswith("perf/")}
+  parts = [row["anatomy"][anatomy.key(name)] for name in anatomy.PARTS]
+  assert sum(parts) == pytest.approx(row["anatomy"]["perf/wall_seconds"], rel=1e-9)
   # Three arms, one seed each, all in tier A; the machine each trained on is named.
   text = (tmp_path / "summary.md").read_text()
   assert "**Status:** 3 of 3 planned runs finished (tier A: 3 of 3)" in text
