@@ -135,20 +135,18 @@ def _binned_gaps(sums, positions: np.ndarray, total=None) -> np.ndarray:
     return np.where(total > 0, np.abs(correct - confidence).sum(axis=1) / total, 0.0)
 
 
-def _fixed_edge_ece(rows: _Sorted, counts, edges, side: str, total) -> np.ndarray:
-  """ECE of fixed edges: right-closed bins (side "right": rows <= e_m are below bin m) or
-  left-closed ("left")."""
+def _fixed_edge_ece(rows: _Sorted, sums, edges, side: str, total) -> np.ndarray:
+  """ECE of fixed edges from the running sums along `rows` (`_Sorted.running`): right-closed
+  bins (side "right": rows <= e_m are below bin m) or left-closed ("left")."""
   positions = np.searchsorted(rows.confidence, edges, side=side)
-  return _binned_gaps(rows.running(counts), np.broadcast_to(positions, (len(counts),
-                                                                       len(edges))), total)
+  return _binned_gaps(sums, np.broadcast_to(positions, (len(sums[0]), len(edges))), total)
 
 
-def _adaptive_ece(rows: _Sorted, counts, num_bins: int) -> np.ndarray:
-  """AdaECE of each resample: `metrics.adaptive_edges` of its sorted confidences (np.interp
-  of them at linspace(0, N, M + 1), as that function does) found from the running counts,
-  then right-closed bins."""
-  sums = rows.running(counts)
-  size = int(counts[0].sum())
+def _adaptive_ece(rows: _Sorted, sums, num_bins: int) -> np.ndarray:
+  """AdaECE of each resample from the running sums along `rows`: `metrics.adaptive_edges` of
+  its sorted confidences (np.interp of them at linspace(0, N, M + 1), as that function does)
+  found from the running counts, then right-closed bins."""
+  size = int(round(float(sums[0][0, -1])))
   at = np.linspace(0, size, num_bins + 1)
   low = np.minimum(np.floor(at), size - 1).astype(np.int64)
   high = np.minimum(low + 1, size - 1)
@@ -190,21 +188,28 @@ def _aurc(rows: _Sorted, counts, oracle: bool = False) -> np.ndarray:
   return (before * span + within).sum(axis=1) / size
 
 
-def _column(name: str, statistics: dict, counts: np.ndarray, num_bins: int) -> np.ndarray:
-  """[C]: the named TABLE_METRICS column of each resample (counts [C, N])."""
+def _column(name: str, statistics: dict, counts: np.ndarray, num_bins: int,
+            running: dict) -> np.ndarray:
+  """[C]: the named TABLE_METRICS column of each resample (counts [C, N]); `running`: the
+  block's running sums along each order, computed at their first use (shared by columns)."""
   size = counts.sum(axis=1)
   if name in ("accuracy", "nll", "brier"):  # Means of a per-row statistic.
     key, sign = {"accuracy": ("correct", 1.0), "nll": ("label_log_prob", -1.0),
                  "brier": ("brier", 1.0)}[name]
     return sign * (counts @ statistics[key]) / size
+
+  def sums(order: str):
+    if order not in running:
+      running[order] = statistics[order].running(counts)
+    return running[order]
   if name == "ece":
-    return _fixed_edge_ece(statistics["sorted"], counts, metrics.equal_width_edges(num_bins),
-                           "right", size)
+    return _fixed_edge_ece(statistics["sorted"], sums("sorted"),
+                           metrics.equal_width_edges(num_bins), "right", size)
   if name == "ece_left_closed":
-    return _fixed_edge_ece(statistics["sorted32"], counts, metrics.seed_edges(num_bins),
-                           "left", None)
+    return _fixed_edge_ece(statistics["sorted32"], sums("sorted32"),
+                           metrics.seed_edges(num_bins), "left", None)
   if name == "adaptive_ece":
-    return _adaptive_ece(statistics["sorted"], counts, num_bins)
+    return _adaptive_ece(statistics["sorted"], sums("sorted"), num_bins)
   aurc = _aurc(statistics["sorted"], counts)
   return aurc if name == "aurc" else aurc - _aurc(statistics["sorted"], counts, oracle=True)
 
@@ -226,10 +231,11 @@ def resampled_values(probs, logits, labels, num_classes, num_bins, names, resamp
     counts = row_counts(rows, len(labels))
     if counts_out is not None:
       counts_out.append(compact_counts(counts))
+    running = {}
     for name in names:
       values[name].append(
           classwise_ece_of_resamples(probs, labels, num_classes, num_bins, counts)
-          if name == "classwise_ece" else _column(name, statistics, counts, num_bins))
+          if name == "classwise_ece" else _column(name, statistics, counts, num_bins, running))
   return {name: np.concatenate(v) if v else np.zeros(0) for name, v in values.items()}
 
 

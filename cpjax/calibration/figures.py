@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 _KEPT: dict[tuple, Any] = {}  # (kind, ...) -> its figure and the artists a picture updates.
+_LAST: dict[tuple, np.ndarray] = {}  # (kind, data) -> the RGB of a recent picture.
+LAST_PICTURES = 8  # The report's pictures (five), with room.
 _LOCK = threading.Lock()
 
 
@@ -120,34 +122,58 @@ def rgb(fig: Any) -> np.ndarray:
 
 
 def png(fig: Any) -> bytes:
-  """The figure as PNG bytes, at 100 dpi."""
+  """The figure as PNG bytes: its Agg pixels (`rgb`, at the figure's 100 dpi) encoded by
+  Pillow at compression level 1 (matplotlib's savefig drew the figure again: twice the time
+  for the same pixels)."""
+  return _encoded(rgb(fig))
+
+
+def _picture(kind: str, data: Any, draw) -> np.ndarray:
+  """The RGB picture of `kind` for `data` (hashable), drawn by `draw()` (a figure) unless one
+  of the last LAST_PICTURES pictures was of the same kind and data: the report's PNG file and
+  its TensorBoard image of one figure are drawn once (call under _LOCK)."""
+  key = (kind, data)
+  if key not in _LAST:
+    if len(_LAST) >= LAST_PICTURES:
+      del _LAST[next(iter(_LAST))]  # The oldest.
+    _LAST[key] = rgb(draw())
+  return _LAST[key]
+
+
+def _encoded(image: np.ndarray) -> bytes:
+  """RGB pixels as PNG bytes (Pillow, compression level 1)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top  (as in `png`)
   out = io.BytesIO()
-  fig.savefig(out, format="png", dpi=100)
+  Image.fromarray(image).save(out, format="png", compress_level=1)
   return out.getvalue()
+
+
+def _bins_key(bins: dict[str, list]) -> tuple:
+  return tuple((k, tuple(np.asarray(v, float).ravel().tolist())) for k, v in sorted(bins.items()))
 
 
 def reliability_image(bins: dict[str, list], title: str) -> np.ndarray:
   """The reliability diagram of `bins` as RGB, uint8 [400, 400, 3]."""
   with _LOCK:
-    return rgb(_reliability(bins, title))
+    return _picture("reliability", (title, _bins_key(bins)),
+                    lambda: _reliability(bins, title)).copy()
 
 
 def reliability_png(bins: dict[str, list], title: str) -> bytes:
   """The reliability diagram of `bins` as PNG bytes."""
-  with _LOCK:
-    return png(_reliability(bins, title))
+  return _encoded(reliability_image(bins, title))
 
 
 def histogram_image(reliability: dict[str, dict[str, list]]) -> np.ndarray:
   """The confidence histogram of each scaling's bins as RGB, uint8 [350, 500, 3]."""
   with _LOCK:
-    return rgb(_histogram(reliability))
+    return _picture("histogram", tuple((t, _bins_key(b)) for t, b in reliability.items()),
+                    lambda: _histogram(reliability)).copy()
 
 
 def histogram_png(reliability: dict[str, dict[str, list]]) -> bytes:
   """The confidence histogram of each scaling's bins as PNG bytes."""
-  with _LOCK:
-    return png(_histogram(reliability))
+  return _encoded(histogram_image(reliability))
 
 
 def _set_size_shares(section: dict[str, Any]) -> tuple[str, list[tuple[str, np.ndarray]]]:
@@ -188,11 +214,12 @@ def _set_sizes(section: dict[str, Any]) -> Any:
 def set_size_image(section: dict[str, Any]) -> np.ndarray:
   """The conformal section's set-size histogram (its first alpha) as RGB, uint8
   [350, 500, 3]."""
+  key, lines = _set_size_shares(section)
   with _LOCK:
-    return rgb(_set_sizes(section))
+    return _picture("set_sizes", (key, tuple((label, tuple(shares)) for label, shares in lines)),
+                    lambda: _set_sizes(section)).copy()
 
 
 def set_size_png(section: dict[str, Any]) -> bytes:
   """The conformal section's set-size histogram (its first alpha) as PNG bytes."""
-  with _LOCK:
-    return png(_set_sizes(section))
+  return _encoded(set_size_image(section))

@@ -62,6 +62,7 @@ logged and flagged too (`Calibrator.at_edge`).
 from collections.abc import Callable
 import concurrent.futures
 import dataclasses
+import importlib
 import logging
 import threading
 import time
@@ -466,6 +467,17 @@ def _fit_temperature_grid(z, y, search, hyper) -> Calibrator:
   t = temperature.fit_temperature(z, y, method=search).temperature
   return Calibrator("temperature", {"log_t": np.float64(np.log(t))}, {**hyper, "search": search},
                     total / len(z))
+
+
+def import_scipy_in_background() -> threading.Thread:
+  """Starts importing SciPy's optimisers (temperature and ETS's L-BFGS-B, isotonic
+  regression's pool-adjacent-violators: about half a second) in a background thread, so
+  that the import overlaps the caller's other work; a fit that needs them meanwhile waits
+  for it (Python's import lock)."""
+  thread = threading.Thread(target=importlib.import_module, args=("scipy.optimize",),
+                            name="import-scipy", daemon=True)
+  thread.start()
+  return thread
 
 
 def fit_in_background(methods, logits: np.ndarray, labels: np.ndarray,

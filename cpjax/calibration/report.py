@@ -633,6 +633,13 @@ def _with_interval(row: dict[str, Any], name: str) -> str:
   return value if interval is None else f"{value} [{interval['low']:.4f}, {interval['high']:.4f}]"
 
 
+def reliability_title(tag: str, chosen: str = "") -> str:
+  """The title of a reliability diagram of `tag` (before_ts, after_ts, or calibrated: named by
+  the `chosen` map), in the report's PNG files and TensorBoard's images alike (TensorBoard
+  shows each image's step beside it): the same picture is drawn once for both."""
+  return f"test, {chosen}" if tag == "calibrated" else f"test, {tag.replace('_', ' ')}"
+
+
 def _save_png(path: str, png: bytes) -> None:
   files.atomic_write(path, png)
 
@@ -708,12 +715,13 @@ def write_report(report_dir: str, report: dict[str, Any],
       "confidence_histogram.png")]
   if "calibrated" in report["reliability"]:
     paths.append(os.path.join(report_dir, "reliability_calibrated.png"))
-    _save_png(paths[-1], figures.reliability_png(report["reliability"]["calibrated"],
-                                                 f"test, {report['posthoc']['chosen']}"))
+    _save_png(paths[-1], figures.reliability_png(
+        report["reliability"]["calibrated"],
+        reliability_title("calibrated", report["posthoc"]["chosen"])))
   files.atomic_write(paths[1], _markdown(report))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
     _save_png(path, figures.reliability_png(report["reliability"][tag],
-                                            f"test, {tag.replace('_', ' ')}"))
+                                            reliability_title(tag)))
   _save_png(paths[4], figures.histogram_png(report["reliability"]))
   if report.get("conformal", {}).get("alphas"):
     paths.append(os.path.join(report_dir, "set_size_histogram.png"))

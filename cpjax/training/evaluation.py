@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 
 from cpjax import steps
-from cpjax.calibration import figures, metrics, report
+from cpjax.calibration import figures, metrics, posthoc, report
 from cpjax.data import corruptions, input_pipeline, readers, splits
 from cpjax.runtime import files, metric_writers, run_logging
 from cpjax.training.run import NonFiniteLossError
@@ -165,6 +165,12 @@ class Evaluator:
     return steps.predict(self.eval_fn if fn is None else fn, state, data, self.mesh,
                          self.batch_size)
 
+  def import_report_libraries(self) -> None:
+    """Starts importing the report's SciPy optimisers in a background thread (about half a
+    second, `posthoc.import_scipy_in_background`), early in the run: the loop's compiling
+    and jitted steps leave the interpreter free, and the report no longer waits for them."""
+    posthoc.import_scipy_in_background()
+
   def write_report(self, state: steps.TrainState, epoch: int,
                    epoch_step: int = 0) -> dict[str, Any]:
     """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
@@ -284,8 +290,9 @@ def calibration_images(step: int, reliability: dict[str, dict[str, list]],
   """The test split's reliability diagram of each scaling in `reliability` (before_ts;
   after_ts and calibrated in the final report) and, with `histogram`, its confidence
   histogram: {TensorBoard tag: RGB uint8 [H, W, 3]}."""
+  del step  # TensorBoard shows each image's step beside it.
   images = {f"test/reliability_{tag}": figures.reliability_image(
-      bins, f"test, {tag.replace('_', ' ')}, step {step}") for tag, bins in reliability.items()}
+      bins, report.reliability_title(tag)) for tag, bins in reliability.items()}
   if histogram:
     images["test/confidence_histogram"] = figures.histogram_image(reliability)
   return images
@@ -320,11 +327,16 @@ def write_report_images(writer: metric_writers.MetricWriter, step: int,
   conformal sets' set-size histogram (its first alpha). The before-TS image and the
   confidence histogram are the last epoch's evaluation's (`Evaluator.run`, at the same step):
   not written twice."""
-  scaled = {tag: bins for tag, bins in results["reliability"].items() if tag != "before_ts"}
-  write_calibration_images(writer, step, scaled, histogram=False)
-  if results.get("conformal", {}).get("alphas") and jax.process_index() == 0:
-    writer.write_images(step, {"test/conformal_set_sizes": figures.set_size_image(
-        results["conformal"])[None]})
+  if jax.process_index() != 0:
+    return
+  # The report's own pictures (their titles too): drawn once for its files and for here.
+  chosen = results.get("posthoc", {}).get("chosen", "")
+  images = {f"test/reliability_{tag}": figures.reliability_image(
+      bins, report.reliability_title(tag, chosen))
+      for tag, bins in results["reliability"].items() if tag != "before_ts"}
+  if results.get("conformal", {}).get("alphas"):
+    images["test/conformal_set_sizes"] = figures.set_size_image(results["conformal"])
+  writer.write_images(step, {tag: image[None] for tag, image in images.items()})
 
 
 def report_record(results: dict[str, Any]) -> dict[str, Any]:

@@ -90,6 +90,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   epoch_log = run_logging.EpochLog(workdir)
   epoch_log.keep_epochs_before(start_epoch)
   loop = setup.create_loop(config, run, writer, epoch_log, clock)
+  loop.evaluator.import_report_libraries()
   if start_epoch < loop.num_epochs:
     clock.add("compile", setup.compile_loop_ahead(config, run, loop, state))
   if start_epoch == 0 and done is None:
