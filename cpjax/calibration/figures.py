@@ -149,7 +149,8 @@ def _encoded(image: np.ndarray) -> bytes:
 
 
 def _bins_key(bins: dict[str, list]) -> tuple:
-  return tuple((k, tuple(np.asarray(v, float).ravel().tolist())) for k, v in sorted(bins.items()))
+  # Bytes, not floats: an empty bin's NaN equals no other NaN, but its bytes do.
+  return tuple((k, np.asarray(v, float).tobytes()) for k, v in sorted(bins.items()))
 
 
 def reliability_image(bins: dict[str, list], title: str) -> np.ndarray:

@@ -9,6 +9,7 @@ atomically. A dataset with class names (folder, tfds:NAME) has them in the run's
 (labels are indices into it). A built-in dataset has none, and its report is unchanged.
 """
 
+import contextlib
 import functools
 import json
 import logging
@@ -347,9 +348,30 @@ def _conformal_intervals(measured: list, num_rows: int, config: ml_collections.C
       column += 1
 
 
+class StartedFits(NamedTuple):
+  """`start_fits`' result: the report's BLAS limit, held until the report is built, and the
+  futures of its background fits."""
+  blas: contextlib.ExitStack
+  futures: dict[str, Any]
+
+
+def start_fits(val: tuple[np.ndarray, np.ndarray], num_classes: int,
+               config: ml_collections.ConfigDict) -> StartedFits:
+  """One BLAS thread for the report (`posthoc.one_blas_thread`, held until `build_report`
+  ends) and its cross-validated iterative fits on the validation rows started in a
+  background thread (`posthoc.fit_in_background`): a caller that knows the report's
+  validation logits early (the run, while its last checkpoint commits) starts them here."""
+  blas = contextlib.ExitStack()
+  blas.enter_context(posthoc.one_blas_thread())
+  return StartedFits(blas, posthoc.fit_in_background(
+      [m for m in posthoc.MAPS if skip_reason(m, num_classes, config) is None], *val,
+      folds=config.calibrator_folds, seed=config.bootstrap_seed))
+
+
 def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
                  num_classes: int, config: ml_collections.ConfigDict,
-                 ood_logits: np.ndarray | None = None) -> dict[str, Any]:
+                 ood_logits: np.ndarray | None = None,
+                 started: StartedFits | None = None) -> dict[str, Any]:
   """Everything of the final report, before and after temperature scaling.
 
   Args:
@@ -358,6 +380,7 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     num_classes: K.
     config: the `evaluation` config section.
     ood_logits: logits of an out-of-distribution set, or None.
+    started: `start_fits` of the same validation rows and config, where called already.
 
   Returns:
     A JSON-ready dict: temperature fit, metrics per split and scaling,
@@ -367,17 +390,15 @@ def build_report(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     before and after the chosen map (`conformal_section`; none where
     `config.conformal_scores` is empty), timings.
   """
-  with posthoc.one_blas_thread():  # Held until the background fits are done.
-    return _build_report(val, test, num_classes, config, ood_logits)
-
-
-def _build_report(val, test, num_classes, config, ood_logits) -> dict[str, Any]:
-  started = report_started = time.perf_counter()
   # The cross-validated iterative fits run in a background thread while the metrics, the
   # intervals and the other maps are computed here.
-  background = posthoc.fit_in_background(
-      [m for m in posthoc.MAPS if skip_reason(m, num_classes, config) is None], *val,
-      folds=config.calibrator_folds, seed=config.bootstrap_seed)
+  started = start_fits(val, num_classes, config) if started is None else started
+  with started.blas:  # One BLAS thread until the background fits are done.
+    return _build_report(val, test, num_classes, config, ood_logits, started.futures)
+
+
+def _build_report(val, test, num_classes, config, ood_logits, background) -> dict[str, Any]:
+  started = report_started = time.perf_counter()
   fit = temperature.fit_temperature(*val, method=config.temperature_method,
                                     num_bins=config.num_bins)
   scalings = {"before_ts": 1.0, "after_ts": fit.temperature}

@@ -109,6 +109,9 @@ class Evaluator:
   # The last evaluation's TensorBoard images, drawn in the background (`PendingImages`).
   _images: PendingImages = dataclasses.field(default_factory=PendingImages, init=False,
                                              compare=False, repr=False)
+  # The report's fits started early (`start_report`): {"step": its state's, "fits": ...}.
+  _started: dict[str, Any] = dataclasses.field(default_factory=dict, init=False,
+                                               compare=False, repr=False)
 
   def run(self, state: steps.TrainState, writer: metric_writers.MetricWriter | None = None,
           step: int = 0) -> dict[str, float]:
@@ -171,6 +174,14 @@ class Evaluator:
     and jitted steps leave the interpreter free, and the report no longer waits for them."""
     posthoc.import_scipy_in_background()
 
+  def start_report(self, state: steps.TrainState) -> None:
+    """Starts the report's cross-validated fits of `state`'s validation logits in the
+    background (`report.start_fits`), so that they run while the last checkpoint commits;
+    `write_report` of the same state takes them."""
+    logits = self.logits(state)
+    self._started.update(step=int(jax.device_get(state.step)), fits=report.start_fits(
+        (logits["val"], self.labels["val"]), self.num_classes, self.evaluation))
+
   def write_report(self, state: steps.TrainState, epoch: int,
                    epoch_step: int = 0) -> dict[str, Any]:
     """Builds the calibration report of `state` (the checkpoint of `epoch` complete epochs and
@@ -180,9 +191,13 @@ class Evaluator:
                  self.evaluation.bootstrap_resamples)
     logits = self.logits(state)
     ood = self._ood_split()
+    started = (self._started.get("fits")
+               if self._started.get("step") == int(jax.device_get(state.step)) else None)
+    self._started.clear()
     results = report.build_report(
         (logits["val"], self.labels["val"]), (logits["test"], self.labels["test"]),
-        self.num_classes, self.evaluation, None if ood is None else self.predict(state, ood))
+        self.num_classes, self.evaluation, None if ood is None else self.predict(state, ood),
+        started)
     results.update(title=f"{self.title}, after epoch {epoch}", epoch=epoch,
                    epoch_step=epoch_step, checkpoint_step=int(jax.device_get(state.step)))
     gamma = self._test_gammas(state)

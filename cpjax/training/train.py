@@ -249,10 +249,13 @@ def _write_report(run: Run, loop: setup.Loop, state: steps.TrainState, epochs: i
   checkpoint was saved). A signal stops it at once. `record`: the last epoch's record if this
   process trained it ({}: read from metrics.jsonl); `save_seconds`: its checkpoint's save, if
   this process saved it. Returns the record with the report's numbers and times."""
+  step = int(jax.device_get(state.step))
+  described = loop.evaluator.describes(step)
+  if not described:  # The report's fits start while the checkpoint commits.
+    loop.evaluator.start_report(state)
   with loop.clock.part("checkpoint") as committing:
     run.checkpointer.wait_until_finished()  # The last checkpoint commits first.
-  step = int(jax.device_get(state.step))
-  if loop.evaluator.describes(step):
+  if described:
     return record
   epoch = epochs - 1
   if not record:
