@@ -343,10 +343,11 @@ def test_the_exact_solvers_derivatives_are_jaxs(key):
   """exact_newton's hand-written value, gradient and Hessian (on the fit rows, weights > 0)
   against JAX's value_and_grad and hessian of `parametric.objective`, in float64."""
   rng, z, y, weights, shape, params = _random_problem(key, 21, 50)
-  problem = exact_newton.PROBLEMS[key](z, y, weights, 0.3)
+  problem = exact_newton.PROBLEMS[key](z, y, weights)
+  objective = exact_newton._Objective(problem, 0.3)  # pylint: disable=protected-access
   x = problem.flat(params)
-  value, grad, nll, q = problem.value_and_grad(x)
-  hessian = problem.hessian(q)
+  value, grad, nll, q = objective.value_and_grad(x)
+  hessian = objective.hessian(x, q)
   with jax.enable_x64(True):
     def objective(flat, strength=0.3):
       return parametric.objective(key, problem.params(flat), z, y, weights, strength)

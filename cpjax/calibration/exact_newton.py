@@ -30,7 +30,10 @@ Larger problems (`Solver.exact`: the Hessian's products would cost more than
 Newton-CG in JAX (cpjax.calibration.newton), which never forms H.
 """
 
+import collections
 import dataclasses
+import hashlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -87,17 +90,41 @@ def _hessian_work(key: str, rows: int, k: int) -> float:
 
 
 class _Problem:
-  """What both maps share: the rows, labels, row weights omega and the penalty's strength."""
+  """What both maps share: the rows, labels and row weights omega of a fit; the data term's
+  value, gradient and Hessian at the last point asked for are kept (a fit of the next
+  strength on the same rows starts where this one ended, where they are the same)."""
 
-  def __init__(self, inputs, labels, weights, strength):
+  def __init__(self, inputs, labels, weights):
     rows = np.asarray(weights) > 0
     self.inputs = np.asarray(inputs, np.float64)[rows]
     self.labels = np.asarray(labels)[rows]
     omega = np.asarray(weights, np.float64)[rows]
     self.omega = omega / omega.sum()
     self.n, self.k = self.inputs.shape
-    self.strength = float(strength)
     self.onehot = np.arange(self.k)[None, :] == self.labels[:, None]
+    self._kept: dict[str, Any] = {}  # "x" (bytes), "data", "hessian" at that point.
+    self._lock = threading.Lock()  # Fits of one problem from two threads keep apart.
+
+  def _kept_at(self, x, name: str, compute):
+    with self._lock:
+      if self._kept.get("x") != x.tobytes():
+        self._kept = {"x": x.tobytes()}
+      if name not in self._kept:
+        self._kept[name] = compute()
+      return self._kept[name]
+
+  def data(self, x):
+    """(nll, its gradient, q) at the flat parameters x."""
+    def compute():
+      log_q, q = self.softmax(self.scores(x))
+      nll = -float(self.omega @ log_q[np.arange(self.n), self.labels])
+      residual = (q - self.onehot) * self.omega[:, None]  # d nll / d scores.
+      return nll, self.transposed(residual), q
+    return self._kept_at(x, "data", compute)
+
+  def data_hessian(self, x, q):
+    """The data term's Hessian at x (whose softmax(scores) is q)."""
+    return self._kept_at(x, "hessian", lambda: self.hessian(q))
 
   def softmax(self, scores):
     """(log q, q) of scores [N, K]."""
@@ -105,13 +132,6 @@ class _Problem:
     log_q = scores - np.log(np.exp(scores).sum(axis=1, keepdims=True))
     return log_q, np.exp(log_q)
 
-  def value_and_grad(self, x):
-    """(value, gradient, nll, q) at the flat parameters x."""
-    log_q, q = self.softmax(self.scores(x))
-    nll = -float(self.omega @ log_q[np.arange(self.n), self.labels])
-    residual = (q - self.onehot) * self.omega[:, None]  # d nll / d scores.
-    value = nll + self.strength * self.penalty(x)
-    return value, self.transposed(residual) + self.strength * self.penalty_gradient(x), nll, q
 
   def probability_change(self, q, step) -> float:
     ds = self.scores(step)  # Linear in the parameters.
@@ -132,6 +152,7 @@ class _Matrix(_Problem):
     curvature[:, k] = 2.0 / k
     self.penalty_curvature = curvature.ravel()
     self.augmented = np.concatenate([self.inputs, np.ones((self.n, 1))], axis=1)  # [N, K + 1]
+    self.scaled = np.sqrt(self.omega)[:, None] * self.augmented
     # Each row's x x^T, [N, (K + 1)^2]: the Hessian's diagonal blocks are products with it.
     self.outer = (self.augmented[:, :, None] * self.augmented[:, None, :]).reshape(self.n, -1)
 
@@ -158,14 +179,15 @@ class _Matrix(_Problem):
     """[P, P]: sum_i omega_i (diag(q_i) (x) x_i x_i^T - (q_i (x) x_i) (q_i (x) x_i)^T), the
     second term one symmetric product V^T V (BLAS's syrk), the first its diagonal blocks."""
     k, n, width = self.k, self.n, self.k + 1
-    rows = (np.sqrt(self.omega)[:, None, None] * q[:, :, None]
-            * self.augmented[:, None, :]).reshape(n, k * width)
+    rows = (q[:, :, None] * self.scaled[:, None, :]).reshape(n, k * width)
     hessian = -(rows.T @ rows)
     own = ((q * self.omega[:, None]).T @ self.outer).reshape(k, width, width)
     blocks = hessian.reshape(k, width, k, width)  # A view: the blocks added in place.
     blocks[np.arange(k), :, np.arange(k), :] += own
-    hessian[np.diag_indices_from(hessian)] += self.strength * self.penalty_curvature
     return hessian
+
+  def penalty_hessian(self):
+    return np.diag(self.penalty_curvature)
 
 
 class _Vector(_Problem):
@@ -208,13 +230,54 @@ class _Vector(_Problem):
     mixed = (weighted * self.inputs).sum(axis=0)  # d2 / db_j dw_j: diag(sum omega q x).
     hessian[np.arange(k), k + np.arange(k)] += mixed
     hessian[k + np.arange(k), np.arange(k)] += mixed
-    centring = np.eye(k) - 1.0 / k  # The penalty's: 2 / K on b; 2 / K (I - 1 1^T / K) on w.
-    hessian[:k, :k] += self.strength * 2.0 / k * np.eye(k)
-    hessian[k:, k:] += self.strength * 2.0 / k * centring
+    return hessian
+
+  def penalty_hessian(self):
+    """2 / K on b; 2 / K (I - 1 1^T / K) on w (its centring)."""
+    k = self.k
+    hessian = np.zeros((2 * k, 2 * k))
+    hessian[:k, :k] = 2.0 / k * np.eye(k)
+    hessian[k:, k:] = 2.0 / k * (np.eye(k) - 1.0 / k)
     return hessian
 
 
 PROBLEMS = {"vector_scaling": _Vector, "matrix_scaling": _Matrix}
+_KEPT_PROBLEMS = 16  # A cross-validation's folds and all rows, of one map at a time, with room.
+_problems: collections.OrderedDict = collections.OrderedDict()
+_problems_lock = threading.Lock()
+
+
+def problem_of(key: str, inputs, labels, weights) -> _Problem:
+  """The problem of these rows, kept across fits (the cross-validation fits each fold's rows
+  at every strength): a few recent ones, found by their content."""
+  digest = hashlib.blake2b(digest_size=16)
+  for array in (np.asarray(inputs, np.float64), np.asarray(labels), np.asarray(weights)):
+    digest.update(np.ascontiguousarray(array).tobytes())
+    digest.update(str(array.shape).encode())
+  name = (key, digest.hexdigest())
+  with _problems_lock:
+    if name not in _problems:
+      _problems[name] = PROBLEMS[key](inputs, labels, weights)
+      if len(_problems) > _KEPT_PROBLEMS:
+        _problems.popitem(last=False)
+    _problems.move_to_end(name)
+    return _problems[name]
+
+
+class _Objective:
+  """A problem at a strength: the data term plus strength times the penalty."""
+
+  def __init__(self, problem: _Problem, strength: float):
+    self.problem, self.strength = problem, float(strength)
+
+  def value_and_grad(self, x):
+    """(value, gradient, nll, q) at the flat parameters x."""
+    nll, grad, q = self.problem.data(x)
+    return (nll + self.strength * self.problem.penalty(x),
+            grad + self.strength * self.problem.penalty_gradient(x), nll, q)
+
+  def hessian(self, x, q):
+    return self.problem.data_hessian(x, q) + self.strength * self.problem.penalty_hessian()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,13 +309,14 @@ def minimise(key: str, init: dict, inputs, labels, weights, strength,
              solver: Solver) -> parametric.Fit:
   """`parametric.objective(key, ...)` (vector or matrix scaling; Dirichlet: matrix scaling of
   log p) minimised from `init` by Newton's method with the exact Hessian (module docstring)."""
-  problem = PROBLEMS[key](inputs, labels, weights, strength)
+  problem = problem_of(key, inputs, labels, weights)
+  objective = _Objective(problem, strength)
   x = problem.flat({name: np.asarray(value, np.float64) for name, value in init.items()})
-  value, grad, nll, q = problem.value_and_grad(x)
+  value, grad, nll, q = objective.value_and_grad(x)
   evaluations, steps, scaled, change = 1, 0, np.inf, np.inf
   converged = stalled = False
   for _ in range(solver.newton_steps):
-    hessian = problem.hessian(q)
+    hessian = objective.hessian(x, q)
     scaled = float(np.max(np.abs(grad) / np.maximum(1.0, np.diag(hessian))))
     step = _newton_step(hessian, grad)
     change = problem.probability_change(q, step)
@@ -260,7 +324,7 @@ def minimise(key: str, init: dict, inputs, labels, weights, strength,
     if scaled <= solver.gtol and change <= solver.xtol:
       converged = True
       break
-    accepted = _line_search(problem, x, value, grad, step)
+    accepted = _line_search(objective, x, value, grad, step)
     if accepted is None:
       stalled = True
       break
