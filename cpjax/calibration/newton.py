@@ -213,6 +213,34 @@ class _Batch:
                        + strength[:, :, None] * 2.0 * self.off / self.pairs)
     return self.ravel(diagonal)
 
+  def block_factors(self, probs, damping):
+    """Matrix scaling only: the Cholesky factors [B, K, K + 1, K + 1] of the Hessian's
+    diagonal blocks, one a class j over its weights and intercept (W_j., b_j):
+    sum_i omega_i q_ij (1 - q_ij) x_i x_i^T (x_i the row's inputs and 1) plus the penalty's
+    diagonal and the damping. What the Hessian leaves out (the coupling of two classes,
+    -q_ij q_ik) is small where the rows are confident: preconditioned by these blocks, CG took
+    7 iterations where the diagonal took 183 (Dirichlet scaling, K = 100, ODIR 0.01)."""
+    curvature = self.omega * probs * (1.0 - probs)  # [B, K, N]
+    features = jnp.concatenate([self.inputs, jnp.ones_like(self.inputs[:, :1])], axis=1)
+
+    def block(weights):  # [B, N] -> [B, K + 1, K + 1]: one class's data block per fit.
+      return jnp.einsum("bn,na,nc->bac", weights, features, features)
+    blocks = jnp.moveaxis(jax.lax.map(block, jnp.moveaxis(curvature, 1, 0)), 0, 1)
+    strength = self.strength[:, None, None]
+    penalty = jnp.concatenate([strength * 2.0 * self.off / self.pairs,
+                               jnp.broadcast_to(strength * 2.0 / self.k,
+                                                (len(self.strength), self.k, 1))], axis=2)
+    index = jnp.arange(self.k + 1)
+    blocks = blocks.at[:, :, index, index].add(penalty + damping[:, :, None])
+    return jnp.linalg.cholesky(blocks)
+
+  def block_solve(self, factors, r):
+    """M^-1 r for the flat r [B, P]: each class's (W_j., b_j) solved with its block."""
+    tree = self.unravel(r)
+    rows = jnp.concatenate([tree["w"], tree["b"][:, :, None]], axis=2)[..., None]
+    solved = jax.scipy.linalg.cho_solve((factors, True), rows)[..., 0]  # [B, K, K + 1]
+    return self.ravel({"w": solved[:, :, :-1], "b": solved[:, :, -1]})
+
   def probability_change(self, probs, step):
     """[B]: max over fit rows of |first-order change of softmax(scores)| along `step`."""
     ds = self.scores(self.unravel(step))
@@ -229,10 +257,11 @@ def hessian_diagonal(key: str, params: dict, inputs, weights, strength):
   return {n: v[0] for n, v in batch.unravel(batch.hessian_diagonal(probs)).items()}
 
 
-def _conjugate_gradients(hvp, rhs, inverse_diagonal, tol, max_steps):
-  """Preconditioned CG for H x = rhs [B, P] from 0, each fit to |residual| <= tol or
-  max_steps [B] iterations. H is positive semi-definite; a direction of no curvature ends a
-  fit's iteration. Returns x and each fit's iterations."""
+def _conjugate_gradients(hvp, rhs, precondition, tol, max_steps):
+  """Preconditioned CG (`precondition`: r -> M^-1 r) for H x = rhs [B, P] from 0, each fit to
+  |residual| <= tol or max_steps [B] iterations. H is positive semi-definite; a direction of
+  no curvature ends a fit's iteration. Returns x, each fit's iterations and whether each
+  reached the tolerance."""
   def running(carry):
     _, r, _, rz, i, flat = carry
     return (jnp.linalg.norm(r, axis=1) > tol) & (i < max_steps) & ~flat & (rz > 0)
@@ -245,24 +274,34 @@ def _conjugate_gradients(hvp, rhs, inverse_diagonal, tol, max_steps):
     flat = curvature <= 0.0
     alpha = jnp.where(flat, 0.0, rz / jnp.where(flat, 1.0, curvature))[:, None]
     new_r = r - alpha * hp
-    z = inverse_diagonal * new_r
+    z = precondition(new_r)
     rz_new = _vdot(new_r, z)
     new = (x + alpha * p, new_r, z + (rz_new / jnp.where(active, rz, 1.0))[:, None] * p,
            rz_new, i + 1, flat)
     return tuple(_select(active, n, o) for n, o in zip(new, carry))
 
-  z = inverse_diagonal * rhs
+  z = precondition(rhs)
   none = jnp.zeros(rhs.shape[:1], jnp.int32)
   start = (jnp.zeros_like(rhs), rhs, z, _vdot(rhs, z), none, none > 0)
-  x, _, _, _, steps, _ = jax.lax.while_loop(lambda c: jnp.any(running(c)), body, start)
-  return x, steps
+  x, r, _, _, steps, _ = jax.lax.while_loop(lambda c: jnp.any(running(c)), body, start)
+  return x, steps, jnp.linalg.norm(r, axis=1) <= tol
 
 
-def _newton_direction(batch: _Batch, x, grad, gtol, max_steps):
-  """The Newton step d at `x` (H d = -g by CG preconditioned by H's damped diagonal, to the
-  forcing term's tolerance, at most `max_steps` [B] iterations), its CG iterations,
-  max |g_i| / max(1, H_ii) and the largest first-order change of a fit row's probability
-  along d (the module docstring's convergence tests); per fit."""
+# CG preconditioned by the Hessian's diagonal, at most this many iterations a Newton step; a
+# matrix-scaling step that needs more is solved again, and the fit's later steps at once,
+# preconditioned by the diagonal blocks (`_Batch.block_factors`), whose making costs about
+# (K + 1) / 2 Hessian-vector products: worth it where the diagonal takes more than that and
+# the blocks' few iterations together.
+DIAGONAL_CG_STEPS = 60
+
+
+def _newton_direction(batch: _Batch, x, grad, gtol, max_steps, blocks):
+  """The Newton step d at `x` (H d = -g by preconditioned CG, to the forcing term's
+  tolerance, at most `max_steps` [B] iterations: by H's damped diagonal, or, for matrix
+  scaling, by its damped diagonal blocks where `blocks` [B] says so or the diagonal takes
+  over DIAGONAL_CG_STEPS iterations), its evaluations, max |g_i| / max(1, H_ii), the largest
+  first-order change of a fit row's probability along d (the module docstring's convergence
+  tests) and whether the blocks preconditioned it; per fit."""
   probs = jnp.exp(batch.log_probs(x))
   diagonal = batch.hessian_diagonal(probs)
   damping = DAMPING * jnp.max(diagonal, axis=1, keepdims=True)
@@ -270,10 +309,28 @@ def _newton_direction(batch: _Batch, x, grad, gtol, max_steps):
   norm = jnp.linalg.norm(grad, axis=1)
   # Eisenstat & Walker's forcing term, but no tighter than the gradient tolerance needs.
   tol = jnp.maximum(jnp.minimum(0.5, jnp.sqrt(norm)) * norm, 0.1 * gtol)
-  step, cg = _conjugate_gradients(lambda v: batch.hvp(probs, v) + damping * v, -grad,
-                                  1.0 / jnp.maximum(diagonal, 1e-30), tol, max_steps)
+
+  def hvp(v):
+    return batch.hvp(probs, v) + damping * v
+  inverse = 1.0 / jnp.maximum(diagonal, 1e-30)
+  if batch.key != "matrix_scaling":
+    step, cg, _ = _conjugate_gradients(hvp, -grad, lambda r: inverse * r, tol, max_steps)
+  else:
+    step, cg, solved = _conjugate_gradients(
+        hvp, -grad, lambda r: inverse * r, tol,
+        jnp.where(blocks, 0, jnp.minimum(max_steps, DIAGONAL_CG_STEPS)))
+    blocks = blocks | (~solved & (cg < max_steps))
+
+    def by_blocks(_):
+      factors = batch.block_factors(probs, damping)
+      blocked, more, _ = _conjugate_gradients(
+          hvp, -grad, lambda r: batch.block_solve(factors, r), tol,
+          jnp.where(blocks, jnp.maximum(max_steps - cg - (batch.k + 1) // 2, 0), 0))
+      return (jnp.where(blocks[:, None], blocked, step),
+              cg + jnp.where(blocks, (batch.k + 1) // 2 + more, 0))
+    step, cg = jax.lax.cond(jnp.any(blocks), by_blocks, lambda _: (step, cg), None)
   scaled = jnp.max(jnp.abs(grad) / jnp.maximum(1.0, diagonal), axis=1)
-  return step, cg, scaled, batch.probability_change(probs, step)
+  return step, cg, scaled, batch.probability_change(probs, step), blocks
 
 
 def _line_search(value_and_grad, point, step, skip):
@@ -316,15 +373,15 @@ def _newton(key, x0, weights, strength, inputs, labels, gtol, xtol, *, newton_st
   batch = _Batch(key, inputs, labels, weights, strength)
 
   def running(carry):
-    _, i, evaluations, converged, stalled, _, _ = carry
+    _, i, evaluations, converged, stalled, _, _, _ = carry
     return (i < newton_steps) & ~converged & ~stalled & (evaluations < max_evaluations)
 
   def body(carry):
-    point, i, evaluations, _, _, _, _ = carry
+    point, i, evaluations, _, _, _, _, blocks = carry
     active = running(carry)
-    step, cg, scaled, change = _newton_direction(
+    step, cg, scaled, change, blocks = _newton_direction(
         batch, point[0], point[2], gtol,
-        jnp.where(active, jnp.minimum(cg_steps, max_evaluations - evaluations), 0))
+        jnp.where(active, jnp.minimum(cg_steps, max_evaluations - evaluations), 0), blocks)
     converged = (scaled <= gtol) & (change <= xtol)
     # A converged fit stays where it is.
     point, halvings, moved = _line_search(batch.value_and_grad, point, step,
@@ -332,15 +389,16 @@ def _newton(key, x0, weights, strength, inputs, labels, gtol, xtol, *, newton_st
     # Evaluations: the Hessian's diagonal, CG's products, the line search's (value and
     # gradient at each point tried).
     new = (point, i + 1, evaluations + 1 + cg + halvings + 1, converged, ~converged & ~moved,
-           scaled, change)
+           scaled, change, blocks)
     return jax.tree.map(functools.partial(_select, active), new, carry)
 
   point = (x0, *batch.value_and_grad(x0))
   zeros = jnp.zeros(point[1].shape, jnp.int32)
   inf = jnp.full(point[1].shape, jnp.inf, x0.dtype)
-  (x, _, grad, nll), steps, evaluations, converged, stalled, scaled, change = (
+  (x, _, grad, nll), steps, evaluations, converged, stalled, scaled, change, _ = (
       jax.lax.while_loop(lambda c: jnp.any(running(c)), body,
-                         (point, zeros, zeros + 1, zeros > 0, zeros > 0, inf, inf)))
+                         (point, zeros, zeros + 1, zeros > 0, zeros > 0, inf, inf,
+                          zeros > 0)))
   return (x, steps, evaluations, converged, stalled, scaled, change, nll,
           jnp.max(jnp.abs(grad), axis=1))
 
