@@ -289,19 +289,21 @@ def _conjugate_gradients(hvp, rhs, precondition, tol, max_steps):
 
 # CG preconditioned by the Hessian's diagonal, at most this many iterations a Newton step; a
 # matrix-scaling step that needs more is solved again, and the fit's later steps at once,
-# preconditioned by the diagonal blocks (`_Batch.block_factors`), whose making costs about
-# (K + 1) / 2 Hessian-vector products: worth it where the diagonal takes more than that and
-# the blocks' few iterations together.
-DIAGONAL_CG_STEPS = 60
+# preconditioned by the diagonal blocks (`_Batch.block_factors`), made once a fit (about
+# (K + 1) / 2 Hessian-vector products) at that step's point: any positive definite
+# preconditioner leaves CG's solution the same, and the blocks of the step where the fit
+# needed them kept CG to a few iterations at the later ones.
+DIAGONAL_CG_STEPS = 30
 
 
-def _newton_direction(batch: _Batch, x, grad, gtol, max_steps, blocks):
+def _newton_direction(batch: _Batch, x, grad, gtol, max_steps, blocks, factors):
   """The Newton step d at `x` (H d = -g by preconditioned CG, to the forcing term's
   tolerance, at most `max_steps` [B] iterations: by H's damped diagonal, or, for matrix
-  scaling, by its damped diagonal blocks where `blocks` [B] says so or the diagonal takes
-  over DIAGONAL_CG_STEPS iterations), its evaluations, max |g_i| / max(1, H_ii), the largest
-  first-order change of a fit row's probability along d (the module docstring's convergence
-  tests) and whether the blocks preconditioned it; per fit."""
+  scaling, by the damped diagonal blocks `factors` where `blocks` [B] says the fit has them,
+  made here where the diagonal takes over DIAGONAL_CG_STEPS iterations), its evaluations,
+  max |g_i| / max(1, H_ii), the largest first-order change of a fit row's probability along
+  d (the module docstring's convergence tests), and the fit's blocks and whether it has
+  them; per fit."""
   probs = jnp.exp(batch.log_probs(x))
   diagonal = batch.hessian_diagonal(probs)
   damping = DAMPING * jnp.max(diagonal, axis=1, keepdims=True)
@@ -319,18 +321,23 @@ def _newton_direction(batch: _Batch, x, grad, gtol, max_steps, blocks):
     step, cg, solved = _conjugate_gradients(
         hvp, -grad, lambda r: inverse * r, tol,
         jnp.where(blocks, 0, jnp.minimum(max_steps, DIAGONAL_CG_STEPS)))
-    blocks = blocks | (~solved & (cg < max_steps))
+    new = ~blocks & ~solved & (cg < max_steps)  # Fits whose blocks are made here.
+    factors, cost = jax.lax.cond(
+        jnp.any(new), lambda _: (jnp.where(new[:, None, None, None],
+                                           batch.block_factors(probs, damping), factors),
+                                 jnp.where(new, (batch.k + 1) // 2, 0)),
+        lambda _: (factors, jnp.zeros_like(cg)), None)
+    blocks = blocks | new
 
     def by_blocks(_):
-      factors = batch.block_factors(probs, damping)
       blocked, more, _ = _conjugate_gradients(
           hvp, -grad, lambda r: batch.block_solve(factors, r), tol,
-          jnp.where(blocks, jnp.maximum(max_steps - cg - (batch.k + 1) // 2, 0), 0))
+          jnp.where(blocks, jnp.maximum(max_steps - cg - cost, 0), 0))
       return (jnp.where(blocks[:, None], blocked, step),
-              cg + jnp.where(blocks, (batch.k + 1) // 2 + more, 0))
+              cg + cost + jnp.where(blocks, more, 0))
     step, cg = jax.lax.cond(jnp.any(blocks), by_blocks, lambda _: (step, cg), None)
   scaled = jnp.max(jnp.abs(grad) / jnp.maximum(1.0, diagonal), axis=1)
-  return step, cg, scaled, batch.probability_change(probs, step), blocks
+  return step, cg, scaled, batch.probability_change(probs, step), blocks, factors
 
 
 def _line_search(value_and_grad, point, step, skip):
@@ -373,15 +380,16 @@ def _newton(key, x0, weights, strength, inputs, labels, gtol, xtol, *, newton_st
   batch = _Batch(key, inputs, labels, weights, strength)
 
   def running(carry):
-    _, i, evaluations, converged, stalled, _, _, _ = carry
+    _, i, evaluations, converged, stalled, _, _, _, _ = carry
     return (i < newton_steps) & ~converged & ~stalled & (evaluations < max_evaluations)
 
   def body(carry):
-    point, i, evaluations, _, _, _, _, blocks = carry
+    point, i, evaluations, _, _, _, _, blocks, factors = carry
     active = running(carry)
-    step, cg, scaled, change, blocks = _newton_direction(
+    step, cg, scaled, change, blocks, factors = _newton_direction(
         batch, point[0], point[2], gtol,
-        jnp.where(active, jnp.minimum(cg_steps, max_evaluations - evaluations), 0), blocks)
+        jnp.where(active, jnp.minimum(cg_steps, max_evaluations - evaluations), 0), blocks,
+        factors)
     converged = (scaled <= gtol) & (change <= xtol)
     # A converged fit stays where it is.
     point, halvings, moved = _line_search(batch.value_and_grad, point, step,
@@ -389,16 +397,20 @@ def _newton(key, x0, weights, strength, inputs, labels, gtol, xtol, *, newton_st
     # Evaluations: the Hessian's diagonal, CG's products, the line search's (value and
     # gradient at each point tried).
     new = (point, i + 1, evaluations + 1 + cg + halvings + 1, converged, ~converged & ~moved,
-           scaled, change, blocks)
+           scaled, change, blocks, factors)
     return jax.tree.map(functools.partial(_select, active), new, carry)
 
   point = (x0, *batch.value_and_grad(x0))
   zeros = jnp.zeros(point[1].shape, jnp.int32)
   inf = jnp.full(point[1].shape, jnp.inf, x0.dtype)
-  (x, _, grad, nll), steps, evaluations, converged, stalled, scaled, change, _ = (
+  # The diagonal blocks' factors of matrix scaling's fits (identities until a fit makes them).
+  width = batch.k + 1 if key == "matrix_scaling" else 1
+  factors = jnp.broadcast_to(jnp.eye(width, dtype=x0.dtype),
+                             (len(x0), batch.k if key == "matrix_scaling" else 1, width, width))
+  (x, _, grad, nll), steps, evaluations, converged, stalled, scaled, change, _, _ = (
       jax.lax.while_loop(lambda c: jnp.any(running(c)), body,
                          (point, zeros, zeros + 1, zeros > 0, zeros > 0, inf, inf,
-                          zeros > 0)))
+                          zeros > 0, factors)))
   return (x, steps, evaluations, converged, stalled, scaled, change, nll,
           jnp.max(jnp.abs(grad), axis=1))
 
@@ -448,36 +460,16 @@ def minimise(key: str, init: dict, inputs: np.ndarray, labels: np.ndarray,
   names = sorted(init)  # ravel_pytree's order: b, then w.
   shapes = [np.shape(init[n]) for n in names]
   x0 = np.concatenate([np.ravel(init[n]) for n in names])[None]
-  inputs, labels, weights = _fit_rows(inputs, labels, weights)
   rows, num_classes = np.shape(inputs)
   executable = _executable(key, 1, rows, num_classes, solver)
   out = jax.device_get(executable(
-      jnp.asarray(x0, dtype), jnp.asarray(weights[None], dtype),
+      jnp.asarray(x0, dtype), jnp.asarray(np.asarray(weights)[None], dtype),
       jnp.asarray([strength], dtype), jnp.asarray(inputs, dtype),
       jnp.asarray(labels, jnp.int32), jnp.asarray(gtol, dtype), jnp.asarray(xtol, dtype)))
   splits = np.cumsum([int(np.prod(shape)) for shape in shapes])[:-1]
   params = {n: part.reshape(shape) for n, part, shape in zip(names, np.split(out[0][0], splits),
                                                              shapes)}
   return _result(solver, params, gtol, xtol, *(v[0] for v in out[1:]))
-
-
-ROW_PADDING = 128  # A fit's rows are padded to a multiple of this: one compile for every fold.
-
-
-def _fit_rows(inputs, labels, weights):
-  """The rows a fit reads (weight > 0: a cross-validation fold's training rows), padded with
-  rows of weight 0 to a multiple of ROW_PADDING, so that the folds, whose sizes differ by at
-  most one, share one compiled solver; every row where all have weight (a refit) as given.
-  A fold's held-out rows cost a fit nothing then (a fifth of its products at 5 folds)."""
-  weights = np.asarray(weights)
-  kept = np.flatnonzero(weights > 0)
-  if len(kept) == len(weights):
-    return np.asarray(inputs), np.asarray(labels), weights
-  padded = -(-len(kept) // ROW_PADDING) * ROW_PADDING
-  rows = np.concatenate([kept, np.full(padded - len(kept), kept[0])])
-  padding = np.arange(padded) >= len(kept)
-  return (np.asarray(inputs)[rows], np.asarray(labels)[rows],
-          np.where(padding, 0.0, weights[rows]))
 
 
 def _result(solver: Solver, params: dict, gtol, xtol, steps, evaluations, converged, stalled,
