@@ -106,6 +106,7 @@ RANKS = {
     "selection": 4,
     "selection.api": 4,
     "selection.bookkeeping": 4,
+    "selection.budgets": 4,
     "selection.policies": 4,
     "selection.score_files": 4,
     "selection.scores": 4,
