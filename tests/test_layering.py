@@ -41,6 +41,7 @@ RANKS = {
     "runtime.orbax_layout": 0,
     "runtime.periodic": 0,
     "runtime.preemption": 0,
+    "runtime.provenance": 0,
     "runtime.run_logging": 0,
     "runtime.sharding": 0,
     "runtime.workdir_lock": 0,
