@@ -900,6 +900,8 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
   lines += second_lines(summary, second or {})
   lines += declared_lines(declared)
   lines += time_lines(summary)
+  if results:
+    lines += ["", "## Records", "", grid.code_versions_line(results)]
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
   return "\n".join(lines) + "\n"

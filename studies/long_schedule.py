@@ -597,7 +597,8 @@ def status(all_arms: list[Arm], summary: dict, results: dict) -> list[str]:
   machines = sorted({m for r in results.values() for m in r.get("machine", [])})
   return [f"**Status:** {done(all_arms)} of {planned(all_arms)} planned runs finished "
           f"({per_tier}); rerunning the command continues the study. Trained on: "
-          + ("; ".join(machines) or "not recorded") + ".", ""]
+          + ("; ".join(machines) or "not recorded") + ". " + grid.code_versions_line(results),
+          ""]
 
 
 def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,
