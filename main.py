@@ -6,7 +6,9 @@
 
 Rerunning the same command resumes from the latest checkpoint in --workdir. A choice sets
 what it needs unless the command line or the config file sets it (logged): e.g.
---config.selection.method=infobatch implies --config.selection.score=loss. A bad config
+--config.selection.method=infobatch implies --config.selection.score=loss, and
+--config.selection.budget=0.5 sets the kept fraction that trains half of full data's example
+passes on the config's schedule (cpjax.selection.budgets). A bad config
 (or a missing --config file or flag) prints its problems and exits with status 2 (a usage
 error), as does a run refused before it starts: its start-up checks (data not prepared, no
 room for a checkpoint), a workdir in use by another run, a dataset changed under its
@@ -162,14 +164,18 @@ def _config_with_implied_settings():
     validation.import_modules(FLAGS.config)  # A user's registrations, before all else.
   except validation.ConfigError as err:
     _usage_exit(str(err))
-  explicit = set(FLAGS["config"].override_values) | implied.changed_fields(
-      FLAGS.config, default.get_config())
+  explicit = implied.user_set(FLAGS["config"].override_values,
+                              implied.changed_fields(FLAGS.config, default.get_config()))
   settings = implied.implied_settings(FLAGS.config, explicit)
   for name, (value, reason) in settings.items():
     logging.info("Implied config.%s=%r: %s (set --config.%s to choose otherwise).", name,
                  value, reason, name)
   config = implied.with_settings(FLAGS.config, {k: v for k, (v, _) in settings.items()})
   try:
+    budget, line = implied.budget_settings(config, explicit)  # Once, here: then logged.
+    if line:
+      logging.info("%s", line)
+    config = implied.with_settings(config, budget)
     validation.validate(config)
   except validation.ConfigError as err:
     _usage_exit(str(err))

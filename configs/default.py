@@ -160,6 +160,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the kept fraction linearly from `fraction` (first selected epoch) to this (last selected
   # epoch).
   config.selection.fraction_end = -1.0
+  config.selection.budget = 0.0  # Share of full passes (0 < b <= 1) that sets fraction; 0 = unset.
   # Where scores come from: train_pass (reference), fresh, target or target_recorded.
   config.selection.scoring = "train_pass"
   config.selection.rescore_every = 1  # fresh/target: epochs between scoring passes; 0 = once.

@@ -367,10 +367,12 @@ def seconds_ratios(results: dict, arm: str, reference: str, seeds) -> dict:
                            "even": "steady_seconds" in a and "steady_seconds" in r
                                    and _even(a, i) and _even(r, j)}
   same = [v for v in per_seed.values() if v["same_machine"]]
-  steady = [v for v in same if v["whole"] and v["even"]]
+  whole = [v for v in same if v["whole"]]
+  steady = [v for v in whole if v["even"]]
   out = {"per_seed": per_seed, "same_machine_seeds": len(same),
+         "whole_seeds": sorted(s for s, v in per_seed.items() if v in whole),
          "steady_seeds": sorted(s for s, v in per_seed.items() if v in steady)}
-  for prefix, pairs in (("", same), ("steady_", steady)):
+  for prefix, pairs in (("", same), ("whole_", whole), ("steady_", steady)):
     for key in ("wall", "loop") if pairs else ():
       out[f"{prefix}{key}_geomean"] = float(np.exp(np.mean(np.log([v[key] for v in pairs]))))
   return out
@@ -423,8 +425,16 @@ def _seconds_line(seconds: dict) -> str:
                        for s, v in seconds["per_seed"].items())
   machines = sorted({v["machine"] for v in seconds["per_seed"].values() if v["same_machine"]})
   mean = (f"geometric mean {seconds['wall_geomean']:.2f} ({seconds['loop_geomean']:.2f}) over "
-          f"the {seconds['same_machine_seeds']} pairs run on one machine ({'; '.join(machines)})"
-          if seconds["same_machine_seeds"] else "no pair ran on one machine")
+          f"the {seconds['same_machine_seeds']} pairs run on one kind of machine "
+          f"({'; '.join(machines)})" if seconds["same_machine_seeds"]
+          else "no pair ran on one kind of machine")
+  resumed = [s for s, v in seconds["per_seed"].items()
+             if v["same_machine"] and not v["whole"]]
+  if resumed and seconds["whole_seeds"]:
+    mean += (f", seed{'s' * (len(resumed) > 1)} {','.join(map(str, resumed))}'s with a "
+             f"resumed run's wall clock (its last sitting's); "
+             f"{seconds['whole_wall_geomean']:.2f} ({seconds['whole_loop_geomean']:.2f}) over "
+             f"the {len(seconds['whole_seeds'])} of them with whole wall clocks")
   steady = seconds["steady_seeds"]
   if steady:
     mean += (f"; {seconds['steady_wall_geomean']:.2f} ({seconds['steady_loop_geomean']:.2f}) "
@@ -900,6 +910,8 @@ def markdown(summary: dict, chosen: Arm | None, command: str, failures: dict,
   lines += second_lines(summary, second or {})
   lines += declared_lines(declared)
   lines += time_lines(summary)
+  if results:
+    lines += ["", "## Records", "", grid.code_versions_line(results)]
   if failures:
     lines += ["", "## Failed runs", ""] + [f"- {k}: {v}" for k, v in failures.items()]
   return "\n".join(lines) + "\n"
@@ -1159,7 +1171,7 @@ def _cost(v: dict, bootstrap: bool = True) -> str:
 def _time_mean_cell(time: dict) -> str:
   """Tier C's wall-clock ratio (`mean_ratios`: arithmetic means) and its machine."""
   if not time.get("wall_seeds"):
-    return "not measured beside full data on one machine"
+    return "not measured beside full data on one kind of machine"
   even = (f"{time['even_wall_ratio']:.2f} (mean over seeds {','.join(map(str, time['even_seeds']))}"
           f", both runs whole and at an even pace; " if time["even_seeds"] else "(")
   return (f"{even}{time['wall_ratio']:.2f} over seeds {','.join(map(str, time['wall_seeds']))}"
@@ -1171,15 +1183,16 @@ def _time_geomean_cell(v: dict) -> str:
   if not v:
     return "not run yet"
   seconds = v["seconds"]
-  if not seconds["same_machine_seeds"]:
-    return "no pair ran on one machine"
+  if not seconds["whole_seeds"]:
+    return "no pair with whole wall clocks ran on one kind of machine"
   machines = sorted({p["machine"] for p in seconds["per_seed"].values() if p["same_machine"]})
   steady = seconds["steady_seeds"]
   even = (f"{seconds['steady_wall_geomean']:.2f} (geometric mean over seeds "
           f"{','.join(map(str, steady))}, both runs whole and at an even pace; " if steady
           else "no pair both whole and at an even pace (")
-  return (f"{even}{seconds['wall_geomean']:.2f} over all {seconds['same_machine_seeds']} pairs "
-          f"run on one machine) on `{'`, `'.join(machines)}`")
+  return (f"{even}{seconds['whole_wall_geomean']:.2f} over the {len(seconds['whole_seeds'])} "
+          f"pairs with whole wall clocks, each on one kind of machine) on "
+          f"`{'`, `'.join(machines)}`")
 
 
 def _searched(summary: dict, name: str) -> str:

@@ -53,7 +53,6 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 import traceback
 
@@ -69,7 +68,7 @@ from scipy import stats  # noqa: E402
 from configs import fashion_mnist_long  # noqa: E402
 from cpjax.calibration import metrics  # noqa: E402
 from cpjax.data import splits  # noqa: E402
-from cpjax.runtime import preemption  # noqa: E402
+from cpjax.runtime import preemption, provenance  # noqa: E402
 from cpjax.selection import policies  # noqa: E402
 from studies import equivalence, grid  # noqa: E402
 
@@ -278,17 +277,21 @@ def run_row(base, arm_overrides: dict, workdir: str, record: str | None = None) 
 def machine() -> str:
   """The machine a run trained on, for the summary: CPU model, cores, JAX and its backend,
   and on an accelerator its devices (count and kind, e.g. '1 x NVIDIA H100 80GB HBM3')."""
-  model = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
   backend = jax.default_backend()
-  text = f"{model}, {os.cpu_count()} cores, jax {jax.__version__} on {backend}"
+  text = f"{provenance.cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__} on {backend}"
   if backend != "cpu":
     kinds = [d.device_kind for d in jax.devices()]
     text += ", " + ", ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
+  return text
+
+
+def machine_of(origin: dict) -> str:
+  """`machine()`'s text for the sitting a run's provenance describes (its process's machine,
+  not this one's: a record rebuilt from a run folder names where the run trained)."""
+  text = (f"{origin['cpu']}, {origin['cpu_count']} cores, jax {origin['jax']} on "
+          f"{origin['platform']}")
+  if origin["platform"] != "cpu":
+    text += f", {origin['device_count']} x {origin['device_kind']}"
   return text
 
 
@@ -312,7 +315,8 @@ def _run_row(base, arm_overrides: dict, workdir: str) -> dict:
       curve_seconds=[float(compute[i]) for i in evaluated],
       curve_accuracy=[records[i]["test_accuracy"] for i in evaluated],
       class_kl=float(np.mean([r["subset_class_kl"] for r in selected])) if selected else 0.0,
-      machine=machine(),
+      # The report's sitting's machine, whose wall clock the row holds (`grid.run_cell`).
+      machine=machine_of(row["provenance"][-1]) if row["provenance"] else machine(),
       # Where the run's wall clock went (cpjax.runtime.anatomy: start-up, data open,
       # compiling, warm-up and steady steps, evaluation, scoring, checkpoints, the report).
       anatomy={k: v for k, v in records[-1].items() if k.startswith("perf/")},
@@ -596,7 +600,8 @@ def status(all_arms: list[Arm], summary: dict, results: dict) -> list[str]:
   machines = sorted({m for r in results.values() for m in r.get("machine", [])})
   return [f"**Status:** {done(all_arms)} of {planned(all_arms)} planned runs finished "
           f"({per_tier}); rerunning the command continues the study. Trained on: "
-          + ("; ".join(machines) or "not recorded") + ".", ""]
+          + ("; ".join(machines) or "not recorded") + ". " + grid.code_versions_line(results),
+          ""]
 
 
 def markdown(all_arms: list[Arm], summary: dict, targets: dict, failures: dict,

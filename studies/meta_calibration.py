@@ -179,6 +179,8 @@ def write_summary(all_results: dict, seeds: dict, out: str, command: str) -> Non
   for dataset, results in all_results.items():
     lines += summary_lines(dataset, results, seeds[dataset])
   lines.append("Gamma distributions: gamma_histogram.png.")
+  lines.append(grid.code_versions_line({f"{dataset} {loss}": r for dataset, results in
+                                        all_results.items() for loss, r in results.items()}))
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   with open(os.path.join(out, "summary.json"), "w") as f:

@@ -128,7 +128,7 @@ def write_summary(results: dict, seeds: list[int], out: str, target_seconds: flo
               indent=1)
   full_compute = np.mean(results["full"]["compute_seconds"]) if "full" in results else None
   full_wall = np.mean(results["full"]["wall_seconds"]) if "full" in results else None
-  lines = [header, "",
+  lines = [header, "", grid.code_versions_line(results), "",
            "| run | seeds | test acc % | test ECE % | ECE after TS % | ±acc / ±ECE (90 %) | "
            "scoring / selection / training s | saving vs full: compute / "
            "process | class KL | min class share | never selected | train-pass ECE % |",

@@ -89,10 +89,11 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def without_timing(records: list[dict]) -> list[dict]:
-  """metrics.jsonl records without their wall-clock fields and the devices' peak memory (they
-  differ between any two runs)."""
-  return [{k: v for k, v in r.items() if not k.endswith("_seconds") and not k.startswith("perf/")}
-          for r in records]
+  """metrics.jsonl records without their wall-clock fields, the devices' peak memory and the
+  provenance of a sitting's first record (its start time, and a resumed run's sittings
+  start at other epochs): they differ between any two runs."""
+  return [{k: v for k, v in r.items() if not k.endswith("_seconds") and not k.startswith("perf/")
+           and k != "provenance"} for r in records]
 
 
 def require_fashion_mnist() -> str:

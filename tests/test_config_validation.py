@@ -329,7 +329,7 @@ def test_an_unreachable_conformal_alpha_is_one_fatal_line_naming_the_smallest(tm
       "  config.evaluation.conformal_alpha=0.002 needs the k-th smallest of the n = 180 "
       "validation scores (dataset.val_size), k = ceil((n + 1)(1 - alpha)) = 181 > n: the "
       "smallest reachable alpha is 1/(n + 1) = 1/181 (0.005525, rounded up); raise alpha or "
-      "dataset.val_size"]
+      "dataset.val_size, or set evaluation.conformal_scores=() for no prediction sets"]
 
 
 @pytest.mark.slow  # Two main.py processes.

@@ -8,8 +8,11 @@ implies a meta-validation split; a source dataset (a folder, tfds:NAME) implies 
 OOD set and, for a split it lacks, a validation or test carve-out that fits its size (a tenth
 of its training images at most), and no conformal prediction sets where that carve-out is too
 small for the default alpha. An explicit setting that contradicts the choice is still
-refused by cpjax.config.validation. `changed_fields` says what a config file set (against
-configs/default.py), `resume_changes` what a resumed run changes from its checkpoint's config.
+refused by cpjax.config.validation. `budget_settings` derives the kept fraction from
+`selection.budget` (cpjax.selection.budgets), after those. `changed_fields` says what a
+config file set (against configs/default.py), `user_set` which fields the user set (a
+command-line budget outranks a config file's fraction), `resume_changes` what a resumed run
+changes from its checkpoint's config.
 """
 
 from collections.abc import Collection
@@ -22,7 +25,7 @@ import ml_collections
 from cpjax.calibration import conformal, losses
 from cpjax.config import schema, validation
 from cpjax.data import sources, specs
-from cpjax.selection import policies
+from cpjax.selection import budgets, policies
 
 
 def default_meta_val_size(dataset: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -148,6 +151,60 @@ def _source_settings(config: ml_collections.ConfigDict,
         f"{unreached[0]} (the smallest alpha they reach is "
         f"{conformal.smallest_alpha_text(num_val)}): no prediction sets"))
   return implied
+
+
+# Fields a command-line override derives: a config file's values of them give way to it (a
+# budget on the command line replaces the kept fraction and count a config file set).
+_DERIVES = {"selection.budget": ("selection.fraction", "selection.count")}
+
+
+def user_set(overrides: Collection[str], file_changed: Collection[str]) -> set[str]:
+  """The fields the user set: the command-line `overrides`, and the fields the config file
+  changed from configs/default.py (`file_changed`) unless an override derives them."""
+  derived = {name for override in overrides for name in _DERIVES.get(override, ())}
+  return set(overrides) | (set(file_changed) - derived)
+
+
+def budget_settings(config: ml_collections.ConfigDict,
+                    explicit: Collection[str]) -> tuple[dict[str, Any], str]:
+  """The kept fraction that `selection.budget` derives (and count 0 in place of a config
+  file's count), with the line that logs it; ({}, "") without a budget, or where
+  `validate` will name what is wrong with it (a policy without a kept fraction, a share the
+  schedule does not reach, a bad field).
+
+  Raises:
+    validation.ConfigError: the budget and a kept fraction or count both set by the user
+      (`explicit`), named together.
+  """
+  selection = config.selection
+  if not isinstance(selection.get("budget"), (int, float)) or not selection.budget:
+    return {}, ""
+  both = [name for name, value in (("selection.fraction", True),
+                                    ("selection.count", selection.count))
+          if name in explicit and value]  # A count of 0 sets no size.
+  if both:
+    leaf = both[0].split(".")[1]
+    raise validation.ConfigError(
+        f"invalid config:\n  config.selection.budget={selection.budget} and "
+        f"config.{both[0]}={selection[leaf]} were both set: the budget derives the kept "
+        "fraction; set one of them")
+  if (validation.field_problems(config) or validation.source_problems(config.dataset)
+      or not budgets.takes_budget(selection.method)):
+    return {}, ""
+  num_rows, problems = validation.training_rows(config)
+  if problems:
+    return {}, ""
+  schedule = validation.budget_schedule(config, num_rows)
+  try:
+    fraction = budgets.fraction_for_budget(schedule, selection.budget)
+  except ValueError:  # A share the schedule does not reach: `validate` names its range.
+    return {}, ""
+  settings = {"selection.fraction": fraction, **({"selection.count": 0} if selection.count
+                                                 else {})}
+  count = " and selection.count=0" if selection.count else ""
+  return settings, (f"selection.budget={selection.budget}: selection.fraction={fraction}{count} "
+                    f"({budgets.plan_text(schedule, selection.method)}): "
+                    f"{budgets.passes_text(schedule, fraction)}.")
 
 
 def with_settings(config: ml_collections.ConfigDict,

@@ -124,6 +124,7 @@ def spine_schema() -> dict[str, Check]:
       "selection.warmup_epochs": integer(0),
       "selection.final_full_epochs": integer(0),
       "selection.fraction_end": number(-1.0, 1.0),
+      "selection.budget": number(),  # Its range is the schedule's (config.validation).
       "selection.scoring": score_sources.SOURCES.check(),
       "selection.rescore_every": integer(0),
       "selection.score_dtype": choice(["float32", "bfloat16"]),

@@ -16,7 +16,7 @@ from cpjax.calibration import conformal, losses
 from cpjax.config import schema
 from cpjax.data import input_pipeline, sources, specs, splits
 from cpjax.data.device_stage import decoders
-from cpjax.selection import policies, score_sources, scores
+from cpjax.selection import budgets, policies, score_sources, scores
 
 
 class ConfigError(ValueError):
@@ -213,38 +213,79 @@ def _reducible_loss_problems(config: ml_collections.ConfigDict) -> list[str]:
 
 
 def _size_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Split sizes; each checked only when the sizes it depends on are valid."""
-  num_train = specs.DATASETS[config.dataset.name].num_train
-  val_size = splits.carved_val_size(config.dataset)
-  if val_size >= num_train:  # Every size below would be negative: stop here.
-    return [f"config.dataset.val_size={config.dataset.val_size} must be below the train split "
-            f"size {num_train} of {config.dataset.name}"]
-  num_rows = num_train - val_size
-  if not specs.DATASETS[config.dataset.name].test_split:
-    test_size = config.dataset.test_size
-    if not 0 < test_size < num_rows:
-      return [f"config.dataset.test_size={test_size}: {config.dataset.name} has no test split, "
-              f"so test examples are carved from train; set 0 < test_size < {num_rows}"]
-    num_rows -= test_size
-  if config.dataset.meta_val_size >= num_rows:
-    return [f"config.dataset.meta_val_size={config.dataset.meta_val_size} must be below the "
-            f"{num_rows} training examples left after validation"]
-  num_rows -= config.dataset.meta_val_size
-  if problems := _holdout_problems(config.dataset, num_rows):
+  """Split sizes, then the subset's against the training examples they leave."""
+  num_rows, problems = training_rows(config)
+  if problems:
     return problems
-  num_rows = splits.num_train_examples(
-      ml_collections.ConfigDict({**config.dataset.to_dict(), "train_examples": 0}))
-  if config.dataset.train_examples > num_rows:
-    return [f"config.dataset.train_examples={config.dataset.train_examples} exceeds the "
-            f"{num_rows} training examples left after validation, meta-validation and "
-            "holdout"]
-  num_rows = config.dataset.train_examples or num_rows
   selection = config.selection
   settings = {s.name: selection[s.name] for s in policies.POLICIES[selection.method].settings}
   return [f"config.selection.{problem}" for problem in policies.size_problems(
       selection.method, num_rows=num_rows, num_epochs=config.num_epochs,
       warmup_epochs=selection.warmup_epochs, fraction=selection.fraction,
-      count=selection.count, **settings)]
+      count=selection.count, **settings)] + _budget_problems(config, num_rows)
+
+
+def training_rows(config: ml_collections.ConfigDict) -> tuple[int, list[str]]:
+  """(the training examples a run selects from, []), or (0, the split-size problems that
+  leave none); each size checked only when the sizes it depends on are valid."""
+  num_train = specs.DATASETS[config.dataset.name].num_train
+  val_size = splits.carved_val_size(config.dataset)
+  if val_size >= num_train:  # Every size below would be negative: stop here.
+    return 0, [f"config.dataset.val_size={config.dataset.val_size} must be below the train "
+               f"split size {num_train} of {config.dataset.name}"]
+  num_rows = num_train - val_size
+  if not specs.DATASETS[config.dataset.name].test_split:
+    test_size = config.dataset.test_size
+    if not 0 < test_size < num_rows:
+      return 0, [f"config.dataset.test_size={test_size}: {config.dataset.name} has no test "
+                 f"split, so test examples are carved from train; set 0 < test_size < "
+                 f"{num_rows}"]
+    num_rows -= test_size
+  if config.dataset.meta_val_size >= num_rows:
+    return 0, [f"config.dataset.meta_val_size={config.dataset.meta_val_size} must be below "
+               f"the {num_rows} training examples left after validation"]
+  num_rows -= config.dataset.meta_val_size
+  if problems := _holdout_problems(config.dataset, num_rows):
+    return 0, problems
+  num_rows = splits.num_train_examples(
+      ml_collections.ConfigDict({**config.dataset.to_dict(), "train_examples": 0}))
+  if config.dataset.train_examples > num_rows:
+    return 0, [f"config.dataset.train_examples={config.dataset.train_examples} exceeds the "
+               f"{num_rows} training examples left after validation, meta-validation and "
+               "holdout"]
+  return config.dataset.train_examples or num_rows, []
+
+
+def budget_schedule(config: ml_collections.ConfigDict, num_rows: int) -> budgets.Schedule:
+  """The schedule that sets a selecting run's passes besides its kept fraction."""
+  selection = config.selection
+  return budgets.Schedule(num_rows, config.num_epochs, selection.warmup_epochs,
+                          selection.final_full_epochs, selection.fraction_end)
+
+
+def _budget_problems(config: ml_collections.ConfigDict, num_rows: int) -> list[str]:
+  """selection.budget: a policy whose sizes a kept fraction sets, no count beside it, a
+  share the schedule reaches, and the fraction it derives (cpjax.config.implied sets it)."""
+  selection, budget = config.selection, config.selection.budget
+  if budget == 0:
+    return []
+  name = f"config.selection.budget={budget}"
+  if not budgets.takes_budget(selection.method):
+    return [f"{name} does not work with method={selection.method!r}, which decides its "
+            "epochs' sizes itself (no kept fraction to derive); the methods that take a "
+            f"budget: {', '.join(budgets.budget_methods())}"]
+  if selection.count:
+    return [f"{name} and config.selection.count={selection.count} were both set: the budget "
+            "sets the subset size through selection.fraction; set one of them"]
+  schedule = budget_schedule(config, num_rows)
+  try:
+    fraction = budgets.fraction_for_budget(schedule, budget)
+  except ValueError as err:
+    return [f"{name}: {err}; valid: a share of them in that range, or 0 (no budget)"]
+  if selection.fraction != fraction:
+    return [f"{name} and config.selection.fraction={selection.fraction} were both set: the "
+            f"budget derives the fraction ({fraction} on this schedule); set one of them"]
+  return []
 
 
 def _holdout_problems(dataset: ml_collections.ConfigDict, pool_size: int) -> list[str]:

@@ -8,6 +8,8 @@ exactly once, whatever the batch or device count. Pure NumPy: no tfds here.
 """
 
 import dataclasses
+import hashlib
+from typing import Any
 
 import ml_collections
 import numpy as np
@@ -158,6 +160,17 @@ def noisy_labels(labels: np.ndarray, pool_rows: np.ndarray, fraction: float, see
   rows = np.asarray(pool_rows)[flipped]
   out[rows] = (out[rows] + offsets) % num_classes
   return out
+
+
+def noise_draw(dataset: ml_collections.ConfigDict, train) -> dict[str, Any]:
+  """The label-noise draw a run trains on, for its provenance (cpjax.runtime.provenance):
+  the share and seed of `noisy_labels`, its stream tag, and sha256 of the `train` split's ids
+  and labels as they are trained (int64 ids, then int64 labels), which names the draw
+  whatever code made it (0 share: the clean labels' digest)."""
+  digest = hashlib.sha256(np.asarray(train.ids, np.int64).tobytes()
+                          + np.asarray(train.labels, np.int64).tobytes()).hexdigest()
+  return {"share": dataset.label_noise, "seed": dataset.label_noise_seed,
+          "stream": LABEL_NOISE_STREAM, "train_labels_sha256": digest}
 
 
 def cycled_rows(seed: int, step: int, num_rows: int, batch_size: int) -> np.ndarray:

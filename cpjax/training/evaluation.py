@@ -101,6 +101,9 @@ class Evaluator:
   # FL_gamma runs: jitted (state, batch) -> [B, 2] (gamma, correct), as the eval step's
   # compile options (cpjax.training.loss_steps.MetaSteps.gamma_step); None for every other loss.
   gamma_fn: Any = None
+  # The sitting's provenance (cpjax.runtime.provenance.gather), written into results.json;
+  # None: none (an evaluator built outside a run).
+  provenance: Mapping[str, Any] | None = None
   # The last logits computed and weak references to the arrays of the state they are of: the
   # report of the state the last epoch evaluated reuses them (no second pass over val and
   # test). Weak, so that a state the train step donated is never kept alive by the cache.
@@ -200,6 +203,8 @@ class Evaluator:
         started)
     results.update(title=f"{self.title}, after epoch {epoch}", epoch=epoch,
                    epoch_step=epoch_step, checkpoint_step=int(jax.device_get(state.step)))
+    if self.provenance:
+      results["provenance"] = dict(self.provenance)
     gamma = self._test_gammas(state)
     if gamma is not None:
       results["gamma"] = report.gamma_summary(*gamma)

@@ -56,6 +56,9 @@ class Run:
   # (its files or its records: cpjax.data.fingerprint), which a resume checks.
   checkpoint_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   compilation_cache: str | None = None  # The persistent cache's directory; None: off.
+  # Where this sitting's records come from: code, machine, start, config digest, seeds and the
+  # label-noise draw (cpjax.runtime.provenance.gather).
+  provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def last_good(checkpointer: checkpointing.Checkpointer) -> str:

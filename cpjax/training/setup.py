@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -31,7 +32,7 @@ import optax
 from cpjax import models, optim, run_state, steps
 from cpjax.calibration import losses
 from cpjax.config import implied, preflight, validation
-from cpjax.data import fingerprint, input_pipeline, sources, specs
+from cpjax.data import fingerprint, input_pipeline, sources, specs, splits
 from cpjax.runtime import (
   anatomy,
   checkpointing,
@@ -39,6 +40,7 @@ from cpjax.runtime import (
   compile_ahead,
   compiler_options,
   metric_writers,
+  provenance,
   run_logging,
   sharding,
 )
@@ -196,10 +198,12 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str,
                      **_decoder_meta(data_readers["train"], meta)}
   if data_digests is not None:  # A folder's rows: a resume checks they are unchanged.
     checkpoint_meta["data_digests"] = data_digests
+  origin = provenance.gather(config, clock.start if clock else time.time(),
+                             splits.noise_draw(config.dataset, data_splits["train"]))
   run = Run(workdir=workdir, mesh=mesh, model=model, tx=tx, checkpointer=checkpointer,
             splits=data_splits, readers=data_readers, eval_fn=eval_fn, loss_kind=kind,
             train_batches=kind.train_batches(data_readers, config.seed, config.batch_size),
-            checkpoint_meta=checkpoint_meta, compilation_cache=cache_dir)
+            checkpoint_meta=checkpoint_meta, compilation_cache=cache_dir, provenance=origin)
   return (run, saved["train"], jax.tree.map(np.asarray, saved["selection"]),
           meta.get("epoch", 0), run_state.partial_from_checkpoint(
               saved["partial"], meta.get("epoch_step", 0), config.batch_size))
@@ -248,7 +252,7 @@ def create_evaluator(config: ml_collections.ConfigDict, run: Run) -> evaluation.
       config.eval_batch_size, functools.partial(last_good, run.checkpointer),
       config.evaluation, run.workdir,
       f"{config.dataset.name}, {config.model.name}, {config.loss.name}", run.splits["test"],
-      config.dataset, gamma_step and _jit_inference(config, gamma_step))
+      config.dataset, gamma_step and _jit_inference(config, gamma_step), run.provenance)
 
 
 def _record_dataset(dataset: ml_collections.ConfigDict, workdir: str) -> None:

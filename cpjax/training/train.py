@@ -163,6 +163,8 @@ def _train_epoch(config: ml_collections.ConfigDict, run: Run, loop: setup.Loop, 
   selection_state, selection_record = loop.selector.after_epoch(
       epoch, selection_state, order, outputs, timings, run.workdir)
   record.update(selection_record, epoch=epoch)
+  if first and run.provenance:  # The sitting's first record says where and when it ran.
+    record["provenance"] = run.provenance
   if periodic.due(epoch, config.eval_every_epochs, loop.num_epochs):
     with loop.clock.part("eval", record):  # A non-finite logit stops the run here.
       record.update(loop.evaluator.run(state, loop.writer, first_step + len(order)))
