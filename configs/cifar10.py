@@ -6,7 +6,7 @@ stepped per epoch, coupled weight decay 5e-4, batch 32, mean-reduced loss,
 45,000 / 5,000 train / validation split; from epoch 10 on, each epoch trains on
 the 10 % of training images with the highest train-pass entropy (20 % / 30 %:
 --config.selection.fraction=0.2). Needs the tfds `cifar10` data in
-config.dataset.data_dir (see README: "Using CIFAR").
+config.dataset.data_dir (see docs/data.md: "Using CIFAR-10 / CIFAR-100 / SVHN").
 """
 
 import ml_collections

@@ -218,7 +218,7 @@ def test_a_run_is_the_same_with_every_reader(overrides, tmp_path, monkeypatch):
     del tree["selection"]["seconds"]
   for kind in ("device", "stream"):
     # A run resumed inside a freshly scored epoch has no scorer_ece for it (the scoring pass's
-    # predictions are not checkpointed; README): compare the rest.
+    # predictions are not checkpointed; docs/selection.md): compare the rest.
     records = [helpers.without_timing(read_metrics(runs[k])) for k in (kind, "host")]
     if kind == "stream":
       records = [[{k: v for k, v in r.items() if k != "scorer_ece"} for r in run]
