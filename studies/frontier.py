@@ -28,10 +28,10 @@ from cpjax.data import input_pipeline
 from cpjax.runtime import preemption
 from studies import grid, long_schedule
 from studies.frontier_summary import (
-  README,
+  BUDGET_TABLE_PAGE,
   choose,
+  write_budget_table,
   write_outputs,
-  write_readme_table,
 )
 from studies.frontier_tiers import (
   LONG_RECORDS,
@@ -167,12 +167,12 @@ def main():
   parser.add_argument("--dry-run", action="store_true",
                       help="list each tier's runs (arm, seed, overrides, recorded or to train) "
                            "and stop: nothing trained, nothing written")
-  parser.add_argument("--readme", default="", metavar="SUMMARY_JSON",
-                      help=f"rewrite {README}'s budget table from this summary.json (e.g. "
-                           "studies/results/frontier.json) and stop; nothing trained")
+  parser.add_argument("--budget-table", default="", metavar="SUMMARY_JSON",
+                      help=f"rewrite {BUDGET_TABLE_PAGE}'s budget table from this summary.json "
+                           "(e.g. studies/results/frontier.json) and stop; nothing trained")
   args = parser.parse_args()
-  if args.readme:
-    write_readme_table(args.readme)
+  if args.budget_table:
+    write_budget_table(args.budget_table)
     return
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
   base = grid.apply(base_config(), {"dataset.data_dir": args.data_dir,

@@ -1,7 +1,7 @@
 """The frontier study's statistics and summary: its records judged by the rules that
 studies/frontier_tiers.py declares (the choices, the TOSTs and one-sided tests, the two-level
 bootstrap, the seconds), written as summary.json, summary.md and the frontier figure, and the
-README's budget table.
+budget table of docs/studies.md.
 """
 
 import json
@@ -1130,11 +1130,12 @@ def write_outputs(out: str, arms: list[Arm], results: dict, chosen, command: str
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's budget table, from a summary.json (studies/results/frontier.json).
+# docs/studies.md's budget table, from a summary.json (studies/results/frontier.json).
 
-README = "README.md"
+BUDGET_TABLE_PAGE = "docs/studies.md"
 TABLE_START = ("<!-- The budget table: written from studies/results/frontier.json by python -m "
-               "studies.frontier --readme=studies/results/frontier.json; do not edit by hand. -->")
+               "studies.frontier --budget-table=studies/results/frontier.json; do not edit by "
+               "hand. -->")
 TABLE_END = "<!-- End of the budget table. -->"
 
 
@@ -1263,7 +1264,7 @@ def budget_rows(out: dict, base) -> list[list[str]]:
 
 
 def budget_table(out: dict, base) -> str:
-  """The README's budget table (`budget_rows`) between its markers."""
+  """docs/studies.md's budget table (`budget_rows`) between its markers."""
   lines = [TABLE_START, "",
            "| passes, % of full (with evaluation) | policy: what it keeps | question, declared "
            "tiers | test accuracy vs full data, points [90 % t interval] | time, share of full "
@@ -1272,16 +1273,16 @@ def budget_table(out: dict, base) -> str:
   return "\n".join(lines + ["", TABLE_END])
 
 
-def write_readme_table(summary_json: str, readme: str = README) -> None:
-  """Replaces the budget table between TABLE_START and TABLE_END in `readme` with
+def write_budget_table(summary_json: str, page: str = BUDGET_TABLE_PAGE) -> None:
+  """Replaces the budget table between TABLE_START and TABLE_END in `page` with
   `budget_table` of `summary_json`; the markers must be there, once each."""
   with open(summary_json, encoding="utf-8") as f:
     table = budget_table(json.load(f), base_config())
-  with open(readme, encoding="utf-8") as f:
+  with open(page, encoding="utf-8") as f:
     text = f.read()
   if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1:
-    raise SystemExit(f"--readme: {readme} needs the budget table's markers once each, "
+    raise SystemExit(f"--budget-table: {page} needs the budget table's markers once each, "
                      f"{TABLE_START!r} and {TABLE_END!r}")
   head, rest = text.split(TABLE_START)
-  with open(readme, "w", encoding="utf-8") as f:
+  with open(page, "w", encoding="utf-8") as f:
     f.write(head + table + rest.split(TABLE_END)[1])

@@ -456,12 +456,28 @@ def _share(row: dict) -> str:
           f"({100 * row['passes_share_with_evaluation']:.1f} %)")
 
 
-def test_readme_budget_table_is_written_from_the_committed_summary():
-  """The README holds `budget_table` of studies/results/frontier.json byte for byte, its
-  markers included (`python -m studies.frontier --readme=studies/results/frontier.json`)."""
-  with open("README.md", encoding="utf-8") as f:
-    readme = f.read()
-  assert frontier_summary.budget_table(_committed(), frontier_tiers.base_config()) in readme
+def test_docs_budget_table_is_written_from_the_committed_summary():
+  """docs/studies.md holds `budget_table` of studies/results/frontier.json byte for byte, its
+  markers included (`python -m studies.frontier --budget-table=studies/results/frontier.json`),
+  and that is the page the flag rewrites by default."""
+  assert frontier_summary.BUDGET_TABLE_PAGE == "docs/studies.md"
+  with open(frontier_summary.BUDGET_TABLE_PAGE, encoding="utf-8") as f:
+    page = f.read()
+  assert frontier_summary.budget_table(_committed(), frontier_tiers.base_config()) in page
+
+
+def test_write_budget_table_rewrites_only_between_the_markers(tmp_path):
+  """write_budget_table replaces what lies between the markers with the committed summary's
+  table and leaves the rest of the page as it was; a page without both markers is refused."""
+  table = frontier_summary.budget_table(_committed(), frontier_tiers.base_config())
+  page = tmp_path / "page.md"
+  page.write_text(f"head\n\n{frontier_summary.TABLE_START}\nstale\n"
+                  f"{frontier_summary.TABLE_END}\n\ntail\n", encoding="utf-8")
+  frontier_summary.write_budget_table("studies/results/frontier.json", str(page))
+  assert page.read_text(encoding="utf-8") == f"head\n\n{table}\n\ntail\n"
+  page.write_text("no markers\n", encoding="utf-8")
+  with pytest.raises(SystemExit, match="--budget-table: .* needs the budget table's markers"):
+    frontier_summary.write_budget_table("studies/results/frontier.json", str(page))
 
 
 def test_budget_table_states_the_frontier_summary():
@@ -562,13 +578,14 @@ def test_budget_table_fills_in_tiers_h_and_n_from_their_verdicts():
                           f"noisy labels | {time} |")
 
 
-def test_readme_states_the_search_seeds_numbers_beside_the_table():
-  """The README's sentences on arms run on seeds 0-2 alone, as frontier.json has them."""
+def test_docs_state_the_search_seeds_numbers_beside_the_table():
+  """docs/studies.md's sentences beside the budget table on arms run on seeds 0-2 alone, as
+  frontier.json has them."""
   out = _committed()
   summary = out["summary"]
-  with open("README.md", encoding="utf-8") as f:
-    text = " ".join(f.read().split("## Which selection to use")[1]
-                    .split("## Which calibration to use")[0].split())
+  with open("docs/studies.md", encoding="utf-8") as f:
+    text = " ".join(f.read().split("## Which selection to use: the budget table")[1]
+                    .split("## Which policy for which schedule")[0].split())
   expected = [f"{summary['full']['evaluation_passes']:,.0f} a run"]
   for name in ("topk_entropy-30", "infobatch-r50"):
     row = summary[name]
@@ -581,7 +598,7 @@ def test_readme_states_the_search_seeds_numbers_beside_the_table():
                f"≈ {100 * summary['infobatch-r50']['kept']['mean_from_passes']:.1f} % kept on "
                "average in epochs 1-16"]
   missing = [e for e in expected if e not in text]
-  assert not missing, f"the README lacks {missing}"
+  assert not missing, f"docs/studies.md's budget table section lacks {missing}"
 
 
 def test_docs_studies_state_tier_g_as_the_summary_has_it():
