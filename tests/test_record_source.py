@@ -285,7 +285,9 @@ def _records_run_config(stream_dir: str = "", folder: str = "") -> ml_collection
       "dataset.image_size": 12, "dataset.val_size": 6, "evaluation.ood": "",
       "num_epochs": 1, "batch_size": 8, "eval_batch_size": 8,
       "evaluation.calibrator_folds": 2, "evaluation.calibrator_resamples": 0,
-      "evaluation.bootstrap_resamples": 20})
+      "evaluation.bootstrap_resamples": 20,
+      # 6 validation images reach alpha >= 1/7 (the finite-sample correction's bound).
+      "evaluation.conformal_alpha": 0.2})
 
 
 @pytest.mark.slow  # Trains.

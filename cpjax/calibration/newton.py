@@ -325,7 +325,7 @@ def _newton_direction(batch: _Batch, x, grad, gtol, max_steps, blocks, factors):
     factors, cost = jax.lax.cond(
         jnp.any(new), lambda _: (jnp.where(new[:, None, None, None],
                                            batch.block_factors(probs, damping), factors),
-                                 jnp.where(new, (batch.k + 1) // 2, 0)),
+                                 jnp.where(new, (batch.k + 1) // 2, 0).astype(cg.dtype)),
         lambda _: (factors, jnp.zeros_like(cg)), None)
     blocks = blocks | new
 
