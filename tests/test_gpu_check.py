@@ -4,6 +4,7 @@ file left as it is, a part past its limit killed and recorded as timed out, the 
 targets and markdown from records, a run's anatomy, and the carry's wheels repacked and
 unpacked."""
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -15,8 +16,10 @@ import tarfile
 import time
 import zipfile
 
+import numpy as np
 import psutil
 import pytest
+from scipy import stats
 
 from benchmarks import carry, gpu_check
 
@@ -437,6 +440,8 @@ def test_fashion_part_pairs_the_arms_seed_by_seed_from_their_records(tmp_path, m
   from cpjax.data import input_pipeline  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(gpu_check, "run_main", run_main)
   monkeypatch.setattr(input_pipeline, "open_or_prepare", lambda *a, **k: None)
+  # The tiny sizes with the GPU sizes' two seeds (the tiny check runs seed 0 alone).
+  monkeypatch.setattr(gpu_check, "TINY", dataclasses.replace(gpu_check.TINY, seeds=(0, 1)))
   part = gpu_check.fashion_part({"tiny": True, "root": str(tmp_path), "seconds": 100.0,
                                  "fashion_mnist_dir": str(tmp_path)})
   assert order == [("full", 0), ("topk_anneal-45", 0), ("full", 1), ("topk_anneal-45", 1)]
@@ -533,3 +538,36 @@ def test_carry_for_gpu_check_names_its_groups_and_leaves_out_what_the_image_has(
   result = subprocess.run([sys.executable, "-m", "benchmarks.carry", "--for=nothing"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
   assert result.returncode == 2 and "invalid choice: 'nothing'" in result.stderr
+
+
+def test_the_fashion_pair_is_paired_seed_by_seed_with_t_intervals():
+  """`paired` and `arm_means` over hand-made rows of two seeds (the GPU sizes' pair; the tiny
+  check runs one): per-seed differences and ratios, each a mean with SciPy's 90 % t interval;
+  a seed whose selection run failed is left out of both arms' pairing."""
+  def row(arm, seed, wall, training, passes, accuracy, status=0):
+    return {"arm": arm, "seed": seed, "exit_status": status, "wall_seconds": wall,
+            "training_seconds": training, "scoring_seconds": 0.0, "selection_seconds": 0.0,
+            "eval_seconds": 1.0, "report_seconds": 1.0, "passes": passes,
+            "test_accuracy": accuracy, "anatomy": _anatomy(wall, training)}
+  rows = [row("full", 0, 20.0, 8.0, 100.0, 0.90), row("topk_anneal-45", 0, 14.0, 4.0, 48.0, 0.91),
+          row("full", 1, 22.0, 8.8, 100.0, 0.92), row("topk_anneal-45", 1, 13.2, 4.4, 48.0, 0.90),
+          row("full", 2, 21.0, 8.0, 100.0, 0.93), row("topk_anneal-45", 2, 0.0, 0.0, 0.0, 0.0, 1)]
+  p = gpu_check.paired(rows)
+  assert p["seeds"] == [0, 1]
+  assert p["per_seed"]["accuracy_points"] == pytest.approx([1.0, -2.0])
+  assert p["per_seed"]["wall_seconds_ratio"] == pytest.approx([0.7, 0.6])
+
+  def t90(values):
+    half = stats.t.ppf(0.95, 1) * np.std(values, ddof=1) / np.sqrt(2)
+    return (np.mean(values), np.mean(values) - half, np.mean(values) + half)
+  assert p["accuracy_points"] == pytest.approx(t90([1.0, -2.0]))
+  assert p["wall_seconds_ratio"] == pytest.approx(t90([0.7, 0.6]))
+  assert p["training_seconds_ratio"] == pytest.approx(t90([0.5, 0.5]))
+  assert p["passes_ratio"] == pytest.approx((0.48, 0.48, 0.48))
+  means = gpu_check.arm_means(rows)
+  assert means["full"]["seeds"] == [0, 1, 2] and means["topk_anneal-45"]["seeds"] == [0, 1]
+  assert means["full"]["wall_seconds"] == pytest.approx(21.0)
+  assert means["topk_anneal-45"]["test_accuracy"] == pytest.approx(0.905)
+  one = gpu_check.paired(rows[:2])  # One seed (the tiny check's): no interval.
+  assert one["seeds"] == [0] and one["wall_seconds_ratio"][0] == pytest.approx(0.7)
+  assert all(np.isnan(one["wall_seconds_ratio"][1:]))

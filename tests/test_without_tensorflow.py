@@ -84,28 +84,32 @@ def test_the_default_path_without_tensorflow_resumes_into_the_run_with_it(main_r
 @pytest.mark.slow
 @pytest.mark.parametrize("read", ["folder", "records"])
 def test_a_folder_run_without_tensorflow_resumes_bit_for_bit(read, tmp_path):
-  """A folder of generated images, or its converted records, TensorFlow absent throughout
-  (the conversion too): a run killed inside its second epoch and resumed is the run left
-  alone."""
+  """A folder of generated images, TensorFlow absent throughout (the conversion too): the run
+  left alone against a run killed inside its second epoch and resumed, reading the folder
+  itself or its converted records (the folder then moved away: the records alone give the
+  folder's run). The host stage decodes; tests/test_sources_slow.py kills the device stage's
+  run."""
   folder = make_folder(str(tmp_path / "images"))
   flags = (*FOLDER_FLAGS, f"--config.dataset.folder={folder}")
+  straight = str(tmp_path / "straight")
+  result = run_main_without_tensorflow(straight, *flags)
+  assert result.returncode == 0, result.stderr[-3000:]
   if read == "records":
     convert = subprocess.run(
         [sys.executable, "-m", "scripts.write_array_records",
          f"--config={os.path.join(helpers.REPO, 'configs/test.py')}",
          "--config.dataset.name=folder", f"--config.dataset.folder={folder}",
-         "--config.dataset.image_size=8", f"--out={tmp_path / 'records'}", "--num_shards=2"],
+         "--config.dataset.image_size=8", f"--out={tmp_path / 'records'}", "--num_shards=3"],
         cwd=helpers.REPO, env=without_tensorflow_env(), capture_output=True, text=True,
         timeout=300)
     assert convert.returncode == 0, convert.stderr[-3000:]
-    flags = (*flags, f"--config.dataset.stream_dir={tmp_path / 'records'}")
-  straight = str(tmp_path / "straight")
-  result = run_main_without_tensorflow(straight, *flags)
-  assert result.returncode == 0, result.stderr[-3000:]
+    os.rename(folder, folder + "_moved")
+    flags = (*FOLDER_FLAGS, f"--config.dataset.stream_dir={tmp_path / 'records'}")
   killed = str(tmp_path / "killed")
   helpers.sigkill_once_saved(killed, flags, -(-(120 - 12) // 64), without_tensorflow_env())
   resumed = run_main_without_tensorflow(killed, *flags)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resumed from" in resumed.stderr and "mixes the two" not in resumed.stderr
   assert read != "records" or "its encoded records in" in resumed.stderr
   _assert_same_run(straight, killed)
   assert os.path.exists(os.path.join(killed, "report", "results.json"))
