@@ -109,7 +109,7 @@ import psutil
 
 from benchmarks import carry, feeds
 from configs import default, fashion_mnist_long, imagenet
-from cpjax.calibration import report
+from cpjax.calibration import report_files
 from cpjax.config import implied, schema
 from studies import frontier, grid, long_schedule
 
@@ -198,7 +198,8 @@ class Deadline:
 
 def kill_tree(pid: int) -> None:
   """SIGKILL to process `pid`, every process below it and their process groups: a trainer
-  runs in a session of its own, its decoding workers in its group."""
+  runs in a POSIX process session of its own (start_new_session), its decoding workers in
+  its group."""
   try:
     top = psutil.Process(pid)
     processes = [top, *top.children(recursive=True)]
@@ -224,7 +225,7 @@ def kill_tree(pid: int) -> None:
 
 def run_process(command: list[str], timeout: float, env: dict[str, str], log_path: str
                 ) -> int | str:
-  """`command` in a session of its own, its output in `log_path`: the exit status, or
+  """`command` in a POSIX process session of its own, its output in `log_path`: the exit status, or
   "timeout" when it ran past `timeout` seconds and was killed with every process it started
   (none is left to slow what runs next)."""
   with open(log_path, "w") as log:
@@ -280,7 +281,7 @@ def run_main(config_file: str, workdir: str, flags: list[str], timeout: float,
     return run
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     run["records"] = [json.loads(line) for line in f]
-  run["report"] = report.read_results(os.path.join(workdir, "report",
+  run["report"] = report_files.read_results(os.path.join(workdir, "report",
                                                                "results.json"))
   return run
 

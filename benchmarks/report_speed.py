@@ -9,7 +9,7 @@ compiling) that builds the report (`report.build_report`) with configs/fashion_m
 evaluation settings, `bootstrap_resamples` = 100 and `calibrator_resamples` = 0 (the
 benchmark run's) unless told otherwise, writes the per-evaluation TensorBoard images three
 times (`evaluation.write_calibration_images`: the reliability diagram and the confidence
-histogram, as every evaluation does) and the report's files once (`report.write_report`:
+histogram, as every evaluation does) and the report's files once (`report_files.write_report`:
 results.json, results.md, four PNGs). `--cache=cold` runs with no persistent compilation
 cache (a first run on a machine); `warm` with one that an untimed run of the same checkout
 filled (every later run, as `python main.py` runs by default); `both` (the default) does both.
@@ -49,6 +49,10 @@ try:
 except ImportError:  # A checkout from before cpjax.training.
   from cpjax import evaluation
 from cpjax.calibration import metrics, report
+try:
+  from cpjax.calibration import report_files
+except ImportError:  # A checkout whose report module writes its files too.
+  report_files = report
 imported = time.perf_counter() - started
 args = json.loads(sys.argv[1])
 
@@ -91,7 +95,7 @@ for step in range(3):
 np.savez(args["images"], **{name.replace("/", "_"): v for name, v in writer.images.items()})
 with tempfile.TemporaryDirectory() as folder:
   started = time.perf_counter()
-  report.write_report(os.path.join(folder, "report"), {**results, "title": "generated"})
+  report_files.write_report(os.path.join(folder, "report"), {**results, "title": "generated"})
   files = time.perf_counter() - started
 maps = {name: {key: row.get(key) for key in ("cv_nll", "hyper", "parameters", "test")}
         for name, row in results["posthoc"]["calibrators"].items() if "skipped" not in row}

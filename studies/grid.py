@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cpjax.calibration import report
+from cpjax.calibration import report_files
 from cpjax.runtime import provenance
 from cpjax.training import train
 
@@ -43,7 +43,7 @@ def run_cell(base, overrides: dict[str, Any], workdir: str) -> dict[str, Any]:
     train.train_and_evaluate(apply(base, overrides), workdir)
     with open(os.path.join(workdir, "wall_seconds.txt"), "w") as f:
       f.write(str(time.time() - start))
-  results = report.read_results(report_path)
+  results = report_files.read_results(report_path)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     last = [json.loads(line) for line in f][-1]
   with open(os.path.join(workdir, "wall_seconds.txt")) as f:

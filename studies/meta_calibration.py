@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import default, fashion_mnist_selection  # noqa: E402
-from cpjax.calibration import report  # noqa: E402
+from cpjax.calibration import report_files  # noqa: E402
 from studies import grid  # noqa: E402
 
 LOSSES = ("cross_entropy", "focal", "flsd53", "ce_sece", "ce_dece", "flgamma_sece",
@@ -74,7 +74,7 @@ def run_row(dataset: str, loss: str, seed: int, out: str) -> dict:
   """One run's numbers (training it unless its report exists)."""
   workdir = os.path.join(out, dataset, loss, f"seed{seed}")
   row = grid.run_cell(base_config(dataset), {**overrides(dataset, loss), "seed": seed}, workdir)
-  results = report.read_results(os.path.join(workdir, "report", "results.json"))
+  results = report_files.read_results(os.path.join(workdir, "report", "results.json"))
   for tag in TAGS:
     for metric in METRICS:
       interval = results["intervals"][tag][metric]

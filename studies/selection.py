@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import fashion_mnist_selection  # noqa: E402
-from cpjax.calibration import report  # noqa: E402
+from cpjax.calibration import report_files  # noqa: E402
 from cpjax.data import splits  # noqa: E402
 from cpjax.selection import policies  # noqa: E402
 from studies import grid  # noqa: E402
@@ -95,7 +95,7 @@ def run_summary(workdir: str, base, overrides: dict) -> dict:
   """One run's numbers: the study grid's, the per-epoch curve and the subset diagnostics."""
   row = grid.run_cell(base, overrides, workdir)
   records = _records(workdir)
-  intervals = report.read_results(
+  intervals = report_files.read_results(
       os.path.join(workdir, "report", "results.json"))["intervals"]["before_ts"]
   compute = np.cumsum([sum(r[f"{p}_seconds"] for p in ("scoring", "selection", "training"))
                        for r in records])

@@ -13,7 +13,7 @@ import pytest
 import scipy.stats
 
 from configs import default
-from cpjax.calibration import bootstrap, conformal, figures, metrics, posthoc, report
+from cpjax.calibration import bootstrap, conformal, figures, metrics, posthoc, report, report_files
 
 RAPS = {"lam": 0.25, "k_reg": 1}  # Dyadic: every hand-worked score below is exact in binary.
 
@@ -520,7 +520,7 @@ def test_the_sections_markdown_record_and_figure():
   val, test, table, ood = _report_inputs()
   section = report.conformal_section(val, test, 6, _config(), table, ood)
   names = [f"name{k}" for k in range(6)]
-  text = "\n".join(report._conformal_markdown(section, names))  # pylint: disable=protected-access
+  text = "\n".join(report_files._conformal_markdown(section, names))  # pylint: disable=protected-access
   for alpha in ("0.1", "0.2"):
     assert f"### alpha = {alpha} (k = " in text
   entry = section["sets"]["calibrated"]["raps"]["0.2"]

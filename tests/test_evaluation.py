@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from cpjax.calibration import bootstrap, figures, metrics, posthoc, report
+from cpjax.calibration import bootstrap, figures, metrics, posthoc, report, report_files
 from cpjax.data import splits
 from cpjax.runtime import sharding
 from cpjax.training import evaluation
@@ -275,7 +275,7 @@ def test_the_training_path_imports_neither_scipy_nor_matplotlib_nor_sklearn():
 def test_the_report_saves_the_validation_logits_beside_the_test_logits(tmp_path, monkeypatch):
   """report/val_logits.npz and test_logits.npz: each split's eval-mode logits (float32), labels
   and ids in the split's order, so every post-hoc map and conformal set can be recomputed."""
-  monkeypatch.setattr(report, "write_report", lambda report_dir, results, gamma: [])
+  monkeypatch.setattr(report_files, "write_report", lambda report_dir, results, gamma: [])
   evaluator = dataclasses.replace(_evaluator(_fake_eval_step), workdir=str(tmp_path))
   evaluator._write({}, None, evaluator.logits(State(np.int32(7))))  # pylint: disable=protected-access
   for name, first_id in (("val", 0), ("test", 1000)):

@@ -18,7 +18,7 @@ import scipy.optimize
 import scipy.special
 import threadpoolctl
 
-from cpjax.calibration import exact_newton, newton, parametric, posthoc, report
+from cpjax.calibration import exact_newton, newton, parametric, posthoc, report_files
 from cpjax.config import schema
 
 # Every test here fits a map to convergence (seconds compiling and iterating): all `slow`.
@@ -342,7 +342,7 @@ def test_separable_rows_are_reported_not_converged(caplog):
   assert "max |gradient|" in lines[0] and lines[0].endswith(
       "no fit converged: the map is its starting map, with no cross-validated NLL.")
   row = {"hyper": {}, "converged": calibrator.converged, "at_edge": calibrator.at_edge}
-  assert report._fit_flag(row) == "NOT CONVERGED"  # pylint: disable=protected-access
+  assert report_files._fit_flag(row) == "NOT CONVERGED"  # pylint: disable=protected-access
 
 
 def test_a_strength_at_the_grids_edge_is_flagged(caplog):
@@ -354,7 +354,7 @@ def test_a_strength_at_the_grids_edge_is_flagged(caplog):
   assert calibrator.hyper["odir"] == posthoc.ODIR_GRID[-1] and calibrator.at_edge
   assert any("the edge of its grid" in r.getMessage() for r in caplog.records)
   row = {"converged": calibrator.converged, "at_edge": calibrator.at_edge}
-  assert report._fit_flag(row) == "grid edge"  # pylint: disable=protected-access
+  assert report_files._fit_flag(row) == "grid edge"  # pylint: disable=protected-access
   # A pinned strength is no choice, and no edge.
   assert not posthoc.fit("dirichlet", z, y, odir=posthoc.ODIR_GRID[-1]).at_edge
 

@@ -21,7 +21,7 @@ import tensorflow_datasets as tfds
 from configs import cifar10 as cifar10_config
 from configs import fashion_mnist as fashion_mnist_config
 from cpjax import run_state
-from cpjax.calibration import report
+from cpjax.calibration import report, report_files
 from cpjax.config import preflight
 from cpjax.data import array_records, input_pipeline
 from cpjax.data.datasets import fashion_mnist_local
@@ -60,16 +60,16 @@ def test_a_failing_report_keeps_the_last_epoch_and_evaluate_finishes_it(tmp_path
   --mode=evaluate writes the report from it, and a rerun of the training command writes it
   too, neither training again."""
   workdir, config = str(tmp_path), tiny_config()
-  real = report.write_report
+  real = report_files.write_report
 
   def failing(*args, **kwargs):
     raise OSError("disk full while writing the report")
-  monkeypatch.setattr(report, "write_report", failing)
+  monkeypatch.setattr(report_files, "write_report", failing)
   with pytest.raises(OSError, match="disk full"):
     train.train_and_evaluate(config, workdir)
   last = 2 * STEPS_PER_EPOCH
   assert checkpoint_steps(workdir) == [STEPS_PER_EPOCH, last]  # The last epoch is saved.
-  monkeypatch.setattr(report, "write_report", real)
+  monkeypatch.setattr(report_files, "write_report", real)
   results = train.evaluate_only(config, workdir)
   assert (results["checkpoint_step"], results["epoch"]) == (last, 2)
   on_disk = _strict_load(os.path.join(workdir, "report", "results.json"))
@@ -89,7 +89,7 @@ def test_a_failing_report_keeps_the_last_epoch_and_evaluate_finishes_it(tmp_path
 def test_report_json_is_strict_with_null_for_undefined_values(tmp_path):
   values = {"a": float("nan"), "b": [np.float32(1.5), np.inf, -np.inf], "c": np.int64(3),
             "d": {"e": np.array([0.25, np.nan])}, "f": True, "g": "text", "h": None}
-  assert report.strict_json(values) == {"a": None, "b": [1.5, None, None], "c": 3,
+  assert report_files.strict_json(values) == {"a": None, "b": [1.5, None, None], "c": 3,
                                         "d": {"e": [0.25, None]}, "f": True, "g": "text",
                                         "h": None}
   # A report of logits no test example is confident about: s99_accuracy and empty bins.
@@ -99,13 +99,13 @@ def test_report_json_is_strict_with_null_for_undefined_values(tmp_path):
                               tiny_config().evaluation)
   flat = json.dumps(built, default=float)
   assert "NaN" in flat  # The case: undefined values exist before the conversion.
-  paths = report.write_report(str(tmp_path), built)
+  paths = report_files.write_report(str(tmp_path), built)
   strict = _strict_load(paths[0])
   assert strict["metrics"]["test"]["before_ts"]["accuracy"] == pytest.approx(
       float(np.mean(np.argmax(logits, -1) == labels)))
   assert None in strict["reliability"]["before_ts"]["accuracy"]  # Empty bins: null.
   # Read back for the studies: null is NaN again, everything else as written.
-  back = report.read_results(paths[0])
+  back = report_files.read_results(paths[0])
   np.testing.assert_array_equal(back["reliability"]["before_ts"]["accuracy"],
                                 built["reliability"]["before_ts"]["accuracy"])
   for split, by_tag in built["metrics"].items():
@@ -587,7 +587,7 @@ def test_posthoc_table_intervals_follow_calibrator_resamples():
   config = tiny_config(**{"evaluation.calibrator_resamples": 0}).evaluation
   section, _ = report.posthoc_table(data, data, 4, config)
   assert all(row["intervals"] == {} for row in section["calibrators"].values())
-  table = "\n".join(report._posthoc_markdown(section))  # pylint: disable=protected-access
+  table = "\n".join(report_files._posthoc_markdown(section))  # pylint: disable=protected-access
   assert "| none | — |" in table and "[" not in table.split("| none |")[1]
   config = tiny_config(**{"evaluation.calibrator_resamples": 30}).evaluation
   section, _ = report.posthoc_table(data, data, 4, config)
@@ -596,5 +596,5 @@ def test_posthoc_table_intervals_follow_calibrator_resamples():
   assert all(iv["num_resamples"] == 30 for iv in row["intervals"].values())
   # Each cell shows its value and its interval, as results.md prints them.
   iv = row["intervals"]["nll"]
-  table = "\n".join(report._posthoc_markdown(section))  # pylint: disable=protected-access
+  table = "\n".join(report_files._posthoc_markdown(section))  # pylint: disable=protected-access
   assert f"{row['test']['nll']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}]" in table

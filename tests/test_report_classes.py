@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from cpjax.calibration import report
+from cpjax.calibration import report, report_files
 from tests.helpers import tiny_config
 
 
@@ -25,13 +25,13 @@ def _built() -> dict:
 @pytest.mark.slow  # Builds a whole report (every metric, bootstrap and calibrator) twice.
 def test_the_report_lists_the_classes_of_classes_json_and_keeps_its_numbers(tmp_path):
   built = _built()
-  plain = report.write_report(str(tmp_path / "plain" / "report"), built)
+  plain = report_files.write_report(str(tmp_path / "plain" / "report"), built)
   names = [f"wnid{i:02d}" for i in range(25)]
   workdir = tmp_path / "named"
   os.makedirs(workdir)
   with open(workdir / "classes.json", "w") as f:
     json.dump({"dataset": "folder", "classes": names}, f)
-  named = report.write_report(str(workdir / "report"), built)
+  named = report_files.write_report(str(workdir / "report"), built)
   with open(plain[1]) as f:
     plain_md = f.read()
   with open(named[1]) as f:
@@ -84,11 +84,11 @@ def test_maps_with_k_squared_parameters_are_skipped_above_the_cap_and_named(capl
       "vector_scaling"]
   assert section["chosen"] not in section["skipped"]
   assert sum("Post-hoc map dirichlet skipped" in r.getMessage() for r in caplog.records) == 1
-  markdown = "\n".join(report._posthoc_markdown(section))  # pylint: disable=protected-access
+  markdown = "\n".join(report_files._posthoc_markdown(section))  # pylint: disable=protected-access
   for method in ("matrix_scaling", "dirichlet"):
     assert f"- **{method} skipped**: K = 6 classes" in markdown
     assert f"| {method} |" not in markdown  # No table row of made-up numbers.
-  assert json.loads(json.dumps(report.strict_json(section)))["skipped"] == section["skipped"]
+  assert json.loads(json.dumps(report_files.strict_json(section)))["skipped"] == section["skipped"]
   # At the cap, with no cap, or named as the calibrator: fitted.
   assert not _table(6, calibrator_square_max_classes=6)["skipped"]
   assert not _table(6, calibrator_square_max_classes=0)["skipped"]

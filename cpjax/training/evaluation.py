@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 
 from cpjax import steps
-from cpjax.calibration import figures, metrics, posthoc, report
+from cpjax.calibration import figures, metrics, posthoc, report, report_files
 from cpjax.data import corruptions, input_pipeline, readers, splits
 from cpjax.runtime import files, metric_writers, run_logging
 from cpjax.training.run import NonFiniteLossError
@@ -221,7 +221,7 @@ class Evaluator:
   def add_to_results(self, extra: dict[str, Any]) -> None:
     """Adds `extra` to the report's results.json (process 0, which wrote it)."""
     if jax.process_index() == 0:
-      report.add_results(os.path.join(self.workdir, "report", "results.json"), extra)
+      report_files.add_results(os.path.join(self.workdir, "report", "results.json"), extra)
 
   def describes(self, step: int) -> bool:
     """Whether the report of the checkpoint at `step` is complete: workdir/report/results.json
@@ -256,7 +256,7 @@ class Evaluator:
       files.atomic_write(logits_paths[-1], lambda f, name=name, ids=ids: np.savez_compressed(
           f, logits=logits[name].astype(np.float32), labels=self.labels[name], ids=ids))
     # results.json last of all: `describes` takes it as the mark of a complete report.
-    paths = [*report.write_report(report_dir, results, gamma), *logits_paths]
+    paths = [*report_files.write_report(report_dir, results, gamma), *logits_paths]
     logging.info("Wrote the calibration report: %s", ", ".join(paths))
 
   def _ood_split(self) -> splits.Split | None:
@@ -312,7 +312,7 @@ def calibration_images(step: int, reliability: dict[str, dict[str, list]],
   histogram: {TensorBoard tag: RGB uint8 [H, W, 3]}."""
   del step  # TensorBoard shows each image's step beside it.
   images = {f"test/reliability_{tag}": figures.reliability_image(
-      bins, report.reliability_title(tag)) for tag, bins in reliability.items()}
+      bins, report_files.reliability_title(tag)) for tag, bins in reliability.items()}
   if histogram:
     images["test/confidence_histogram"] = figures.histogram_image(reliability)
   return images
@@ -352,7 +352,7 @@ def write_report_images(writer: metric_writers.MetricWriter, step: int,
   # The report's own pictures (their titles too): drawn once for its files and for here.
   chosen = results.get("posthoc", {}).get("chosen", "")
   images = {f"test/reliability_{tag}": figures.reliability_image(
-      bins, report.reliability_title(tag, chosen))
+      bins, report_files.reliability_title(tag, chosen))
       for tag, bins in results["reliability"].items() if tag != "before_ts"}
   if results.get("conformal", {}).get("alphas"):
     images["test/conformal_set_sizes"] = figures.set_size_image(results["conformal"])
