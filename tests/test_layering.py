@@ -88,6 +88,7 @@ RANKS = {
     "calibration.posthoc": 1,
     "calibration.ranking": 1,
     "calibration.report": 1,
+    "calibration.report_files": 1,
     "calibration.surrogates": 1,
     "calibration.temperature": 1,
     "models": 1,

@@ -41,7 +41,7 @@ LAST_STEP = 2 * STEPS_PER_EPOCH
 _AT_STAGE = """
 import os, runpy, signal, sys, time
 from cpjax.training import evaluation
-from cpjax.calibration import report
+from cpjax.calibration import report, report_files
 stage = sys.argv[1]
 calls = []
 
@@ -60,7 +60,7 @@ def at_call(module, name, action, nth=1):
 if stage == "report_start":
   at_call(report, "build_report", kill)
 elif stage == "report_files":
-  at_call(report, "_save_png", kill, nth=2)
+  at_call(report_files, "_save_png", kill, nth=2)
 elif stage == "record":
   at_call(evaluation, "report_record", kill)
 elif stage == "hang":

@@ -20,41 +20,41 @@ CLASSES_FILE = "classes.json"  # In the workdir, beside report/ (written at the 
 CLASSES_SHOWN = 20  # Class names listed in results.md; the rest are in CLASSES_FILE.
 
 
-def _epochs(report: dict[str, Any]) -> str:
+def _epochs(results: dict[str, Any]) -> str:
   """'after 3 epochs', or 'after 3 epochs and 7 steps of epoch 3' for a mid-epoch checkpoint."""
-  text = f"after {report['epoch']} epochs"
-  if report.get("epoch_step"):
-    text += f" and {report['epoch_step']} steps of epoch {report['epoch']}"
+  text = f"after {results['epoch']} epochs"
+  if results.get("epoch_step"):
+    text += f" and {results['epoch_step']} steps of epoch {results['epoch']}"
   return text
 
 
-def _markdown(report: dict[str, Any]) -> str:
-  fit = report["temperature"]
-  lines = [f"# Calibration report: {report.get('title', '')}", ""]
-  if "checkpoint_step" in report:
-    lines += [f"The model of global step {report['checkpoint_step']}: {_epochs(report)}.", ""]
+def _markdown(results: dict[str, Any]) -> str:
+  fit = results["temperature"]
+  lines = [f"# Calibration report: {results.get('title', '')}", ""]
+  if "checkpoint_step" in results:
+    lines += [f"The model of global step {results['checkpoint_step']}: {_epochs(results)}.", ""]
   lines += [f"Temperature ({fit['method']}, fitted on validation): T = {fit['temperature']:.3f}; "
             f"validation NLL {fit['nll_before']:.4f} -> {fit['nll_after']:.4f}"
             + (" (NLL ROSE: the fit does not help NLL)" if fit["nll_rose"] else ""), ""]
-  for split, by_tag in report["metrics"].items():
+  for split, by_tag in results["metrics"].items():
     lines += [f"## {split}", "", "| metric | before TS | after TS |", "|---|---|---|"]
     lines += [f"| {name} | {by_tag['before_ts'][name]:.4f} | {by_tag['after_ts'][name]:.4f} |"
               for name in by_tag["before_ts"]]
     lines.append("")
-  if "classes" in report:
-    lines += _classes_markdown(report["classes"])
+  if "classes" in results:
+    lines += _classes_markdown(results["classes"])
   lines += ["## test: bootstrap intervals", ""]
-  for tag, by_name in report["intervals"].items():
+  for tag, by_name in results["intervals"].items():
     for name, iv in by_name.items():
       lines.append(f"- {tag} {name}: {iv['point']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}] "
                    f"({iv['level']:.0%} {iv['kind']}, B={iv['num_resamples']}, "
                    f"seed {iv['seed']})")
-  if "posthoc" in report:
-    lines += _posthoc_markdown(report["posthoc"])
-  if report.get("conformal"):
-    lines += _conformal_markdown(report["conformal"], report.get("classes", {}).get("names"))
-  if report["ood"]:
-    ood, fpr = report["ood"], report["ood"].get("fpr_at_95_tpr", {})
+  if "posthoc" in results:
+    lines += _posthoc_markdown(results["posthoc"])
+  if results.get("conformal"):
+    lines += _conformal_markdown(results["conformal"], results.get("classes", {}).get("names"))
+  if results["ood"]:
+    ood, fpr = results["ood"], results["ood"].get("fpr_at_95_tpr", {})
     lines += ["", f"## OOD (test vs {ood['set']}): AUROC, and FPR at 95 % TPR", "",
               "| score | AUROC before TS | AUROC after TS | FPR95 before TS | FPR95 after TS |",
               "|---|---|---|---|---|"]
@@ -62,15 +62,15 @@ def _markdown(report: dict[str, Any]) -> str:
               + " | ".join(f"{fpr[tag][name]:.4f}" if fpr else "—"
                            for tag in ("before_ts", "after_ts")) + " |"
               for name in ood["before_ts"]]
-  if "gamma" in report:
+  if "gamma" in results:
     lines += ["", "## gamma-Net's gamma on the test set (eval-mode features)", "",
               "| predictions | count | mean | std | " + " | ".join(
                   f"q{int(round(100 * q)):02d}" for q in report.GAMMA_QUANTILES) + " |",
               "|---" * (4 + len(report.GAMMA_QUANTILES)) + "|"]
-    for group, stats in report["gamma"].items():
+    for group, stats in results["gamma"].items():
       lines.append(f"| {group} | {stats['count']} | " + " | ".join(
           f"{v:.3f}" for k, v in stats.items() if k != "count") + " |")
-  num_bins = len(report["reliability"]["before_ts"]["edges"]) - 1
+  num_bins = len(results["reliability"]["before_ts"]["edges"]) - 1
   lines += ["", f"Fractions, not percent. ECE family: {num_bins} right-closed equal-width bins "
             "unless named otherwise; ece_left_closed is the ECE of Tata et al. 2022, 'Can "
             "Calibration Improve Sample Prioritization?' (NeurIPS HITY workshop), as their code "
@@ -78,7 +78,7 @@ def _markdown(report: dict[str, Any]) -> str:
             "2017, 'On Calibration of Modern Neural Networks' (ICML); AdaECE, classwise ECE, "
             "S99 and the basic bootstrap interval: Mukhoti et al. 2020, 'Calibrating Deep "
             "Neural Networks using Focal Loss' (NeurIPS); smooth ECE: Blasiok & Nakkiran 2024 "
-            "(ICLR)." + (_CONFORMAL_PAPERS if report.get("conformal") else "")
+            "(ICLR)." + (_CONFORMAL_PAPERS if results.get("conformal") else "")
             + " Definitions: docs/methods.md in the cpjax repository."]
   return "\n".join(lines) + "\n"
 
@@ -267,39 +267,39 @@ def _null_to_nan(value: Any) -> Any:
   return float("nan") if value is None else value
 
 
-def write_report(report_dir: str, report: dict[str, Any],
+def write_report(report_dir: str, results: dict[str, Any],
                  gamma: tuple[np.ndarray, np.ndarray] | None = None) -> list[str]:
   """Writes results.json, results.md and three PNGs (four with the chosen map's reliability
   diagram, five with conformal prediction sets: set_size_histogram.png); with `gamma` = (an
   FL_gamma run's test gammas [N], correct [N]) also gamma_test.npz and gamma_histogram.png.
   Returns the paths.
   The run's class list (`read_classes` of the report directory's parent), where it has one,
-  goes into both (report["classes"])."""
+  goes into both (results["classes"])."""
   os.makedirs(report_dir, exist_ok=True)
   classes = read_classes(os.path.dirname(os.path.abspath(report_dir)))
   if classes is not None:
-    report = {**report, "classes": classes}
+    results = {**results, "classes": classes}
   paths = [os.path.join(report_dir, name) for name in (
       "results.json", "results.md", "reliability_before_ts.png", "reliability_after_ts.png",
       "confidence_histogram.png")]
-  if "calibrated" in report["reliability"]:
+  if "calibrated" in results["reliability"]:
     paths.append(os.path.join(report_dir, "reliability_calibrated.png"))
     _save_png(paths[-1], figures.reliability_png(
-        report["reliability"]["calibrated"],
-        reliability_title("calibrated", report["posthoc"]["chosen"])))
-  files.atomic_write(paths[1], _markdown(report))
+        results["reliability"]["calibrated"],
+        reliability_title("calibrated", results["posthoc"]["chosen"])))
+  files.atomic_write(paths[1], _markdown(results))
   for path, tag in zip(paths[2:4], ("before_ts", "after_ts")):
-    _save_png(path, figures.reliability_png(report["reliability"][tag],
+    _save_png(path, figures.reliability_png(results["reliability"][tag],
                                             reliability_title(tag)))
-  _save_png(paths[4], figures.histogram_png(report["reliability"]))
-  if report.get("conformal", {}).get("alphas"):
+  _save_png(paths[4], figures.histogram_png(results["reliability"]))
+  if results.get("conformal", {}).get("alphas"):
     paths.append(os.path.join(report_dir, "set_size_histogram.png"))
-    _save_png(paths[-1], figures.set_size_png(report["conformal"]))
+    _save_png(paths[-1], figures.set_size_png(results["conformal"]))
   if gamma is not None:
     paths += [os.path.join(report_dir, name) for name in ("gamma_test.npz", "gamma_histogram.png")]
     files.atomic_write(paths[-2], lambda f: np.savez(f, gamma=gamma[0], correct=gamma[1]))
     _gamma_figure(paths[-1], *gamma)
   # Last: a report killed while being written has no results.json describing it (a rerun
   # that finds one takes the report as complete, cpjax.training.evaluation).
-  files.atomic_write(paths[0], json.dumps(strict_json(report), indent=1, allow_nan=False))
+  files.atomic_write(paths[0], json.dumps(strict_json(results), indent=1, allow_nan=False))
   return paths
